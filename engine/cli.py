@@ -1,0 +1,30 @@
+"""The `kvfleet` command: `engine`, `router`, `up` and friends, each in its own module."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "engine": ("engine.server.main", "start one engine replica (OpenAI API, metrics, KV events)"),
+    "router": ("router.main", "start a KV-aware router in front of engine replicas"),
+    "up": ("deploy.local", "start a router and N engine replicas of the bundled model on this machine"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="kvfleet", description="KV-aware LLM serving.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] not in COMMANDS:
+        parser.print_help() if not argv or argv[0] in ("-h", "--help") else parser.parse_args(argv)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

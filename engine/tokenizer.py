@@ -1,0 +1,155 @@
+"""The one tokenizer path, shared by the engine, the server and the router.
+
+`load_tokenizer(model)` resolves the model like the engine does (`engine.model.registry`), loads the
+Hugging Face tokenizer (from a model directory, or from a GGUF file through transformers) and wraps it
+in a small, plain-list interface. Reading a tokenizer out of a GGUF file parses the whole file (seconds),
+so the extracted tokenizer is cached on disk (KVFLEET_CACHE_DIR, default ~/.cache/kvfleet), keyed by
+the file's path, size and mtime; loading from the cache takes a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+
+from engine.model.registry import ModelSource, resolve_model
+
+_lock = threading.Lock()
+_loaded: dict[str, Tokenizer] = {}
+
+
+class TokenizerError(ValueError):
+    """The tokenizer could not be loaded or could not render the input; the message says why."""
+
+
+class Tokenizer:
+    """Plain-list wrapper around a Hugging Face (fast) tokenizer."""
+
+    def __init__(self, hf_tokenizer, source: ModelSource | None = None,
+                 extra_eos_token_ids: Iterable[int] = ()):
+        self.hf = hf_tokenizer
+        self.source = source
+        eos = hf_tokenizer.eos_token_id
+        if eos is None:
+            raise TokenizerError(f"tokenizer of {source.path if source else 'model'} has no eos_token_id")
+        self.eos_token_id: int = int(eos)
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([self.eos_token_id, *map(int, extra_eos_token_ids)]))
+        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        self.vocab_size: int = len(hf_tokenizer)
+        self.all_special_ids: frozenset[int] = frozenset(hf_tokenizer.all_special_ids)
+        self.chat_template: str | None = getattr(hf_tokenizer, "chat_template", None)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if not isinstance(text, str):
+            raise TokenizerError(f"prompt must be a string, got {type(text).__name__}")
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return self.hf.convert_ids_to_tokens(list(ids))
+
+    def render_chat(self, messages: Sequence[Mapping], add_generation_prompt: bool = True) -> str:
+        """The chat template applied to messages, as text."""
+        if not self.chat_template:
+            raise TokenizerError("this model's tokenizer has no chat template; use a completion prompt instead")
+        msgs = _check_messages(messages)
+        try:
+            return self.hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja errors: report them as a bad request, not a crash
+            raise TokenizerError(f"messages could not be rendered with the chat template: {e}") from e
+
+    def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the chat-templated conversation (the template's own special tokens included)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt))
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.source.path if self.source else '?'}, vocab={self.vocab_size}, eos={self.eos_token_id})"
+
+
+def _check_messages(messages: Sequence[Mapping]) -> list[dict]:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise TokenizerError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise TokenizerError(f"messages[{i}] must be an object with a string 'role'")
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI content parts: keep the text parts
+            parts = []
+            for j, p in enumerate(content):
+                if not isinstance(p, Mapping) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    raise TokenizerError(f"messages[{i}].content[{j}] must be a text part {{'type': 'text', 'text': ...}}")
+                parts.append(p["text"])
+            content = "".join(parts)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise TokenizerError(f"messages[{i}].content must be a string or a list of text parts")
+        out.append({**m, "content": content})
+    return out
+
+
+def load_tokenizer(model: str | ModelSource) -> Tokenizer:
+    """The tokenizer of a model alias, HF directory or GGUF file (cached per process and on disk)."""
+    source = model if isinstance(model, ModelSource) else resolve_model(model)
+    with _lock:
+        tok = _loaded.get(source.path)
+        if tok is None:
+            tok = _loaded[source.path] = _load(source)
+        return tok
+
+
+def _load(source: ModelSource) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    try:
+        if source.is_gguf:
+            cache = _gguf_cache_dir(source)
+            if not os.path.isfile(os.path.join(cache, "tokenizer.json")):
+                hf = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
+                _save_atomically(hf, cache)
+            else:
+                hf = AutoTokenizer.from_pretrained(cache)
+        else:
+            hf = AutoTokenizer.from_pretrained(source.directory)
+    except (OSError, ValueError) as e:
+        raise TokenizerError(f"could not load a tokenizer from {source.path}: {e}") from e
+    return Tokenizer(hf, source, _generation_eos_ids(source))
+
+
+def _generation_eos_ids(source: ModelSource) -> list[int]:
+    """Extra end-of-sequence ids from generation_config.json (Llama 3 lists several)."""
+    path = os.path.join(source.directory, "generation_config.json")
+    if source.is_gguf or not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    return [eos] if isinstance(eos, int) else [int(x) for x in eos or []]
+
+
+def _gguf_cache_dir(source: ModelSource) -> str:
+    st = os.stat(source.path)
+    key = hashlib.sha256(f"{source.path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = os.environ.get("KVFLEET_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvfleet")
+    return os.path.join(root, "tokenizers", key)
+
+
+def _save_atomically(hf, cache: str) -> None:
+    """Write the extracted tokenizer next to its final place, then rename (safe across processes)."""
+    try:
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(cache))
+        hf.save_pretrained(tmp)
+        try:
+            os.rename(tmp, cache)
+        except OSError:  # another process won the race; its copy is identical
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        pass  # a read-only home only costs the slow path next time

@@ -1,0 +1,62 @@
+"""The KV event log: what the prefix cache stored and dropped, in order, for routers to mirror.
+
+Every event gets the next sequence number (strictly increasing, starting at 1). The engine drains
+the log after each step and publishes the events; a subscriber pairs `snapshot()` of the cache with
+`last_seq` and then applies events with larger numbers. If nobody drains for a long time the
+oldest pending events are dropped: the numbers they had are skipped, so a subscriber sees a gap
+and asks for a new snapshot.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+KVEventKind = Literal["stored", "removed", "cleared"]
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    seq: int
+    kind: KVEventKind
+    block_hashes: list[int] = field(default_factory=list)
+    parent_hash: int | None = None  # for "stored": the hash the first stored block chains on
+
+
+class KVEventLog:
+    def __init__(self, max_pending: int = 65536):
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self._pending: deque[KVEvent] = deque()
+        self._max_pending = max_pending
+        self.last_seq = 0  # number of the newest event recorded (drained or not)
+        self.num_dropped = 0
+
+    def stored(self, block_hashes: list[int], parent_hash: int | None) -> None:
+        if block_hashes:
+            self._record("stored", block_hashes, parent_hash)
+
+    def removed(self, block_hashes: list[int]) -> None:
+        if block_hashes:
+            self._record("removed", block_hashes, None)
+
+    def cleared(self) -> None:
+        self._record("cleared", [], None)
+
+    def drain_events(self) -> list[KVEvent]:
+        """Every pending event, oldest first; the log is empty afterwards."""
+        events = list(self._pending)
+        self._pending.clear()
+        return events
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def _record(self, kind: KVEventKind, block_hashes: list[int], parent_hash: int | None) -> None:
+        self.last_seq += 1
+        self._pending.append(KVEvent(self.last_seq, kind, list(block_hashes), parent_hash))
+        if len(self._pending) > self._max_pending:
+            self._pending.popleft()
+            self.num_dropped += 1

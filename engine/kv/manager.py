@@ -1,0 +1,210 @@
+"""The KV cache manager: block tables of sequences over the block pool, with prefix caching.
+
+Ask/act pairs keep the scheduler's decisions free of side effects until it commits:
+`get_computed_blocks(seq)` looks up the cached prefix of a new sequence (no state change), then
+`allocate_slots(seq, n, computed)` either takes those blocks plus enough new ones for n more
+tokens, or changes nothing and returns None. After the forward pass `cache_full_blocks(seq)`
+registers the blocks that became full, hashing only those (seq.block_hashes grows incrementally).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import CacheConfig
+from engine.kv.block_pool import BlockPool, KVCacheBlock
+from engine.kv.events import KVEvent, KVEventLog
+from engine.kv.hashing import hash_block
+from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    num_total_blocks: int
+    num_used_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    usage: float
+    prefix_queries_tokens: int
+    prefix_hits_tokens: int
+    alloc_failures: int
+    evictions: int
+    preemptions: int
+
+
+class KVCacheManager:
+    def __init__(self, config: CacheConfig):
+        self.config = config
+        self.block_size = config.block_size
+        self.num_blocks = config.num_blocks
+        self.enable_caching = config.enable_prefix_caching
+        self.hash_seed = config.hash_seed
+        self.events = KVEventLog(config.max_pending_kv_events)
+        self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching, self.events)
+        self._num_registered: dict[int, int] = {}  # seq_id -> leading blocks already in the cache
+        self.prefix_queries_tokens = 0
+        self.prefix_hits_tokens = 0
+        self.alloc_failures = 0
+        self.num_preemptions = 0
+
+    # ---- lookup and allocation -------------------------------------------------------------
+
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of a sequence with no blocks yet: (blocks, tokens they hold).
+
+        Never covers the last known token (the step must compute it to get its logits).
+        """
+        if not self.enable_caching or seq.block_table:
+            return [], 0
+        self._extend_hashes(seq, seq.num_tokens)
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        bs = self.block_size
+        blocks: list[KVCacheBlock] = []
+        for i in range(max_blocks):
+            block = self.pool.get_cached_block(seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * bs
+
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int,
+                          computed_blocks: list[KVCacheBlock] | None = None) -> int:
+        """Free blocks that allocate_slots(seq, num_new_tokens, computed_blocks) would consume."""
+        computed_blocks = computed_blocks or []
+        num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
+        total = -(-(num_computed + num_new_tokens) // self.block_size)
+        need = max(0, total - len(seq.block_table) - len(computed_blocks))
+        need += sum(1 for b in computed_blocks if b.ref_cnt == 0)  # revived from the free queue
+        if self._shared_write_block(seq, num_computed) is not None and num_new_tokens > 0:
+            need += 1  # copy-on-write
+        return need
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       computed_blocks: list[KVCacheBlock] | None = None) -> list[tuple[int, int]] | None:
+        """Make room for num_new_tokens after the computed ones; None (and no change) if blocks run out.
+
+        computed_blocks (from get_computed_blocks, same step) join the table first and advance
+        seq.num_computed_tokens. Returns the (src, dst) block copies the runner must do before
+        the forward pass: a shared partial last block is copied on the first write.
+        """
+        computed_blocks = computed_blocks or []
+        if self.num_blocks_needed(seq, num_new_tokens, computed_blocks) > self.pool.num_free_blocks:
+            self.alloc_failures += 1
+            return None
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            seq.block_table.extend(b.block_id for b in computed_blocks)
+            seq.num_computed_tokens += len(computed_blocks) * self.block_size
+            self._num_registered[seq.seq_id] = len(seq.block_table)
+        copies: list[tuple[int, int]] = []
+        shared = self._shared_write_block(seq, seq.num_computed_tokens)
+        if shared is not None and num_new_tokens > 0:
+            (new,) = self.pool.get_new_blocks(1)
+            self.pool.free_blocks([shared])
+            seq.block_table[seq.num_computed_tokens // self.block_size] = new.block_id
+            copies.append((shared.block_id, new.block_id))
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        if total > len(seq.block_table):
+            seq.block_table.extend(b.block_id for b in self.pool.get_new_blocks(total - len(seq.block_table)))
+        return copies
+
+    def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries_tokens += num_query_tokens
+        self.prefix_hits_tokens += num_hit_tokens
+
+    # ---- after a step ----------------------------------------------------------------------
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's blocks that are now full of computed tokens in the prefix cache."""
+        if not self.enable_caching:
+            return
+        start = self._num_registered.get(seq.seq_id, 0)
+        end = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if end <= start:
+            return
+        self._extend_hashes(seq, end * self.block_size)
+        bs = self.block_size
+        self.pool.cache_blocks(
+            [self.pool.blocks[b] for b in seq.block_table[start:end]],
+            seq.block_hashes[start:end],
+            [tuple(seq.token_ids[i * bs:(i + 1) * bs]) for i in range(start, end)],
+            seq.block_hashes[start - 1] if start else None,
+        )
+        self._num_registered[seq.seq_id] = end
+
+    # ---- sharing and release ---------------------------------------------------------------
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let child share every block holding parent's computed tokens (one more reference each)."""
+        if child.block_table:
+            raise ValueError(f"fork target {child!r} already holds blocks")
+        table = parent.block_table[:-(-parent.num_computed_tokens // self.block_size)]
+        self.pool.touch(self.pool.blocks[b] for b in table)
+        child.block_table = list(table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+        if parent.seq_id in self._num_registered:
+            self._num_registered[child.seq_id] = self._num_registered[parent.seq_id]
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block of the sequence, tail first; a second call is a no-op."""
+        table, seq.block_table = seq.block_table, []
+        self.pool.free_blocks(self.pool.blocks[b] for b in reversed(table))
+        seq.num_computed_tokens = 0
+        self._num_registered.pop(seq.seq_id, None)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    # ---- observability ---------------------------------------------------------------------
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def evictions(self) -> int:
+        return self.pool.num_evictions
+
+    @property
+    def last_event_seq(self) -> int:
+        return self.events.last_seq
+
+    def snapshot(self) -> list[int]:
+        """Every hash the prefix cache holds now (pair with last_event_seq after draining events)."""
+        return self.pool.cached_hashes()
+
+    def drain_events(self) -> list[KVEvent]:
+        return self.events.drain_events()
+
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(
+            num_total_blocks=self.num_blocks, num_used_blocks=self.pool.num_used_blocks,
+            num_free_blocks=self.pool.num_free_blocks, num_cached_blocks=len(self.pool.cached),
+            usage=self.usage, prefix_queries_tokens=self.prefix_queries_tokens,
+            prefix_hits_tokens=self.prefix_hits_tokens, alloc_failures=self.alloc_failures,
+            evictions=self.evictions, preemptions=self.num_preemptions)
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _shared_write_block(self, seq: Sequence, num_computed: int) -> KVCacheBlock | None:
+        """The block the next token would be written into, if it is already held and shared."""
+        idx = num_computed // self.block_size
+        if idx >= len(seq.block_table):
+            return None
+        block = self.pool.blocks[seq.block_table[idx]]
+        return block if block.ref_cnt > 1 else None
+
+    def _extend_hashes(self, seq: Sequence, num_tokens: int) -> None:
+        """Extend seq.block_hashes over every full block of its first num_tokens tokens."""
+        bs = self.block_size
+        hashes = seq.block_hashes
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), min(num_tokens, seq.num_tokens) // bs):
+            parent = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs],
+                                seq.cache_salt if i == 0 else None, self.hash_seed)
+            hashes.append(parent)

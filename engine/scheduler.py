@@ -1,0 +1,233 @@
+"""Continuous batching: which sequences run this step, and how many of their tokens.
+
+Each sequence catches up on its known tokens: `num_computed_tokens` chases `num_tokens`, so a
+prompt (possibly in chunks) and a decode step are the same thing. One token budget per step
+(`max_num_batched_tokens`) and a cap on running sequences (`max_num_seqs`). Running sequences
+go first, oldest first; then waiting ones in arrival order. When blocks run out, the newest running
+sequence is preempted by recompute (blocks freed, back to the head of the waiting queue), and
+nothing new is admitted in that step.
+
+The engine loop: `out = schedule()`; copy `out.blocks_to_copy` in every layer's cache; run the
+model on the scheduled tokens; `on_step_done(out)`; append the sampled token to each sequence
+whose known tokens are now all computed; `finish(seq, status)` the ones that are done.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.kv.manager import KVCacheManager
+from engine.sampling_params import SamplingParamsError
+from engine.sequence import Sequence, SequenceStatus
+
+
+class RequestTooLongError(ValueError):
+    """The request can never be scheduled: too long for max_model_len or for the whole KV cache."""
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens seq.token_ids[num_computed_tokens : num_computed_tokens + this]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._by_request: dict[str, list[Sequence]] = {}
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; RequestTooLongError if it could never run."""
+        self.check_fits(seq)
+        if seq.params.n > self.config.max_num_seqs:
+            raise SamplingParamsError("n", f"n ({seq.params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self._by_request.setdefault(seq.request_id, []).append(seq)
+
+    def check_fits(self, seq: Sequence) -> None:
+        if seq.num_tokens == 0:
+            raise ValueError("the prompt must contain at least one token")
+        limit = self.config.max_model_len
+        max_tokens = seq.params.max_tokens
+        remaining = max_tokens if max_tokens is not None else 1
+        total = seq.num_tokens + remaining
+        if total > limit:
+            if max_tokens is None:
+                raise RequestTooLongError(
+                    f"the prompt has {seq.num_tokens} tokens; max_model_len is {limit}, which leaves no room "
+                    f"for output")
+            raise RequestTooLongError(
+                f"prompt ({seq.num_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+                f"max_model_len ({limit})")
+        # The last sampled token never needs KV slots.
+        longest = (seq.num_tokens + max_tokens if max_tokens is not None else limit) - 1
+        blocks = -(-longest // self.kv.block_size)
+        if blocks > self.kv.num_blocks:
+            raise RequestTooLongError(
+                f"the request needs up to {longest} KV slots ({blocks} blocks of {self.kv.block_size}) "
+                f"but the KV cache holds only {self.kv.num_blocks} blocks")
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self._schedule_running(out, budget)
+        budget -= out.num_batched_tokens
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> None:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            copies = self.kv.allocate_slots(seq, n)
+            while copies is None:
+                victim = self.running.pop()  # newest
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+                copies = self.kv.allocate_slots(seq, n)
+            if copies is None:
+                break  # seq preempted itself: every sequence before it is scheduled
+            out.blocks_to_copy.extend(copies)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            out.num_batched_tokens += n
+            budget -= n
+            i += 1
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            computed, num_hit = self.kv.get_computed_blocks(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens - num_hit, budget)
+            copies = self.kv.allocate_slots(seq, n, computed)
+            if copies is None:
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.kv.record_prefix_query(seq.num_tokens, num_hit)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_hit
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+            self.running.append(seq)
+            out.blocks_to_copy.extend(copies)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            out.num_batched_tokens += n
+            budget -= n
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        self.kv.num_preemptions += 1
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def on_step_done(self, out: SchedulerOutput) -> None:
+        """The forward pass ran: advance computed tokens and cache the blocks that became full."""
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted or finished while the step ran
+            seq.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_full_blocks(seq)
+
+    # ---- leaving ---------------------------------------------------------------------------
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Retire a sequence (stop/length/abort) and free its blocks."""
+        if not status.is_finished:
+            raise ValueError(f"finish needs a finished status, got {status}")
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = status
+        group = self._by_request.get(seq.request_id)
+        if group is not None:
+            group.remove(seq)
+            if not group:
+                del self._by_request[seq.request_id]
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Abort every unfinished sequence of a request, in any state; returns them."""
+        seqs = list(self._by_request.get(request_id, ()))
+        for seq in seqs:
+            self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return seqs
+
+    # ---- parallel sampling -----------------------------------------------------------------
+
+    def fork(self, seq: Sequence, n_children: int) -> list[Sequence]:
+        """n_children copies of seq sharing its blocks; indices seq.index+1, ...; same queue as seq."""
+        if seq.is_finished:
+            raise ValueError(f"cannot fork finished {seq!r}")
+        children = []
+        for k in range(1, n_children + 1):
+            child = Sequence(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], seq.params, seq.cache_salt,
+                             index=seq.index + k, arrival_time=seq.arrival_time)
+            child.token_ids = list(seq.token_ids)
+            child.num_cached_tokens = seq.num_cached_tokens
+            child.first_scheduled_time = seq.first_scheduled_time
+            child.status = seq.status
+            self.kv.fork(seq, child)
+            children.append(child)
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.extend(children)
+        else:
+            pos = self.waiting.index(seq) + 1
+            for j, child in enumerate(children):
+                self.waiting.insert(pos + j, child)
+        self._by_request.setdefault(seq.request_id, []).extend(children)
+        return children
+
+    # ---- state -----------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.kv.num_preemptions
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def get_seqs(self, request_id: str) -> list[Sequence]:
+        return list(self._by_request.get(request_id, ()))

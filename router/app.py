@@ -1,0 +1,197 @@
+"""The router's ASGI app: OpenAI endpoints proxied to the fleet, plus /health, /ready, /metrics.
+
+A plain ASGI callable (no framework) keeps the per-request path short: read the body, tokenize and hash,
+score, then stream through. Discovery, health checks, scrapes and KV event streams run as background tasks
+started by the ASGI lifespan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+
+import httpx
+
+from router.config import RouterConfig
+from router.discovery import make_discovery
+from router.errors import json_error, send_bytes, send_json
+from router.fleet import Fleet
+from router.metrics import RouterMetrics
+from router.prepare import CHAT_PATH, COMPLETIONS_PATH, prepare_request
+from router.proxy import Proxy
+
+log = logging.getLogger("kvfleet.router")
+
+_PROXIED = (CHAT_PATH, COMPLETIONS_PATH)
+_GET_PATHS = ("/v1/models", "/health", "/ready", "/metrics")
+
+
+class RouterApp:
+    def __init__(self, cfg: RouterConfig, tokenizer=None):
+        self.cfg = cfg
+        self.metrics = RouterMetrics(cfg.policy)
+        self.fleet = Fleet(cfg, self.metrics)
+        self.metrics.attach(self.fleet)
+        self.tokenizer = tokenizer
+        self.need_tokens = cfg.policy in ("kv", "approx-prefix")
+        self.client: httpx.AsyncClient | None = None
+        self.proxy: Proxy | None = None
+        self._discovery_task: asyncio.Task | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    async def startup(self) -> None:
+        cfg = self.cfg
+        if self.need_tokens and self.tokenizer is None and cfg.model:
+            from engine.tokenizer import load_tokenizer
+
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model)
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=cfg.connect_timeout_s, read=cfg.request_timeout_s, write=30.0, pool=30.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024, keepalive_expiry=30.0))
+        self.proxy = Proxy(self.fleet, self.metrics, self.client, cfg.max_attempts)
+        await self.fleet.start()
+        discovery = make_discovery(cfg)
+        self._discovery_task = asyncio.create_task(discovery.run(self.fleet.set_replicas))
+
+    async def shutdown(self) -> None:
+        if self._discovery_task is not None:
+            self._discovery_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._discovery_task
+        await self.fleet.stop()
+        if self.client is not None:
+            await self.client.aclose()
+
+    # -- ASGI ----------------------------------------------------------------------------------------------
+    async def __call__(self, scope, receive, send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive, send) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as e:  # report it: uvicorn exits with the message
+                    log.exception("router startup failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(e)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope, receive, send) -> None:
+        path, method = scope["path"], scope["method"]
+        if path in _PROXIED:
+            if method != "POST":
+                await send_json(send, 405, json_error(f"{path} takes POST", code=405))
+                return
+            await self._completion(scope, receive, send, path)
+            return
+        if path in _GET_PATHS:
+            if method not in ("GET", "HEAD"):
+                await send_json(send, 405, json_error(f"{path} takes GET", code=405))
+            elif path == "/health":
+                await send_json(send, 200, {"status": "ok"})
+            elif path == "/ready":
+                n = len(self.fleet.ready_urls())
+                await send_json(send, 200 if n else 503, {"status": "ready" if n else "no ready replica",
+                                                          "ready_replicas": n, "replicas": len(self.fleet.replicas)})
+            elif path == "/metrics":
+                await send_bytes(send, 200, self.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
+            else:
+                await self._models(send)
+            return
+        await send_json(send, 404, json_error(f"no route for {method} {path}", code=404))
+
+    async def _models(self, send) -> None:
+        for url in self.fleet.ready_urls():
+            try:
+                resp = await self.client.get(url + "/v1/models", timeout=2.0)
+            except httpx.HTTPError:
+                continue
+            if resp.status_code == 200:
+                await send_bytes(send, 200, resp.content, b"application/json")
+                return
+        if not self.cfg.model:
+            await send_json(send, 503, json_error("no ready replica to list models", code=503))
+            return
+        await send_json(send, 200, {"object": "list", "data": [
+            {"id": self.cfg.model, "object": "model", "created": 0, "owned_by": "kvfleet"}]})
+
+    async def _read_body(self, receive) -> bytes | None:
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return None
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.cfg.max_body_bytes:
+                raise ValueError(f"request body is larger than {self.cfg.max_body_bytes} bytes")
+            chunks.append(chunk)
+            if not msg.get("more_body"):
+                return b"".join(chunks)
+
+    async def _completion(self, scope, receive, send, path: str) -> None:
+        try:
+            body = await self._read_body(receive)
+        except ValueError as e:
+            await send_json(send, 413, json_error(str(e), code=413))
+            return
+        if body is None:
+            return
+        try:
+            obj = json.loads(body)
+        except ValueError as e:
+            await send_json(send, 400, json_error(f"request body is not valid JSON: {e}"))
+            return
+        if not isinstance(obj, dict):
+            await send_json(send, 400, json_error("request body must be a JSON object"))
+            return
+        headers = scope["headers"]
+        t0 = time.perf_counter()
+        hdr = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers if k in (b"x-session-id",)}
+        prep = prepare_request(path, obj, hdr, self.tokenizer, self.need_tokens)
+        prepared_s = time.perf_counter() - t0
+        metrics = self.metrics
+
+        def decide(p, tried):
+            t = time.perf_counter()
+            d = self.fleet.route(p, tried)
+            metrics.decision_seconds.observe(time.perf_counter() - t + (prepared_s if not tried else 0.0))
+            if d is not None:
+                metrics.decisions.labels(metrics.policy, d.reason).inc()
+            return d
+
+        work = asyncio.ensure_future(self.proxy.forward(send, path, body, headers, prep, decide))
+        disconnect = asyncio.ensure_future(_wait_disconnect(receive))
+        await asyncio.wait((work, disconnect), return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():  # the client went away: cancelling closes the upstream stream, the engine aborts
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await work
+            metrics.requests.labels("any", metrics.policy, "cancelled").inc()
+            return
+        disconnect.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await disconnect
+        exc = work.exception()
+        if exc is not None and not isinstance(exc, OSError):
+            log.error("proxy failed", exc_info=exc)
+
+
+async def _wait_disconnect(receive) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return

@@ -1,0 +1,131 @@
+"""Router configuration: one frozen dataclass, validated once at the edge (CLI), clear errors by field."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from engine.kv.hashing import DEFAULT_HASH_SEED
+
+POLICIES = ("kv", "approx-prefix", "session", "least-load", "round-robin")
+DISCOVERY_KINDS = ("static", "dns", "k8s")
+
+
+class RouterConfigError(ValueError):
+    """A bad router setting; `field` names the option."""
+
+    def __init__(self, field: str, msg: str):
+        super().__init__(f"{field}: {msg}")
+        self.field = field
+        self.msg = msg
+
+
+@dataclass(frozen=True)
+class ScoringConfig:
+    """Weights and limits of the routing score (pure policy inputs)."""
+
+    # Cost of one request already queued or running on a replica, in prefill-token equivalents.
+    request_cost_tokens: float = 256.0
+    # A replica is overloaded (no affinity, no cache misses) past either limit.
+    overload_waiting: int = 8  # waiting requests + requests sent since the last scrape
+    overload_kv_usage: float = 0.95
+    # Consistent hashing with bounded load: a replica takes at most c * average load.
+    session_load_factor: float = 1.25
+    session_vnodes: int = 64
+
+    def validate(self) -> None:
+        if not self.request_cost_tokens >= 0:
+            raise RouterConfigError("request_cost_tokens", f"must be >= 0, got {self.request_cost_tokens}")
+        if self.overload_waiting < 1:
+            raise RouterConfigError("overload_waiting", f"must be >= 1, got {self.overload_waiting}")
+        if not 0 < self.overload_kv_usage <= 1:
+            raise RouterConfigError("overload_kv_usage", f"must be in (0, 1], got {self.overload_kv_usage}")
+        if not self.session_load_factor > 1:
+            raise RouterConfigError("session_load_factor", f"must be > 1, got {self.session_load_factor}")
+        if self.session_vnodes < 1:
+            raise RouterConfigError("session_vnodes", f"must be >= 1, got {self.session_vnodes}")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "kv"
+    model: str | None = "smollm2"  # tokenizer for prefix matching (same as the engines')
+    discovery: str = "static"
+    replicas: tuple[str, ...] = ()  # static discovery
+    dns_name: str | None = None  # headless Service name, e.g. kvfleet-engine.ns.svc.cluster.local
+    dns_port: int = 8000
+    dns_interval_s: float = 5.0
+    dns_nameserver: str | None = None  # "ip" or "ip:port"; default: the system resolver
+    k8s_service: str | None = None
+    k8s_namespace: str = "default"
+    k8s_port_name: str | None = None  # EndpointSlice port name; None = the first port
+    k8s_resync_s: float = 60.0
+    scheme: str = "http"
+    health_interval_s: float = 1.0
+    scrape_interval_s: float = 0.5
+    scrape_stale_s: float = 3.0  # older scrapes are unknown load, not zero
+    kv_heartbeat_timeout_s: float = 6.0
+    hash_seed: int = DEFAULT_HASH_SEED  # until a replica's snapshot says otherwise
+    block_size: int = 16
+    approx_max_blocks: int = 200_000
+    breaker_failures: int = 3
+    breaker_open_s: float = 5.0
+    max_attempts: int = 3
+    connect_timeout_s: float = 2.0
+    request_timeout_s: float = 600.0
+    internal_token: str | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    scoring: ScoringConfig = dataclasses.field(default_factory=ScoringConfig)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.policy not in POLICIES:
+            raise RouterConfigError("policy", f"must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.discovery not in DISCOVERY_KINDS:
+            raise RouterConfigError("discovery", f"must be one of {', '.join(DISCOVERY_KINDS)}, got {self.discovery!r}")
+        if not 0 <= self.port <= 65535:
+            raise RouterConfigError("port", f"must be in 0..65535, got {self.port}")
+        if self.scheme not in ("http", "https"):
+            raise RouterConfigError("scheme", f"must be http or https, got {self.scheme!r}")
+        for url in self.replicas:
+            check_replica_url(url)
+        if self.discovery == "static" and not self.replicas:
+            raise RouterConfigError("replicas", "static discovery needs at least one replica URL")
+        if self.discovery == "dns" and not self.dns_name:
+            raise RouterConfigError("dns_name", "dns discovery needs the headless Service name")
+        if self.discovery == "k8s" and not self.k8s_service:
+            raise RouterConfigError("k8s_service", "k8s discovery needs the Service name")
+        if not 0 < self.dns_port <= 65535:
+            raise RouterConfigError("dns_port", f"must be in 1..65535, got {self.dns_port}")
+        positive = ("dns_interval_s", "k8s_resync_s", "health_interval_s", "scrape_interval_s", "scrape_stale_s",
+                    "kv_heartbeat_timeout_s", "breaker_open_s", "connect_timeout_s", "request_timeout_s")
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise RouterConfigError(name, f"must be > 0, got {getattr(self, name)}")
+        if self.scrape_stale_s < self.scrape_interval_s:
+            raise RouterConfigError("scrape_stale_s", "must be >= scrape_interval_s")
+        for name in ("block_size", "approx_max_blocks", "breaker_failures", "max_attempts", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise RouterConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.hash_seed < 2**64:
+            raise RouterConfigError("hash_seed", "must be in 0 .. 2**64-1")
+        self.scoring.validate()
+
+
+def check_replica_url(url: str) -> str:
+    """A replica base URL such as http://10.0.0.7:8000 (no path, query or fragment)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise RouterConfigError("replicas", f"not an http(s) base URL: {url!r}")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise RouterConfigError("replicas", f"a replica URL has no path/query: {url!r}")
+    try:
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as exc:
+        raise RouterConfigError("replicas", f"bad port in {url!r}") from exc
+    return url.rstrip("/")

@@ -1,0 +1,150 @@
+"""KV event subscriber: keeps the exact prefix index in step with one replica's prefix cache.
+
+Wire format (NDJSON at GET /v1/kv/events): a `snapshot` first, then `stored` / `removed` / `cleared` events
+with consecutive sequence numbers, and a `heartbeat` carrying the last sequence number every ~2 s. A gap in
+the sequence, a heartbeat that says events were missed, a malformed line, silence past the heartbeat timeout
+or a dropped connection all lead to the same recovery: forget the replica's blocks and reconnect for a fresh
+snapshot. A replica without the endpoint (404/405/501: e.g. a third-party engine) is marked `unavailable`, and
+the router falls back to its approximate index for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import httpx
+
+from router.prefix_index import PrefixIndex
+
+log = logging.getLogger("kvfleet.router.kv_events")
+
+
+class KVEventError(ValueError):
+    """A malformed KV event line."""
+
+
+def _hashes(event: dict, field: str = "block_hashes") -> list[int]:
+    raw = event.get(field)
+    if not isinstance(raw, list):
+        raise KVEventError(f"{event.get('type')} event without a {field} list")
+    try:
+        return [int(h, 16) for h in raw]
+    except (TypeError, ValueError) as e:
+        raise KVEventError(f"{field} must be hex strings: {e}") from e
+
+
+def _int(event: dict, field: str) -> int:
+    value = event.get(field)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise KVEventError(f"{event.get('type')} event: {field} must be an integer, got {value!r}")
+    return value
+
+
+class EventApplier:
+    """Applies one replica's decoded events to the index; pure (no I/O). `apply` returns False when the
+    stream can no longer be trusted (gap, event before the snapshot) and a resync is needed."""
+
+    def __init__(self, replica: str, index: PrefixIndex):
+        self.replica = replica
+        self.index = index
+        self.last_seq: int | None = None
+        self.instance_id: str | None = None
+
+    def apply(self, event: dict) -> bool:
+        if not isinstance(event, dict):
+            raise KVEventError("a KV event must be a JSON object")
+        kind = event.get("type")
+        seq = _int(event, "seq")
+        if kind == "snapshot":
+            block_size, seed = _int(event, "block_size"), _int(event, "hash_seed")
+            if block_size < 1:
+                raise KVEventError(f"snapshot block_size must be >= 1, got {block_size}")
+            self.index.reset(self.replica, _hashes(event), block_size, seed)
+            self.last_seq, self.instance_id = seq, event.get("instance_id")
+            return True
+        if self.last_seq is None:
+            return False
+        if kind == "heartbeat":
+            return seq == self.last_seq
+        if seq != self.last_seq + 1:
+            return False
+        if kind == "stored":
+            self.index.store(self.replica, _hashes(event))
+        elif kind == "removed":
+            self.index.remove(self.replica, _hashes(event))
+        elif kind == "cleared":
+            self.index.clear(self.replica)
+        else:
+            raise KVEventError(f"unknown KV event type {kind!r}")
+        self.last_seq = seq
+        return True
+
+
+class KVEventSubscriber:
+    """One background task per replica: connect, apply the snapshot and live events, resync on trouble."""
+
+    UNAVAILABLE_STATUSES = (404, 405, 501)
+
+    def __init__(self, url: str, index: PrefixIndex, client: httpx.AsyncClient, heartbeat_timeout_s: float,
+                 internal_token: str | None = None, on_status=None, on_resync=None,
+                 retry_unavailable_s: float = 30.0):
+        self.url = url
+        self.index = index
+        self.client = client
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.headers = {"authorization": f"Bearer {internal_token}"} if internal_token else {}
+        self.on_status = on_status or (lambda status: None)
+        self.on_resync = on_resync or (lambda reason: None)
+        self.retry_unavailable_s = retry_unavailable_s
+        self.status = "connecting"
+
+    def _set_status(self, status: str) -> None:
+        self.status = status
+        self.on_status(status)
+
+    async def run(self) -> None:
+        backoff = 0.1
+        while True:
+            reason = await self._session()
+            self.index.drop(self.url)
+            if self.status == "unavailable":
+                await asyncio.sleep(self.retry_unavailable_s)
+                continue
+            if self.status == "live":
+                backoff = 0.1  # it worked until now: reconnect at once
+            self._set_status("connecting")
+            self.on_resync(reason)
+            log.info("KV events of %s: resync (%s)", self.url, reason)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    async def _session(self) -> str:
+        """One connection; returns why it ended."""
+        applier = EventApplier(self.url, self.index)
+        timeout = httpx.Timeout(connect=2.0, read=self.heartbeat_timeout_s, write=2.0, pool=2.0)
+        try:
+            async with self.client.stream("GET", self.url + "/v1/kv/events", headers=self.headers,
+                                          timeout=timeout) as resp:
+                if resp.status_code in self.UNAVAILABLE_STATUSES:
+                    self._set_status("unavailable")
+                    return "unavailable"
+                if resp.status_code != 200:
+                    return f"http-{resp.status_code}"
+                async for line in resp.aiter_lines():
+                    if not line.strip():
+                        continue
+                    event = json.loads(line)
+                    if not applier.apply(event):
+                        return "heartbeat-gap" if event.get("type") == "heartbeat" else "gap"
+                    if event.get("type") == "snapshot":
+                        self._set_status("live")
+                return "closed"
+        except httpx.ReadTimeout:
+            return "heartbeat-timeout"
+        except httpx.HTTPError as e:
+            return f"connection: {type(e).__name__}"
+        except (KVEventError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            log.warning("KV events of %s: bad event (%s)", self.url, e)
+            return "bad-event"

@@ -1,0 +1,93 @@
+"""`kvfleet router`: parse flags into a RouterConfig and serve the router with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from router.config import DISCOVERY_KINDS, POLICIES, RouterConfig, RouterConfigError, ScoringConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = RouterConfig.__dataclass_fields__
+    s = ScoringConfig()
+    p = argparse.ArgumentParser(prog="kvfleet router", description="KV-aware router in front of engine replicas "
+                                "(OpenAI API). Routes each request to the replica whose prefix cache holds most of "
+                                "its prompt, weighed against load.")
+    p.add_argument("--host", default=d["host"].default)
+    p.add_argument("--port", type=int, default=d["port"].default)
+    p.add_argument("--policy", default=d["policy"].default, choices=POLICIES)
+    p.add_argument("--model", default=d["model"].default,
+                   help="model whose tokenizer and chat template the engines use (for prefix matching)")
+    p.add_argument("--discovery", default=None, choices=DISCOVERY_KINDS,
+                   help="static (--replicas), dns (--dns-name) or k8s (--k8s-service); default from the flags given")
+    p.add_argument("--replicas", default="", help="comma-separated replica base URLs, e.g. "
+                   "http://127.0.0.1:8001,http://127.0.0.1:8002")
+    p.add_argument("--dns-name", help="headless Service DNS name; every A record is a replica")
+    p.add_argument("--dns-port", type=int, default=d["dns_port"].default)
+    p.add_argument("--dns-interval", type=float, default=d["dns_interval_s"].default, dest="dns_interval_s")
+    p.add_argument("--dns-nameserver", help="ip[:port] of the DNS server (default: the system resolver)")
+    p.add_argument("--k8s-service")
+    p.add_argument("--k8s-namespace", default=os.environ.get("POD_NAMESPACE", d["k8s_namespace"].default))
+    p.add_argument("--k8s-port-name")
+    p.add_argument("--scheme", default=d["scheme"].default)
+    p.add_argument("--health-interval", type=float, default=d["health_interval_s"].default, dest="health_interval_s")
+    p.add_argument("--scrape-interval", type=float, default=d["scrape_interval_s"].default, dest="scrape_interval_s")
+    p.add_argument("--scrape-stale", type=float, default=d["scrape_stale_s"].default, dest="scrape_stale_s",
+                   help="seconds after which a replica's scraped load counts as unknown")
+    p.add_argument("--block-size", type=int, default=d["block_size"].default,
+                   help="block size for the approximate index (the exact index uses each engine's own)")
+    p.add_argument("--hash-seed", type=int, default=d["hash_seed"].default)
+    p.add_argument("--approx-max-blocks", type=int, default=d["approx_max_blocks"].default)
+    p.add_argument("--breaker-failures", type=int, default=d["breaker_failures"].default)
+    p.add_argument("--breaker-open", type=float, default=d["breaker_open_s"].default, dest="breaker_open_s")
+    p.add_argument("--max-attempts", type=int, default=d["max_attempts"].default)
+    p.add_argument("--request-timeout", type=float, default=d["request_timeout_s"].default, dest="request_timeout_s")
+    p.add_argument("--internal-token", default=os.environ.get("KVFLEET_INTERNAL_TOKEN"),
+                   help="bearer token for the engines' KV event endpoint (env KVFLEET_INTERNAL_TOKEN)")
+    p.add_argument("--request-cost-tokens", type=float, default=s.request_cost_tokens,
+                   help="load of one queued/running request, in prefill-token equivalents")
+    p.add_argument("--overload-waiting", type=int, default=s.overload_waiting)
+    p.add_argument("--overload-kv-usage", type=float, default=s.overload_kv_usage)
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def config_from_args(ns: argparse.Namespace) -> RouterConfig:
+    replicas = tuple(u.strip().rstrip("/") for u in ns.replicas.split(",") if u.strip())
+    discovery = ns.discovery or ("dns" if ns.dns_name else "k8s" if ns.k8s_service else "static")
+    scoring = ScoringConfig(request_cost_tokens=ns.request_cost_tokens, overload_waiting=ns.overload_waiting,
+                            overload_kv_usage=ns.overload_kv_usage)
+    return RouterConfig(
+        host=ns.host, port=ns.port, policy=ns.policy, model=ns.model or None, discovery=discovery,
+        replicas=replicas, dns_name=ns.dns_name, dns_port=ns.dns_port, dns_interval_s=ns.dns_interval_s,
+        dns_nameserver=ns.dns_nameserver, k8s_service=ns.k8s_service, k8s_namespace=ns.k8s_namespace,
+        k8s_port_name=ns.k8s_port_name, scheme=ns.scheme, health_interval_s=ns.health_interval_s,
+        scrape_interval_s=ns.scrape_interval_s, scrape_stale_s=ns.scrape_stale_s, block_size=ns.block_size,
+        hash_seed=ns.hash_seed, approx_max_blocks=ns.approx_max_blocks, breaker_failures=ns.breaker_failures,
+        breaker_open_s=ns.breaker_open_s, max_attempts=ns.max_attempts, request_timeout_s=ns.request_timeout_s,
+        internal_token=ns.internal_token, scoring=scoring)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        cfg = config_from_args(ns)
+    except RouterConfigError as e:
+        print(f"kvfleet router: error: --{e.field.replace('_', '-')}: {e.msg}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from router.app import RouterApp
+
+    app = RouterApp(cfg)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=ns.log_level.lower(), access_log=False,
+                lifespan="on", loop="uvloop", http="httptools", timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

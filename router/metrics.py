@@ -1,0 +1,109 @@
+"""The router's Prometheus metrics (`kvfleet_router_*`), one registry per router process.
+
+Per-replica gauges (circuit state, readiness, in-flight, indexed blocks) are computed at scrape time from the
+fleet, so a replica that leaves the fleet leaves the metrics too.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from router.replicas import CIRCUIT_STATES
+
+_DECISION_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1)
+_TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384)
+
+
+class RouterMetrics:
+    def __init__(self, policy: str):
+        self.policy = policy
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvfleet_router_requests", "Requests proxied, by replica, policy and final status "
+                                "(HTTP code, 'error' for no replica / failed upstream, 'cancelled' for a client "
+                                "that went away)", ["replica", "policy", "status"], registry=r)
+        self.decisions = Counter("kvfleet_router_routing_decisions", "Routing decisions by reason "
+                                 "(cache, session, least-load, round-robin, all-overloaded)", ["policy", "reason"],
+                                 registry=r)
+        self.decision_seconds = Histogram("kvfleet_router_routing_decision_seconds", "Time to prepare and route "
+                                          "one request (tokenize, hash, score)", buckets=_DECISION_BUCKETS,
+                                          registry=r)
+        self.predicted_cached = Counter("kvfleet_router_predicted_cached_tokens", "Prompt tokens the router "
+                                        "predicted the chosen replica holds, for requests whose usage the engine "
+                                        "reported", ["replica"], registry=r)
+        self.reported_cached = Counter("kvfleet_router_reported_cached_tokens", "Prompt tokens the engine "
+                                       "reported as served from its prefix cache (usage.prompt_tokens_details."
+                                       "cached_tokens)", ["replica"], registry=r)
+        self.reported_prompt = Counter("kvfleet_router_reported_prompt_tokens", "Prompt tokens the engine "
+                                       "reported (usage.prompt_tokens)", ["replica"], registry=r)
+        self.prediction_error = Histogram("kvfleet_router_cached_tokens_prediction_error", "|predicted - "
+                                          "reported| cached tokens per request", buckets=_TOKEN_BUCKETS, registry=r)
+        self.retries = Counter("kvfleet_router_retries", "Requests retried on another replica before their first "
+                               "byte, by reason", ["reason"], registry=r)
+        self.upstream_failures = Counter("kvfleet_router_upstream_failures", "Failed attempts on a replica, "
+                                         "by phase (connect, before-first-byte, mid-stream)", ["replica", "phase"],
+                                         registry=r)
+        self.kv_resyncs = Counter("kvfleet_router_kv_event_resyncs", "KV event stream resyncs by reason",
+                                  ["replica", "reason"], registry=r)
+        self.fleet = None
+
+    def attach(self, fleet) -> None:
+        """Export the fleet's per-replica state at scrape time."""
+        self.fleet = fleet
+        self.registry.register(_FleetCollector(fleet))
+
+    def observe_usage(self, replica: str, predicted: int, usage: dict | None) -> None:
+        if not isinstance(usage, dict):
+            return
+        prompt = usage.get("prompt_tokens")
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if not isinstance(prompt, int):
+            return
+        self.reported_prompt.labels(replica).inc(prompt)
+        if isinstance(cached, int):
+            self.reported_cached.labels(replica).inc(cached)
+            self.predicted_cached.labels(replica).inc(predicted)
+            self.prediction_error.observe(abs(predicted - cached))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _FleetCollector:
+    def __init__(self, fleet):
+        self.fleet = fleet
+
+    def collect(self):
+        now = self.fleet.clock()
+        circuit = GaugeMetricFamily("kvfleet_router_circuit_state", "1 for the circuit breaker's current state "
+                                    "per replica", labels=["replica", "state"])
+        ready = GaugeMetricFamily("kvfleet_router_replica_ready", "1 if the replica's last /ready check passed",
+                                  labels=["replica"])
+        inflight = GaugeMetricFamily("kvfleet_router_inflight_requests", "Requests this router has in flight "
+                                     "per replica", labels=["replica"])
+        blocks = GaugeMetricFamily("kvfleet_router_indexed_blocks", "Blocks of the replica's prefix cache in "
+                                   "the router's exact index", labels=["replica"])
+        kv_live = GaugeMetricFamily("kvfleet_router_kv_events_live", "1 if the replica's KV event stream is "
+                                    "synced", labels=["replica"])
+        count = GaugeMetricFamily("kvfleet_router_replicas", "Replicas known to the router, by state",
+                                  labels=["state"])
+        n_ready = n_routable = 0
+        for url, st in list(self.fleet.replicas.items()):
+            state = st.breaker.state(now)
+            for s in CIRCUIT_STATES:
+                circuit.add_metric([url, s], 1.0 if s == state else 0.0)
+            ready.add_metric([url], 1.0 if st.ready else 0.0)
+            inflight.add_metric([url], st.inflight)
+            blocks.add_metric([url], self.fleet.index.num_blocks(url))
+            kv_live.add_metric([url], 1.0 if st.kv_events == "live" else 0.0)
+            n_ready += st.ready
+            n_routable += st.routable(now)
+        count.add_metric(["known"], len(self.fleet.replicas))
+        count.add_metric(["ready"], n_ready)
+        count.add_metric(["routable"], n_routable)
+        yield from (circuit, ready, inflight, blocks, kv_live, count)
+
+    def describe(self):
+        return []

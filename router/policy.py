@@ -1,0 +1,208 @@
+"""Routing policies: pure scoring and choice over a snapshot of the fleet (no I/O, no clocks).
+
+The `kv` score of a replica for one request is the prefill work it would still have to do plus its load,
+both in prefill-token equivalents:
+
+    cost = (prompt tokens - predicted cached tokens) + request_cost * (running + waiting + sent since scrape)
+           + uncached prompt tokens sent since scrape
+
+An overloaded replica (long waiting queue or KV usage past the limit) is left out for this request only:
+affinity yields per request, and a cache miss never goes to an overloaded replica. When no replica holds
+any of the prompt, a session key picks a replica by consistent hashing with bounded load, otherwise the
+least-loaded one wins. Load scraped too long ago is unknown, and unknown is taken pessimistically (the
+worst fresh load in the fleet, at least this router's own in-flight requests), never as zero.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from router.config import ScoringConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """What the router knows about one replica when it routes one request."""
+
+    url: str
+    routable: bool = True  # ready, circuit not open, not already tried for this request
+    load_known: bool = True  # the last /metrics scrape is fresh
+    kv_usage: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    new_requests: int = 0  # sent by this router since the last scrape, still in flight
+    new_tokens: int = 0  # their uncached prompt tokens
+    inflight: int = 0  # all of this router's in-flight requests on the replica
+    cached_tokens: int = 0  # predicted prefix-cache hit for this request
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    num_prompt_tokens: int = 0
+    session_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    url: str
+    reason: str  # cache | session | least-load | round-robin | all-overloaded
+    predicted_cached_tokens: int
+    cost: float
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    queued: float  # running + waiting + sent since scrape (pessimistic when unknown)
+    waiting: float
+    kv_usage: float
+    new_tokens: float
+
+
+def effective_loads(views: Sequence[ReplicaView]) -> list[Load]:
+    """Each replica's load; unknown load is the worst fresh load in the fleet, never below our own in-flight."""
+    known = [v for v in views if v.load_known]
+    worst_queued = max((v.running + v.waiting + v.new_requests for v in known), default=0)
+    worst_waiting = max((v.waiting + v.new_requests for v in known), default=0)
+    worst_kv = max((v.kv_usage for v in known), default=0.0)
+    worst_tokens = max((v.new_tokens for v in known), default=0)
+    out = []
+    for v in views:
+        if v.load_known:
+            out.append(Load(v.running + v.waiting + v.new_requests, v.waiting + v.new_requests, v.kv_usage,
+                            v.new_tokens))
+        else:
+            out.append(Load(max(worst_queued, v.inflight), max(worst_waiting, v.inflight), worst_kv,
+                            max(worst_tokens, v.new_tokens)))
+    return out
+
+
+def is_overloaded(view: ReplicaView, cfg: ScoringConfig) -> bool:
+    """Past the waiting-queue or KV-usage limit. Unknown load counts only what this router itself sent."""
+    if not view.load_known:
+        return view.inflight >= cfg.overload_waiting
+    return view.waiting + view.new_requests >= cfg.overload_waiting or view.kv_usage >= cfg.overload_kv_usage
+
+
+def cost(view: ReplicaView, load: Load, req: RouteRequest, cfg: ScoringConfig) -> float:
+    uncached = max(req.num_prompt_tokens - view.cached_tokens, 0)
+    return uncached + cfg.request_cost_tokens * load.queued + load.new_tokens
+
+
+def _pool(views: Sequence[ReplicaView], cfg: ScoringConfig) -> tuple[list[int], bool]:
+    """Indices of routable replicas that are not overloaded (or all routable ones, flagged, if none is)."""
+    routable = [i for i, v in enumerate(views) if v.routable]
+    fine = [i for i in routable if not is_overloaded(views[i], cfg)]
+    return (fine, False) if fine else (routable, True)
+
+
+def _least_load(views: Sequence[ReplicaView], loads: list[Load], idx: list[int]) -> int:
+    return min(idx, key=lambda i: (loads[i].queued, loads[i].kv_usage, views[i].inflight, i))
+
+
+def choose_by_cache(views: Sequence[ReplicaView], req: RouteRequest, cfg: ScoringConfig,
+                    ring: HashRing | None = None) -> Decision | None:
+    """`kv` / `approx-prefix`: lowest cost among non-overloaded replicas; no cache signal → session or least load."""
+    idx, all_overloaded = _pool(views, cfg)
+    if not idx:
+        return None
+    loads = effective_loads(views)
+    if all_overloaded:
+        best = min(idx, key=lambda i: (cost(views[i], loads[i], req, cfg), i))
+        return _decision(views, loads, req, cfg, best, "all-overloaded")
+    if any(views[i].cached_tokens > 0 for i in idx):
+        best = min(idx, key=lambda i: (cost(views[i], loads[i], req, cfg), -views[i].cached_tokens, i))
+        return _decision(views, loads, req, cfg, best, "cache")
+    if req.session_key is not None and ring is not None:
+        best = ring.choose(req.session_key, views, loads, idx, cfg.session_load_factor)
+        return _decision(views, loads, req, cfg, best, "session")
+    return _decision(views, loads, req, cfg, _least_load(views, loads, idx), "least-load")
+
+
+def choose_session(views: Sequence[ReplicaView], req: RouteRequest, cfg: ScoringConfig,
+                   ring: HashRing) -> Decision | None:
+    """`session`: consistent hashing with bounded load on the session key; no key → least load."""
+    idx, _ = _pool(views, cfg)
+    if not idx:
+        return None
+    loads = effective_loads(views)
+    if req.session_key is None:
+        return _decision(views, loads, req, cfg, _least_load(views, loads, idx), "least-load")
+    return _decision(views, loads, req, cfg, ring.choose(req.session_key, views, loads, idx,
+                                                         cfg.session_load_factor), "session")
+
+
+def choose_least_load(views: Sequence[ReplicaView], req: RouteRequest, cfg: ScoringConfig) -> Decision | None:
+    idx = [i for i, v in enumerate(views) if v.routable]
+    if not idx:
+        return None
+    loads = effective_loads(views)
+    return _decision(views, loads, req, cfg, _least_load(views, loads, idx), "least-load")
+
+
+def choose_round_robin(views: Sequence[ReplicaView], req: RouteRequest, cfg: ScoringConfig,
+                       counter: int) -> Decision | None:
+    """The counter-th routable replica in URL order (the caller advances the counter)."""
+    idx = sorted((i for i, v in enumerate(views) if v.routable), key=lambda i: views[i].url)
+    if not idx:
+        return None
+    return _decision(views, effective_loads(views), req, cfg, idx[counter % len(idx)], "round-robin")
+
+
+def _decision(views, loads, req, cfg, i: int, reason: str) -> Decision:
+    v = views[i]
+    predicted = min(v.cached_tokens, max(req.num_prompt_tokens - 1, 0))
+    return Decision(v.url, reason, predicted, cost(v, loads[i], req, cfg))
+
+
+def _h64(data: str) -> int:
+    return xxhash.xxh3_64_intdigest(data.encode("utf-8"))
+
+
+class HashRing:
+    """Consistent hashing with bounded load (Mirrokni et al.): walk clockwise from the key's point and take
+    the first eligible replica whose load is under ceil(c * (total + 1) / n). Adding or removing a replica
+    moves only the keys whose walk meets it. Immutable once built; rebuild when the replica set changes."""
+
+    def __init__(self, urls: Sequence[str], vnodes: int = 64):
+        self.urls = tuple(sorted(set(urls)))
+        points = sorted((_h64(f"{url}#{k}"), url) for url in self.urls for k in range(vnodes))
+        self._keys = [p for p, _ in points]
+        self._owners = [u for _, u in points]
+
+    def walk(self, key: str):
+        """Replica URLs in the order the key's walk meets them (each once)."""
+        if not self._keys:
+            return
+        start = bisect.bisect(self._keys, _h64(key))
+        seen: set[str] = set()
+        n = len(self._keys)
+        for k in range(n):
+            url = self._owners[(start + k) % n]
+            if url not in seen:
+                seen.add(url)
+                yield url
+                if len(seen) == len(self.urls):
+                    return
+
+    def choose(self, key: str, views: Sequence[ReplicaView], loads: list[Load], idx: list[int],
+               load_factor: float) -> int:
+        by_url = {views[i].url: i for i in idx}
+        total = sum(loads[i].queued for i in idx)
+        capacity = math.ceil(load_factor * (total + 1) / len(idx))
+        first = None
+        for url in self.walk(key):
+            i = by_url.get(url)
+            if i is None:
+                continue
+            if first is None:
+                first = i
+            if loads[i].queued < capacity:
+                return i
+        if first is not None:
+            return first
+        return min(idx, key=lambda i: (loads[i].queued, i))  # replicas the ring does not know yet

@@ -1,0 +1,99 @@
+"""Exact prefix index built from the replicas' KV events: which replica's prefix cache holds which block.
+
+One dict maps a block hash to the replicas holding it, so a lookup walks the request's chained block hashes
+once for the whole fleet. Chained hashes make "block i cached" imply "its whole prefix was the same", so the
+longest cached prefix of a replica is the run of leading hashes it holds. Pure state, no I/O: the KV event
+subscriber (kv_events.py) feeds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from engine.kv.hashing import hash_blocks
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self._holders: dict[int, set[str]] = {}
+        self._blocks: dict[str, set[int]] = {}
+        self.params: dict[str, tuple[int, int]] = {}  # replica → (block_size, hash_seed) from its snapshot
+
+    # -- updates (from KV events) --------------------------------------------------------------------------
+    def reset(self, replica: str, block_hashes: Iterable[int], block_size: int, hash_seed: int) -> None:
+        """A snapshot: the replica holds exactly these blocks."""
+        self.drop(replica)
+        self.params[replica] = (block_size, hash_seed)
+        self.store(replica, block_hashes)
+
+    def store(self, replica: str, block_hashes: Iterable[int]) -> None:
+        mine = self._blocks.setdefault(replica, set())
+        for h in block_hashes:
+            if h not in mine:
+                mine.add(h)
+                self._holders.setdefault(h, set()).add(replica)
+
+    def remove(self, replica: str, block_hashes: Iterable[int]) -> None:
+        mine = self._blocks.get(replica)
+        if mine is None:
+            return
+        for h in block_hashes:
+            if h in mine:
+                mine.discard(h)
+                self._discard_holder(h, replica)
+
+    def clear(self, replica: str) -> None:
+        """The replica's cache was cleared (it stays known, with its parameters)."""
+        for h in self._blocks.pop(replica, ()):
+            self._discard_holder(h, replica)
+        self._blocks[replica] = set()
+
+    def drop(self, replica: str) -> None:
+        """Forget the replica entirely (it left the fleet or its event stream broke)."""
+        self.clear(replica)
+        del self._blocks[replica]
+        self.params.pop(replica, None)
+
+    def _discard_holder(self, h: int, replica: str) -> None:
+        holders = self._holders.get(h)
+        if holders is not None:
+            holders.discard(replica)
+            if not holders:
+                del self._holders[h]
+
+    # -- queries -------------------------------------------------------------------------------------------
+    def has(self, replica: str) -> bool:
+        return replica in self._blocks
+
+    def num_blocks(self, replica: str) -> int:
+        return len(self._blocks.get(replica, ()))
+
+    def matched_blocks(self, block_hashes: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
+        """Per replica, how many leading blocks of the chain it holds."""
+        remaining = {r for r in replicas if r in self._blocks}
+        out = dict.fromkeys(remaining, 0)
+        matched = 0
+        for h in block_hashes:
+            if not remaining:
+                break
+            holders = self._holders.get(h)
+            still = remaining & holders if holders else set()
+            for r in remaining - still:
+                out[r] = matched
+            remaining = still
+            matched += 1
+        for r in remaining:
+            out[r] = matched
+        return out
+
+
+def cacheable_blocks(num_tokens: int, block_size: int) -> int:
+    """How many leading full blocks of a prompt a prefix hit can cover: never its last token."""
+    return max(num_tokens - 1, 0) // block_size
+
+
+def request_block_hashes(token_ids: Sequence[int], block_size: int, hash_seed: int,
+                         cache_salt: str | None) -> list[int]:
+    """The chained hashes of the blocks a prefix hit could cover, exactly as the engines compute them."""
+    n = cacheable_blocks(len(token_ids), block_size)
+    return hash_blocks(token_ids[: n * block_size], block_size, cache_salt, hash_seed)

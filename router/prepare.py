@@ -1,0 +1,80 @@
+"""What the router needs to know about one request before routing it: its prompt tokens (the engines' own
+tokenizer and chat template), its chained block hashes, its cache salt and its session key.
+
+Tokenizing is best-effort: a body the tokenizer cannot render is still routed (without a cache signal) and
+the engine answers with its own, precise error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from router.prefix_index import request_block_hashes
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    token_ids: list[int] | None
+    cache_salt: str | None
+    session_key: str | None
+    stream: bool
+    _hashes: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.token_ids) if self.token_ids is not None else 0
+
+    def block_hashes(self, block_size: int, hash_seed: int) -> list[int]:
+        """Chained hashes of the blocks a prefix hit could cover, computed once per (block size, seed)."""
+        if self.token_ids is None:
+            return []
+        key = (block_size, hash_seed)
+        hashes = self._hashes.get(key)
+        if hashes is None:
+            hashes = self._hashes[key] = request_block_hashes(self.token_ids, block_size, hash_seed,
+                                                              self.cache_salt)
+        return hashes
+
+
+def prompt_token_ids(path: str, body: Mapping, tokenizer) -> list[int] | None:
+    """The prompt's token ids as the engine will see them, or None when unknown."""
+    if tokenizer is None:
+        return None
+    try:
+        if path == CHAT_PATH:
+            messages = body.get("messages")
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True) if messages else None
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                       for t in prompt):
+            return list(prompt)
+    except (ValueError, TypeError, KeyError):  # TokenizerError is a ValueError
+        return None
+    return None
+
+
+def session_key(body: Mapping, headers: Mapping[str, str]) -> str | None:
+    key = headers.get("x-session-id")
+    if key:
+        return key
+    user = body.get("user")
+    return user if isinstance(user, str) and user else None
+
+
+def prepare_request(path: str, body: Mapping, headers: Mapping[str, str], tokenizer,
+                    need_tokens: bool) -> PreparedRequest:
+    salt = body.get("cache_salt")
+    return PreparedRequest(
+        token_ids=prompt_token_ids(path, body, tokenizer) if need_tokens else None,
+        cache_salt=salt if isinstance(salt, str) and salt else None,
+        session_key=session_key(body, headers),
+        stream=body.get("stream") is True,
+    )

@@ -1,0 +1,175 @@
+"""Routing scores and choices on hand-built fleet states, with exact expectations."""
+
+from __future__ import annotations
+
+import random
+
+from router.config import ScoringConfig
+from router.policy import (
+    HashRing,
+    ReplicaView,
+    RouteRequest,
+    choose_by_cache,
+    choose_least_load,
+    choose_round_robin,
+    choose_session,
+    effective_loads,
+    is_overloaded,
+)
+
+CFG = ScoringConfig(request_cost_tokens=256, overload_waiting=8, overload_kv_usage=0.95)
+A, B, C = "http://a:1", "http://b:1", "http://c:1"
+
+
+def test_hot_idle_replica_is_chosen():
+    views = [ReplicaView(A, cached_tokens=512), ReplicaView(B), ReplicaView(C)]
+    d = choose_by_cache(views, RouteRequest(600), CFG)
+    assert (d.url, d.reason, d.predicted_cached_tokens, d.cost) == (A, "cache", 512, 88)
+
+
+def test_hot_overloaded_replica_yields_to_next_best():
+    views = [ReplicaView(A, cached_tokens=512, waiting=8),  # overloaded by its queue
+             ReplicaView(B, cached_tokens=256), ReplicaView(C)]
+    d = choose_by_cache(views, RouteRequest(600), CFG)
+    assert (d.url, d.reason, d.predicted_cached_tokens) == (B, "cache", 256)
+    # requests this router sent since the last scrape count toward the queue too
+    views = [ReplicaView(A, cached_tokens=512, waiting=5, new_requests=3), ReplicaView(B, cached_tokens=256)]
+    assert choose_by_cache(views, RouteRequest(600), CFG).url == B
+    # and a full KV cache overloads it as well
+    views = [ReplicaView(A, cached_tokens=512, kv_usage=0.96), ReplicaView(B, cached_tokens=256)]
+    assert choose_by_cache(views, RouteRequest(600), CFG).url == B
+
+
+def test_affinity_weighs_saved_prefill_against_load_per_request():
+    # A saves 512 tokens but runs 1 request: 88 + 256 = 344 < 600 → A
+    views = [ReplicaView(A, cached_tokens=512, running=1), ReplicaView(B)]
+    d = choose_by_cache(views, RouteRequest(600), CFG)
+    assert (d.url, d.cost) == (A, 344)
+    # with 3 running, 88 + 768 = 856 > 600 → B, for this request only
+    views = [ReplicaView(A, cached_tokens=512, running=3), ReplicaView(B)]
+    assert choose_by_cache(views, RouteRequest(600), CFG).url == B
+    # a longer shared prefix still goes to A: 100 + 768 = 868 < 2100
+    views = [ReplicaView(A, cached_tokens=2000, running=3), ReplicaView(B)]
+    assert choose_by_cache(views, RouteRequest(2100), CFG).url == A
+    # uncached tokens sent since the scrape are queued prefill work: 88 + 256 + 300 = 644 > 600
+    views = [ReplicaView(A, cached_tokens=512, new_requests=1, new_tokens=300), ReplicaView(B)]
+    assert choose_by_cache(views, RouteRequest(600), CFG).url == B
+
+
+def test_all_cold_goes_to_least_loaded():
+    views = [ReplicaView(A, running=2), ReplicaView(B, running=0, waiting=1, kv_usage=0.5),
+             ReplicaView(C, running=1, kv_usage=0.2)]
+    d = choose_by_cache(views, RouteRequest(600), CFG)
+    assert (d.url, d.reason, d.predicted_cached_tokens) == (C, "least-load", 0)
+    assert choose_least_load(views, RouteRequest(600), CFG).url == C
+
+
+def test_cache_miss_never_goes_to_an_overloaded_replica():
+    views = [ReplicaView(A, kv_usage=0.97), ReplicaView(B, running=5)]
+    assert choose_by_cache(views, RouteRequest(600), CFG).url == B
+    views = [ReplicaView(A, waiting=9), ReplicaView(B, running=7)]
+    assert choose_by_cache(views, RouteRequest(600), CFG).url == B
+
+
+def test_all_overloaded_still_answers_with_the_cheapest():
+    views = [ReplicaView(A, waiting=9, cached_tokens=512), ReplicaView(B, waiting=8)]
+    d = choose_by_cache(views, RouteRequest(600), CFG)
+    assert (d.url, d.reason) == (A, "all-overloaded")
+
+
+def test_stale_scrape_is_unknown_not_zero():
+    # A's scrape is stale: its load counts as the worst fresh load (C's 3), not as zero
+    views = [ReplicaView(A, load_known=False), ReplicaView(B, running=1), ReplicaView(C, running=3)]
+    assert [ld.queued for ld in effective_loads(views)] == [3, 1, 3]
+    assert choose_by_cache(views, RouteRequest(600), CFG).url == B
+    assert choose_least_load(views, RouteRequest(600), CFG).url == B
+    # never below what this router itself has in flight there
+    views = [ReplicaView(A, load_known=False, inflight=5), ReplicaView(B, running=1)]
+    assert [ld.queued for ld in effective_loads(views)] == [5, 1]
+    # unknown load alone never makes a replica overloaded; this router's own in-flight count can
+    assert not is_overloaded(ReplicaView(A, load_known=False, inflight=7), CFG)
+    assert is_overloaded(ReplicaView(A, load_known=False, inflight=8), CFG)
+
+
+def test_unroutable_replicas_are_skipped_and_none_means_no_choice():
+    views = [ReplicaView(A, cached_tokens=512, routable=False), ReplicaView(B)]
+    assert choose_by_cache(views, RouteRequest(600), CFG).url == B
+    views = [ReplicaView(A, routable=False)]
+    assert choose_by_cache(views, RouteRequest(600), CFG) is None
+    assert choose_least_load(views, RouteRequest(600), CFG) is None
+    assert choose_round_robin(views, RouteRequest(600), CFG, 0) is None
+    assert choose_session(views, RouteRequest(600, "s"), CFG, HashRing([A])) is None
+
+
+def test_prediction_never_covers_the_last_prompt_token():
+    views = [ReplicaView(A, cached_tokens=64)]
+    assert choose_by_cache(views, RouteRequest(64), CFG).predicted_cached_tokens == 63
+
+
+def test_round_robin_cycles_in_url_order():
+    views = [ReplicaView(C), ReplicaView(A), ReplicaView(B, routable=False)]
+    picks = [choose_round_robin(views, RouteRequest(10), CFG, k).url for k in range(4)]
+    assert picks == [A, C, A, C]
+
+
+def test_cache_policy_without_signal_uses_the_session_ring():
+    ring = HashRing([A, B, C])
+    home = next(ring.walk("user-42"))
+    views = [ReplicaView(A), ReplicaView(B), ReplicaView(C)]
+    d = choose_by_cache(views, RouteRequest(600, "user-42"), CFG, ring)
+    assert (d.url, d.reason) == (home, "session")
+    d = choose_session(views, RouteRequest(600, "user-42"), CFG, ring)
+    assert (d.url, d.reason) == (home, "session")
+    d = choose_session(views, RouteRequest(600, None), CFG, ring)
+    assert d.reason == "least-load"
+
+
+def _assign(ring: HashRing, urls, keys):
+    views = [ReplicaView(u) for u in urls]
+    return {k: choose_session(views, RouteRequest(10, k), CFG, ring).url for k in keys}
+
+
+def test_sessions_stay_put_under_add_and_remove():
+    urls = [f"http://10.0.0.{i}:8000" for i in range(1, 6)]
+    keys = [f"session-{i}" for i in range(3000)]
+    before = _assign(HashRing(urls), urls, keys)
+    # every replica owns a fair share (vnodes spread the ring)
+    shares = [sum(1 for v in before.values() if v == u) for u in urls]
+    assert min(shares) > 3000 / 5 * 0.6, shares
+    # removing a replica moves only its own keys
+    gone = urls[2]
+    after = _assign(HashRing([u for u in urls if u != gone]), [u for u in urls if u != gone], keys)
+    moved = [k for k in keys if after[k] != before[k]]
+    assert set(moved) == {k for k in keys if before[k] == gone}
+    # adding one moves only keys onto the new replica, about 1/6 of them
+    new = "http://10.0.0.9:8000"
+    grown = _assign(HashRing(urls + [new]), urls + [new], keys)
+    moved = [k for k in keys if grown[k] != before[k]]
+    assert all(grown[k] == new for k in moved)
+    assert 3000 / 6 * 0.5 < len(moved) < 3000 / 6 * 1.5
+
+
+def test_session_load_is_bounded():
+    ring = HashRing([A, B, C])
+    key = "hot-session"
+    order = list(ring.walk(key))
+    assert sorted(order) == [A, B, C]
+    # total load 9 → capacity ceil(1.25 * 10 / 3) = 5; the home replica at 5 is full → the next on the walk
+    loads = {order[0]: 5, order[1]: 4, order[2]: 0}
+    views = [ReplicaView(u, running=loads[u]) for u in (A, B, C)]
+    assert choose_session(views, RouteRequest(10, key), CFG, ring).url == order[1]
+    loads = {order[0]: 4, order[1]: 5, order[2]: 0}
+    views = [ReplicaView(u, running=loads[u]) for u in (A, B, C)]
+    assert choose_session(views, RouteRequest(10, key), CFG, ring).url == order[0]
+
+
+def test_sessions_spread_under_bounded_load():
+    """Many concurrent sessions on a ring never push one replica past c * average (+1)."""
+    ring = HashRing([A, B, C])
+    load = dict.fromkeys((A, B, C), 0)
+    rng = random.Random(3)
+    for _ in range(300):
+        views = [ReplicaView(u, running=load[u]) for u in (A, B, C)]
+        d = choose_session(views, RouteRequest(10, f"k{rng.random()}"), CFG, ring)
+        load[d.url] += 1
+        assert max(load.values()) <= 1.25 * (sum(load.values())) / 3 + 1

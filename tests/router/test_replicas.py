@@ -1,0 +1,93 @@
+"""Circuit breaker transitions, replica load bookkeeping and the engine metrics parser; config validation."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from router.config import RouterConfig, RouterConfigError, ScoringConfig
+from router.replicas import CLOSED, HALF_OPEN, OPEN, CircuitBreaker, EngineLoad, ReplicaState, parse_engine_metrics
+
+
+def test_circuit_breaker_transitions():
+    b = CircuitBreaker(failure_threshold=3, open_s=5.0)
+    assert b.state(0) == CLOSED and b.can_try(0)
+    b.on_failure(1)
+    b.on_failure(2)
+    b.on_success()  # consecutive failures only
+    b.on_failure(3)
+    b.on_failure(4)
+    assert b.state(4) == CLOSED
+    b.on_failure(5)
+    assert b.state(5) == OPEN and not b.can_try(5) and not b.can_try(9.9)
+    assert b.state(10) == HALF_OPEN and b.can_try(10)
+    b.on_attempt(10)  # the one probe
+    assert not b.can_try(10.5)
+    b.on_failure(11)  # probe failed → open again, for another open_s
+    assert b.state(11) == OPEN and b.state(15.9) == OPEN and b.state(16) == HALF_OPEN
+    b.on_attempt(16)
+    b.on_success()
+    assert b.state(16) == CLOSED and b.can_try(16) and b.failures == 0
+
+
+def test_replica_view_staleness_and_inflight_epochs():
+    st = ReplicaState("http://a:1", CircuitBreaker(3, 5.0))
+    assert not st.routable(0)  # not ready until /ready said so
+    st.ready = True
+    st.on_scrape(EngineLoad(kv_usage=0.5, running=2, waiting=1), now=100.0)
+    t1 = st.on_dispatch(300)
+    t2 = st.on_dispatch(50)
+    v = st.view(now=101.0, stale_s=3.0, cached_tokens=64)
+    assert (v.load_known, v.running, v.waiting, v.new_requests, v.new_tokens, v.inflight, v.cached_tokens) == \
+        (True, 2, 1, 2, 350, 2, 64)
+    st.on_scrape(EngineLoad(running=4), now=102.0)  # the engine now counts both requests itself
+    v = st.view(now=102.5, stale_s=3.0)
+    assert (v.running, v.new_requests, v.new_tokens, v.inflight) == (4, 0, 0, 2)
+    st.on_done(t1)  # from the previous epoch: only in-flight drops
+    t3 = st.on_dispatch(10)
+    st.on_done(t3)
+    st.on_done(t2)
+    v = st.view(now=105.1, stale_s=3.0)
+    assert (v.load_known, v.running, v.new_requests, v.inflight) == (False, 0, 0, 0)  # stale → unknown
+    assert st.view(now=103.0, stale_s=3.0, excluded=True).routable is False
+
+
+def test_parse_engine_metrics_reads_vllm_names():
+    reg = CollectorRegistry()
+    Gauge("vllm:kv_cache_usage_perc", "kv", ["model_name"], registry=reg).labels("smollm2").set(0.25)
+    Gauge("vllm:num_requests_running", "r", ["model_name"], registry=reg).labels("smollm2").set(3)
+    Gauge("vllm:num_requests_waiting", "w", ["model_name"], registry=reg).labels("smollm2").set(2)
+    Counter("vllm:prefix_cache_queries", "q", ["model_name"], registry=reg).labels("smollm2").inc(1000)
+    Counter("vllm:prefix_cache_hits", "h", ["model_name"], registry=reg).labels("smollm2").inc(640)
+    Gauge("vllm:num_requests_running_other", "decoy", registry=reg).set(99)
+    text = generate_latest(reg).decode()
+    assert parse_engine_metrics(text) == EngineLoad(kv_usage=0.25, running=3, waiting=2, prefix_queries=1000,
+                                                    prefix_hits=640)
+    assert parse_engine_metrics('vllm:num_requests_running{model_name="a b}"} 4 1700000000\n') == \
+        EngineLoad(running=4)
+    assert parse_engine_metrics("garbage\n\n# HELP x\nvllm:num_requests_waiting nan-ish\n") == EngineLoad()
+
+
+def test_config_validation_names_the_field():
+    cases = [
+        (dict(policy="fastest", replicas=("http://a:1",)), "policy"),
+        (dict(replicas=()), "replicas"),
+        (dict(replicas=("ftp://a:1",)), "replicas"),
+        (dict(replicas=("http://a:1/v1",)), "replicas"),
+        (dict(discovery="dns"), "dns_name"),
+        (dict(discovery="k8s"), "k8s_service"),
+        (dict(replicas=("http://a:1",), port=70000), "port"),
+        (dict(replicas=("http://a:1",), scrape_interval_s=0), "scrape_interval_s"),
+        (dict(replicas=("http://a:1",), scrape_stale_s=0.1, scrape_interval_s=0.5), "scrape_stale_s"),
+        (dict(replicas=("http://a:1",), max_attempts=0), "max_attempts"),
+        (dict(replicas=("http://a:1",), scoring=ScoringConfig(overload_kv_usage=1.5)), "overload_kv_usage"),
+        (dict(replicas=("http://a:1",), scoring=ScoringConfig(session_load_factor=1.0)), "session_load_factor"),
+    ]
+    for kwargs, field in cases:
+        with pytest.raises(RouterConfigError) as e:
+            RouterConfig(**kwargs)
+        assert e.value.field == field, kwargs
+    cfg = RouterConfig(replicas=("http://127.0.0.1:8001", "http://[::1]:8002"))
+    assert cfg.policy == "kv" and cfg.discovery == "static"
+    with pytest.raises(Exception):
+        cfg.policy = "session"  # frozen

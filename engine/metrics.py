@@ -1,0 +1,150 @@
+"""Prometheus metrics of one engine replica, under vLLM's names (plus kvfleet's own).
+
+One `EngineMetrics` (and one registry) per process. Engine-wide state (KV usage, queue lengths,
+prefix-cache and token counters, preemptions, allocation failures, evictions, KV events) is read
+from `engine.stats()` at scrape time by a custom collector, so it can never drift from the engine.
+Per-request latencies (TTFT, inter-token, end-to-end, queue time) and outcomes are observed by the
+server as outputs arrive, through `RequestTimer`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+QUEUE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+                 80.0, 160.0, 320.0, 640.0)
+FINISH_REASONS = ("stop", "length", "abort")
+
+# (exported name without _total, EngineStats attribute, help)
+_COUNTERS = (
+    ("vllm:prefix_cache_queries", "prefix_queries_tokens", "Prompt tokens looked up in the prefix cache."),
+    ("vllm:prefix_cache_hits", "prefix_hits_tokens", "Prompt tokens served by the prefix cache."),
+    ("vllm:num_preemptions", "num_preemptions", "Requests preempted (recomputed later) for lack of KV blocks."),
+    ("vllm:prompt_tokens", "prompt_tokens_total", "Prompt tokens processed (prefilled or cached)."),
+    ("vllm:generation_tokens", "generation_tokens_total", "Tokens generated."),
+    ("kvfleet:block_allocation_failures", "alloc_failures", "KV block allocations that found no free block."),
+    ("kvfleet:block_evictions", "evictions", "Cached KV blocks evicted from the prefix cache to be reused."),
+    ("kvfleet:kv_events_published", "kv_events_published", "KV cache events (stored/removed/cleared) published."),
+)
+_GAUGES = (
+    ("vllm:kv_cache_usage_perc", "kv_usage", "KV cache usage: fraction of blocks held by requests (0..1)."),
+    ("vllm:num_requests_running", "num_running", "Requests running (in the batch)."),
+    ("vllm:num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
+    ("kvfleet:num_kv_blocks", "num_total_blocks", "KV cache blocks in total."),
+)
+
+
+class _StatsCollector:
+    """Reads engine.stats() on every scrape; before the engine is up every value reads 0."""
+
+    def __init__(self, model_name: str, stats: Callable[[], object | None], extra_info: Callable[[], dict]):
+        self.model_name = model_name
+        self.stats = stats
+        self.extra_info = extra_info
+
+    def describe(self):
+        return []  # collected lazily; registering must not call the engine
+
+    def collect(self):
+        try:
+            s = self.stats()
+        except Exception:  # a scrape must never fail because the engine is busy or shutting down
+            s = None
+        labels = [self.model_name]
+        for name, attr, help_text in _COUNTERS:
+            c = CounterMetricFamily(name, help_text, labels=["model_name"])
+            c.add_metric(labels, float(getattr(s, attr, 0) or 0))
+            yield c
+        for name, attr, help_text in _GAUGES:
+            g = GaugeMetricFamily(name, help_text, labels=["model_name"])
+            g.add_metric(labels, float(getattr(s, attr, 0) or 0))
+            yield g
+        info = {"model_name": self.model_name, "block_size": str(getattr(s, "block_size", "") or ""),
+                "num_gpu_blocks": str(getattr(s, "num_total_blocks", "") or ""), "enable_prefix_caching": "True"}
+        info.update({k: str(v) for k, v in self.extra_info().items()})
+        g = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
+                              labels=list(info))
+        g.add_metric(list(info.values()), 1.0)
+        yield g
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, stats: Callable[[], object | None] = lambda: None,
+                 extra_info: Callable[[], dict] = dict):
+        disable_created_metrics()  # *_created series only double the scrape size
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        r, lab = self.registry, ["model_name"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", lab,
+                              buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive output steps of a request.",
+                             lab, buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", lab,
+                             buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Time a request waited before first scheduled.",
+                               lab, buckets=QUEUE_BUCKETS, registry=r).labels(model_name)
+        success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                          ["model_name", "finished_reason"], registry=r)
+        self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        self.aborted = Counter("kvfleet:aborted_requests", "Requests aborted (client gone, drain timeout, error).",
+                               lab, registry=r).labels(model_name)
+        self.rejected = Counter("kvfleet:rejected_requests", "Requests rejected before running, by HTTP status.",
+                                ["model_name", "status"], registry=r)
+        r.register(_StatsCollector(model_name, stats, extra_info))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Observes one request's latencies as its outputs arrive; `finish` exactly once."""
+
+    def __init__(self, metrics: EngineMetrics, arrival: float | None = None):
+        self.m = metrics
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.queue_observed = False
+        self.done = False
+
+    def on_output(self, num_new_tokens: int, output=None) -> None:
+        now = time.monotonic()
+        if not self.queue_observed and output is not None:
+            rm = getattr(output, "metrics", None)
+            sched = getattr(rm, "first_scheduled_time", None)
+            arrived = getattr(rm, "arrival_time", None)
+            if sched is not None and arrived is not None:
+                self.m.queue.observe(max(0.0, sched - arrived))
+                self.queue_observed = True
+        if num_new_tokens <= 0:
+            return
+        if self.first_token is None:
+            self.first_token = now
+            self.m.ttft.observe(now - self.arrival)
+        else:
+            self.m.itl.observe(now - self.last_token)
+        self.last_token = now
+
+    def finish(self, reason: str | None) -> None:
+        if self.done:
+            return
+        self.done = True
+        reason = reason if reason in ("stop", "length") else "abort"
+        self.m.success[reason].inc()
+        if reason == "abort":
+            self.m.aborted.inc()
+        else:
+            self.m.e2e.observe(time.monotonic() - self.arrival)

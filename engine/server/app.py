@@ -1,0 +1,168 @@
+"""The FastAPI app of one engine replica: OpenAI API, health/readiness, metrics, KV event stream.
+
+`build_app(config, engine=...)` serves an engine that is already built; `engine_factory=` builds it
+in a worker thread after the server is up, so /health answers (and /ready says no) while the model
+loads. `drain(state)` is what SIGTERM runs: /ready turns false, new requests get 503, running ones
+finish until the drain timeout, then whatever is left is aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from engine.metrics import EngineMetrics
+from engine.server.chat import create_chat_completion
+from engine.server.completions import create_completion
+from engine.server.errors import error_response, install_error_handlers
+from engine.server.kv_events import kv_events
+from engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from engine.server.serving import ServerConfig, ServerState
+
+logger = logging.getLogger("kvfleet.server")
+
+
+class BodyLimit:
+    """413 for bodies over max_bytes, by Content-Length up front or by counting a chunked body."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_big = error_response(413, f"request body exceeds the limit of {self.max_bytes} bytes", None,
+                                 "request_too_large", {"Connection": "close"})
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                await error_response(400, "invalid Content-Length header", None, "invalid_header")(scope, receive, send)
+                return
+            if int(length) > self.max_bytes:
+                await too_big(scope, receive, send)
+                return
+        seen = 0
+        started = False
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise StarletteHTTPException(413, f"request body exceeds the limit of {self.max_bytes} bytes")
+            return message
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except StarletteHTTPException as e:
+            if e.status_code != 413 or started:
+                raise
+            await too_big(scope, receive, send)
+
+
+def build_app(config: ServerConfig, engine=None, engine_factory: Callable[[], object] | None = None,
+              metrics: EngineMetrics | None = None, on_load_error: Callable[[str], None] | None = None) -> FastAPI:
+    state = ServerState(config, None)
+    metrics = metrics or EngineMetrics(config.model_name, stats=lambda: state.engine.stats() if state.engine else None,
+                                       extra_info=lambda: {"instance_id": config.instance_id})
+
+    async def load() -> None:
+        try:
+            eng = engine if engine is not None else await asyncio.to_thread(engine_factory)
+            await eng.start()
+            state.engine = eng
+            logger.info("engine ready: model %s, max_model_len %s", config.model_name, eng.max_model_len)
+        except Exception as e:  # report it on /ready and let main() decide to exit
+            logger.exception("engine failed to start")
+            state.load_error = f"{type(e).__name__}: {e}"
+            if on_load_error:
+                on_load_error(state.load_error)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loader = asyncio.ensure_future(load())
+        try:
+            yield
+        finally:
+            state.closing = True
+            if not loader.done():
+                loader.cancel()
+            if state.engine is not None:
+                await state.engine.shutdown()
+
+    app = FastAPI(title="kvfleet engine", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible API of one kvfleet engine replica.")
+    app.state.server = state
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        if state.ready:
+            return JSONResponse({"ready": True})
+        reason = "draining" if state.draining else ("load_failed" if state.load_error else "loading")
+        return JSONResponse({"ready": False, "reason": reason}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        eng = state.engine
+        data = [{"id": name, "object": "model", "created": state.created, "owned_by": "kvfleet",
+                 "root": config.model_name, "parent": None,
+                 "max_model_len": getattr(eng, "max_model_len", None)} for name in config.served_model_names]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(state, body, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(state, body, request)
+
+    @app.get("/v1/kv/events")
+    async def events(request: Request) -> Response:
+        return await kv_events(state, request)
+
+    return app
+
+
+async def drain(state: ServerState, timeout: float) -> None:
+    """Stop taking requests, let running ones finish for up to `timeout` s, abort the rest."""
+    state.draining = True
+    logger.info("draining: %d requests in flight, up to %.1f s", len(state.inflight), timeout)
+    if not await state.inflight.wait_empty(timeout):
+        left = list(state.inflight.ids)
+        logger.warning("drain timeout: aborting %d requests", len(left))
+        for rid in left:
+            try:
+                await state.engine.abort(rid)
+            except Exception:
+                logger.debug("abort of %s failed", rid, exc_info=True)
+        await state.inflight.wait_empty(2.0)
+    state.closing = True
+    logger.info("drained")

@@ -1,0 +1,106 @@
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` for every failure.
+
+`APIError` is raised by handlers; the exception handlers installed by `install_error_handlers`
+turn it, FastAPI's request validation errors (its default is a 422 with a different shape),
+Starlette's 404/405 and anything unexpected into that body. Unexpected exceptions are logged
+and answered with a 500 in the same shape; handlers are written so that bad input never gets there.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("kvfleet.server")
+
+_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+    405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+    429: "rate_limit_error", 503: "service_unavailable", 500: "internal_error",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+def format_loc(loc: tuple) -> str | None:
+    """('body', 'messages', 0, 'role') -> 'messages[0].role'; pydantic's union branch names are dropped."""
+    out = ""
+    for part in loc:
+        if part == "body" and not out:
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and ("[" in part or "function-" in part):
+            continue  # e.g. 'list[str]', 'function-after[...]': pydantic's names for union branches
+        else:
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """One readable message (and the first offending field) from pydantic's error list."""
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    param = format_loc(tuple(first.get("loc", ())))
+    if first.get("type") == "json_invalid":
+        return "request body is not valid JSON", None
+    if first.get("type") == "missing" and param is None:
+        return "request body is missing or is not a JSON object", None
+    msgs = []
+    for e in errors[:3]:
+        where = format_loc(tuple(e.get("loc", ())))
+        msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+        msgs.append(f"{where}: {msg}" if where else msg)
+    more = f" (and {len(errors) - 3} more errors)" if len(errors) > 3 else ""
+    return "; ".join(msgs) + more, param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(list(exc.errors()))
+        return error_response(400, message, param, "invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if exc.status_code == 404:
+            message = "no such endpoint"
+        return error_response(exc.status_code, message, None, None, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}", None, "internal_error")

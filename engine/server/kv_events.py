@@ -1,0 +1,100 @@
+"""GET /v1/kv/events: the prefix cache's content as NDJSON, for routers to mirror.
+
+Wire format (one JSON object per line; hashes are 32-char lowercase hex):
+
+    {"type":"snapshot","instance_id":I,"seq":S,"block_size":B,"hash_seed":H,"block_hashes":[...]}
+    {"type":"stored","instance_id":I,"seq":S,"block_hashes":[...],"parent_hash":hex|null}
+    {"type":"removed","instance_id":I,"seq":S,"block_hashes":[...]}
+    {"type":"cleared","instance_id":I,"seq":S}
+    {"type":"heartbeat","instance_id":I,"seq":S}        every 2 s; S = newest seq sent
+
+The snapshot holds every cached hash as of `seq`; events follow with seq+1, seq+2, ... A subscriber
+that sees a gap (an event seq other than last+1) reconnects for a new snapshot. When an internal
+token is configured the endpoint needs `Authorization: Bearer <token>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from engine.server.errors import APIError
+from engine.server.serving import ServerState
+from engine.server.streaming import DisconnectAwareStreamingResponse, ndjson
+
+HEARTBEAT_S = 2.0
+
+
+def hex_hash(h: int) -> str:
+    return f"{h:032x}"
+
+
+def event_line(instance_id: str, ev) -> dict:
+    out = {"type": ev.kind, "instance_id": instance_id, "seq": ev.seq}
+    if ev.kind == "stored":
+        out["block_hashes"] = [hex_hash(h) for h in ev.block_hashes]
+        out["parent_hash"] = None if ev.parent_hash is None else hex_hash(ev.parent_hash)
+    elif ev.kind == "removed":
+        out["block_hashes"] = [hex_hash(h) for h in ev.block_hashes]
+    return out
+
+
+def check_internal_token(state: ServerState, request: Request) -> None:
+    token = state.config.internal_token
+    if not token:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise APIError(401, "this endpoint needs `Authorization: Bearer <internal token>`", None,
+                       "invalid_internal_token", {"WWW-Authenticate": "Bearer"})
+
+
+async def kv_events(state: ServerState, request: Request) -> StreamingResponse:
+    check_internal_token(state, request)
+    engine = state.engine_or_503()
+    snapshot, last_seq, queue = engine.subscribe_kv_events()
+    return DisconnectAwareStreamingResponse(_stream(state, engine, snapshot, last_seq, queue),
+                                            media_type="application/x-ndjson",
+                                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _stream(state: ServerState, engine, snapshot, last_seq: int, queue: asyncio.Queue) -> AsyncIterator[bytes]:
+    iid = state.config.instance_id
+    getter: asyncio.Future | None = None  # one pending queue.get(), never cancelled mid-item
+    try:
+        yield ndjson({"type": "snapshot", "instance_id": iid, "seq": last_seq, "block_size": engine.block_size,
+                      "hash_seed": engine.hash_seed, "block_hashes": [hex_hash(h) for h in snapshot]})
+        sent = last_seq
+        next_beat = time.monotonic() + HEARTBEAT_S
+        while not state.closing:
+            timeout = next_beat - time.monotonic()
+            if timeout <= 0:
+                yield ndjson({"type": "heartbeat", "instance_id": iid, "seq": sent})
+                next_beat = time.monotonic() + HEARTBEAT_S
+                continue
+            if getter is None:
+                getter = asyncio.ensure_future(queue.get())
+            await asyncio.wait({getter}, timeout=min(timeout, 0.5))
+            if not getter.done():
+                continue
+            events = [getter.result()]
+            getter = None
+            while not queue.empty() and len(events) < 256:  # batch what is already queued
+                events.append(queue.get_nowait())
+            lines = []
+            for ev in events:
+                if ev.seq > sent:  # older ones are part of the snapshot
+                    sent = ev.seq
+                    lines.append(ndjson(event_line(iid, ev)))
+            if lines:
+                yield b"".join(lines)
+    finally:
+        if getter is not None:
+            getter.cancel()
+        engine.unsubscribe_kv_events(queue)

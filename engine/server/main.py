@@ -1,0 +1,119 @@
+"""`kvfleet engine`: one engine replica behind an OpenAI-compatible HTTP server (uvicorn).
+
+    kvfleet engine --model smollm2 --port 8001
+
+Engine flags come from `EngineArgs.add_cli_args`; the server adds --host, --port,
+--served-model-name, --instance-id, --internal-token, --drain-timeout, --max-body-bytes,
+--log-level and --access-log. The model loads after the server is up (/health answers, /ready
+says 503 until it is loaded). SIGTERM (or Ctrl-C) drains: /ready turns 503, new requests get 503,
+running ones finish for up to --drain-timeout seconds, then the process exits 0; a second signal
+exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+
+import uvicorn
+
+from engine.server.app import build_app, drain
+from engine.server.serving import ServerConfig
+
+logger = logging.getLogger("kvfleet.server")
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
+    g.add_argument("--port", type=int, default=8001, help="port to bind")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model name(s) clients use in `model`; default: the --model value")
+    g.add_argument("--instance-id", default=None,
+                   help="this replica's id in KV events and metrics; default: HOSTNAME:PORT")
+    g.add_argument("--internal-token", default=os.environ.get("KVFLEET_INTERNAL_TOKEN") or None,
+                   help="bearer token required on /v1/kv/events (default: env KVFLEET_INTERNAL_TOKEN; none: open)")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds running requests may take to finish after SIGTERM before they are aborted")
+    g.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                   help="largest request body accepted; larger ones get 413")
+    g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but the first SIGTERM/SIGINT drains before exiting; a second one exits at once."""
+
+    def __init__(self, config: uvicorn.Config, state, drain_timeout: float):
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout = drain_timeout
+        self.draining = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.exit_code = 0
+
+    async def serve(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.draining or self.loop is None:
+            self.should_exit = True
+            self.force_exit = self.force_exit or self.draining
+            return
+        self.draining = True
+        logger.info("received %s: draining", signal.Signals(sig).name)
+        self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        try:
+            if self.state.engine is not None:
+                await drain(self.state, self.drain_timeout)
+        finally:
+            self.state.draining = True
+            self.state.closing = True
+            self.should_exit = True
+
+    def fail(self, message: str) -> None:
+        logger.error("exiting: %s", message)
+        self.exit_code = 1
+        self.should_exit = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine.args import EngineArgs
+
+    parser = argparse.ArgumentParser(prog="kvfleet engine", description="Start one kvfleet engine replica.")
+    EngineArgs.add_cli_args(parser)
+    add_server_args(parser)
+    ns = parser.parse_args(argv)
+    try:
+        engine_args = EngineArgs.from_cli(ns)
+        config = ServerConfig(
+            served_model_names=tuple(ns.served_model_name or [ns.model]),
+            instance_id=ns.instance_id or f"{socket.gethostname()}:{ns.port}",
+            internal_token=ns.internal_token, drain_timeout=ns.drain_timeout, max_body_bytes=ns.max_body_bytes)
+    except ValueError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def make_engine():
+        from engine.async_engine import AsyncLLMEngine
+        return AsyncLLMEngine(engine_args)
+
+    server: DrainingServer | None = None
+    app = build_app(config, engine_factory=make_engine, on_load_error=lambda msg: server and server.fail(msg))
+    uv_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=ns.access_log,
+                               timeout_graceful_shutdown=5, lifespan="on")
+    server = DrainingServer(uv_config, app.state.server, ns.drain_timeout)
+    server.run()
+    return server.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

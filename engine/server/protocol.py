@@ -1,0 +1,188 @@
+"""OpenAI wire format for /v1/chat/completions and /v1/completions, plus vLLM's extra fields.
+
+Request models are strict (no "5" for an int, no true for a number, no NaN) and validate ranges, so
+bad input is rejected at the edge with a 400 that names the field. Responses are plain dicts built
+in `engine.server.responses`; only requests need models.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from engine.sampling_params import SamplingParams
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_STOP = 16
+MAX_PROMPTS = 64  # prompts in one /v1/completions batch
+
+_STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+class TextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_needed(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs 'content'")
+        return self
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by chat and completions (OpenAI + vLLM extras)."""
+
+    model_config = _STRICT
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP or any(not s for s in stops):
+            raise ValueError(f"stop must be a non-empty string or a list of at most {MAX_STOP} non-empty strings")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _check_stream_options(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
+
+    def stop_list(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, logit_bias: tuple) -> SamplingParams:
+        """SamplingParams for this request (raises SamplingParamsError naming the field)."""
+        return SamplingParams(
+            n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty, seed=self.seed, stop=self.stop_list(),
+            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+            logit_bias=logit_bias, logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return v
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+PromptType = str | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] \
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: PromptType
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, v):
+        if isinstance(v, list) and v and not isinstance(v[0], int) and len(v) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _check_echo(cls, v, info: ValidationInfo):
+        if v and info.data.get("logprobs") is not None:
+            raise ValueError("echo together with logprobs is not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, v, info: ValidationInfo):
+        if v is not None and v != info.data.get("n", 1):
+            raise ValueError("best_of other than n is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _check_suffix(cls, v):
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a list: text prompts and/or token id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]
+        return list(p)

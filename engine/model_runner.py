@@ -1,0 +1,140 @@
+"""Run the model on one scheduler step: flatten the batch, execute block copies, return logits.
+
+The runner owns the paged KV cache (one [num_blocks, block_size, kv_heads, head_dim] K and V tensor
+per layer). For each step it builds input ids, positions, slot mapping and AttentionMetadata with a
+handful of tensor ops (no per-token Python loop), copies the copy-on-write blocks in every layer, and
+returns float32 logits only for the sequences whose every known token is now computed: exactly the
+rows the engine samples from.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.model.llama import LlamaForCausalLM, ModelConfig
+from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """layers x 2 (K and V) x kv_heads x head_dim x bytes per element."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * elem
+
+
+def num_blocks_for_memory(config: ModelConfig, dtype: torch.dtype, block_size: int, memory_gib: float) -> int:
+    """How many KV blocks fit in memory_gib GiB."""
+    return int(memory_gib * GIB) // (kv_bytes_per_token(config, dtype) * block_size)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sample_seqs: list[Sequence]  # row i of the logits belongs to sample_seqs[i]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, backend, num_blocks: int, block_size: int,
+                 device: torch.device | str = "cpu"):
+        self.model = model
+        self.backend = backend
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        cfg = model.config
+        dtype = model.embed_tokens.weight.dtype
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
+                           torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        per_token = kv_bytes_per_token(cfg, dtype)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f KiB/token, %.2f GiB, %s)",
+                    num_blocks, block_size, num_blocks * block_size, per_token / 1024,
+                    per_token * num_blocks * block_size / GIB, dtype)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, scheduled: Seq[ScheduledSeq], blocks_to_copy: Seq[tuple[int, int]] = ()
+                ) -> tuple[torch.Tensor, list[Sequence]]:
+        """Copy blocks, run the forward pass; (logits [len(sample_seqs), vocab] float32, sample_seqs)."""
+        if blocks_to_copy:
+            self.copy_blocks(blocks_to_copy)
+        if not scheduled:
+            return torch.empty(0, self.model.config.vocab_size), []
+        inp = self.prepare(scheduled)
+        if not inp.sample_seqs:  # only prefill chunks that do not reach the end of their prompt
+            self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, self.backend, inp.logits_indices)
+            return torch.empty(0, self.model.config.vocab_size), []
+        logits = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, self.backend,
+                            inp.logits_indices)
+        return logits, inp.sample_seqs
+
+    def prepare(self, scheduled: Seq[ScheduledSeq]) -> StepInputs:
+        ids: list[int] = []
+        starts: list[int] = []
+        q_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        row = 0
+        for item in scheduled:
+            seq, n = item.seq, item.num_new_tokens
+            c = seq.num_computed_tokens
+            if n == 1:
+                ids.append(seq.token_ids[c])
+            else:
+                ids.extend(seq.token_ids[c:c + n])
+            starts.append(c)
+            q_lens.append(n)
+            seq_lens.append(c + n)
+            tables.append(seq.block_table)
+            row += n
+            if c + n == seq.num_tokens:
+                sample_rows.append(row - 1)
+                sample_seqs.append(seq)
+        dev = self.device
+        bs = self.block_size
+        num_tokens = len(ids)
+        max_blocks = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32, device=dev)
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+        if num_tokens == len(scheduled):  # decode only: one token per sequence
+            positions = seq_lens_t.long() - 1
+            seq_idx = torch.arange(num_tokens, device=dev)
+            query_start_loc = torch.arange(num_tokens + 1, dtype=torch.int32, device=dev)
+        else:
+            q_lens_t = torch.tensor(q_lens, device=dev)
+            seq_idx = torch.repeat_interleave(torch.arange(len(scheduled), device=dev), q_lens_t)
+            query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.int32, device=dev)
+            torch.cumsum(q_lens_t, 0, out=query_start_loc[1:])
+            offsets = torch.tensor(starts, device=dev) - query_start_loc[:-1].long()
+            positions = torch.arange(num_tokens, device=dev) + offsets[seq_idx]
+        slot_mapping = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens_t,
+            block_tables=block_tables, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+            query_lens_host=tuple(q_lens), seq_lens_host=tuple(seq_lens))
+        return StepInputs(torch.tensor(ids, dtype=torch.long, device=dev), positions, meta,
+                          torch.tensor(sample_rows, dtype=torch.long, device=dev), sample_seqs)
+
+    def copy_blocks(self, blocks_to_copy: Seq[tuple[int, int]]) -> None:
+        """Copy-on-write: block src's contents into block dst, in every layer's K and V cache."""
+        src = torch.tensor([s for s, _ in blocks_to_copy], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in blocks_to_copy], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            for k_cache, v_cache in self.kv_caches:
+                k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+                v_cache.index_copy_(0, dst, v_cache.index_select(0, src))

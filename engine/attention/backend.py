@@ -26,8 +26,11 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Attention of q [T, Hq, D] over the paged cache; returns [T, Hq, D] in q's dtype."""
+                meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of q [T, Hq, D] over the paged cache; returns [T, Hq, D] in q's dtype.
+
+        `out`, when given, is a [T, Hq, D] tensor of q's dtype that receives the result (and is returned).
+        """
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -73,6 +76,15 @@ def check_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if meta.block_tables.dim() != 2 or meta.block_tables.shape[0] != meta.num_seqs:
         raise ValueError(f"block_tables must be [num_seqs={meta.num_seqs}, max_blocks], "
                          f"got {tuple(meta.block_tables.shape)}")
+
+
+def output_for(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(f"out must be a {tuple(q.shape)} {q.dtype} tensor on {q.device} with unit last stride, "
+                         f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+    return out
 
 
 def host_lens(meta: AttentionMetadata) -> tuple[list[int], list[int]]:

@@ -12,7 +12,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionBackend, check_forward, check_lens, check_write, host_lens
+from engine.attention.backend import (
+    AttentionBackend,
+    check_forward,
+    check_lens,
+    check_write,
+    host_lens,
+    output_for,
+)
 from engine.attention.metadata import AttentionMetadata
 
 # Upper bound on the K (and again V) elements gathered at once for a group of decode sequences,
@@ -37,12 +44,12 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache.view(-1, hkv, d).index_copy_(0, slots, value.to(v_cache.dtype))
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         check_forward(q, k_cache, v_cache, meta)
         q_lens, seq_lens = host_lens(meta)
         block_size = k_cache.shape[1]
         check_lens(q_lens, seq_lens, q.shape[0], block_size, meta.block_tables.shape[1])
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = output_for(q, out)
         if q.shape[0] == 0:
             return out
         if all(ql == 1 for ql in q_lens):

@@ -1,0 +1,99 @@
+"""The GPU attention backend: Triton kernels for the KV write, paged decode and prefill/extend.
+
+Per step the batch is split once (the plan is cached for the metadata object shared by all layers):
+sequences with one new token go to the split-KV paged decode kernel, sequences with several new
+tokens to the extend kernel; both write straight into the output rows of their tokens.
+On CPU tensors it runs only under the Triton interpreter (TRITON_INTERPRET=1), for tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.backend import (
+    AttentionBackend,
+    check_forward,
+    check_lens,
+    check_write,
+    host_lens,
+    output_for,
+)
+from engine.attention.metadata import AttentionMetadata
+from engine.kernels.extend_attention import extend_attention
+from engine.kernels.kv_write import kv_write
+from engine.kernels.paged_decode import choose_num_splits, paged_decode
+
+_INTERPRETER_SMS = 4  # pretend SM count under the interpreter, so long contexts exercise split-KV
+
+
+@dataclass(frozen=True)
+class _Plan:
+    decode_ids: torch.Tensor  # [num_decode] int32 sequence indices with one new token
+    extend_ids: torch.Tensor  # [num_extend] int32 sequence indices with several new tokens
+    decode_max_seq_len: int
+    extend_max_query_len: int
+    num_kv_heads: int
+    num_splits: int
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, num_splits: int | None = None):
+        """num_splits fixes the decode split count (tests, benchmarks); None picks it per batch."""
+        if num_splits is not None and num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+        self._forced_splits = num_splits
+        self._meta: AttentionMetadata | None = None
+        self._plan: _Plan | None = None
+        self._num_sms: dict[torch.device, int] = {}
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        check_write(key, value, k_cache, v_cache, slot_mapping)
+        kv_write(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        check_forward(q, k_cache, v_cache, meta)
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("k_cache and v_cache must be contiguous for the triton backend")
+        plan = self._plan_for(meta, q, k_cache)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out = output_for(q, out)
+        tables = meta.block_tables if meta.block_tables.stride(-1) == 1 else meta.block_tables.contiguous()
+        paged_decode(q, k_cache, v_cache, out, tables, meta.seq_lens, meta.query_start_loc, plan.decode_ids,
+                     plan.decode_max_seq_len, scale, plan.num_splits)
+        extend_attention(q, k_cache, v_cache, out, tables, meta.seq_lens, meta.query_start_loc, plan.extend_ids,
+                         plan.extend_max_query_len, scale)
+        return out
+
+    def _plan_for(self, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor) -> _Plan:
+        hkv = k_cache.shape[2]
+        if meta is self._meta and self._plan is not None and self._plan.num_kv_heads == hkv:
+            return self._plan
+        q_lens, seq_lens = host_lens(meta)
+        check_lens(q_lens, seq_lens, q.shape[0], k_cache.shape[1], meta.block_tables.shape[1])
+        decode = [i for i, ql in enumerate(q_lens) if ql == 1]
+        extend = [i for i, ql in enumerate(q_lens) if ql > 1]
+        dev = q.device
+        if len(decode) == len(q_lens):
+            decode_ids = torch.arange(len(decode), dtype=torch.int32, device=dev)
+        else:
+            decode_ids = torch.tensor(decode, dtype=torch.int32, device=dev)
+        decode_max = max((seq_lens[i] for i in decode), default=0)
+        splits = self._forced_splits or choose_num_splits(len(decode), hkv, decode_max, self._sms(dev))
+        plan = _Plan(decode_ids, torch.tensor(extend, dtype=torch.int32, device=dev), decode_max,
+                     max((q_lens[i] for i in extend), default=0), hkv, splits)
+        self._meta, self._plan = meta, plan
+        return plan
+
+    def _sms(self, device: torch.device) -> int:
+        if device.type != "cuda":
+            return _INTERPRETER_SMS
+        if device not in self._num_sms:
+            self._num_sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
+        return self._num_sms[device]

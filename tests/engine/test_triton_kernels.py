@@ -1,0 +1,154 @@
+"""Triton kernels against the torch backend (itself checked against a plain reference).
+
+On CPU the kernels run in Triton's interpreter, so the default cases are a covering sample: every pair
+of (block size, GQA ratio) appears, each with both head dims and dtypes spread over the pairs, and
+each batch holds the sequence lengths 1, bs-1, bs, bs+1 and a few hundred. The full product is marked
+slow. Outputs are poisoned with NaN first, so an element a kernel forgets to write fails the test.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from engine.attention.torch_backend import TorchAttentionBackend
+from tests.engine.attention_cases import assert_close, make_batch
+from tests.engine.triton_setup import DEVICE, load_kernels, triton_mode  # noqa: F401 (fixture)
+
+K = load_kernels()
+pytestmark = pytest.mark.usefixtures("triton_mode")
+TritonAttentionBackend = K["triton_backend"].TritonAttentionBackend
+TORCH = TorchAttentionBackend()
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+# (block_size, num_kv_heads, group, head_dim, dtype): all 12 (block size, group) pairs; every
+# (block size | group, head dim | dtype) pair and every (head dim, dtype) pair appears too.
+SAMPLE = [
+    (8, 2, 1, 64, F32), (8, 1, 3, 128, F16), (8, 1, 4, 64, F16), (8, 1, 8, 128, F32),
+    (16, 1, 1, 128, F16), (16, 2, 3, 64, F32), (16, 1, 4, 128, F32), (16, 1, 8, 64, F16),
+    (32, 2, 1, 128, F32), (32, 1, 3, 64, F16), (32, 1, 4, 128, F16), (32, 1, 8, 64, F32),
+    (16, 2, 4, 64, BF16),
+]
+FULL = [(bs, 2 if g == 1 else 1, g, d, dt)
+        for bs, g, d, dt in itertools.product((8, 16, 32, 64), (1, 3, 4, 8), (64, 128), (F32, F16, BF16))]
+slow_full = pytest.mark.parametrize("case", FULL, ids=lambda c: f"bs{c[0]}-g{c[2]}-d{c[3]}-{str(c[4])[6:]}")
+sample = pytest.mark.parametrize("case", SAMPLE, ids=lambda c: f"bs{c[0]}-g{c[2]}-d{c[3]}-{str(c[4])[6:]}")
+
+
+def decode_specs(bs: int) -> list[tuple[int, int]]:
+    return [(1, n) for n in (1, bs - 1, bs, bs + 1, 300)]
+
+
+def extend_specs(bs: int) -> list[tuple[int, int]]:
+    return [
+        (bs + 1, bs + 1),        # fresh prefill over two blocks
+        (bs - 1, 3 * bs + 2),    # chunk over a cached prefix, unaligned on both ends
+        (1, 5),                  # a decode token mixed in
+        (70, 300),               # long chunk over a long prefix, several query tiles
+        (bs, 2 * bs),            # chunk starting at a block boundary
+        (2, 2),
+    ]
+
+
+def run_decode(case, splits: int, seed: int) -> None:
+    bs, hkv, g, d, dtype = case
+    b = make_batch(decode_specs(bs), bs, hkv, g, d, dtype, seed=seed, device=DEVICE)
+    expected = TORCH.forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    out = torch.full_like(b.q, float("nan"))
+    TritonAttentionBackend(num_splits=splits).forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale, out=out)
+    assert_close(out, expected, dtype)
+
+
+def run_extend(case, seed: int) -> None:
+    bs, hkv, g, d, dtype = case
+    b = make_batch(extend_specs(bs), bs, hkv, g, d, dtype, seed=seed, device=DEVICE)
+    expected = TORCH.forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    out = torch.full_like(b.q, float("nan"))
+    TritonAttentionBackend().forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale, out=out)
+    assert_close(out, expected, dtype)
+
+
+@sample
+def test_paged_decode_direct_and_split(case):
+    run_decode(case, splits=1, seed=hash(case) % 1000)
+    run_decode(case, splits=5, seed=hash(case) % 1000 + 1)  # short sequences leave splits empty
+
+
+@sample
+def test_extend_over_cached_prefix_in_mixed_batch(case):
+    run_extend(case, seed=hash(case) % 1000 + 2)
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("block_size,hkv,d", [(8, 1, 64), (16, 4, 128), (32, 3, 80)])
+def test_kv_write_matches_torch_bitwise(dtype, block_size, hkv, d):
+    gen = torch.Generator().manual_seed(block_size)
+    shape = (7, block_size, hkv, d)
+    k_cache = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    v_cache = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    slots = torch.randperm(7 * block_size, generator=gen)[:11]
+    slots[[2, 7]] = -1
+    # key as a strided view of a fused qkv projection, as the model produces it
+    qkv = torch.randn(11, 3 * hkv, d, generator=gen).to(dtype).to(DEVICE)
+    key, value = qkv[:, hkv:2 * hkv], qkv[:, 2 * hkv:]
+    TORCH.write_kv(key, value, k_ref, v_ref, slots.to(DEVICE))
+    TritonAttentionBackend().write_kv(key, value, k_cache, v_cache, slots.to(DEVICE))
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_auto_split_count_matches_forced():
+    case = (16, 1, 4, 64, F32)
+    b = make_batch([(1, 700), (1, 3)], 16, 1, 4, 64, F32, seed=5, device=DEVICE)
+    outs = [TritonAttentionBackend(num_splits=s).forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+            for s in (None, 1, 3)]
+    expected = TORCH.forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    for out in outs:
+        assert_close(out, expected, case[4])
+
+
+def test_choose_num_splits():
+    choose = K["paged_decode"].choose_num_splits
+    assert choose(1, 8, 8192, 132) == 32  # one long sequence: as many splits as fill the GPU
+    assert choose(256, 8, 8192, 132) == 1  # a big batch fills it already
+    assert choose(16, 8, 2048, 132) == 3
+    assert choose(1, 1, 100, 132) == 1  # never below 256 tokens per split
+    assert choose(1, 1, 1 << 20, 10_000) == 64  # capped
+
+
+def test_plan_is_reused_for_the_same_metadata_and_rebuilt_for_new():
+    backend = TritonAttentionBackend()
+    b = make_batch([(1, 9), (4, 4)], 8, 1, 1, 64, F32, seed=1, device=DEVICE)
+    backend.forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    plan = backend._plan
+    backend.forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    assert backend._plan is plan
+    c = make_batch([(1, 9)], 8, 1, 1, 64, F32, seed=1, device=DEVICE)
+    backend.forward(c.q, c.k_cache, c.v_cache, c.meta, c.scale)
+    assert backend._plan is not plan and backend._plan.extend_ids.numel() == 0
+
+
+def test_bad_inputs_name_the_field():
+    b = make_batch([(1, 4)], 8, 2, 2, 64, F32, device=DEVICE)
+    with pytest.raises(ValueError, match="num_splits"):
+        TritonAttentionBackend(num_splits=0)
+    with pytest.raises(ValueError, match="out must be"):
+        TritonAttentionBackend().forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale, out=b.q[:, :2])
+    with pytest.raises(ValueError, match="contiguous"):
+        TritonAttentionBackend().forward(b.q, b.k_cache.transpose(1, 2).contiguous().transpose(1, 2),
+                                         b.v_cache, b.meta, b.scale)
+
+
+@pytest.mark.slow
+@slow_full
+def test_full_matrix_decode(case):
+    run_decode(case, splits=1, seed=7)
+    run_decode(case, splits=5, seed=8)
+
+
+@pytest.mark.slow
+@slow_full
+def test_full_matrix_extend(case):
+    run_extend(case, seed=9)

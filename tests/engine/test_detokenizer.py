@@ -1,0 +1,134 @@
+"""Incremental detokenization on the real SmolLM2 tokenizer: equals the full decode, never splits a character."""
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.detokenizer import IncrementalDetokenizer
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TEXTS = [
+    "Hello, world! This is a plain ASCII sentence.",
+    "Emoji: 🎉🚀 family 👨‍👩‍👧‍👦 flags 🇫🇷🇯🇵 and skin tones 👍🏽.",
+    "中文测试：你好，世界！日本語のテキストも。한국어도 있습니다.",
+    "Combining marks: e\u0301 a\u0308 n\u0303 Z\u0351\u0327a\u0310lg\u0334o and Devanagari नमस्ते.",
+    "Math ∀x∈ℝ: x² ≥ 0, arrows ⟶ ⇒, box drawing ┌─┐, and a zero-width joiner a\u200db.",
+    "  leading spaces,\ttabs,\nnewlines\n\n and trailing spaces   ",
+    "Mixed: Ελληνικά, кириллица, עברית, العربية, ไทย, 🧪 test ✔️.",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from engine.tokenizer import load_tokenizer
+    return load_tokenizer("smollm2")
+
+
+def stream(tok, prompt_ids, output_ids, skip=True, chunk=1):
+    detok = IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens=skip)
+    pieces = [detok.add(output_ids[i:i + chunk]) for i in range(0, len(output_ids), chunk)]
+    return pieces, detok.flush()
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("prompt", ["", "Answer:", "Say something in 中文 🎉"])
+def test_incremental_equals_full_decode_and_never_breaks_a_character(tok, text, prompt):
+    prompt_ids, out = tok.encode(prompt), tok.encode(text)
+    pieces, tail = stream(tok, prompt_ids, out)
+    assert "".join(pieces) + tail == tok.decode(out, skip_special_tokens=True) == text
+    assert tail == ""
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_a_character_split_over_tokens_is_held_until_complete(tok):
+    out = tok.encode(" 🎉 ok")
+    singles = [tok.decode([t]) for t in out]
+    assert sum("\ufffd" in s for s in singles) >= 2  # the emoji's bytes really are spread over tokens
+    pieces, _ = stream(tok, [], out)
+    emitted_at = [i for i, p in enumerate(pieces) if "🎉" in p]
+    assert len(emitted_at) == 1 and all(p == "" for p in pieces[1:emitted_at[0]])
+
+
+def test_chunks_of_several_tokens(tok):
+    out = tok.encode(TEXTS[1] + TEXTS[2])
+    for chunk in (2, 3, 7):
+        pieces, tail = stream(tok, tok.encode("Hi"), out, chunk=chunk)
+        assert "".join(pieces) + tail == TEXTS[1] + TEXTS[2]
+
+
+def test_output_cut_inside_a_character_is_flushed_at_the_end(tok):
+    out = tok.encode("ab 🎉")
+    cut = out[:-1]  # the last byte of the emoji is missing
+    pieces, tail = stream(tok, [], cut)
+    assert "\ufffd" not in "".join(pieces)
+    assert "".join(pieces) + tail == tok.decode(cut)
+    assert tail.endswith("\ufffd")
+
+
+def test_prompt_ending_inside_a_character(tok):
+    ids = tok.encode("x 🎉 done")
+    split = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))
+    pieces, tail = stream(tok, ids[:split], ids[split:])
+    assert "".join(pieces) + tail == tok.decode(ids[split:])
+
+
+def test_special_tokens_skipped_or_kept(tok):
+    chat = tok.encode("<|im_start|>assistant\nHi 世界<|im_end|>\n<|im_end|>")
+    assert tok.eos_token_id in chat
+    for skip in (True, False):
+        pieces, tail = stream(tok, [], chat, skip=skip)
+        assert "".join(pieces) + tail == tok.decode(chat, skip_special_tokens=skip)
+    assert "<|im_end|>" not in "".join(stream(tok, [], chat, skip=True)[0])
+
+
+class CountingTokenizer:
+    """Wraps a tokenizer and records the longest id list it was asked to decode."""
+
+    def __init__(self, tok):
+        self.tok, self.longest, self.calls = tok, 0, 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.longest = max(self.longest, len(ids))
+        self.calls += 1
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_work_per_token_does_not_grow_with_length(tok):
+    counting = CountingTokenizer(tok)
+    out = tok.encode(" ".join(TEXTS) * 20)
+    out += [tok.eos_token_id] * 300  # ignore_eos runs: skipped special tokens must not pile up either
+    out += tok.encode(" the end")
+    assert len(out) > 2000
+    pieces, tail = stream(counting, tok.encode("Prompt " * 100), out)
+    assert "".join(pieces) + tail == tok.decode(out, skip_special_tokens=True)
+    assert counting.longest <= 16
+    assert counting.calls <= 2 * len(out) + 3
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_token_streams_match_the_full_decode(tok, data):
+    """Any token ids at all (split bytes, stray continuation bytes, special tokens) in any chunking."""
+    vocab = tok.vocab_size
+    ids = st.integers(0, vocab - 1)
+    prompt = data.draw(st.lists(ids, max_size=8))
+    out = data.draw(st.lists(st.one_of(ids, st.integers(0, 2), st.integers(216, 300)), max_size=40))
+    skip = data.draw(st.booleans())
+    chunk = data.draw(st.integers(1, 4))
+    pieces, tail = stream(tok, prompt, out, skip=skip, chunk=chunk)
+    assert "".join(pieces) + tail == tok.decode(out, skip_special_tokens=skip)
+    assert not any(p.endswith("\ufffd") for p in pieces)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(max_size=40), prompt=st.text(max_size=20))
+def test_random_text_round_trips_without_replacement_characters(tok, text, prompt):
+    out = tok.encode(text)
+    pieces, tail = stream(tok, tok.encode(prompt), out)
+    assert "".join(pieces) + tail == tok.decode(out)
+    if "\ufffd" not in text and tok.decode(out) == text:
+        assert not any("\ufffd" in p for p in pieces) and tail == ""

@@ -1,0 +1,258 @@
+"""Sampler: exact kept sets on hand-built logits, penalties by hand, seeds across batch compositions."""
+
+import math
+
+import pytest
+import torch
+
+from engine.sampler import Sampler, SamplerOutput, check_token_ids, seeded_uniform
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sequence import Sequence
+
+NEG = float("-inf")
+
+
+def seq(prompt=(1, 2, 3), output=(), **params) -> Sequence:
+    s = Sequence("r", list(prompt), SamplingParams(**params))
+    for t in output:
+        s.append_token(t)
+    return s
+
+
+def sampled_set(logits_row, draws=3000, eos=None, **params) -> set[int]:
+    """Every token a sampling row produced over `draws` identical rows (one batched call)."""
+    logits = torch.tensor([logits_row], dtype=torch.float32).repeat(draws, 1)
+    out = Sampler(seed=1)(logits, [seq(**params) for _ in range(draws)], eos)
+    return set(out.token_ids)
+
+
+def test_greedy_is_argmax_and_leaves_logits_alone():
+    logits = torch.tensor([[0.1, 3.0, -1.0, 2.9], [5.0, 0.0, 0.0, 0.0], [-3.0, -2.0, -1.0, -1.5]])
+    before = logits.clone()
+    out = Sampler()(logits, [seq(temperature=0.0) for _ in range(3)])
+    assert isinstance(out, SamplerOutput)
+    assert out.token_ids == [1, 0, 2]
+    assert out.logprobs == [None, None, None]
+    assert torch.equal(logits, before)
+
+
+def test_greedy_rows_mixed_with_sampling_rows_stay_argmax():
+    logits = torch.tensor([[0.0, 1.0, 0.5, 0.2]] * 6)
+    seqs = [seq(temperature=0.0) if i % 2 == 0 else seq(temperature=1.0) for i in range(6)]
+    for _ in range(20):
+        out = Sampler()(logits, seqs)
+        assert out.token_ids[0::2] == [1, 1, 1]
+
+
+def test_temperature_sampling_can_reach_every_token():
+    assert sampled_set([0.0, 0.5, 1.0, -0.5, 0.2], temperature=1.0) == {0, 1, 2, 3, 4}
+
+
+def test_negligible_temperature_is_greedy():
+    assert sampled_set([0.0, 0.5, 1.0, 0.99], draws=500, temperature=1e-6) == {2}
+
+
+def test_top_k_keeps_exactly_the_k_best():
+    row = [0.3, 2.0, -1.0, 1.5, 0.9, 1.4, 0.0]
+    assert sampled_set(row, top_k=1) == {1}
+    assert sampled_set(row, top_k=3) == {1, 3, 5}
+    assert sampled_set(row, top_k=-1) == set(range(7))
+    assert sampled_set(row, top_k=100) == set(range(7))
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = [0.05, 0.4, 0.3, 0.15, 0.1]
+    row = [math.log(p) for p in probs]
+    assert sampled_set(row, top_p=0.35) == {1}
+    assert sampled_set(row, top_p=0.65) == {1, 2}
+    assert sampled_set(row, top_p=0.75) == {1, 2, 3}
+    assert sampled_set(row, top_p=0.9) == {1, 2, 3, 4}
+    assert sampled_set(row, top_p=0.97) == {0, 1, 2, 3, 4}
+
+
+def test_top_p_renormalizes_after_top_k():
+    row = [math.log(p) for p in [0.05, 0.4, 0.3, 0.15, 0.1]]
+    # top-k 2 leaves {1: 0.4/0.7 = 0.57, 2: 0.3/0.7}: token 1 alone reaches 0.55 but not 0.6
+    assert sampled_set(row, top_k=2, top_p=0.55) == {1}
+    assert sampled_set(row, top_k=2, top_p=0.6) == {1, 2}
+
+
+def test_min_p_keeps_tokens_at_least_min_p_of_the_best():
+    row = [math.log(p) for p in [0.5, 0.2, 0.26, 0.04]]
+    assert sampled_set(row, min_p=0.5) == {0, 2}
+    assert sampled_set(row, min_p=0.3) == {0, 1, 2}
+    assert sampled_set(row, min_p=1.0) == {0}
+
+
+def test_temperature_sharpens_before_min_p():
+    # probabilities 0.5 and 0.3 (ratio 0.6); at temperature 0.5 the ratio becomes 0.36 < min_p 0.5
+    row = [math.log(0.5), math.log(0.3), math.log(0.2)]
+    assert sampled_set(row, min_p=0.5) == {0, 1}
+    assert sampled_set(row, min_p=0.5, temperature=0.5) == {0}
+
+
+def test_top_p_on_a_flat_large_vocabulary():
+    """The kept set extends far beyond the first candidates: still exact."""
+    vocab = 5000
+    logits = torch.zeros(1, vocab)
+    logits[0, :10] = 2.0  # 10 strong tokens, the rest flat
+    mass_strong = 10 * math.e ** 2 / (10 * math.e ** 2 + vocab - 10)
+    top_p = mass_strong + 700.5 / (10 * math.e ** 2 + vocab - 10)  # + 700.5 flat tokens' mass
+    seqs = [seq(top_p=top_p) for _ in range(400)]
+    allowed = set()
+    from engine.sampler import _top_k_top_p
+    kept = _top_k_top_p(logits, [vocab], [top_p])[0]
+    allowed = set(torch.nonzero(kept > NEG).flatten().tolist())
+    assert len(allowed) == 10 + 701
+    assert set(range(10)) <= allowed
+    out = Sampler(seed=3)(logits.repeat(400, 1), seqs)
+    assert set(out.token_ids) <= allowed
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.1, 0.6, 0.05, 0.25])
+    n = 20000
+    out = Sampler(seed=7)(probs.log().repeat(n, 1), [seq() for _ in range(n)])
+    freq = torch.bincount(torch.tensor(out.token_ids), minlength=4).float() / n
+    assert torch.allclose(freq, probs, atol=0.015), freq
+
+
+def test_repetition_penalty_matches_hand_computation():
+    logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 1.0, 3.0]])
+    s = seq(prompt=[0, 1], output=[2], repetition_penalty=2.0, temperature=0.0, logprobs=5)
+    from engine.sampler import _process
+    x = _process(logits, [s], [s.params], ())
+    assert x.tolist() == [[1.0, -2.0, 0.25, -0.5, 1.0, 3.0]]
+    assert logits.tolist() == [[2.0, -1.0, 0.5, -0.5, 1.0, 3.0]]
+
+
+def test_repetition_penalty_agrees_with_hugging_face():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g)
+    seqs = [seq(prompt=[1, 5, 7, 7], output=[9, 1], repetition_penalty=1.3),
+            seq(prompt=[40, 2], output=[], repetition_penalty=0.7),
+            seq(prompt=[3], output=[3, 3, 49], repetition_penalty=1.0)]
+    from engine.sampler import _process
+    x = _process(logits, seqs, [s.params for s in seqs], ())
+    for i, s in enumerate(seqs):
+        ref = RepetitionPenaltyLogitsProcessor(s.params.repetition_penalty)(
+            torch.tensor([s.token_ids]), logits[i:i + 1].clone())
+        assert torch.allclose(x[i:i + 1], ref), i
+
+
+def test_frequency_and_presence_penalties_match_hand_computation():
+    logits = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0]])
+    s = seq(prompt=[4, 4, 4], output=[0, 0, 0, 2], frequency_penalty=0.5, presence_penalty=0.25)
+    from engine.sampler import _process
+    x = _process(logits, [s], [s.params], ())
+    # token 0: 1 - 0.5*3 - 0.25 = -0.75; token 2: 1 - 0.5 - 0.25 = 0.25; prompt-only token 4 untouched
+    assert x.tolist() == [[-0.75, 1.0, 0.25, 1.0, 1.0]]
+
+
+def test_negative_presence_penalty_encourages_repeats():
+    logits = torch.tensor([[1.0, 1.2]])
+    s = seq(output=[0], presence_penalty=-0.5, temperature=0.0)
+    assert Sampler()(logits, [s]).token_ids == [0]
+
+
+def test_penalties_apply_only_to_their_rows():
+    logits = torch.tensor([[3.0, 2.0, 1.0]] * 2)
+    seqs = [seq(output=[0], frequency_penalty=2.0, temperature=0.0), seq(output=[0], temperature=0.0)]
+    assert Sampler()(logits, seqs).token_ids == [1, 0]
+
+
+def test_logit_bias_shifts_logits():
+    logits = torch.tensor([[1.0, 2.0, 0.0], [1.0, 2.0, 0.0]])
+    seqs = [seq(temperature=0.0, logit_bias={0: 1.5}), seq(temperature=0.0, logit_bias={1: -100.0, 2: 0.5})]
+    assert Sampler()(logits, seqs).token_ids == [0, 0]
+    assert sampled_set([0.0, 0.0, 0.0], draws=500, logit_bias={1: -100.0, 2: -100.0}) == {0}
+
+
+def test_logit_bias_out_of_vocabulary_is_a_clear_error_at_admission():
+    with pytest.raises(SamplingParamsError) as e:
+        check_token_ids(SamplingParams(logit_bias={70000: 1.0}), 49152)
+    assert e.value.param == "logit_bias" and "70000" in str(e.value)
+    with pytest.raises(SamplingParamsError) as e:
+        check_token_ids(SamplingParams(stop_token_ids=[49152]), 49152)
+    assert e.value.param == "stop_token_ids"
+    check_token_ids(SamplingParams(logit_bias={49151: 1.0}, stop_token_ids=[0]), 49152)
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0, 1.0]])  # eos=1, stop token 2 are the best two
+    params = dict(temperature=0.0, min_tokens=2, stop_token_ids=[2])
+    assert Sampler()(logits, [seq(output=[], **params)], eos_token_id=1).token_ids == [3]
+    assert Sampler()(logits, [seq(output=[4], **params)], eos_token_id=1).token_ids == [3]
+    assert Sampler()(logits, [seq(output=[4, 4], **params)], eos_token_id=1).token_ids == [1]
+    # several EOS ids (Llama 3 lists more than one)
+    assert Sampler()(logits, [seq(output=[], **params)], eos_token_id=[1, 3]).token_ids == [4]
+    # sampling rows never draw a masked token either
+    assert sampled_set([0.0, 5.0, 4.0, 3.0, 1.0], draws=500, eos=1, min_tokens=1,
+                       stop_token_ids=[2, 3]) == {0, 4}
+
+
+def test_ignore_eos_does_not_mask_eos():
+    logits = torch.tensor([[0.0, 5.0, 4.0]])
+    s = seq(temperature=0.0, min_tokens=3, ignore_eos=True)
+    assert Sampler()(logits, [s], eos_token_id=1).token_ids == [1]
+
+
+def test_logprobs_are_the_raw_log_softmax():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 40, generator=g) * 3
+    seqs = [seq(temperature=0.7, top_k=5, repetition_penalty=1.5, logprobs=3, seed=1),
+            seq(temperature=0.0, logprobs=0), seq(temperature=0.0)]
+    out = Sampler()(logits, seqs)
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    lp0, lp1 = out.logprobs[0], out.logprobs[1]
+    assert out.logprobs[2] is None
+    assert lp0.token_id == out.token_ids[0]
+    assert abs(lp0.logprob - ref[0, lp0.token_id].item()) < 1e-5
+    best = ref[0].topk(3)
+    assert [t for t, _ in lp0.top] == best.indices.tolist()
+    assert all(abs(v - r) < 1e-5 for (_, v), r in zip(lp0.top, best.values.tolist(), strict=True))
+    assert lp1.top == [] and lp1.token_id == int(ref[1].argmax())
+    assert abs(lp1.logprob - ref[1].max().item()) < 1e-5
+
+
+def test_seeded_rows_reproduce_across_batches_and_orders():
+    g = torch.Generator().manual_seed(2)
+    rows = torch.randn(5, 300, generator=g)
+    params = [SamplingParams(temperature=1.0, seed=11), SamplingParams(temperature=0.8, top_p=0.9, seed=12),
+              SamplingParams(temperature=1.2, top_k=40, seed=11), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=1.0, min_p=0.05, seed=99)]
+
+    def run(order, steps=30):
+        seqs = {i: Sequence(f"r{i}", [1, 2], params[i], index=i % 2) for i in order}
+        got = {i: [] for i in order}
+        sampler = Sampler()
+        for _ in range(steps):
+            out = sampler(rows[list(order)], [seqs[i] for i in order])
+            for i, t in zip(order, out.token_ids, strict=True):
+                seqs[i].append_token(t)
+                got[i].append(t)
+        return got
+
+    alone = {i: run([i])[i] for i in (0, 1, 2, 4)}
+    together = run([4, 3, 2, 1, 0])
+    shuffled = run([1, 3, 0, 4, 2])
+    for i in (0, 1, 2, 4):
+        assert together[i] == alone[i] == shuffled[i], i
+    assert alone[0] != alone[2]  # same seed, other index (n > 1 children differ)
+    assert len(set(alone[0])) > 5
+
+
+def test_seeded_draws_follow_the_distribution():
+    # one seeded request over many positions: uniforms are spread, so frequencies match the probabilities
+    us = [seeded_uniform(1234, 0, pos) for pos in range(20000)]
+    assert all(0.0 <= u < 1.0 for u in us)
+    hist = torch.histc(torch.tensor(us), bins=10, min=0.0, max=1.0) / len(us)
+    assert torch.allclose(hist, torch.full((10,), 0.1), atol=0.01)
+    assert seeded_uniform(1234, 0, 5) == seeded_uniform(1234, 0, 5) != seeded_uniform(1234, 1, 5)
+    assert seeded_uniform(-1, 0, 0) != seeded_uniform(1, 0, 0)
+
+
+def test_bad_logits_shape_is_an_error():
+    with pytest.raises(ValueError, match="logits must be"):
+        Sampler()(torch.zeros(2, 5), [seq()])

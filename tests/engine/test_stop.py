@@ -1,0 +1,244 @@
+"""Stop conditions and stop-string hold-back: exact per-step text on a piece-table tokenizer, then SmolLM2."""
+
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from engine.stop import StopChecker, StopResult
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+EOS, STOP_TOK = 0, 1
+
+
+class PieceTokenizer:
+    """Token id i decodes to PIECES[i]; ids 0 and 1 are special (skipped when asked)."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[i] for i in ids if not (skip_special_tokens and i in (EOS, STOP_TOK)))
+
+    def ids(self, *pieces):
+        return [self.pieces.index(p) for p in pieces]
+
+
+TOK = PieceTokenizer(["</s>", "<stop>", "He", "llo", " wor", "ld", "!", " ", "o", "x", "ab", "c", "END", "\n"])
+
+
+def run(pieces_or_ids, max_model_len=10_000, prompt=(9,), eos=EOS, tok=TOK, **params):
+    """Feed tokens one by one; return (per-step results, checker)."""
+    ids = [t if isinstance(t, int) else tok.pieces.index(t) for t in pieces_or_ids]
+    seq = Sequence("r", list(prompt), SamplingParams(max_tokens=params.pop("max_tokens", 1000), **params))
+    checker = StopChecker(seq.params, eos, max_model_len,
+                          IncrementalDetokenizer(tok, seq.token_ids, seq.params.skip_special_tokens))
+    results = []
+    for t in ids:
+        seq.append_token(t)
+        results.append(checker.update(seq))
+        if results[-1].finish_reason:
+            break
+    return results, checker
+
+
+def texts(results):
+    return [r.text for r in results]
+
+
+def test_stop_string_spanning_tokens_is_held_back_and_never_emitted():
+    results, checker = run(["He", "llo", " wor", "ld"], stop=["o wo"])
+    assert texts(results) == ["He", "ll", ""]
+    assert results[-1] == StopResult("", "stop", "o wo")
+    assert checker.text == "Hell" and checker.finished
+
+
+def test_include_stop_str_in_output_keeps_it_and_cuts_after_it():
+    results, checker = run(["He", "llo", " wor", "ld"], stop=["o wo"], include_stop_str_in_output=True)
+    assert texts(results) == ["He", "ll", "o wo"]
+    assert checker.text == "Hello wo" and checker.stop_reason == "o wo"
+
+
+def test_held_text_is_released_once_it_cannot_start_a_stop_string():
+    results, checker = run(["He", "llo", "x", " wor", "ld", "!"], stop=["o wo"], max_tokens=6)
+    assert texts(results) == ["He", "ll", "ox", " wor", "ld", "!"]
+    assert results[-1].finish_reason == "length" and results[-1].stop_reason is None
+    assert checker.text == "Hellox world!"
+
+
+def test_partial_stop_string_at_the_end_is_emitted_when_the_length_runs_out():
+    results, checker = run(["He", "llo", " wor"], stop=["world peace"], max_tokens=3)
+    assert texts(results) == ["He", "llo", " wor"]
+    assert checker.text == "Hello wor" and checker.finish_reason == "length"
+
+
+def test_earliest_stop_string_wins_within_one_token():
+    results, checker = run(["He", "llo", " wor", "ld"], stop=["ld", "llo w", "wor"])
+    assert checker.text == "He" and checker.stop_reason == "llo w"
+
+
+def test_stop_string_inside_a_single_token_cuts_it():
+    results, checker = run(["ab", "c", "ab"], stop=["b"])
+    assert texts(results) == ["a"] and checker.stop_reason == "b"
+
+
+def test_repeated_prefix_characters_hold_back_the_longest_candidate():
+    results, checker = run(["ab", "ab", "ab", "c"], stop=["ababc"])
+    assert texts(results) == ["", "", "ab", ""]
+    assert checker.text == "ab" and checker.stop_reason == "ababc"
+
+
+def test_eos_stops_without_its_text():
+    results, checker = run(["He", "</s>"], skip_special_tokens=False)
+    assert results[-1] == StopResult("", "stop", None) and checker.text == "He"
+    results, checker = run(["He", "</s>"], skip_special_tokens=False, include_stop_str_in_output=True)
+    assert checker.text == "He</s>"
+
+
+def test_several_eos_ids_and_no_eos():
+    assert run(["He", "END", "!"], eos=[EOS, TOK.pieces.index("END")])[1].text == "He"
+    results, checker = run(["He", "</s>", "!"], eos=None, max_tokens=3)
+    assert checker.finish_reason == "length"
+
+
+def test_ignore_eos_keeps_going():
+    results, checker = run(["He", "</s>", "llo"], ignore_eos=True, max_tokens=3)
+    assert checker.finish_reason == "length" and checker.text == "Hello"
+
+
+def test_stop_token_ids_report_the_token_and_drop_its_text():
+    end = TOK.pieces.index("END")
+    results, checker = run(["He", "llo", "END", "!"], stop_token_ids=[end])
+    assert results[-1] == StopResult("", "stop", end)
+    assert checker.text == "Hello"
+    results, checker = run(["He", "END"], stop_token_ids=[end], include_stop_str_in_output=True)
+    assert checker.text == "HeEND"
+
+
+def test_stop_token_releases_a_held_partial_stop_string():
+    end = TOK.pieces.index("END")
+    results, checker = run(["He", "llo", "END"], stop=["o wo"], stop_token_ids=[end])
+    assert texts(results) == ["He", "ll", "o"] and checker.text == "Hello"
+
+
+def test_min_tokens_delays_every_stop_condition():
+    end = TOK.pieces.index("END")
+    results, checker = run(["He", "</s>", "END", "llo", " wor", "ld", "</s>"], stop=["He"], stop_token_ids=[end],
+                           min_tokens=4)
+    assert checker.text == "HeENDllo world" and checker.finish_reason == "stop" and checker.stop_reason is None
+    assert len(results) == 7
+    # a stop string completed by the min_tokens-th token counts
+    results, checker = run(["He", "llo", " wor"], stop=["lo w"], min_tokens=3)
+    assert checker.text == "Hel" and checker.stop_reason == "lo w"
+
+
+def test_max_tokens_and_max_model_len():
+    results, checker = run(["He", "llo", " wor", "ld"], max_tokens=2)
+    assert len(results) == 2 and results[-1] == StopResult("llo", "length", None)
+    results, checker = run(["He", "llo", " wor", "ld"], prompt=(9, 9, 9), max_model_len=6)
+    assert len(results) == 3 and checker.finish_reason == "length" and checker.text == "Hello wor"
+
+
+def test_stop_string_beats_length_on_the_same_token():
+    results, checker = run(["He", "llo"], stop=["ll"], max_tokens=2)
+    assert checker.finish_reason == "stop" and checker.text == "He"
+
+
+def test_update_after_finishing_returns_nothing_new():
+    seq = Sequence("r", [9], SamplingParams(max_tokens=1))
+    checker = StopChecker(seq.params, EOS, 100, IncrementalDetokenizer(TOK, [9]))
+    seq.append_token(2)
+    assert checker.update(seq) == StopResult("He", "length", None)
+    seq.append_token(3)
+    assert checker.update(seq) == StopResult("", "length", None)
+    assert checker.text == "He"
+
+
+def test_without_a_detokenizer_only_token_conditions_apply():
+    seq = Sequence("r", [9], SamplingParams(stop=["He"], max_tokens=5))
+    checker = StopChecker(seq.params, EOS, 100, None)
+    for t in (2, 3):
+        seq.append_token(t)
+        assert checker.update(seq) == StopResult("")
+    seq.append_token(EOS)
+    assert checker.update(seq) == StopResult("", "stop", None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_streamed_text_is_always_a_prefix_of_the_final_text(data):
+    """Whatever the tokens and stop strings, nothing shown is ever retracted, and the result is exact."""
+    alphabet = "ab c"
+    pieces = data.draw(st.lists(st.text(alphabet, min_size=1, max_size=3), min_size=1, max_size=12))
+    stops = data.draw(st.lists(st.text(alphabet, min_size=1, max_size=4), max_size=3))
+    include = data.draw(st.booleans())
+    tok = PieceTokenizer(["</s>", "<stop>"] + pieces)
+    results, checker = run(list(range(2, 2 + len(pieces))) + [EOS], tok=tok, prompt=(), stop=stops,
+                           include_stop_str_in_output=include)
+    shown = ""
+    for r in results:
+        shown += r.text
+        assert checker.text.startswith(shown)
+    assert shown == checker.text
+    full = "".join(pieces)
+    # reference: the first token that completes a stop string; within it, the earliest-starting one
+    ends = [len("".join(pieces[:i + 1])) for i in range(len(pieces))]
+    hits = [(next(i for i, e in enumerate(ends) if at + len(s) <= e), at, j)
+            for j, s in enumerate(stops) for at in range(len(full)) if full.startswith(s, at)]
+    if hits:
+        _, at, j = min(hits)
+        s = stops[j]
+        assert checker.finish_reason == "stop" and checker.stop_reason == s
+        assert checker.text == (full[:at + len(s)] if include else full[:at])
+    else:  # the EOS after the last piece releases whatever was held back
+        assert checker.stop_reason is None and len(results) == len(pieces) + 1
+        assert checker.text == full
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from engine.tokenizer import load_tokenizer
+    return load_tokenizer("smollm2")
+
+
+def run_real(tok, text, **params):
+    seq = Sequence("r", tok.encode("Q: "), SamplingParams(max_tokens=params.pop("max_tokens", 1000), **params))
+    checker = StopChecker(seq.params, tok.eos_token_id, 10_000,
+                          IncrementalDetokenizer(tok, seq.token_ids, seq.params.skip_special_tokens))
+    results = []
+    for t in tok.encode(text):
+        seq.append_token(t)
+        results.append(checker.update(seq))
+        if results[-1].finish_reason:
+            break
+    return results, checker
+
+
+@pytest.mark.parametrize("text,stop,expected", [
+    ("Hello 世界 and more text", "世界", "Hello "),
+    ("The answer is 42.\nUser: next question", "\nUser:", "The answer is 42."),
+    ("emoji 🎉🎉 party", "🎉 p", "emoji 🎉"),
+    ("no stop here at all", "zzz", "no stop here at all"),
+    ("combining e\u0301 mark", "\u0301 m", "combining e"),
+])
+def test_real_tokenizer_stop_strings(tok, text, stop, expected):
+    results, checker = run_real(tok, text, stop=[stop], max_tokens=len(tok.encode(text)))
+    assert checker.text == expected
+    assert "".join(r.text for r in results) == expected
+    assert not any("\ufffd" in r.text for r in results)
+    shown = ""
+    for r in results:  # no prefix of the stop string is ever shown before the stop is known
+        shown += r.text
+        assert expected.startswith(shown)
+    if stop in text:
+        assert checker.stop_reason == stop
+
+
+def test_real_tokenizer_eos_in_chat_output(tok):
+    results, checker = run_real(tok, "Sure! 👍<|im_end|>ignored", skip_special_tokens=False)
+    assert checker.text == "Sure! 👍" and checker.finish_reason == "stop" and checker.stop_reason is None

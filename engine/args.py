@@ -81,7 +81,15 @@ class EngineArgs:
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:
         """Build from parsed arguments (flags added by add_cli_args); unknown attributes are ignored."""
-        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+        values = {f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)}
+        names = values.get("served_model_name")
+        if isinstance(names, (list, tuple)):  # --served-model-name takes one or more names; the first is primary
+            values["served_model_name"] = names[0] if names else None
+        return cls(**values)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        return add_cli_args(parser)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -89,7 +97,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=d.model,
                    help="bundled model name (smollm2), Hugging Face model directory, or .gguf file")
-    g.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use; the first is reported (default: --model)")
     g.add_argument("--dtype", default=d.dtype, choices=DTYPE_CHOICES,
                    help="weights and KV cache dtype; auto = bf16 on GPUs and CPUs with native bf16, else float32")
     g.add_argument("--device", default=d.device, choices=DEVICE_CHOICES, help="auto = cuda if available")

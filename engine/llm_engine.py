@@ -1,0 +1,251 @@
+"""The engine loop: schedule → run the model → sample → update the sequences.
+
+`LLMEngine(EngineArgs)` loads the model, sizes the KV cache and owns the scheduler. `add_request`
+queues a prompt; every `step()` runs one batch and returns a RequestOutput (cumulative text and tokens)
+for each request that produced tokens or finished. A request with n > 1 runs as one sequence until its
+prompt is prefilled, then forks into n sequences that share the prompt's blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from engine.args import EngineArgs, EngineArgsError
+from engine.attention import get_attention_backend
+from engine.config import CacheConfig, SchedulerConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv.events import KVEvent
+from engine.kv.manager import KVCacheManager
+from engine.model.llama import ModelConfig
+from engine.model.loader import load_hf_config, load_model, resolve_dtype
+from engine.model.registry import resolve_model
+from engine.model_runner import ModelRunner, num_blocks_for_memory
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from engine.sampler import Sampler, check_token_ids
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+from engine.stop import StopChecker
+from engine.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_GIB = 2.0
+_FINISH_STATUS = {"stop": SequenceStatus.FINISHED_STOPPED, "length": SequenceStatus.FINISHED_LENGTH}
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    kv_usage: float
+    num_running: int
+    num_waiting: int
+    num_total_blocks: int
+    block_size: int
+    prefix_queries_tokens: int
+    prefix_hits_tokens: int
+    num_preemptions: int
+    alloc_failures: int
+    evictions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    kv_events_published: int = 0
+
+
+class _Request:
+    """What the engine tracks for one request across its n completions."""
+
+    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, seq: Sequence):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.seqs: list[Sequence] = [seq]  # by completion index, n of them after the fork
+        self.checkers: dict[int, StopChecker] = {}
+        self.logprobs: dict[int, list[TokenLogprob]] = {}
+        self.metrics = RequestMetrics(arrival_time=seq.arrival_time)
+        self.aborted = False
+
+    @property
+    def finished(self) -> bool:
+        return self.aborted or (len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs))
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        threads = args.num_threads or len(os.sched_getaffinity(0))
+        torch.set_num_threads(threads)
+        self.device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                                   else ("cpu" if args.device == "auto" else args.device))
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise EngineArgsError("--device", "cuda was asked for but no CUDA device is available")
+        self.source = resolve_model(args.model)
+        self.model_name = args.model_name
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        config = ModelConfig.from_hf(load_hf_config(self.source))
+        self.max_model_len = args.max_model_len or config.max_position_embeddings
+        rope_type = config.rope_parameters.get("rope_type", config.rope_parameters.get("type", "default"))
+        if self.max_model_len > config.max_position_embeddings and rope_type == "default":
+            raise EngineArgsError("--max-model-len", f"{self.max_model_len} exceeds the model's context length "
+                                                     f"({config.max_position_embeddings})")
+        self.model, self.hf_config = load_model(self.source, self.dtype, self.device, self.max_model_len)
+        self.config = self.model.config
+        self.tokenizer = load_tokenizer(self.source)
+        self.eos_token_ids = self.tokenizer.eos_token_ids
+        self.block_size = args.block_size
+        self.hash_seed = args.hash_seed
+        num_blocks = args.num_blocks or self._blocks_from_memory()
+        self.kv = KVCacheManager(CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching, args.hash_seed))
+        self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs,
+                                                   self.max_model_len), self.kv)
+        backend = get_attention_backend(args.attention_backend, self.device)
+        self.runner = ModelRunner(self.model, backend, num_blocks, args.block_size, self.device)
+        self.sampler = Sampler(seed=args.seed)
+        self.requests: dict[str, _Request] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        logger.info("engine ready: %s (%s, %s), max_model_len %d, %d KV blocks of %d tokens, %d threads",
+                    self.source.path, self.dtype, self.device, self.max_model_len, num_blocks, args.block_size, threads)
+
+    def _blocks_from_memory(self) -> int:
+        gib = self.args.kv_cache_memory
+        if gib is None:
+            gib = DEFAULT_CPU_KV_GIB
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                gib = 0.9 * free / (1 << 30)
+        n = num_blocks_for_memory(self.model.config, self.dtype, self.args.block_size, gib)
+        if n < 1:
+            raise EngineArgsError("--kv-cache-memory", f"{gib} GiB holds no KV block of {self.args.block_size} tokens")
+        return n
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams | None = None,
+                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request; raises RequestTooLongError / SamplingParamsError / ValueError if it can never run."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError("the prompt must contain at least one token")
+        bad = next((t for t in prompt if not 0 <= t < self.config.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {self.config.vocab_size})")
+        check_token_ids(params, self.config.vocab_size)
+        seq = Sequence(request_id, prompt, params, cache_salt, arrival_time=arrival_time)
+        self.scheduler.add(seq)
+        req = self.requests[request_id] = _Request(request_id, prompt, params, seq)
+        self._track(req, seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request in any state and free its blocks; its final output (finish_reason "abort")."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.abort(request_id)
+        req.aborted = True
+        req.metrics.finished_time = time.monotonic()
+        return self._output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        logits, seqs = self.runner.execute(out.scheduled, out.blocks_to_copy)
+        self.scheduler.on_step_done(out)
+        logits, seqs = self._fork(logits, seqs)
+        sampled = self.sampler(logits, seqs, self.eos_token_ids) if seqs else None
+        return self._update(seqs, sampled) if seqs else []
+
+    def _fork(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Parents of n > 1 requests that just finished their prompt fork; each child samples the same row."""
+        rows = list(range(len(seqs)))
+        extra_seqs: list[Sequence] = []
+        for i, seq in enumerate(seqs):
+            if seq.params.n > 1 and seq.index == 0 and seq.num_output_tokens == 0:
+                req = self.requests[seq.request_id]
+                if len(req.seqs) == 1:
+                    children = self.scheduler.fork(seq, seq.params.n - 1)
+                    for child in children:
+                        req.seqs.append(child)
+                        self._track(req, child)
+                    extra_seqs.extend(children)
+                    rows.extend([i] * len(children))
+        if not extra_seqs:
+            return logits, seqs
+        return logits[torch.tensor(rows, device=logits.device)], seqs + extra_seqs
+
+    def _update(self, seqs: list[Sequence], sampled) -> list[RequestOutput]:
+        now = time.monotonic()
+        touched: dict[str, _Request] = {}
+        for seq, tok, lp in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
+            if seq.is_finished:
+                continue
+            req = self.requests[seq.request_id]
+            seq.append_token(tok)
+            self.generation_tokens_total += 1
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+                req.metrics.first_scheduled_time = seq.first_scheduled_time
+                self.prompt_tokens_total += len(req.prompt)
+            if lp is not None:
+                req.logprobs[seq.index].append(lp)
+            res = req.checkers[seq.index].update(seq)
+            if res.finish_reason is not None:
+                self.scheduler.finish(seq, _FINISH_STATUS[res.finish_reason])
+            touched[req.request_id] = req
+        outputs = []
+        for req in touched.values():
+            req.metrics.last_token_time = now
+            if req.finished:
+                req.metrics.finished_time = now
+                del self.requests[req.request_id]
+            outputs.append(self._output(req))
+        return outputs
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _track(self, req: _Request, seq: Sequence) -> None:
+        p = seq.params
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt, p.skip_special_tokens)
+        req.checkers[seq.index] = StopChecker(p, self.eos_token_ids, self.max_model_len, detok)
+        if p.logprobs is not None:
+            req.logprobs[seq.index] = []  # children fork before the first token: nothing to share
+
+    def _output(self, req: _Request) -> RequestOutput:
+        comps = []
+        for seq in req.seqs:
+            checker = req.checkers[seq.index]
+            reason = checker.finish_reason or ("abort" if req.aborted else None)
+            comps.append(CompletionOutput(
+                index=seq.index, text=checker.text, token_ids=seq.output_token_ids,
+                logprobs=list(req.logprobs[seq.index]) if seq.index in req.logprobs else None,
+                finish_reason=reason, stop_reason=checker.stop_reason))
+        return RequestOutput(req.request_id, req.prompt, comps, finished=req.finished,
+                             num_cached_tokens=req.seqs[0].num_cached_tokens, metrics=req.metrics)
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        return self.kv.drain_events()
+
+    def stats(self) -> EngineStats:
+        kv = self.kv
+        return EngineStats(
+            kv_usage=kv.usage, num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            num_total_blocks=kv.num_blocks, block_size=kv.block_size,
+            prefix_queries_tokens=kv.prefix_queries_tokens, prefix_hits_tokens=kv.prefix_hits_tokens,
+            num_preemptions=kv.num_preemptions, alloc_failures=kv.alloc_failures, evictions=kv.evictions,
+            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total)

@@ -85,7 +85,7 @@ def test_preemption_under_a_tiny_pool_gives_the_same_tokens():
     assert reference.sched.num_preemptions == 0
     assert tiny.sched.num_preemptions > 0 and no_cache.sched.num_preemptions > 0
     assert tiny.outputs_by_seq() == reference.outputs_by_seq() == no_cache.outputs_by_seq()
-    assert all(len(v) == mt for v, (_, _, mt) in zip(reference.outputs_by_seq().values(), trace))
+    assert all(len(v) == mt for v, (_, _, mt) in zip(reference.outputs_by_seq().values(), trace, strict=True))
     assert tiny.kv.alloc_failures > 0 and tiny.kv.pool.num_used_blocks == 0
 
 

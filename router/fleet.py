@@ -157,14 +157,15 @@ class Fleet:
         cached = self.predict_cached(prep, urls) if cfg.policy in ("kv", "approx-prefix") else {}
         views = [self.replicas[u].view(now, cfg.scrape_stale_s, cached.get(u, 0), u in excluded) for u in urls]
         req = RouteRequest(prep.num_prompt_tokens, prep.session_key)
-        if cfg.policy in ("kv", "approx-prefix"):
-            return choose_by_cache(views, req, cfg.scoring, self.ring)
-        if cfg.policy == "session":
-            return choose_session(views, req, cfg.scoring, self.ring)
-        if cfg.policy == "least-load":
-            return choose_least_load(views, req, cfg.scoring)
         self._rr += 1
-        return choose_round_robin(views, req, cfg.scoring, self._rr - 1)
+        turn = self._rr - 1  # rotates ties (and round-robin)
+        if cfg.policy in ("kv", "approx-prefix"):
+            return choose_by_cache(views, req, cfg.scoring, self.ring, turn)
+        if cfg.policy == "session":
+            return choose_session(views, req, cfg.scoring, self.ring, turn)
+        if cfg.policy == "least-load":
+            return choose_least_load(views, req, cfg.scoring, turn)
+        return choose_round_robin(views, req, cfg.scoring, turn)
 
     def record_routed(self, url: str, prep: PreparedRequest) -> None:
         """Remember where the request went, for the approximate index."""

@@ -100,48 +100,57 @@ def _pool(views: Sequence[ReplicaView], cfg: ScoringConfig) -> tuple[list[int], 
     return (fine, False) if fine else (routable, True)
 
 
-def _least_load(views: Sequence[ReplicaView], loads: list[Load], idx: list[int]) -> int:
-    return min(idx, key=lambda i: (loads[i].queued, loads[i].kv_usage, views[i].inflight, i))
+def _pick(idx: list[int], key, tiebreak: int) -> int:
+    """The index with the lowest key; equal keys rotate with `tiebreak` so equal replicas share the work."""
+    keys = {i: key(i) for i in idx}
+    best = min(keys.values())
+    tied = [i for i in idx if keys[i] == best]
+    return tied[tiebreak % len(tied)]
+
+
+def _least_load(views: Sequence[ReplicaView], loads: list[Load], idx: list[int], tiebreak: int = 0) -> int:
+    return _pick(idx, lambda i: (loads[i].queued, loads[i].kv_usage, views[i].inflight), tiebreak)
 
 
 def choose_by_cache(views: Sequence[ReplicaView], req: RouteRequest, cfg: ScoringConfig,
-                    ring: HashRing | None = None) -> Decision | None:
+                    ring: HashRing | None = None, tiebreak: int = 0) -> Decision | None:
     """`kv` / `approx-prefix`: lowest cost among non-overloaded replicas; no cache signal → session or least load."""
     idx, all_overloaded = _pool(views, cfg)
     if not idx:
         return None
     loads = effective_loads(views)
     if all_overloaded:
-        best = min(idx, key=lambda i: (cost(views[i], loads[i], req, cfg), i))
+        best = _pick(idx, lambda i: cost(views[i], loads[i], req, cfg), tiebreak)
         return _decision(views, loads, req, cfg, best, "all-overloaded")
     if any(views[i].cached_tokens > 0 for i in idx):
-        best = min(idx, key=lambda i: (cost(views[i], loads[i], req, cfg), -views[i].cached_tokens, i))
+        best = _pick(idx, lambda i: (cost(views[i], loads[i], req, cfg), -views[i].cached_tokens), tiebreak)
         return _decision(views, loads, req, cfg, best, "cache")
     if req.session_key is not None and ring is not None:
         best = ring.choose(req.session_key, views, loads, idx, cfg.session_load_factor)
         return _decision(views, loads, req, cfg, best, "session")
-    return _decision(views, loads, req, cfg, _least_load(views, loads, idx), "least-load")
+    return _decision(views, loads, req, cfg, _least_load(views, loads, idx, tiebreak), "least-load")
 
 
 def choose_session(views: Sequence[ReplicaView], req: RouteRequest, cfg: ScoringConfig,
-                   ring: HashRing) -> Decision | None:
+                   ring: HashRing, tiebreak: int = 0) -> Decision | None:
     """`session`: consistent hashing with bounded load on the session key; no key → least load."""
     idx, _ = _pool(views, cfg)
     if not idx:
         return None
     loads = effective_loads(views)
     if req.session_key is None:
-        return _decision(views, loads, req, cfg, _least_load(views, loads, idx), "least-load")
+        return _decision(views, loads, req, cfg, _least_load(views, loads, idx, tiebreak), "least-load")
     return _decision(views, loads, req, cfg, ring.choose(req.session_key, views, loads, idx,
                                                          cfg.session_load_factor), "session")
 
 
-def choose_least_load(views: Sequence[ReplicaView], req: RouteRequest, cfg: ScoringConfig) -> Decision | None:
+def choose_least_load(views: Sequence[ReplicaView], req: RouteRequest, cfg: ScoringConfig,
+                      tiebreak: int = 0) -> Decision | None:
     idx = [i for i, v in enumerate(views) if v.routable]
     if not idx:
         return None
     loads = effective_loads(views)
-    return _decision(views, loads, req, cfg, _least_load(views, loads, idx), "least-load")
+    return _decision(views, loads, req, cfg, _least_load(views, loads, idx, tiebreak), "least-load")
 
 
 def choose_round_robin(views: Sequence[ReplicaView], req: RouteRequest, cfg: ScoringConfig,

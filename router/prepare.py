@@ -42,20 +42,20 @@ class PreparedRequest:
 
 def prompt_token_ids(path: str, body: Mapping, tokenizer) -> list[int] | None:
     """The prompt's token ids as the engine will see them, or None when unknown."""
-    if tokenizer is None:
-        return None
     try:
         if path == CHAT_PATH:
             messages = body.get("messages")
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=True) if messages else None
+            if tokenizer is None or not messages:
+                return None
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
+        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]
-        if isinstance(prompt, str):
-            return tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                        for t in prompt):
-            return list(prompt)
+            return list(prompt)  # token ids need no tokenizer
+        if isinstance(prompt, str) and tokenizer is not None:
+            return tokenizer.encode(prompt)
     except (ValueError, TypeError, KeyError):  # TokenizerError is a ValueError
         return None
     return None

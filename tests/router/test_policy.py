@@ -173,3 +173,11 @@ def test_sessions_spread_under_bounded_load():
         d = choose_session(views, RouteRequest(10, f"k{rng.random()}"), CFG, ring)
         load[d.url] += 1
         assert max(load.values()) <= 1.25 * (sum(load.values())) / 3 + 1
+
+
+def test_ties_rotate_so_equal_replicas_share_sequential_traffic():
+    views = [ReplicaView(A), ReplicaView(B), ReplicaView(C, running=1)]
+    picks = [choose_by_cache(views, RouteRequest(100), CFG, tiebreak=k).url for k in range(4)]
+    assert picks == [A, B, A, B]
+    hot = [ReplicaView(A, cached_tokens=64), ReplicaView(B, cached_tokens=64), ReplicaView(C)]
+    assert [choose_by_cache(hot, RouteRequest(100), CFG, tiebreak=k).url for k in range(2)] == [A, B]

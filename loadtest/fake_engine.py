@@ -1,0 +1,250 @@
+"""A fast fake engine: the kvfleet engine's HTTP surface without a model, for router tests and the router
+overhead benchmark.
+
+It speaks the same wire formats (OpenAI chat/completions with SSE streaming and `usage` incl.
+`prompt_tokens_details.cached_tokens`, `/ready`, `/health`, `/metrics` with vLLM names, NDJSON KV events) and
+keeps a real prefix cache index for `/v1/completions` requests whose prompt is a list of token ids (chained
+block hashes from engine/kv/hashing.py), so KV-aware routing can be tested without a model. Behaviour per
+request comes from headers: `x-fake-delay-ms` (before the first byte), `x-fake-chunks`, `x-fake-chunk-delay-ms`,
+`x-fake-break-after` (drop the connection after N chunks), `x-fake-status` (answer with this status).
+Per process: `--fail-status` (every completion answers it), `--no-kv-events` (404, like a third-party engine).
+`GET /fake/stats` reports requests served, cancelled streams and the event sequence; `POST /fake/skip-seq`
+makes the event stream skip a sequence number (to test resync); `POST /fake/clear` clears the cache.
+
+    python -m loadtest.fake_engine --port 8101 --instance-id a
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+
+from engine.kv.hashing import DEFAULT_HASH_SEED, hash_blocks
+
+
+class FakeEngine:
+    def __init__(self, ns: argparse.Namespace):
+        self.ns = ns
+        self.block_size = ns.block_size
+        self.cached: set[int] = set()
+        self.seq = 0
+        self.subscribers: list[asyncio.Queue] = []
+        self.stats = {"requests": 0, "cancelled": 0, "completed": 0, "running": 0}
+        self.ready = True
+
+    # -- KV cache ------------------------------------------------------------------------------------------
+    def _publish(self, event: dict) -> None:
+        self.seq += 1
+        event = {**event, "instance_id": self.ns.instance_id, "seq": self.seq}
+        for q in self.subscribers:
+            q.put_nowait(event)
+
+    def admit(self, tokens: list[int] | None, salt: str | None) -> int:
+        """Cached prompt tokens of this request; stores its full blocks (publishing `stored`)."""
+        if not tokens:
+            return 0
+        bs = self.block_size
+        hashes = hash_blocks(tokens, bs, salt, DEFAULT_HASH_SEED)
+        hit = 0
+        for h in hashes[: (len(tokens) - 1) // bs]:
+            if h not in self.cached:
+                break
+            hit += 1
+        new = [h for h in hashes if h not in self.cached]
+        if new:
+            self.cached.update(new)
+            if not self.ns.no_kv_events:
+                self._publish({"type": "stored", "block_hashes": [f"{h:032x}" for h in new], "parent_hash": None})
+        return hit * bs
+
+    # -- ASGI ----------------------------------------------------------------------------------------------
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        if path in ("/v1/chat/completions", "/v1/completions"):
+            await self.completion(scope, receive, send, path)
+        elif path == "/ready":
+            await _json(send, 200 if self.ready else 503, {"status": "ready" if self.ready else "not ready"})
+        elif path == "/health":
+            await _json(send, 200, {"status": "ok"})
+        elif path == "/metrics":
+            await _send(send, 200, self.metrics().encode(), b"text/plain; version=0.0.4")
+        elif path == "/v1/models":
+            await _json(send, 200, {"object": "list", "data": [{"id": self.ns.model, "object": "model",
+                                                                 "created": 0, "owned_by": "fake"}]})
+        elif path == "/v1/kv/events":
+            await self.kv_events(receive, send)
+        elif path == "/fake/stats":
+            await _json(send, 200, {**self.stats, "seq": self.seq, "cached_blocks": len(self.cached)})
+        elif path == "/fake/skip-seq":
+            self.seq += 1
+            await _json(send, 200, {"seq": self.seq})
+        elif path == "/fake/clear":
+            self.cached.clear()
+            self._publish({"type": "cleared"})
+            await _json(send, 200, {"seq": self.seq})
+        elif path == "/fake/ready":
+            self.ready = scope["query_string"] != b"0"
+            await _json(send, 200, {"ready": self.ready})
+        else:
+            await _json(send, 404, {"error": {"message": f"no route {path}", "type": "not_found", "code": 404}})
+
+    def metrics(self) -> str:
+        n = self.ns.model
+        return (f'vllm:num_requests_running{{model_name="{n}"}} {self.stats["running"]}\n'
+                f'vllm:num_requests_waiting{{model_name="{n}"}} 0\n'
+                f'vllm:kv_cache_usage_perc{{model_name="{n}"}} 0.0\n')
+
+    async def kv_events(self, receive, send):
+        if self.ns.no_kv_events:
+            await _json(send, 404, {"error": {"message": "no KV events here", "type": "not_found", "code": 404}})
+            return
+        q: asyncio.Queue = asyncio.Queue()
+        self.subscribers.append(q)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/x-ndjson")]})
+        snap = {"type": "snapshot", "instance_id": self.ns.instance_id, "seq": self.seq,
+                "block_size": self.block_size, "hash_seed": DEFAULT_HASH_SEED,
+                "block_hashes": [f"{h:032x}" for h in self.cached]}
+        disconnected = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await send({"type": "http.response.body", "body": _line(snap), "more_body": True})
+            while not disconnected.done():
+                try:
+                    ev = await asyncio.wait_for(q.get(), self.ns.heartbeat_s)
+                except asyncio.TimeoutError:
+                    ev = {"type": "heartbeat", "instance_id": self.ns.instance_id, "seq": self.seq}
+                await send({"type": "http.response.body", "body": _line(ev), "more_body": True})
+        except OSError:
+            pass
+        finally:
+            disconnected.cancel()
+            self.subscribers.remove(q)
+
+    async def completion(self, scope, receive, send, path):
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        hdr = {k.decode(): v.decode() for k, v in scope["headers"] if k.startswith(b"x-fake-")}
+        status = int(hdr.get("x-fake-status", self.ns.fail_status or 200))
+        self.stats["requests"] += 1
+        if status != 200:
+            await _json(send, status, {"error": {"message": f"fake failure {status}", "type": "fake", "code": status}})
+            return
+        req = json.loads(body)
+        prompt = req.get("prompt")
+        tokens = prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else None
+        cached = self.admit(tokens, req.get("cache_salt"))
+        n_prompt = len(tokens) if tokens else 8
+        chunks = int(hdr.get("x-fake-chunks", self.ns.chunks))
+        delay = float(hdr.get("x-fake-delay-ms", 0)) / 1000
+        chunk_delay = float(hdr.get("x-fake-chunk-delay-ms", 0)) / 1000
+        break_after = int(hdr.get("x-fake-break-after", -1))
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": chunks, "total_tokens": n_prompt + chunks,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        chat = path == "/v1/chat/completions"
+        rid = f"fake-{self.ns.instance_id}-{self.stats['requests']}"
+        self.stats["running"] += 1
+        try:
+            if delay:
+                await asyncio.sleep(delay)
+            if not req.get("stream"):
+                text = " tok" * chunks
+                choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                          if chat else {"index": 0, "text": text, "finish_reason": "length"})
+                await _json(send, 200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                        "created": int(time.time()), "model": self.ns.model, "choices": [choice],
+                                        "usage": usage}, [(b"x-fake-instance", self.ns.instance_id.encode())])
+                self.stats["completed"] += 1
+                return
+            await self.stream(receive, send, rid, chat, chunks, chunk_delay, break_after, usage,
+                              bool((req.get("stream_options") or {}).get("include_usage")))
+        finally:
+            self.stats["running"] -= 1
+
+    async def stream(self, receive, send, rid, chat, chunks, chunk_delay, break_after, usage, include_usage):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        base = {"id": rid, "object": obj, "created": int(time.time()), "model": self.ns.model}
+        disconnected = asyncio.ensure_future(_wait_disconnect(receive))
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                                (b"x-fake-instance", self.ns.instance_id.encode())]})
+        try:
+            for i in range(chunks):
+                if break_after == i:
+                    raise ConnectionAbortedError("x-fake-break-after")  # uvicorn drops the connection
+                if chunk_delay:
+                    await asyncio.sleep(chunk_delay)
+                if disconnected.done():
+                    self.stats["cancelled"] += 1
+                    return
+                last = i == chunks - 1
+                choice = ({"index": 0, "delta": {"content": " tok"}, "finish_reason": "length" if last else None}
+                          if chat else {"index": 0, "text": " tok", "finish_reason": "length" if last else None})
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": b"data: " + json.dumps({**base, "choices": [choice]}).encode() + b"\n\n"})
+            tail = b""
+            if include_usage:
+                tail = b"data: " + json.dumps({**base, "choices": [], "usage": usage}).encode() + b"\n\n"
+            await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n", "more_body": False})
+            self.stats["completed"] += 1
+        finally:
+            disconnected.cancel()
+
+
+async def _wait_disconnect(receive):
+    while True:
+        if (await receive())["type"] == "http.disconnect":
+            return
+
+
+def _line(obj) -> bytes:
+    return json.dumps(obj).encode() + b"\n"
+
+
+async def _send(send, status, body: bytes, ctype: bytes, headers=()):
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _json(send, status, obj, headers=()):
+    await _send(send, status, json.dumps(obj).encode(), b"application/json", headers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="fake_engine", description=__doc__.split("\n\n")[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--instance-id", default="fake")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--chunks", type=int, default=8, help="streamed chunks per response")
+    p.add_argument("--heartbeat-s", type=float, default=2.0)
+    p.add_argument("--fail-status", type=int, default=0, help="answer every completion with this status")
+    p.add_argument("--no-kv-events", action="store_true", help="no KV event endpoint (404)")
+    ns = p.parse_args(argv)
+    import uvicorn
+
+    uvicorn.run(FakeEngine(ns), host=ns.host, port=ns.port, log_level="warning", access_log=False,
+                loop="uvloop", http="httptools", lifespan="on")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Real processes on loopback for router tests: fake engines, real engines, the router. Each runs in its own
+process group and is killed (group-wide) at the end of the test."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    def __init__(self, args: list[str], url: str, log_path: str, env: dict | None = None):
+        self.args, self.url, self.log_path = args, url, log_path
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.popen: subprocess.Popen | None = None
+
+    def start(self) -> Proc:
+        self.log = open(self.log_path, "ab")
+        self.popen = subprocess.Popen([sys.executable, *self.args], cwd=ROOT, env=self.env, stdout=self.log,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait_ready(self, path: str = "/ready", timeout: float = 60.0) -> Proc:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.args} exited with {self.popen.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(self.url + path, timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.url}{path} not ready after {timeout}s:\n{self.tail()}")
+
+    def tail(self, n: int = 3000) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read()[-n:].decode(errors="replace")
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, sig)
+            except ProcessLookupError:
+                pass
+            self.popen.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, signal.SIGTERM)
+                self.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+            except ProcessLookupError:
+                pass
+        if getattr(self, "log", None):
+            self.log.close()
+
+
+@pytest.fixture
+def procs(tmp_path):
+    """Factory for processes that are all stopped at the end of the test."""
+    started: list[Proc] = []
+
+    def spawn(args: list[str], url: str, name: str, env: dict | None = None) -> Proc:
+        p = Proc(args, url, str(tmp_path / f"{name}.log"), env).start()
+        started.append(p)
+        return p
+
+    yield spawn
+    for p in reversed(started):
+        p.stop()
+
+
+def fake_engine(procs, name: str, *extra: str, port: int | None = None, host: str = "127.0.0.1") -> Proc:
+    port = port or free_port()
+    return procs(["-m", "loadtest.fake_engine", "--host", host, "--port", str(port), "--instance-id", name,
+                  "--heartbeat-s", "0.3", *extra], f"http://{host}:{port}", name)
+
+
+def router(procs, replicas: list[str] | None, *extra: str, policy: str = "kv", model: str = "") -> Proc:
+    port = free_port()
+    args = ["-m", "router.main", "--port", str(port), "--policy", policy, "--model", model,
+            "--health-interval", "0.2", "--scrape-interval", "0.2", "--log-level", "warning", *extra]
+    if replicas:
+        args += ["--replicas", ",".join(replicas)]
+    return procs(args, f"http://127.0.0.1:{port}", f"router-{port}")
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_for(cond, timeout: float = 10.0, interval: float = 0.05, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out waiting for {what}")

@@ -10,6 +10,8 @@ Interface (used by the engine loop):
 must not yet contain the token being sampled. `eos_token_id` is an int, several ints, or None. The call
 never modifies `logits` or the sequences. Call `check_token_ids(params, vocab_size)` when a request is
 admitted so that out-of-vocabulary `logit_bias` / `stop_token_ids` are a clear error at the edge.
+The two stages are also usable alone: `process_logits` (bias, min_tokens, penalties) and `warp_logits`
+(temperature, top-k, top-p, min-p; -inf marks an excluded token).
 
 Order of processing (vLLM's): logit_bias → min_tokens (EOS and stop_token_ids get -inf until the
 sequence has min_tokens outputs; EOS only when ignore_eos is off, since it would not stop then) →
@@ -87,9 +89,11 @@ class Sampler:
                  eos_token_id: int | Iterable[int] | None = None) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [num_seqs={len(seqs)}, vocab], got {tuple(logits.shape)}")
+        if not seqs:
+            return SamplerOutput([], [])
         logits = logits.float()
         params = [s.params for s in seqs]
-        x = _process(logits, seqs, params, _eos_ids(eos_token_id))
+        x = process_logits(logits, seqs, params, _eos_ids(eos_token_id))
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = x.argmax(dim=-1)
@@ -104,23 +108,35 @@ class Sampler:
         dev = x.device
         tokens = x.argmax(dim=-1) if len(rows) < len(seqs) else torch.empty(len(seqs), dtype=torch.long, device=dev)
         sp = [params[i] for i in rows]
-        xs = x if len(rows) == len(seqs) else x[torch.tensor(rows, device=dev)]
-        xs = xs / torch.tensor([p.temperature for p in sp], device=dev).unsqueeze(1)
-        vocab = xs.shape[1]
-        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in sp]
-        top_p = [p.top_p for p in sp]
-        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-            xs = _top_k_top_p(xs, top_k, top_p)
-        if any(p.min_p > 0 for p in sp):
-            log_min_p = torch.tensor([p.min_p for p in sp], device=dev).log().unsqueeze(1)
-            xs = xs.masked_fill(xs < xs.max(dim=-1, keepdim=True).values + log_min_p, float("-inf"))
+        xs = warp_logits(x if len(rows) == len(seqs) else x[torch.tensor(rows, device=dev)], sp)
         u = [seeded_uniform(p.seed, seqs[i].index, seqs[i].num_output_tokens) if p.seed is not None
              else self._rng.random() for i, p in zip(rows, sp, strict=True)]
-        cdf = torch.softmax(xs, dim=-1).cumsum(dim=-1, dtype=torch.float64)
-        target = torch.tensor(u, dtype=torch.float64, device=dev).unsqueeze(1) * cdf[:, -1:]
-        picked = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=vocab - 1)
-        tokens[torch.tensor(rows, device=dev)] = picked
+        tokens[torch.tensor(rows, device=dev)] = _inverse_cdf(xs, torch.tensor(u, dtype=torch.float64, device=dev))
         return tokens
+
+
+def warp_logits(x: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p for sampling rows: a new tensor, -inf where a token is excluded."""
+    dev = x.device
+    vocab = x.shape[1]
+    x = x / torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        x = _top_k_top_p(x, top_k, top_p)
+    if any(p.min_p > 0 for p in params):
+        log_min_p = torch.tensor([p.min_p for p in params], device=dev).log().unsqueeze(1)
+        x = x.masked_fill(x < x.max(dim=-1, keepdim=True).values + log_min_p, float("-inf"))
+    return x
+
+
+def _inverse_cdf(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row i's token: where u[i] (uniform in [0, 1)) falls in the CDF of softmax(x[i])."""
+    cdf = torch.softmax(x, dim=-1).cumsum(dim=-1, dtype=torch.float64)
+    total = cdf[:, -1:].contiguous()
+    picked = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True)
+    # rounding can put u * total at the very end: fall back to the last token with any probability
+    return torch.minimum(picked, torch.searchsorted(cdf, total)).squeeze(1)
 
 
 def _eos_ids(eos_token_id: int | Iterable[int] | None) -> tuple[int, ...]:
@@ -131,8 +147,8 @@ def _eos_ids(eos_token_id: int | Iterable[int] | None) -> tuple[int, ...]:
     return tuple(int(t) for t in eos_token_id)
 
 
-def _process(logits: torch.Tensor, seqs: Seq[Sequence], params: list[SamplingParams],
-             eos: tuple[int, ...]) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], params: Seq[SamplingParams],
+                   eos: tuple[int, ...] = ()) -> torch.Tensor:
     """logit_bias, min_tokens and penalties; returns `logits` itself when none applies (no copy)."""
     vocab = logits.shape[1]
     dev = logits.device

@@ -135,11 +135,11 @@ def _partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
     """Length of the longest tail of `text` that is a proper prefix of some stop string."""
     best = 0
     for s in stops:
-        window = text[-(len(s) - 1):] if len(s) > 1 else ""
-        for i in range(len(window)):
-            if len(window) - i <= best:
+        start = max(len(text) - len(s) + 1, 0)  # a proper prefix is shorter than s
+        at = text.find(s[0], start)
+        while at >= 0 and len(text) - at > best:
+            if s.startswith(text[at:]):
+                best = len(text) - at
                 break
-            if s.startswith(window[i:]):
-                best = len(window) - i
-                break
+            at = text.find(s[0], at + 1)
     return best

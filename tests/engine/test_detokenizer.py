@@ -132,3 +132,34 @@ def test_random_text_round_trips_without_replacement_characters(tok, text, promp
     assert "".join(pieces) + tail == tok.decode(out)
     if "\ufffd" not in text and tok.decode(out) == text:
         assert not any("\ufffd" in p for p in pieces) and tail == ""
+
+
+def sentencepiece_tokenizer():
+    """A Llama-style SentencePiece tokenizer (▁ for spaces, byte fallback, leading space stripped)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + [
+        "▁", "▁Hello", "▁world", "!", "▁again", "lo", "▁世"]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    return hf, vocab
+
+
+def test_sentencepiece_leading_space_comes_from_the_prompt_context():
+    hf, vocab = sentencepiece_tokenizer()
+    ids = lambda *ps: [vocab[p] for p in ps]  # noqa: E731
+    prompt = ids("<s>", "▁Hello")
+    out = ids("▁world", "!", "<0xE4>", "<0xB8>", "<0x96>", "lo", "▁again", "</s>", "▁", "▁世")
+    pieces, tail = stream(hf, prompt, out)
+    full = hf.decode(prompt + out, skip_special_tokens=True)
+    assert "".join(pieces) + tail == full[len(hf.decode(prompt, skip_special_tokens=True)):]
+    assert "".join(pieces) == " world!世lo again  世"  # a standalone decode would drop the first space
+    assert pieces[2:5] == ["", "", "世"]  # byte-fallback bytes are held until the character is whole
+    assert not any("\ufffd" in p for p in pieces) and tail == ""
+    # without a prompt there is no context: the first token's space is stripped, like a plain decode
+    pieces, tail = stream(hf, [], out)
+    assert "".join(pieces) + tail == hf.decode(out, skip_special_tokens=True)

@@ -4,8 +4,17 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from engine.sampler import Sampler, SamplerOutput, check_token_ids, seeded_uniform
+from engine.sampler import (
+    Sampler,
+    SamplerOutput,
+    check_token_ids,
+    process_logits,
+    seeded_uniform,
+    warp_logits,
+)
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.sequence import Sequence
 
@@ -120,8 +129,7 @@ def test_sampling_follows_the_distribution():
 def test_repetition_penalty_matches_hand_computation():
     logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 1.0, 3.0]])
     s = seq(prompt=[0, 1], output=[2], repetition_penalty=2.0, temperature=0.0, logprobs=5)
-    from engine.sampler import _process
-    x = _process(logits, [s], [s.params], ())
+    x = process_logits(logits, [s], [s.params], ())
     assert x.tolist() == [[1.0, -2.0, 0.25, -0.5, 1.0, 3.0]]
     assert logits.tolist() == [[2.0, -1.0, 0.5, -0.5, 1.0, 3.0]]
 
@@ -133,8 +141,7 @@ def test_repetition_penalty_agrees_with_hugging_face():
     seqs = [seq(prompt=[1, 5, 7, 7], output=[9, 1], repetition_penalty=1.3),
             seq(prompt=[40, 2], output=[], repetition_penalty=0.7),
             seq(prompt=[3], output=[3, 3, 49], repetition_penalty=1.0)]
-    from engine.sampler import _process
-    x = _process(logits, seqs, [s.params for s in seqs], ())
+    x = process_logits(logits, seqs, [s.params for s in seqs], ())
     for i, s in enumerate(seqs):
         ref = RepetitionPenaltyLogitsProcessor(s.params.repetition_penalty)(
             torch.tensor([s.token_ids]), logits[i:i + 1].clone())
@@ -144,8 +151,7 @@ def test_repetition_penalty_agrees_with_hugging_face():
 def test_frequency_and_presence_penalties_match_hand_computation():
     logits = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0]])
     s = seq(prompt=[4, 4, 4], output=[0, 0, 0, 2], frequency_penalty=0.5, presence_penalty=0.25)
-    from engine.sampler import _process
-    x = _process(logits, [s], [s.params], ())
+    x = process_logits(logits, [s], [s.params], ())
     # token 0: 1 - 0.5*3 - 0.25 = -0.75; token 2: 1 - 0.5 - 0.25 = 0.25; prompt-only token 4 untouched
     assert x.tolist() == [[-0.75, 1.0, 0.25, 1.0, 1.0]]
 
@@ -256,3 +262,81 @@ def test_seeded_draws_follow_the_distribution():
 def test_bad_logits_shape_is_an_error():
     with pytest.raises(ValueError, match="logits must be"):
         Sampler()(torch.zeros(2, 5), [seq()])
+
+
+def test_warpers_agree_with_hugging_face_on_random_logits():
+    """Same kept set as transformers' temperature → top-k → top-p → min-p chain (its generate order)."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+    g = torch.Generator().manual_seed(5)
+    vocab = 700  # > the first candidate window, so top-p's candidate growth is exercised
+    for trial in range(40):
+        rows = 12
+        logits = torch.randn(rows, vocab, generator=g) * float(torch.empty(1).uniform_(0.5, 6, generator=g))
+        params = []
+        for _ in range(rows):
+            r = torch.rand(4, generator=g).tolist()
+            params.append(SamplingParams(
+                temperature=0.3 + 1.5 * r[0],
+                top_k=[0, 1, 5, 50, 400][int(r[1] * 5)],
+                top_p=1.0 if r[2] < 0.3 else 0.05 + 0.94 * r[2],
+                min_p=0.0 if r[3] < 0.5 else 0.5 * r[3]))
+        got = warp_logits(logits, params) > NEG
+        for i, p in enumerate(params):
+            ref = logits[i:i + 1].clone()
+            ids = torch.zeros(1, 1, dtype=torch.long)
+            ref = TemperatureLogitsWarper(p.temperature)(ids, ref)
+            if p.top_k > 0:
+                ref = TopKLogitsWarper(p.top_k)(ids, ref)
+            if p.top_p < 1.0:
+                ref = TopPLogitsWarper(p.top_p)(ids, ref)
+            if p.min_p > 0:
+                ref = MinPLogitsWarper(p.min_p)(ids, ref)
+            assert torch.equal(got[i], (ref > NEG)[0]), (trial, i, p)
+
+
+def test_inverse_cdf_never_picks_an_excluded_token():
+    from engine.sampler import _inverse_cdf
+    x = torch.tensor([[NEG, 0.0, 1.0, NEG, NEG], [2.0, NEG, NEG, NEG, NEG]])
+    for u in (0.0, 0.5, 1.0 - 2 ** -53):
+        picked = _inverse_cdf(x, torch.tensor([u, u], dtype=torch.float64)).tolist()
+        assert picked[0] in (1, 2) and picked[1] == 0
+    assert _inverse_cdf(x, torch.tensor([0.0, 0.0], dtype=torch.float64)).tolist() == [1, 0]
+    assert _inverse_cdf(x, torch.tensor([1.0 - 2 ** -53] * 2, dtype=torch.float64)).tolist() == [2, 0]
+
+
+def test_empty_batch_and_half_precision_logits():
+    assert Sampler()(torch.zeros(0, 10), []) == SamplerOutput([], [])
+    logits = torch.tensor([[0.0, 2.0, 1.0]], dtype=torch.bfloat16)
+    out = Sampler()(logits, [seq(temperature=0.0, logprobs=1)])
+    assert out.token_ids == [1] and out.logprobs[0].top[0][0] == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_a_seeded_row_ignores_its_companions(data):
+    """The token a seeded request gets depends only on its logits, its params and its position."""
+    vocab = 64
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 31)))
+    params_st = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.5, 1.0, 1.7]),
+                          top_k=st.sampled_from([0, 3, 20]), top_p=st.sampled_from([1.0, 0.9, 0.5]),
+                          min_p=st.sampled_from([0.0, 0.1]), seed=st.one_of(st.none(), st.integers(0, 2 ** 40)),
+                          repetition_penalty=st.sampled_from([1.0, 1.3]),
+                          frequency_penalty=st.sampled_from([0.0, 0.5]))
+    mine = SamplingParams(temperature=data.draw(st.sampled_from([0.6, 1.0, 1.5])),
+                          top_p=data.draw(st.sampled_from([1.0, 0.8])), seed=data.draw(st.integers(0, 2 ** 63)))
+    me = Sequence("me", [1, 2, 3], mine, index=data.draw(st.integers(0, 3)))
+    for t in data.draw(st.lists(st.integers(0, vocab - 1), max_size=5)):
+        me.append_token(t)
+    my_logits = torch.randn(1, vocab, generator=g)
+    others = [Sequence("o", [4, 5], p) for p in data.draw(st.lists(params_st, max_size=6))]
+    pos = data.draw(st.integers(0, len(others)))
+    batch = others[:pos] + [me] + others[pos:]
+    logits = torch.cat([torch.randn(pos, vocab, generator=g), my_logits,
+                        torch.randn(len(others) - pos, vocab, generator=g)])
+    alone = Sampler()(my_logits, [me]).token_ids[0]
+    assert Sampler()(logits, batch).token_ids[pos] == alone

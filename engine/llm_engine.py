@@ -28,7 +28,7 @@ from engine.model.registry import resolve_model
 from engine.model_runner import ModelRunner, num_blocks_for_memory
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from engine.sampler import Sampler, check_token_ids
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.stop import StopChecker
@@ -129,9 +129,12 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams | None = None,
                     cache_salt: str | None = None, arrival_time: float | None = None) -> None:
         """Queue a request; raises RequestTooLongError / SamplingParamsError / ValueError if it can never run."""
+        self.add_sequence(self.new_sequence(request_id, prompt_token_ids, params, cache_salt, arrival_time))
+
+    def new_sequence(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams | None = None,
+                     cache_salt: str | None = None, arrival_time: float | None = None) -> Sequence:
+        """Validate a request without touching engine state (safe from any thread); its first sequence."""
         params = params or SamplingParams()
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already running")
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
             raise ValueError("the prompt must contain at least one token")
@@ -139,9 +142,18 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {self.config.vocab_size})")
         check_token_ids(params, self.config.vocab_size)
+        if params.n > self.args.max_num_seqs:
+            raise SamplingParamsError("n", f"n ({params.n}) exceeds max_num_seqs ({self.args.max_num_seqs})")
         seq = Sequence(request_id, prompt, params, cache_salt, arrival_time=arrival_time)
+        self.scheduler.check_fits(seq)
+        return seq
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queue a sequence made by new_sequence (engine thread only)."""
+        if seq.request_id in self.requests:
+            raise ValueError(f"request_id {seq.request_id!r} is already running")
         self.scheduler.add(seq)
-        req = self.requests[request_id] = _Request(request_id, prompt, params, seq)
+        req = self.requests[seq.request_id] = _Request(seq.request_id, list(seq.token_ids), seq.params, seq)
         self._track(req, seq)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -153,6 +165,9 @@ class LLMEngine:
         req.aborted = True
         req.metrics.finished_time = time.monotonic()
         return self._output(req)
+
+    def abort_all(self) -> list[RequestOutput]:
+        return [out for rid in list(self.requests) if (out := self.abort_request(rid)) is not None]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from router.config import RouterConfig, RouterConfigError, ScoringConfig
-from router.replicas import CLOSED, HALF_OPEN, OPEN, CircuitBreaker, EngineLoad, ReplicaState, parse_engine_metrics
+from router.replicas import (
+    CLOSED,
+    HALF_OPEN,
+    OPEN,
+    CircuitBreaker,
+    EngineLoad,
+    ReplicaState,
+    parse_engine_metrics,
+)
 
 
 def test_circuit_breaker_transitions():
@@ -89,5 +99,5 @@ def test_config_validation_names_the_field():
         assert e.value.field == field, kwargs
     cfg = RouterConfig(replicas=("http://127.0.0.1:8001", "http://[::1]:8002"))
     assert cfg.policy == "kv" and cfg.discovery == "static"
-    with pytest.raises(Exception):
-        cfg.policy = "session"  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.policy = "session"  # type: ignore[misc]

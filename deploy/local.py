@@ -1,0 +1,231 @@
+"""`kvfleet up`: a local fleet on this machine - N engine replicas of the bundled model and a KV-aware router.
+
+    kvfleet up                      # router on http://127.0.0.1:8000, engines on :8001 and :8002
+    kvfleet up --replicas 3 --policy round-robin -- --max-num-seqs 8   # flags after -- go to every engine
+
+Every child runs in its own process group (and gets SIGTERM if this launcher dies), waits until all are ready,
+prints where to send requests, and on Ctrl-C / SIGTERM stops the router first, then drains the engines; whatever
+has not exited after --stop-timeout is killed, group by group. No orphans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from router.config import POLICIES
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str], url: str, log_path: str):
+        self.name, self.argv, self.url, self.log_path = name, argv, url, log_path
+        self.log = open(log_path, "ab")
+        self.popen = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                      preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def tail(self, n: int = 2000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(f.tell() - n, 0))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+
+class Fleet:
+    def __init__(self, children: list[Child]):
+        self.children = children
+
+    def stop(self, timeout: float) -> None:
+        """Router first (no new work), then engines (they drain); kill stragglers' whole groups."""
+        for group in (self.children[-1:], self.children[:-1]):
+            for c in group:
+                if c.alive():
+                    c.signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for c in group:
+                try:
+                    c.popen.wait(timeout=max(deadline - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    pass
+        for c in self.children:
+            c.signal(signal.SIGKILL)  # the group: anything the child left behind
+            try:
+                c.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            c.log.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvfleet up", description="Start a router and N engine replicas of the "
+                                "bundled model on this machine; Ctrl-C stops everything.")
+    p.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
+    p.add_argument("--host", default="127.0.0.1", help="address every process binds")
+    p.add_argument("--port", type=int, default=8000, help="router port")
+    p.add_argument("--engine-port", type=int, default=8001, help="first engine port (then +1 per replica)")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--policy", default="kv", choices=POLICIES)
+    p.add_argument("--threads-per-engine", type=int, default=None,
+                   help="torch threads per engine (default: the usable cores split evenly)")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every process")
+    p.add_argument("--stop-timeout", type=float, default=15.0, help="seconds each stage may take to exit")
+    p.add_argument("--log-dir", default=None, help="where process logs go (default: a new temporary directory)")
+    p.add_argument("--engine-module", default=None,
+                   help="run engines as `python -m MODULE` instead of `kvfleet engine` (e.g. loadtest.fake_engine)")
+    p.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: extra flags for every engine")
+    return p
+
+
+def _check(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if ns.replicas < 1:
+        parser.error(f"--replicas must be >= 1, got {ns.replicas}")
+    for name in ("port", "engine_port"):
+        if not 1 <= getattr(ns, name) <= 65535:
+            parser.error(f"--{name.replace('_', '-')} must be in 1..65535")
+    if ns.engine_port + ns.replicas - 1 > 65535:
+        parser.error("--engine-port + --replicas runs past port 65535")
+    if ns.port in range(ns.engine_port, ns.engine_port + ns.replicas):
+        parser.error(f"--port {ns.port} collides with the engine ports {ns.engine_port}..")
+    if ns.threads_per_engine is not None and ns.threads_per_engine < 1:
+        parser.error("--threads-per-engine must be >= 1")
+
+
+def _wait_ready(children: list[Child], timeout: float, stopping) -> str | None:
+    """None once every child answers /ready with 200; otherwise why not."""
+    deadline = time.monotonic() + timeout
+    pending = list(children)
+    with httpx.Client(timeout=1.0) as client:
+        while pending:
+            if stopping():
+                return "interrupted"
+            for c in list(pending):
+                if not c.alive():
+                    return f"{c.name} exited with status {c.popen.returncode}; last log lines ({c.log_path}):\n{c.tail()}"
+                try:
+                    if client.get(c.url + "/ready").status_code == 200:
+                        pending.remove(c)
+                        print(f"  {c.name} ready at {c.url}", flush=True)
+                except httpx.HTTPError:
+                    pass
+            if time.monotonic() > deadline:
+                return f"not ready after {timeout:.0f}s: {', '.join(c.name for c in pending)}"
+            time.sleep(0.25)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    _check(ns, parser)
+    extra = ns.engine_args[1:] if ns.engine_args[:1] == ["--"] else ns.engine_args
+    log_dir = ns.log_dir or tempfile.mkdtemp(prefix="kvfleet-up-")
+    os.makedirs(log_dir, exist_ok=True)
+    threads = ns.threads_per_engine or max(1, len(os.sched_getaffinity(0)) // ns.replicas)
+    stop = {"signal": None}
+
+    def on_signal(sig, frame):
+        stop["signal"] = sig
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    py = sys.executable
+    children: list[Child] = []
+    engines = []
+    print(f"kvfleet up: {ns.replicas} engine replica(s) of {ns.model} + a {ns.policy} router (logs in {log_dir})",
+          flush=True)
+    try:
+        for i in range(ns.replicas):
+            port = ns.engine_port + i
+            url = f"http://{ns.host}:{port}"
+            base = [py, "-m", ns.engine_module] if ns.engine_module else [py, "-m", "engine.cli", "engine"]
+            argv_i = [*base, "--model", ns.model, "--host", ns.host, "--port", str(port),
+                      "--instance-id", f"replica-{i}"]
+            if not ns.engine_module:
+                argv_i += ["--num-threads", str(threads), "--log-level", "warning"]
+            children.append(Child(f"engine-{i}", [*argv_i, *extra], url, os.path.join(log_dir, f"engine-{i}.log")))
+            engines.append(url)
+        router_url = f"http://{ns.host}:{ns.port}"
+        children.append(Child("router", [py, "-m", "engine.cli", "router", "--host", ns.host, "--port", str(ns.port),
+                                         "--policy", ns.policy, "--model", ns.model, "--replicas", ",".join(engines),
+                                         "--log-level", "warning"],
+                              router_url, os.path.join(log_dir, "router.log")))
+        problem = _wait_ready(children, ns.ready_timeout, lambda: stop["signal"] is not None)
+        if problem is None:
+            problem = _wait_router_sees_all(router_url, ns.replicas, 30.0)
+        if problem is not None:
+            print(f"kvfleet up: {problem}", file=sys.stderr, flush=True)
+            return 130 if problem == "interrupted" else 1
+        print(_banner(router_url, engines, ns.model), flush=True)
+        while stop["signal"] is None:
+            for c in children:
+                if not c.alive() and not getattr(c, "reported", False):
+                    c.reported = True
+                    print(f"kvfleet up: {c.name} exited with status {c.popen.returncode} (log: {c.log_path})",
+                          file=sys.stderr, flush=True)
+            if not children[-1].alive():
+                return 1
+            time.sleep(0.2)
+        return 0
+    finally:
+        print("kvfleet up: stopping ...", flush=True)
+        Fleet(children).stop(ns.stop_timeout)
+        for s, h in old.items():
+            signal.signal(s, h)
+        print("kvfleet up: stopped", flush=True)
+
+
+def _wait_router_sees_all(router_url: str, n: int, timeout: float) -> str | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(router_url + "/ready", timeout=1.0).json().get("ready_replicas") == n:
+                return None
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.2)
+    return f"the router does not see all {n} replicas as ready"
+
+
+def _banner(router_url: str, engines: list[str], model: str) -> str:
+    return f"""
+kvfleet is up. Send OpenAI requests to the router:
+
+  {router_url}/v1      (engines: {', '.join(engines)})
+
+  curl {router_url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+
+Router metrics: {router_url}/metrics   Press Ctrl-C to stop everything.
+"""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

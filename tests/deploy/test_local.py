@@ -1,0 +1,147 @@
+"""`kvfleet up` as a real process: starts engines (the fast fake engine here; the real model in the slow
+test) and a router, serves through the router, and leaves no process behind on SIGTERM / Ctrl-C / failure."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_ports(n: int) -> int:
+    """The first of n consecutive free loopback ports."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        socks = []
+        try:
+            for k in range(n):
+                t = socket.socket()
+                socks.append(t)
+                t.bind(("127.0.0.1", base + k))
+            return base
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    raise RuntimeError("no consecutive free ports")
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process whose parent chain leads to pid (from /proc)."""
+    parents = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if fields[0] != "Z":
+                    parents[int(d)] = int(fields[1])
+            except (OSError, IndexError):
+                pass
+    out, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - out
+        out |= frontier
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def start_up(tmp_path, *args: str) -> tuple[subprocess.Popen, int]:
+    base = free_ports(3)
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "up", "--port", str(base), "--engine-port",
+                             str(base + 1), "--log-dir", str(tmp_path), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return proc, base
+
+
+def read_until(proc: subprocess.Popen, marker: str, timeout: float) -> str:
+    out = []
+    deadline = time.monotonic() + timeout
+    os.set_blocking(proc.stdout.fileno(), False)
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line:
+            out.append(line)
+            if marker in line:
+                return "".join(out)
+        elif proc.poll() is not None:
+            break
+        else:
+            time.sleep(0.05)
+    raise AssertionError(f"no {marker!r} in output:\n{''.join(out)}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_up_serves_and_stops_without_orphans(tmp_path, sig):
+    proc, port = start_up(tmp_path, "--engine-module", "loadtest.fake_engine", "--replicas", "2")
+    try:
+        banner = read_until(proc, "Ctrl-C to stop", 60)
+        assert f"http://127.0.0.1:{port}/v1" in banner and "curl" in banner
+        kids = descendants(proc.pid)
+        assert len(kids) >= 3  # two engines and the router
+        resp = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=10,
+                          json={"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]})
+        assert resp.status_code == 200
+        assert resp.headers["x-kvfleet-replica"] in (f"http://127.0.0.1:{port + 1}", f"http://127.0.0.1:{port + 2}")
+        proc.send_signal(sig)
+        assert proc.wait(timeout=40) == 0
+        assert "stopped" in proc.stdout.read()
+        assert not [p for p in kids if alive(p)]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_up_reports_a_failing_engine_and_cleans_up(tmp_path):
+    proc, _ = start_up(tmp_path, "--engine-module", "loadtest.fake_engine", "--replicas", "2", "--",
+                       "--no-such-flag")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "engine-0 exited with status 2" in out and "--no-such-flag" in out
+
+
+def test_up_rejects_bad_flags(tmp_path):
+    proc, _ = start_up(tmp_path, "--replicas", "0")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and "--replicas must be >= 1" in out
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_up_with_the_bundled_model(tmp_path):
+    proc, port = start_up(tmp_path, "--replicas", "2", "--", "--max-num-seqs", "4")
+    try:
+        read_until(proc, "Ctrl-C to stop", 600)
+        kids = descendants(proc.pid)
+        resp = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
+                          json={"model": "smollm2", "messages": [{"role": "user", "content": "Say hi"}],
+                                "max_tokens": 8})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["message"]["content"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=90) == 0
+        assert not [p for p in kids if alive(p)]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -108,9 +108,10 @@ def _decode_reduce_kernel(part_ptr, lse_ptr, out_ptr, qsl_ptr, seq_ids_ptr, num_
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Enough splits to give every SM about two programs, never splits shorter than 256 tokens."""
+    """Enough splits to give every SM about four programs (decode is memory-bound: it needs many loads
+    in flight), never splits shorter than 256 tokens, at most 64."""
     by_len = triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT)
-    by_occupancy = triton.cdiv(2 * num_sms, max(1, num_seqs * num_kv_heads))
+    by_occupancy = triton.cdiv(4 * num_sms, max(1, num_seqs * num_kv_heads))
     return max(1, min(by_len, by_occupancy, MAX_SPLITS))
 
 

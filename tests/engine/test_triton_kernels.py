@@ -113,7 +113,7 @@ def test_choose_num_splits():
     choose = K["paged_decode"].choose_num_splits
     assert choose(1, 8, 8192, 132) == 32  # one long sequence: as many splits as fill the GPU
     assert choose(256, 8, 8192, 132) == 1  # a big batch fills it already
-    assert choose(16, 8, 2048, 132) == 3
+    assert choose(16, 8, 2048, 132) == 5
     assert choose(1, 1, 100, 132) == 1  # never below 256 tokens per split
     assert choose(1, 1, 1 << 20, 10_000) == 64  # capped
 

@@ -1,0 +1,199 @@
+"""Benchmark the Triton paged decode kernel against the device's copy bandwidth and contiguous SDPA.
+
+For each batch x context, every sequence holds `context` tokens in a paged cache with shuffled physical
+blocks; one decode step (one query token per sequence, all layers' worth of nothing else) is timed with
+triton.testing.do_bench (median). Reported: achieved GB/s (bytes of K, V, Q and O moved / time), the
+fraction of the measured device copy bandwidth, and torch SDPA on the same K/V stored contiguously
+(GQA folded into the query length, so K/V are read once) where it fits in memory.
+
+    python -m loadtest.bench_paged_decode --batches 1,16,64,256 --contexts 512,2048,8192 --json out.json
+
+On a machine without CUDA it runs the kernels in Triton's interpreter with wall-clock timing: a smoke
+run of the code path (use tiny sizes), not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    p.add_argument("--batches", type=ints, default=[1, 16, 64, 256], help="comma-separated batch sizes")
+    p.add_argument("--contexts", type=ints, default=[512, 2048, 8192], help="comma-separated context lengths")
+    p.add_argument("--heads", type=int, default=32, help="query heads (default: Llama-3-8B shape)")
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64])
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--no-sdpa", action="store_true", help="skip the contiguous SDPA baseline")
+    p.add_argument("--copy-gib", type=float, default=2.0, help="buffer size for the copy-bandwidth probe")
+    p.add_argument("--json", default=None, help="write full results to this file")
+    args = p.parse_args(argv)
+    if args.heads % args.kv_heads:
+        p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    return args
+
+
+class Timer:
+    """Median time in ms: do_bench on CUDA, wall clock under the interpreter."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            import triton.testing
+
+            return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        fn()
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
+
+
+def copy_bandwidth_gbs(device: torch.device, gib: float, timer: Timer) -> float:
+    """Device-to-device copy: bytes read + bytes written per second."""
+    n = int(gib * (1 << 30)) // 4
+    src = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    ms = timer(functools.partial(dst.copy_, src))
+    del src, dst
+    return 2 * n * 4 / (ms * 1e-3) / 1e9
+
+
+def bench_shape(batch: int, context: int, args, device: torch.device, timer: Timer, backend) -> dict:
+    from engine.attention.metadata import AttentionMetadata
+
+    dtype = DTYPES[args.dtype]
+    hq, hkv, d, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
+    elt = torch.empty((), dtype=dtype).element_size()
+    blocks_per_seq = math.ceil(context / bs)
+    num_blocks = batch * blocks_per_seq
+    kv_bytes = 2 * batch * context * hkv * d * elt
+    row = {"batch": batch, "context": context, "kv_bytes": kv_bytes}
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if 1.2 * kv_bytes > free:
+            row["skipped"] = f"paged cache needs {kv_bytes / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+            return row
+    gen = torch.Generator(device=device).manual_seed(batch * 7919 + context)
+    k_cache = torch.randn((num_blocks, bs, hkv, d), generator=gen, device=device, dtype=dtype)
+    v_cache = torch.randn((num_blocks, bs, hkv, d), generator=gen, device=device, dtype=dtype)
+    tables = torch.randperm(num_blocks, generator=gen, device=device).view(batch, blocks_per_seq).to(torch.int32)
+    q = torch.randn((batch, hq, d), generator=gen, device=device, dtype=dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device=device),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+        block_tables=tables, max_query_len=1, max_seq_len=context,
+        query_lens_host=(1,) * batch, seq_lens_host=(context,) * batch)
+    scale = 1.0 / math.sqrt(d)
+    out = torch.empty_like(q)
+    backend.forward(q, k_cache, v_cache, meta, scale, out=out)  # compile + plan
+    moved = kv_bytes + 2 * batch * hq * d * elt + tables.numel() * 4
+    ms = timer(functools.partial(backend.forward, q, k_cache, v_cache, meta, scale, out=out))
+    row.update(paged_ms=ms, paged_gbs=moved / (ms * 1e-3) / 1e9, num_splits=backend._plan.num_splits)
+    del k_cache, v_cache  # free the paged cache before the contiguous copy is allocated
+    if not args.no_sdpa:
+        row.update(sdpa_vs(batch, context, q, args, device, timer, gen, moved))
+    return row
+
+
+def sdpa_vs(batch, context, q, args, device, timer, gen, moved) -> dict:
+    import torch.nn.functional as F
+
+    dtype = DTYPES[args.dtype]
+    hq, hkv, d = args.heads, args.kv_heads, args.head_dim
+    kv_bytes = 2 * batch * context * hkv * d * torch.empty((), dtype=dtype).element_size()
+    if device.type == "cuda" and 1.2 * kv_bytes > torch.cuda.mem_get_info(device)[0]:
+        return {"sdpa_skipped": "contiguous K/V does not fit"}
+    k = torch.randn((batch, hkv, context, d), generator=gen, device=device, dtype=dtype)
+    v = torch.randn((batch, hkv, context, d), generator=gen, device=device, dtype=dtype)
+    qf = q.view(batch, hkv, hq // hkv, d)
+    scale = 1.0 / math.sqrt(d)
+    ms = timer(functools.partial(F.scaled_dot_product_attention, qf, k, v, scale=scale))
+    del k, v
+    return {"sdpa_ms": ms, "sdpa_gbs": moved / (ms * 1e-3) / 1e9}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if torch.cuda.is_available():
+        device = torch.device("cuda")
+        name = torch.cuda.get_device_name(device)
+    else:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
+        device = torch.device("cpu")
+        name = "cpu (Triton interpreter: smoke run, timings are not measurements)"
+    from engine.attention import get_attention_backend
+
+    backend = get_attention_backend("triton", device)
+    timer = Timer(device)
+    copy_gbs = copy_bandwidth_gbs(device, args.copy_gib if device.type == "cuda" else 0.05, timer)
+    print(f"device: {name}; copy bandwidth {copy_gbs:.0f} GB/s; shape Hq={args.heads} Hkv={args.kv_heads} "
+          f"D={args.head_dim} block={args.block_size} {args.dtype}", flush=True)
+    rows = []
+    for context in args.contexts:
+        for batch in args.batches:
+            row = bench_shape(batch, context, args, device, timer, backend)
+            if "paged_gbs" in row:
+                row["paged_frac_copy"] = row["paged_gbs"] / copy_gbs
+                if "sdpa_ms" in row:
+                    row["sdpa_frac_copy"] = row["sdpa_gbs"] / copy_gbs
+                    row["paged_vs_sdpa_time"] = row["paged_ms"] / row["sdpa_ms"]
+            rows.append(row)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    print_table(rows)
+    result = {"device": name, "copy_gbs": copy_gbs, "args": vars(args), "rows": rows,
+              "targets": targets(rows)}
+    print(f"targets: {json.dumps(result['targets'])}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def targets(rows: list[dict]) -> dict:
+    """Issue targets at context >= 2K, batch >= 16: >= 70% of copy bandwidth; <= 1.10x SDPA's time."""
+    sel = [r for r in rows if r["context"] >= 2048 and r["batch"] >= 16 and "paged_gbs" in r]
+    frac = [r["paged_frac_copy"] for r in sel]
+    ratio = [r["paged_vs_sdpa_time"] for r in sel if "paged_vs_sdpa_time" in r]
+    return {"shapes": len(sel),
+            "min_frac_copy": min(frac) if frac else None, "frac_copy_ok": bool(frac) and min(frac) >= 0.70,
+            "max_time_vs_sdpa": max(ratio) if ratio else None,
+            "vs_sdpa_ok": bool(ratio) and max(ratio) <= 1.10}
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'batch':>5} {'ctx':>6} {'splits':>6} {'paged us':>9} {'GB/s':>7} {'%copy':>6} "
+          f"{'sdpa us':>9} {'GB/s':>7} {'paged/sdpa':>10}")
+    for r in rows:
+        if "paged_ms" not in r:
+            print(f"{r['batch']:>5} {r['context']:>6}  skipped: {r.get('skipped')}")
+            continue
+        sd = (f"{r['sdpa_ms'] * 1e3:>9.1f} {r['sdpa_gbs']:>7.0f} {r['paged_vs_sdpa_time']:>10.2f}"
+              if "sdpa_ms" in r else f"{'-':>9} {'-':>7} {'-':>10}")
+        print(f"{r['batch']:>5} {r['context']:>6} {r['num_splits']:>6} {r['paged_ms'] * 1e3:>9.1f} "
+              f"{r['paged_gbs']:>7.0f} {100 * r['paged_frac_copy']:>5.0f}% {sd}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

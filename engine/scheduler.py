@@ -53,6 +53,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._by_request: dict[str, list[Sequence]] = {}
+        self._forked: set[str] = set()  # requests whose sequence has forked
+        self._reserved_seats = 0  # children that running, not yet forked sequences will fork into
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -124,14 +126,18 @@ class Scheduler:
             i += 1
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            seats = 1 + self._unforked_children(seq)
+            if len(self.running) + self._reserved_seats + seats > self.config.max_num_seqs:
+                break
             computed, num_hit = self.kv.get_computed_blocks(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens - num_hit, budget)
             copies = self.kv.allocate_slots(seq, n, computed)
             if copies is None:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
+            self._reserved_seats += seats - 1
             self.kv.record_prefix_query(seq.num_tokens, num_hit)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_hit
@@ -144,7 +150,14 @@ class Scheduler:
             out.num_batched_tokens += n
             budget -= n
 
+    def _unforked_children(self, seq: Sequence) -> int:
+        """Sequences a request with n > 1 will still fork into (they need running slots too)."""
+        if seq.params.n > 1 and seq.request_id not in self._forked:
+            return seq.params.n - 1
+        return 0
+
     def _preempt(self, seq: Sequence) -> None:
+        self._reserved_seats -= self._unforked_children(seq)
         self.kv.free(seq)
         self.kv.num_preemptions += 1
         seq.num_preemptions += 1
@@ -170,6 +183,7 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._reserved_seats -= self._unforked_children(seq)
         else:
             self.waiting.remove(seq)
         self.kv.free(seq)
@@ -179,6 +193,7 @@ class Scheduler:
             group.remove(seq)
             if not group:
                 del self._by_request[seq.request_id]
+                self._forked.discard(seq.request_id)
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Abort every unfinished sequence of a request, in any state; returns them."""
@@ -193,6 +208,8 @@ class Scheduler:
         """n_children copies of seq sharing its blocks; indices seq.index+1, ...; same queue as seq."""
         if seq.is_finished:
             raise ValueError(f"cannot fork finished {seq!r}")
+        if seq.status is SequenceStatus.RUNNING:
+            self._reserved_seats -= self._unforked_children(seq)
         children = []
         for k in range(1, n_children + 1):
             child = Sequence(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], seq.params, seq.cache_salt,
@@ -210,6 +227,7 @@ class Scheduler:
             for j, child in enumerate(children):
                 self.waiting.insert(pos + j, child)
         self._by_request.setdefault(seq.request_id, []).extend(children)
+        self._forked.add(seq.request_id)
         return children
 
     # ---- state -----------------------------------------------------------------------------

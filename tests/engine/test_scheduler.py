@@ -211,3 +211,16 @@ def test_finish_needs_a_finished_status():
     seq = eng.add("a", [1, 2], max_tokens=1)
     with pytest.raises(ValueError, match="finished status"):
         eng.sched.finish(seq, SequenceStatus.RUNNING)
+
+
+def test_a_request_with_n_sequences_is_admitted_only_with_room_for_all():
+    eng = FakeEngine(budget=64, max_num_seqs=4)
+    eng.add("a", [1] * 4, max_tokens=5)
+    eng.add("b", [2] * 4, max_tokens=5, n=3)
+    eng.add("c", [3] * 4, max_tokens=5)
+    out = eng.step()
+    # b takes 3 of the 4 running slots (it forks after its prompt), so c waits
+    assert [i.seq.request_id for i in out.scheduled] == ["a", "b"] and eng.sched.num_running == 4
+    assert eng.sched.num_waiting == 1
+    eng.run()
+    assert all(s.num_output_tokens == 5 for s in eng.seqs) and len(eng.seqs) == 5

@@ -102,6 +102,10 @@ class FakeEngine:
             if seq.is_finished:
                 assert seq.block_table == []
         assert self.kv.pool.num_used_blocks == len(holders)
+        reserved = sum(s.params.n - 1 for s in self.sched.running
+                       if s.params.n > 1 and s.request_id not in self.forked)
+        assert self.sched._reserved_seats == reserved
+        assert self.sched.num_running + reserved <= self.sched.config.max_num_seqs
 
     def outputs_by_seq(self) -> dict[tuple[str, int], list[int]]:
         return {(s.request_id, s.index): s.output_token_ids for s in self.seqs}

@@ -102,16 +102,24 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> None:
+        # A prefill chunk never takes the token that a later decode needs: decodes are not
+        # starved while a long prompt ahead of them in the running list is prefilled.
+        owed = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            need = seq.num_tokens - seq.num_computed_tokens
+            if need == 1:
+                owed -= 1
+            n = min(need, budget - owed) if need > 1 else need
             if n <= 0:
                 i += 1
                 continue
             copies = self.kv.allocate_slots(seq, n)
             while copies is None:
                 victim = self.running.pop()  # newest
+                if victim is not seq and victim.num_tokens - victim.num_computed_tokens == 1:
+                    owed -= 1
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:

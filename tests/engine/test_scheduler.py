@@ -224,3 +224,18 @@ def test_a_request_with_n_sequences_is_admitted_only_with_room_for_all():
     assert eng.sched.num_waiting == 1
     eng.run()
     assert all(s.num_output_tokens == 5 for s in eng.seqs) and len(eng.seqs) == 5
+
+
+def test_a_long_prefill_never_starves_later_decodes():
+    eng = FakeEngine(num_blocks=80, budget=16, max_num_seqs=4)
+    p = eng.add("p", [1] * 4, max_tokens=30, n=2)
+    b = eng.add("b", [2] * 60, max_tokens=2)  # admitted with the budget p left: a long prefill
+    out = eng.step()  # p's prompt + b's first chunk; then p forks: its child runs behind b
+    assert [(i.seq.request_id, i.num_new_tokens) for i in out.scheduled] == [("p", 4), ("b", 12)]
+    child = eng.sched.running[-1]
+    assert child.index == 1 and eng.sched.running == [p, b, child]
+    for _ in range(3):
+        out = eng.step()
+        assert [(i.seq.request_id, i.seq.index, i.num_new_tokens) for i in out.scheduled] == [
+            ("p", 0, 1), ("b", 0, 14), ("p", 1, 1)]
+    assert child.num_output_tokens == 4 and b.num_computed_tokens == 12 + 3 * 14

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import os
@@ -40,10 +41,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--no-sdpa", action="store_true", help="skip the contiguous SDPA baseline")
     p.add_argument("--copy-gib", type=float, default=2.0, help="buffer size for the copy-bandwidth probe")
+    p.add_argument("--sweep", default=None, metavar="BATCH,CONTEXT",
+                   help="also time the decode kernel's launch shapes (block_n x num_warps x num_stages) at this shape")
     p.add_argument("--json", default=None, help="write full results to this file")
     args = p.parse_args(argv)
     if args.heads % args.kv_heads:
         p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    if args.sweep is not None:
+        try:
+            args.sweep = tuple(int(x) for x in args.sweep.split(","))
+            assert len(args.sweep) == 2 and min(args.sweep) > 0
+        except (ValueError, AssertionError):
+            p.error(f"--sweep must be BATCH,CONTEXT (two positive integers), got {args.sweep!r}")
     return args
 
 
@@ -77,7 +86,8 @@ def copy_bandwidth_gbs(device: torch.device, gib: float, timer: Timer) -> float:
     return 2 * n * 4 / (ms * 1e-3) / 1e9
 
 
-def bench_shape(batch: int, context: int, args, device: torch.device, timer: Timer, backend) -> dict:
+def bench_shape(batch: int, context: int, args, device: torch.device, timer: Timer, backend,
+                sdpa: bool = True) -> dict:
     from engine.attention.metadata import AttentionMetadata
 
     dtype = DTYPES[args.dtype]
@@ -110,7 +120,7 @@ def bench_shape(batch: int, context: int, args, device: torch.device, timer: Tim
     ms = timer(functools.partial(backend.forward, q, k_cache, v_cache, meta, scale, out=out))
     row.update(paged_ms=ms, paged_gbs=moved / (ms * 1e-3) / 1e9, num_splits=backend._plan.num_splits)
     del k_cache, v_cache  # free the paged cache before the contiguous copy is allocated
-    if not args.no_sdpa:
+    if sdpa and not args.no_sdpa:
         row.update(sdpa_vs(batch, context, q, args, device, timer, gen, moved))
     return row
 
@@ -163,12 +173,41 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows)
     result = {"device": name, "copy_gbs": copy_gbs, "args": vars(args), "rows": rows,
               "targets": targets(rows)}
+    if args.sweep:
+        result["sweep"] = sweep(args, device, timer, copy_gbs)
     print(f"targets: {json.dumps(result['targets'])}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return 0
+
+
+def sweep(args, device: torch.device, timer: Timer, copy_gbs: float) -> list[dict]:
+    """Time every decode launch shape at one (batch, context); print them best first."""
+    from engine.attention.triton_backend import TritonAttentionBackend
+    from engine.kernels.paged_decode import DecodeLaunch
+
+    batch, context = args.sweep
+    found = []
+    for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
+        launch = DecodeLaunch(block_n, warps, stages)
+        try:
+            row = bench_shape(batch, context, args, device, timer, TritonAttentionBackend(decode_launch=launch),
+                              sdpa=False)
+        except Exception as e:  # e.g. out of shared memory for the largest tiles: report, keep going
+            row = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        row.update(block_n=block_n, num_warps=warps, num_stages=stages)
+        if "paged_gbs" in row:
+            row["paged_frac_copy"] = row["paged_gbs"] / copy_gbs
+        found.append(row)
+    found.sort(key=lambda r: r.get("paged_ms", float("inf")))
+    print(f"launch sweep at batch {batch}, context {context} (best first):")
+    for r in found[:6]:
+        if "paged_ms" in r:
+            print(f"  block_n {r['block_n']:>3} warps {r['num_warps']} stages {r['num_stages']}: "
+                  f"{r['paged_ms'] * 1e3:8.1f} us {r['paged_gbs']:6.0f} GB/s {100 * r['paged_frac_copy']:4.0f}%")
+    return found
 
 
 def targets(rows: list[dict]) -> dict:

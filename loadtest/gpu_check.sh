@@ -51,7 +51,8 @@ if [ -z "$PY" ]; then
     say "no python with torch, triton and pytest found: nothing to run (make install first)"; exit 1
   fi
   say "running the kernel tests in Triton's interpreter on the CPU ($IPY)"
-  TRITON_INTERPRET=1 timeout 900 "$IPY" -m pytest tests/engine/test_triton_kernels.py -q -p no:cacheprovider 2>&1 | tee -a "$LOG"
+  TRITON_INTERPRET=1 timeout 900 "$IPY" -m pytest tests/engine/test_triton_kernels.py tests/engine/test_triton_engine.py \
+      -q -p no:cacheprovider 2>&1 | tee -a "$LOG"
   rc=${PIPESTATUS[0]}
   echo "{\"gpu\": false, \"interpreter_tests_rc\": $rc}" > "$RESULTS/gpu_check.json"
   say "no GPU: interpreter tests $([ "$rc" = 0 ] && echo passed || echo "FAILED (rc=$rc)"); results in $RESULTS"
@@ -66,10 +67,11 @@ note_rc() { [ "$1" -gt "$WORST" ] && WORST="$1"; }
 
 # 1. kernel tests, compiled
 if has_mod "$PY" pytest; then
-  MARK="not slow"; TLIMIT=240
+  MARK="not slow"; TLIMIT=180
   if [ "$FULL" = 1 ]; then MARK="slow or not slow"; TLIMIT=480; fi
   say "step 1: kernel tests compiled on the GPU (-m '$MARK', limit ${TLIMIT}s)"
-  TRITON_INTERPRET=0 timeout "$TLIMIT" "$PY" -m pytest tests/engine/test_triton_kernels.py -q -p no:cacheprovider \
+  TRITON_INTERPRET=0 timeout "$TLIMIT" "$PY" -m pytest tests/engine/test_triton_kernels.py tests/engine/test_triton_engine.py \
+      -q -p no:cacheprovider \
       -m "$MARK" -o addopts="" --junitxml="$RESULTS/kernel_tests.xml" 2>&1 | tail -25 | tee -a "$LOG"
   rc=${PIPESTATUS[0]}
   case "$rc" in 0) STATUS_TESTS="passed" ;; 124) STATUS_TESTS="TIMED OUT after ${TLIMIT}s" ;; *) STATUS_TESTS="FAILED (rc=$rc)" ;; esac
@@ -79,20 +81,20 @@ else
 fi
 
 # 2. paged decode benchmark
-say "step 2: copy bandwidth + paged decode benchmark (limit 240s)"
-timeout 240 "$PY" -m loadtest.bench_paged_decode --batches 1,16,64,256 --contexts 512,2048,8192 \
+say "step 2: copy bandwidth + paged decode benchmark + launch-shape sweep (limit 270s)"
+timeout 270 "$PY" -m loadtest.bench_paged_decode --batches 1,16,64,256 --contexts 512,2048,8192 --sweep 64,2048 \
     --json "$RESULTS/bench_paged_decode.json" 2>&1 | tee "$RESULTS/bench_paged_decode.txt" >> "$LOG"
 rc=${PIPESTATUS[0]}
-case "$rc" in 0) STATUS_BENCH="done" ;; 124) STATUS_BENCH="TIMED OUT after 240s" ;; *) STATUS_BENCH="FAILED (rc=$rc)" ;; esac
+case "$rc" in 0) STATUS_BENCH="done" ;; 124) STATUS_BENCH="TIMED OUT after 270s" ;; *) STATUS_BENCH="FAILED (rc=$rc)" ;; esac
 note_rc "$rc"
 
 # 3. engine offline throughput (owned by the MODEL part; run if present)
 if [ -f loadtest/offline_throughput.py ]; then
-  say "step 3: engine offline throughput on SmolLM2, triton backend (limit 150s)"
-  timeout 150 "$PY" -m loadtest.offline_throughput --model smollm2 --attention-backend triton --device cuda \
+  say "step 3: engine offline throughput on SmolLM2, triton backend (limit 120s)"
+  timeout 120 "$PY" -m loadtest.offline_throughput --model smollm2 --attention-backend triton --device cuda \
       --json "$RESULTS/offline_throughput.json" 2>&1 | tail -15 | tee "$RESULTS/offline_throughput.txt" >> "$LOG"
   rc=${PIPESTATUS[0]}
-  case "$rc" in 0) STATUS_THROUGHPUT="done" ;; 124) STATUS_THROUGHPUT="TIMED OUT after 150s" ;; *) STATUS_THROUGHPUT="FAILED (rc=$rc)" ;; esac
+  case "$rc" in 0) STATUS_THROUGHPUT="done" ;; 124) STATUS_THROUGHPUT="TIMED OUT after 120s" ;; *) STATUS_THROUGHPUT="FAILED (rc=$rc)" ;; esac
   note_rc "$rc"
 else
   STATUS_THROUGHPUT="skipped: loadtest/offline_throughput.py is not in this tree"
@@ -128,6 +130,10 @@ if b:
     tg = b["targets"]
     print(f"targets (ctx>=2K, batch>=16): min %copy {tg['min_frac_copy']} (>=0.70: {tg['frac_copy_ok']}); "
           f"max paged/sdpa time {tg['max_time_vs_sdpa']} (<=1.10: {tg['vs_sdpa_ok']})")
+    best = next((r for r in b.get("sweep", []) if "paged_ms" in r), None)
+    if best:
+        print(f"best decode launch at batch/ctx {b['args']['sweep']}: block_n {best['block_n']} warps "
+              f"{best['num_warps']} stages {best['num_stages']} ({100*best['paged_frac_copy']:.0f}% of copy)")
 else:
     print(f"paged decode benchmark: {bench}")
 if t:

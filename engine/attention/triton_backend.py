@@ -23,7 +23,7 @@ from engine.attention.backend import (
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.extend_attention import extend_attention
 from engine.kernels.kv_write import kv_write
-from engine.kernels.paged_decode import choose_num_splits, paged_decode
+from engine.kernels.paged_decode import DecodeLaunch, choose_num_splits, paged_decode
 
 _INTERPRETER_SMS = 4  # pretend SM count under the interpreter, so long contexts exercise split-KV
 
@@ -41,11 +41,13 @@ class _Plan:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, num_splits: int | None = None):
-        """num_splits fixes the decode split count (tests, benchmarks); None picks it per batch."""
+    def __init__(self, num_splits: int | None = None, decode_launch: DecodeLaunch | None = None):
+        """num_splits fixes the decode split count and decode_launch the decode kernel's launch shape
+        (tests, benchmarks); None picks them per batch."""
         if num_splits is not None and num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
         self._forced_splits = num_splits
+        self._decode_launch = decode_launch
         self._meta: AttentionMetadata | None = None
         self._plan: _Plan | None = None
         self._num_sms: dict[torch.device, int] = {}
@@ -66,7 +68,7 @@ class TritonAttentionBackend(AttentionBackend):
         out = output_for(q, out)
         tables = meta.block_tables if meta.block_tables.stride(-1) == 1 else meta.block_tables.contiguous()
         paged_decode(q, k_cache, v_cache, out, tables, meta.seq_lens, meta.query_start_loc, plan.decode_ids,
-                     plan.decode_max_seq_len, scale, plan.num_splits)
+                     plan.decode_max_seq_len, scale, plan.num_splits, self._decode_launch)
         extend_attention(q, k_cache, v_cache, out, tables, meta.seq_lens, meta.query_start_loc, plan.extend_ids,
                          plan.extend_max_query_len, scale)
         return out

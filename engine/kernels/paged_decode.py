@@ -9,6 +9,8 @@ Online softmax in float32 (base-2 exponentials); fp16/bf16/fp32 inputs; any bloc
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -107,6 +109,26 @@ def _decode_reduce_kernel(part_ptr, lse_ptr, out_ptr, qsl_ptr, seq_ids_ptr, num_
              mask=offs_d < D)
 
 
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """Launch shape of the split kernel (loadtest/bench_paged_decode.py --sweep compares them on a GPU)."""
+
+    block_n: int  # tokens per loop iteration: a power of two >= 16
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"num_warps must be 1/2/4/8/16 and num_stages >= 1, got {self.num_warps}, "
+                             f"{self.num_stages}")
+
+
+def default_launch(dtype: torch.dtype, head_dim: int) -> DecodeLaunch:
+    return DecodeLaunch(64 if triton.next_power_of_2(head_dim) <= 128 and dtype != torch.float32 else 32)
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """Enough splits to give every SM about four programs (decode is memory-bound: it needs many loads
     in flight), never splits shorter than 256 tokens, at most 64."""
@@ -117,7 +139,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                 seq_ids: torch.Tensor, max_seq_len: int, scale: float, num_splits: int) -> None:
+                 seq_ids: torch.Tensor, max_seq_len: int, scale: float, num_splits: int,
+                 launch: DecodeLaunch | None = None) -> None:
     """out[query_start_loc[s]] = attention of q[query_start_loc[s]] for every sequence s in seq_ids."""
     num = seq_ids.shape[0]
     if num == 0:
@@ -126,7 +149,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     hq = q.shape[1]
     group = hq // hkv
     block_d = triton.next_power_of_2(d)
-    block_n = 64 if block_d <= 128 and q.dtype != torch.float32 else 32
+    launch = launch or default_launch(q.dtype, d)
+    block_n = launch.block_n
     tokens_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
     num_splits = triton.cdiv(max(max_seq_len, 1), tokens_per_split)
     direct = num_splits == 1
@@ -143,7 +167,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seq_ids, part, lse, out,
         scale * LOG2E, tokens_per_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        sp[0], sp[1], sp[2], out.stride(0), out.stride(1), num_warps=4, num_stages=2, **common)
+        sp[0], sp[1], sp[2], out.stride(0), out.stride(1), num_warps=launch.num_warps,
+        num_stages=launch.num_stages, **common)
     if not direct:
         _decode_reduce_kernel[(num, hq)](
             part, lse, out, query_start_loc, seq_ids, num_splits, sp[0], sp[1], sp[2],

@@ -10,7 +10,7 @@ import torch
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.engine.triton_setup import load_kernels, triton_mode  # noqa: F401 (fixture)
+from tests.engine.triton_setup import DEVICE, load_kernels, triton_mode  # noqa: F401 (fixture)
 
 load_kernels()
 pytestmark = pytest.mark.usefixtures("triton_mode")
@@ -42,7 +42,7 @@ def tiny_model_dir(tmp_path_factory):
 
 
 def greedy_tokens(model_dir: str, backend: str) -> list[list[int]]:
-    llm = LLM(model_dir, attention_backend=backend, device="cpu", dtype="float32", block_size=8, num_blocks=64,
+    llm = LLM(model_dir, attention_backend=backend, device=DEVICE, dtype="float32", block_size=8, num_blocks=64,
               max_num_batched_tokens=24, max_num_seqs=8, num_threads=1)
     assert llm.engine.runner.backend.name == backend
     shared = [(7 * i) % (VOCAB - 3) + 3 for i in range(21)]

@@ -109,6 +109,20 @@ def test_auto_split_count_matches_forced():
         assert_close(out, expected, case[4])
 
 
+@pytest.mark.parametrize("block_n,num_warps,num_stages", [(16, 2, 1), (128, 8, 3)])
+def test_decode_result_does_not_depend_on_launch_shape(block_n, num_warps, num_stages):
+    launch = K["paged_decode"].DecodeLaunch(block_n, num_warps, num_stages)
+    b = make_batch(decode_specs(16), 16, 2, 4, 64, F16, seed=block_n, device=DEVICE)
+    expected = TORCH.forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    for splits in (1, 3):
+        out = torch.full_like(b.q, float("nan"))
+        backend = TritonAttentionBackend(num_splits=splits, decode_launch=launch)
+        backend.forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale, out=out)
+        assert_close(out, expected, F16)
+    with pytest.raises(ValueError, match="block_n"):
+        K["paged_decode"].DecodeLaunch(24)
+
+
 def test_choose_num_splits():
     choose = K["paged_decode"].choose_num_splits
     assert choose(1, 8, 8192, 132) == 32  # one long sequence: as many splits as fill the GPU

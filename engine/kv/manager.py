@@ -87,25 +87,35 @@ class KVCacheManager:
         seq.num_computed_tokens. Returns the (src, dst) block copies the runner must do before
         the forward pass: a shared partial last block is copied on the first write.
         """
-        computed_blocks = computed_blocks or []
-        if self.num_blocks_needed(seq, num_new_tokens, computed_blocks) > self.pool.num_free_blocks:
-            self.alloc_failures += 1
-            return None
-        if computed_blocks:
+        bs = self.block_size
+        table = seq.block_table
+        if not computed_blocks:  # the hot path: running sequences, mostly decodes
+            num_computed = seq.num_computed_tokens
+            grow = (num_computed + num_new_tokens + bs - 1) // bs - len(table)
+            shared = self._shared_write_block(seq, num_computed) if num_new_tokens > 0 else None
+            if grow <= 0 and shared is None:
+                return []
+            if max(grow, 0) + (shared is not None) > self.pool.num_free_blocks:
+                self.alloc_failures += 1
+                return None
+        else:
+            if self.num_blocks_needed(seq, num_new_tokens, computed_blocks) > self.pool.num_free_blocks:
+                self.alloc_failures += 1
+                return None
             self.pool.touch(computed_blocks)
-            seq.block_table.extend(b.block_id for b in computed_blocks)
-            seq.num_computed_tokens += len(computed_blocks) * self.block_size
-            self._num_registered[seq.seq_id] = len(seq.block_table)
+            table.extend(b.block_id for b in computed_blocks)
+            seq.num_computed_tokens += len(computed_blocks) * bs
+            self._num_registered[seq.seq_id] = len(table)
+            shared = None  # prefix hits are full blocks: nothing to copy
+            grow = (seq.num_computed_tokens + num_new_tokens + bs - 1) // bs - len(table)
         copies: list[tuple[int, int]] = []
-        shared = self._shared_write_block(seq, seq.num_computed_tokens)
-        if shared is not None and num_new_tokens > 0:
+        if shared is not None:
             (new,) = self.pool.get_new_blocks(1)
             self.pool.free_blocks([shared])
-            seq.block_table[seq.num_computed_tokens // self.block_size] = new.block_id
+            table[seq.num_computed_tokens // bs] = new.block_id
             copies.append((shared.block_id, new.block_id))
-        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
-        if total > len(seq.block_table):
-            seq.block_table.extend(b.block_id for b in self.pool.get_new_blocks(total - len(seq.block_table)))
+        if grow > 0:
+            table.extend(b.block_id for b in self.pool.get_new_blocks(grow))
         return copies
 
     def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
@@ -118,8 +128,8 @@ class KVCacheManager:
         """Register the sequence's blocks that are now full of computed tokens in the prefix cache."""
         if not self.enable_caching:
             return
-        start = self._num_registered.get(seq.seq_id, 0)
         end = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        start = self._num_registered.get(seq.seq_id, 0)
         if end <= start:
             return
         self._extend_hashes(seq, end * self.block_size)

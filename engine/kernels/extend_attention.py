@@ -86,7 +86,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return
     _, block_size, hkv, d = k_cache.shape
     hq = q.shape[1]
-    block_d = triton.next_power_of_2(d)
+    block_d = max(16, triton.next_power_of_2(d))  # tl.dot needs K >= 16
     small = q.dtype == torch.float32 or block_d > 128
     block_m = block_m or (32 if small else 64)
     block_n = 32 if small else 64

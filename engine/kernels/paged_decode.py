@@ -148,7 +148,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     _, block_size, hkv, d = k_cache.shape
     hq = q.shape[1]
     group = hq // hkv
-    block_d = triton.next_power_of_2(d)
+    block_d = max(16, triton.next_power_of_2(d))  # tl.dot needs K >= 16
     launch = launch or default_launch(q.dtype, d)
     block_n = launch.block_n
     tokens_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n

@@ -109,6 +109,12 @@ def test_auto_split_count_matches_forced():
         assert_close(out, expected, case[4])
 
 
+@pytest.mark.parametrize("head_dim", [8, 80])
+def test_head_dims_that_are_small_or_not_powers_of_two(head_dim):
+    run_decode((16, 1, 2, head_dim, F32), splits=3, seed=head_dim)
+    run_extend((16, 1, 2, head_dim, F32), seed=head_dim)
+
+
 @pytest.mark.parametrize("block_n,num_warps,num_stages", [(16, 2, 1), (128, 8, 3)])
 def test_decode_result_does_not_depend_on_launch_shape(block_n, num_warps, num_stages):
     launch = K["paged_decode"].DecodeLaunch(block_n, num_warps, num_stages)

@@ -120,7 +120,8 @@ class RequestTimer:
         self.queue_observed = False
         self.done = False
 
-    def on_output(self, num_new_tokens: int, output=None) -> None:
+    def on_output(self, num_new_steps: int, output=None) -> None:
+        """num_new_steps: tokens per completion since the last output (several when outputs coalesce)."""
         now = time.monotonic()
         if not self.queue_observed and output is not None:
             rm = getattr(output, "metrics", None)
@@ -129,13 +130,18 @@ class RequestTimer:
             if sched is not None and arrived is not None:
                 self.m.queue.observe(max(0.0, sched - arrived))
                 self.queue_observed = True
-        if num_new_tokens <= 0:
+        if num_new_steps <= 0:
             return
+        gaps = num_new_steps
         if self.first_token is None:
             self.first_token = now
             self.m.ttft.observe(now - self.arrival)
+            gaps -= 1
+            per = 0.0  # tokens that arrived together with the first one
         else:
-            self.m.itl.observe(now - self.last_token)
+            per = (now - self.last_token) / gaps
+        for _ in range(gaps):
+            self.m.itl.observe(per)
         self.last_token = now
 
     def finish(self, reason: str | None) -> None:

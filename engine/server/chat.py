@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from engine.outputs import RequestOutput
 from engine.server import serving
 from engine.server.errors import APIError, bad_request, error_body
-from engine.server.generation import run
+from engine.server.generation import engine_error, prime, run
 from engine.server.protocol import ChatCompletionRequest
 from engine.server.serving import ServerState
 from engine.server.streaming import SSE_DONE, ClientGone, sse, sse_response, watch_disconnect
@@ -30,13 +30,18 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     except TokenizerError as e:
         raise bad_request(str(e), "messages") from None
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = serving.max_tokens_for(req.requested_max_tokens(), len(prompt_ids), engine.max_model_len, param)
+    max_tokens = serving.max_tokens_for(req.requested_max_tokens(), len(prompt_ids), engine.max_model_len, param,
+                                         "messages")
     params = serving.build_params(req, max_tokens, req.requested_logprobs(), tok.vocab_size)
     serving.check_capacity(engine, len(prompt_ids), params, param)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     gen = run(engine, prompt_ids, params, rid, req.cache_salt, request.app.state.metrics, state.inflight)
     if req.stream:
+        try:
+            gen = await prime(gen)
+        except Exception as e:
+            raise engine_error(e) from None
         return sse_response(_stream(state, req, gen, rid, model, created), {"X-Request-Id": rid})
 
     async def collect() -> RequestOutput | None:
@@ -50,8 +55,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         final = await watch_disconnect(request, collect())
     except ClientGone:
         return Response(status_code=499)
-    except ValueError as e:  # the engine refused it (RequestTooLongError, SamplingParamsError)
-        raise bad_request(str(e), getattr(e, "param", None)) from None
+    except Exception as e:  # the engine refused it (RequestTooLongError, SamplingParamsError) or is gone
+        raise engine_error(e) from None
     if final is None or not final.finished:
         raise APIError(503, "the request was aborted before it finished (server shutting down)", None, "aborted")
     choices = []
@@ -103,8 +108,9 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, gen: AsyncIter
                     if continuous:
                         chunk["usage"] = serving.usage([out])
                     yield sse(chunk)
-    except ValueError as e:
-        yield sse(error_body(400, str(e), getattr(e, "param", None)))
+    except Exception as e:
+        err = engine_error(e)
+        yield sse(error_body(err.status, err.message, err.param, err.code))
     else:
         if last is None or not last.finished:
             yield sse(error_body(503, "the request was aborted before it finished", None, "aborted"))

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from engine.outputs import RequestOutput
 from engine.server import serving
 from engine.server.errors import APIError, bad_request, error_body
-from engine.server.generation import merge, run
+from engine.server.generation import engine_error, merge, prime, run
 from engine.server.protocol import CompletionRequest
 from engine.server.serving import ServerState
 from engine.server.streaming import SSE_DONE, ClientGone, sse, sse_response, watch_disconnect
@@ -42,8 +42,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
             raise bad_request("the prompt is empty", param)
         prompts.append(ids)
     params = []
-    for ids in prompts:
-        max_tokens = serving.max_tokens_for(req.max_tokens, len(ids), engine.max_model_len, "max_tokens")
+    for i, ids in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        max_tokens = serving.max_tokens_for(req.max_tokens, len(ids), engine.max_model_len, "max_tokens", param)
         p = serving.build_params(req, max_tokens, req.logprobs, tok.vocab_size)
         serving.check_capacity(engine, len(ids), p, "max_tokens")
         params.append(p)
@@ -54,7 +55,15 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
             for k, (ids, p) in enumerate(zip(prompts, params, strict=True))]
     echo = texts if req.echo else None
     if req.stream:
-        return sse_response(_stream(state, req, merge(gens), len(prompts), rid, model, created, echo),
+        primed = []
+        try:
+            for g in gens:
+                primed.append(await prime(g))
+        except Exception as e:
+            for g in primed:
+                await g.aclose()
+            raise engine_error(e) from None
+        return sse_response(_stream(state, req, merge(primed), len(prompts), rid, model, created, echo),
                             {"X-Request-Id": rid})
 
     async def collect() -> list[RequestOutput | None]:
@@ -68,8 +77,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         finals = await watch_disconnect(request, collect())
     except ClientGone:
         return Response(status_code=499)
-    except ValueError as e:
-        raise bad_request(str(e), getattr(e, "param", None)) from None
+    except Exception as e:
+        raise engine_error(e) from None
     if any(f is None or not f.finished for f in finals):
         raise APIError(503, "the request was aborted before it finished (server shutting down)", None, "aborted")
     choices = []
@@ -123,8 +132,9 @@ async def _stream(state: ServerState, req: CompletionRequest, outs: AsyncIterato
                     if continuous:
                         chunk["usage"] = serving.usage([out])
                     yield sse(chunk)
-    except ValueError as e:
-        yield sse(error_body(400, str(e), getattr(e, "param", None)))
+    except Exception as e:
+        err = engine_error(e)
+        yield sse(error_body(err.status, err.message, err.param, err.code))
     else:
         finals = [last.get(k) for k in range(num_prompts)]
         if any(f is None or not f.finished for f in finals):

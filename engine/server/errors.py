@@ -49,36 +49,64 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param, code)
 
 
+_SCALAR_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "json-or-python"}
+
+
+def _is_branch_tag(part) -> bool:
+    """pydantic names union branches in error locations: 'str', 'list[int]', 'function-after[..]', 'TextPart'."""
+    return isinstance(part, str) and (part in _SCALAR_TAGS or "[" in part or "-" in part or part[:1].isupper())
+
+
 def format_loc(loc: tuple) -> str | None:
-    """('body', 'messages', 0, 'role') -> 'messages[0].role'; pydantic's union branch names are dropped."""
+    """('body', 'messages', 0, 'role') -> 'messages[0].role'; union branch names are dropped."""
     out = ""
     for part in loc:
         if part == "body" and not out:
             continue
+        if _is_branch_tag(part):
+            continue
         if isinstance(part, int):
             out += f"[{part}]"
-        elif isinstance(part, str) and ("[" in part or "function-" in part):
-            continue  # e.g. 'list[str]', 'function-after[...]': pydantic's names for union branches
         else:
             out += f".{part}" if out else str(part)
     return out or None
 
 
+def _param(errors: list[dict]) -> str | None:
+    """The field to blame: the common path of all errors (a union reports one error per branch)."""
+    locs = [tuple(p for p in e.get("loc", ()) if p != "body") for e in errors]
+    common: list = []
+    for parts in zip(*locs, strict=False):
+        if any(p != parts[0] for p in parts):
+            break
+        common.append(parts[0])
+    if not common:
+        return format_loc(locs[0])
+    if len(locs) > 1:  # cut at the first union branch: the field itself is what was wrong
+        for i, part in enumerate(common):
+            if _is_branch_tag(part):
+                common = common[:i]
+                break
+    return format_loc(tuple(common))
+
+
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    """One readable message (and the first offending field) from pydantic's error list."""
+    """One readable message (and the offending field) from pydantic's error list."""
     if not errors:
         return "invalid request body", None
     first = errors[0]
-    param = format_loc(tuple(first.get("loc", ())))
     if first.get("type") == "json_invalid":
         return "request body is not valid JSON", None
-    if first.get("type") == "missing" and param is None:
-        return "request body is missing or is not a JSON object", None
+    param = _param(errors)
+    if first.get("type") in ("missing", "model_attributes_type", "dict_type") and format_loc(first.get("loc", ())) is None:
+        return "request body must be a JSON object", None
     msgs = []
     for e in errors[:3]:
         where = format_loc(tuple(e.get("loc", ())))
         msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
-        msgs.append(f"{where}: {msg}" if where else msg)
+        line = f"{where}: {msg}" if where else msg
+        if line not in msgs:
+            msgs.append(line)
     more = f" (and {len(errors) - 3} more errors)" if len(errors) > 3 else ""
     return "; ".join(msgs) + more, param
 

@@ -15,8 +15,10 @@ from contextlib import aclosing
 
 import anyio
 
+from engine.async_engine import EngineDeadError
 from engine.metrics import EngineMetrics
 from engine.outputs import RequestOutput
+from engine.server.errors import APIError
 
 logger = logging.getLogger("kvfleet.server")
 
@@ -60,12 +62,12 @@ async def run(engine, prompt_ids: list[int], params, request_id: str, cache_salt
     finished = False
     inflight.add(request_id)
     try:
-        prev_tokens = 0
+        prev_steps = 0
         async with aclosing(engine.generate(prompt_ids, params, request_id, cache_salt=cache_salt)) as gen:
             async for out in gen:
-                total = sum(len(o.token_ids) for o in out.outputs)
-                timer.on_output(total - prev_tokens, out)
-                prev_tokens = total
+                steps = max((len(o.token_ids) for o in out.outputs), default=0)
+                timer.on_output(steps - prev_steps, out)
+                prev_steps = steps
                 if out.finished:
                     finished = True
                     timer.finish(out.outputs[0].finish_reason if out.outputs else None)
@@ -81,6 +83,47 @@ async def run(engine, prompt_ids: list[int], params, request_id: str, cache_salt
                     await engine.abort(request_id)
                 except Exception:  # already gone: nothing to free
                     logger.debug("abort of %s after it ended", request_id, exc_info=True)
+
+
+async def prime(gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """Start `gen` now so the engine's up-front validation runs before a stream's headers go out:
+    a request that can never run raises here (a proper 400) instead of inside the stream."""
+    first = asyncio.ensure_future(gen.__anext__())
+    for _ in range(3):  # generate() validates synchronously, before its first real await
+        if first.done():
+            break
+        await asyncio.sleep(0)
+    if first.done() and first.exception() is not None:
+        await gen.aclose()
+        raise first.exception()
+    return _chain(first, gen)
+
+
+async def _chain(first: asyncio.Future, gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    try:
+        try:
+            item = await first
+        except StopAsyncIteration:
+            return
+        yield item
+        async for item in gen:
+            yield item
+    finally:
+        if not first.done():
+            first.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.wait([first])
+            await gen.aclose()
+
+
+def engine_error(e: BaseException) -> APIError:
+    """The HTTP error for an exception out of the engine: 400 for requests it refuses, else 503."""
+    if isinstance(e, ValueError):
+        return APIError(400, str(e), getattr(e, "param", None) or getattr(e, "field", None), "invalid_value")
+    if isinstance(e, EngineDeadError):
+        return APIError(503, f"the engine is not running: {e}", None, "engine_dead")
+    logger.error("engine error", exc_info=e)
+    return APIError(500, f"internal engine error: {type(e).__name__}", None, "internal_error")
 
 
 async def merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -2,8 +2,8 @@
 
     kvfleet engine --model smollm2 --port 8001
 
-Engine flags come from `EngineArgs.add_cli_args`; the server adds --host, --port,
---served-model-name, --instance-id, --internal-token, --drain-timeout, --max-body-bytes,
+Engine flags (incl. --served-model-name) come from `EngineArgs.add_cli_args`; the server adds
+--host, --port, --instance-id, --internal-token, --drain-timeout, --max-body-bytes,
 --log-level and --access-log. The model loads after the server is up (/health answers, /ready
 says 503 until it is loaded). SIGTERM (or Ctrl-C) drains: /ready turns 503, new requests get 503,
 running ones finish for up to --drain-timeout seconds, then the process exits 0; a second signal
@@ -32,8 +32,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
     g.add_argument("--port", type=int, default=8001, help="port to bind")
-    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="model name(s) clients use in `model`; default: the --model value")
     g.add_argument("--instance-id", default=None,
                    help="this replica's id in KV events and metrics; default: HOSTNAME:PORT")
     g.add_argument("--internal-token", default=os.environ.get("KVFLEET_INTERNAL_TOKEN") or None,
@@ -85,6 +83,10 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def _names(value) -> list[str]:
+    return [value] if isinstance(value, str) else list(value or [])
+
+
 def main(argv: list[str] | None = None) -> int:
     from engine.args import EngineArgs
 
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine_args = EngineArgs.from_cli(ns)
         config = ServerConfig(
-            served_model_names=tuple(ns.served_model_name or [ns.model]),
+            served_model_names=tuple(_names(ns.served_model_name) or [ns.model]),
             instance_id=ns.instance_id or f"{socket.gethostname()}:{ns.port}",
             internal_token=ns.internal_token, drain_timeout=ns.drain_timeout, max_body_bytes=ns.max_body_bytes)
     except ValueError as e:

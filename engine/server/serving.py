@@ -98,15 +98,16 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
         raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param)
 
 
-def max_tokens_for(requested: int | None, prompt_len: int, max_model_len: int, param: str = "max_tokens") -> int:
+def max_tokens_for(requested: int | None, prompt_len: int, max_model_len: int, param: str,
+                   prompt_param: str) -> int:
     """The output budget: the requested one, or what is left of the context; 400 if it cannot fit."""
     if prompt_len == 0:
-        raise bad_request("the prompt is empty", "prompt" if param == "max_tokens" else "messages")
+        raise bad_request("the prompt is empty", prompt_param)
     left = max_model_len - prompt_len
     if left < 1:
         raise bad_request(f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
                           f"{prompt_len} tokens (no room for output). Shorten the prompt.",
-                          "messages" if param != "prompt" else "prompt", "context_length_exceeded")
+                          prompt_param, "context_length_exceeded")
     if requested is None:
         return left
     if requested > left:

@@ -32,7 +32,8 @@ class FakeEngine:
         self.cached: set[int] = set()
         self.seq = 0
         self.subscribers: list[asyncio.Queue] = []
-        self.stats = {"requests": 0, "cancelled": 0, "completed": 0, "running": 0}
+        self.stats = {"requests": 0, "cancelled": 0, "completed": 0, "running": 0, "prefix_queries": 0,
+                      "prefix_hits": 0}
         self.ready = True
 
     # -- KV cache ------------------------------------------------------------------------------------------
@@ -53,6 +54,8 @@ class FakeEngine:
             if h not in self.cached:
                 break
             hit += 1
+        self.stats["prefix_queries"] += len(tokens)
+        self.stats["prefix_hits"] += hit * bs
         new = [h for h in hashes if h not in self.cached]
         if new:
             self.cached.update(new)
@@ -105,7 +108,9 @@ class FakeEngine:
         n = self.ns.model
         return (f'vllm:num_requests_running{{model_name="{n}"}} {self.stats["running"]}\n'
                 f'vllm:num_requests_waiting{{model_name="{n}"}} 0\n'
-                f'vllm:kv_cache_usage_perc{{model_name="{n}"}} 0.0\n')
+                f'vllm:kv_cache_usage_perc{{model_name="{n}"}} 0.0\n'
+                f'vllm:prefix_cache_queries_total{{model_name="{n}"}} {self.stats["prefix_queries"]}\n'
+                f'vllm:prefix_cache_hits_total{{model_name="{n}"}} {self.stats["prefix_hits"]}\n')
 
     async def kv_events(self, receive, send):
         if self.ns.no_kv_events:

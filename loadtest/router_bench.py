@@ -1,0 +1,415 @@
+"""Router benchmarks.
+
+`policies`: the same seeded multi-turn + shared-system-prompt workload through each routing policy on a local
+2-replica fleet; prints the fleet prefix-cache hit rate (from the engines' own /metrics), TTFT p50/p99 and
+throughput per policy, and `kv`'s hit rate as a ratio of what ONE replica holding the whole fleet's cache
+gets on the same workload (target >= 0.9), and round-robin's TTFT p50 over kv's.
+
+    python -m loadtest.router_bench policies --sessions 32 --turns 4 --concurrency 4
+    python -m loadtest.router_bench policies --engine-module loadtest.fake_engine --api tokens   # smoke, no model
+
+Each policy gets a fresh router and its own `cache_salt`, so it starts from caches that hold none of its
+prompts (hashes are salted) without reloading the engines; the single-replica reference runs a separate
+engine with twice the blocks.
+
+`overhead`: the router's own cost against a fast fake engine: added latency per request (router vs direct,
+p50/p99, sequential) and streamed requests/s one router process sustains (client processes separate).
+
+    python -m loadtest.router_bench overhead --requests 2000 --duration 10 --concurrency 64 --client-procs 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from loadtest.workload import generate_trace, words
+from router.replicas import parse_engine_metrics
+
+PY = sys.executable
+
+
+# -- processes -----------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    def __init__(self, argv: list[str], url: str, log_dir: str, name: str):
+        self.url, self.name = url, name
+        self.log_path = os.path.join(log_dir, f"{name}.log")
+        self.log = open(self.log_path, "ab")
+        self.popen = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                      env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+    def wait_ready(self, timeout: float = 600.0, path: str = "/ready") -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.popen.returncode}); see {self.log_path}")
+            try:
+                if httpx.get(self.url + path, timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name} not ready after {timeout}s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+        self.log.close()
+
+
+def start_engine(ns, log_dir: str, name: str, num_blocks: int) -> Proc:
+    port = free_port()
+    if ns.engine_module:
+        argv = [PY, "-m", ns.engine_module, "--port", str(port), "--instance-id", name, "--model", ns.model]
+    else:
+        argv = [PY, "-m", "engine.cli", "engine", "--model", ns.model, "--port", str(port), "--instance-id", name,
+                "--num-blocks", str(num_blocks), "--log-level", "warning"]
+        if ns.threads_per_engine:
+            argv += ["--num-threads", str(ns.threads_per_engine)]
+    return Proc(argv + ns.engine_arg, f"http://127.0.0.1:{port}", log_dir, name)
+
+
+def start_router(ns, log_dir: str, replicas: list[str], policy: str, model: str | None) -> Proc:
+    port = free_port()
+    argv = [PY, "-m", "router.main", "--port", str(port), "--policy", policy, "--model", model or "",
+            "--replicas", ",".join(replicas), "--log-level", "warning"]
+    return Proc(argv, f"http://127.0.0.1:{port}", log_dir, f"router-{policy}")
+
+
+# -- workload ------------------------------------------------------------------------------------------------
+def build_sessions(ns) -> list[list[dict]]:
+    """Seeded sessions: each opens with one of a few long shared system prompts, then `turns` turns that
+    each resend the whole history. Returns per session its list of message lists."""
+    trace = generate_trace(ns.sessions * ns.turns, seed=ns.seed, mode="multi_turn", turns_per_session=ns.turns,
+                           mean_prompt_tokens=ns.mean_user_tokens, min_output_tokens=ns.max_tokens,
+                           max_output_tokens=ns.max_tokens)
+    systems = [words(random.Random(f"{ns.seed}-sys-{k}"), ns.system_tokens) for k in range(ns.system_prompts)]
+    sessions: dict[str, list[list[dict]]] = {}
+    for req in trace:
+        k = random.Random(f"{ns.seed}-{req.session_id}").randrange(ns.system_prompts)
+        msgs = [{"role": "system", "content": systems[k]}, *[dict(m) for m in req.messages]]
+        sessions.setdefault(req.session_id, []).append(msgs)
+    return list(sessions.values())
+
+
+def fleet_prefix_counters(urls: list[str]) -> tuple[float, float]:
+    q = h = 0.0
+    for u in urls:
+        load = parse_engine_metrics(httpx.get(u + "/metrics", timeout=5).text)
+        q, h = q + load.prefix_queries, h + load.prefix_hits
+    return q, h
+
+
+async def run_sessions(base_url: str, sessions, ns, salt: str, tokenizer) -> dict:
+    """Closed loop: `concurrency` workers, each runs whole sessions turn after turn (streamed)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    for i, s in enumerate(sessions):
+        queue.put_nowait((i, s))
+    ttfts, e2es, errors, out_tokens = [], [], [], 0
+    by_replica: dict[str, int] = {}
+
+    async def one(client, sid, msgs) -> None:
+        nonlocal out_tokens
+        body = {"model": ns.model, "max_tokens": ns.max_tokens, "stream": True, "temperature": 0,
+                "stream_options": {"include_usage": True}, "cache_salt": salt}
+        if ns.api == "tokens":
+            path, body["prompt"] = "/v1/completions", tokenizer.apply_chat_template(msgs)
+        else:
+            path, body["messages"] = "/v1/chat/completions", msgs
+        t0 = time.perf_counter()
+        first = None
+        async with client.stream("POST", base_url + path, json=body, headers={"x-session-id": f"s{sid}"}) as r:
+            if r.status_code != 200:
+                errors.append(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+                return
+            rep = r.headers.get("x-kvfleet-replica", "direct")
+            by_replica[rep] = by_replica.get(rep, 0) + 1
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    errors.append(chunk["error"].get("message", "error"))
+                    return
+                if first is None and chunk.get("choices"):
+                    first = time.perf_counter()
+                if chunk.get("usage"):
+                    out_tokens += chunk["usage"].get("completion_tokens", 0)
+        ttfts.append((first or time.perf_counter()) - t0)
+        e2es.append(time.perf_counter() - t0)
+
+    async def worker(client):
+        while not queue.empty():
+            sid, turns = queue.get_nowait()
+            for msgs in turns:
+                await one(client, sid, msgs)
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        await asyncio.gather(*(worker(client) for _ in range(ns.concurrency)))
+    wall = time.perf_counter() - t0
+    return {"requests": len(e2es), "errors": len(errors), "first_error": errors[0] if errors else None,
+            "wall_s": wall, "req_per_s": len(e2es) / wall, "out_tok_per_s": out_tokens / wall,
+            "ttft_p50_ms": pct(ttfts, 50) * 1e3, "ttft_p99_ms": pct(ttfts, 99) * 1e3,
+            "e2e_p50_ms": pct(e2es, 50) * 1e3, "by_replica": by_replica}
+
+
+def pct(xs, p) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))]
+
+
+def measure(base_url: str, engine_urls: list[str], sessions, ns, salt: str, tokenizer) -> dict:
+    q0, h0 = fleet_prefix_counters(engine_urls)
+    res = asyncio.run(run_sessions(base_url, sessions, ns, salt, tokenizer))
+    time.sleep(0.3)
+    q1, h1 = fleet_prefix_counters(engine_urls)
+    res["hit_rate"] = (h1 - h0) / (q1 - q0) if q1 > q0 else float("nan")
+    return res
+
+
+def cmd_policies(ns) -> dict:
+    log_dir = tempfile.mkdtemp(prefix="router-bench-")
+    tokenizer = None
+    if ns.api == "tokens":
+        from engine.tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(ns.model)
+    sessions = build_sessions(ns)
+    print(f"workload: {len(sessions)} sessions x {ns.turns} turns, {ns.system_prompts} shared system prompts of "
+          f"~{ns.system_tokens} tokens, max_tokens {ns.max_tokens}, concurrency {ns.concurrency}; logs {log_dir}")
+    results: dict[str, dict] = {}
+    procs: list[Proc] = []
+    try:
+        engines = [start_engine(ns, log_dir, f"replica-{i}", ns.num_blocks) for i in range(ns.replicas)]
+        procs += engines
+        for e in engines:
+            e.wait_ready()
+        urls = [e.url for e in engines]
+        for policy in ns.policies.split(","):
+            router = start_router(ns, log_dir, urls, policy, ns.model)
+            procs.append(router)
+            router.wait_ready()
+            while httpx.get(router.url + "/ready").json().get("ready_replicas") != len(urls):
+                time.sleep(0.1)
+            time.sleep(1.0)  # KV event streams connected
+            results[policy] = measure(router.url, urls, sessions, ns, f"bench-{ns.seed}-{policy}", tokenizer)
+            router.stop()
+            procs.remove(router)
+            print_row(policy, results[policy])
+        for e in engines:
+            e.stop()
+            procs.remove(e)
+        if ns.single_reference:
+            big = start_engine(ns, log_dir, "single-whole-cache", ns.num_blocks * ns.replicas)
+            procs.append(big)
+            big.wait_ready()
+            results["single-replica-whole-cache"] = measure(big.url, [big.url], sessions, ns, f"bench-{ns.seed}-one",
+                                                            tokenizer)
+            print_row("single-replica-whole-cache", results["single-replica-whole-cache"])
+    finally:
+        for p in procs:
+            p.stop()
+    summary = {}
+    if "kv" in results and "single-replica-whole-cache" in results:
+        summary["kv_hit_rate_vs_single_whole_cache"] = results["kv"]["hit_rate"] / \
+            results["single-replica-whole-cache"]["hit_rate"]
+    if "kv" in results and "round-robin" in results:
+        summary["round_robin_ttft_p50_over_kv"] = results["round-robin"]["ttft_p50_ms"] / results["kv"]["ttft_p50_ms"]
+        summary["kv_hit_rate_over_round_robin"] = results["kv"]["hit_rate"] / max(results["round-robin"]["hit_rate"],
+                                                                                   1e-9)
+    for k, v in summary.items():
+        target = {"kv_hit_rate_vs_single_whole_cache": " (target >= 0.90)",
+                  "round_robin_ttft_p50_over_kv": " (target: clearly > 1)"}.get(k, "")
+        print(f"{k}: {v:.3f}{target}")
+    return {"results": results, "summary": summary}
+
+
+def print_row(name: str, r: dict) -> None:
+    print(f"{name:28s} hit {r['hit_rate']:6.1%}  TTFT p50 {r['ttft_p50_ms']:8.1f} ms  p99 {r['ttft_p99_ms']:8.1f} ms"
+          f"  {r['req_per_s']:6.2f} req/s  {r['out_tok_per_s']:7.1f} tok/s  errors {r['errors']}  "
+          f"split {sorted(r['by_replica'].values())}", flush=True)
+
+
+# -- router overhead -----------------------------------------------------------------------------------------
+OVERHEAD_BODY = {"model": "smollm2", "max_tokens": 8,
+                 "messages": [{"role": "system", "content": "You are a helpful assistant. " * 20},
+                              {"role": "user", "content": "What is the capital of France?"}]}
+
+
+def latencies(url: str, n: int, stream: bool) -> list[float]:
+    out = []
+    body = {**OVERHEAD_BODY, "stream": stream}
+    with httpx.Client(timeout=30) as c:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            if stream:
+                with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                    for _ in r.iter_raw():
+                        pass
+            else:
+                c.post(url + "/v1/chat/completions", json=body).raise_for_status()
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def _client_proc(url: str, concurrency: int, duration: float, q) -> None:
+    async def main():
+        done = errors = 0
+        body = json.dumps({**OVERHEAD_BODY, "stream": True}).encode()
+        deadline = time.perf_counter() + duration
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        async with httpx.AsyncClient(timeout=30, limits=limits) as c:
+            async def loop():
+                nonlocal done, errors
+                while time.perf_counter() < deadline:
+                    try:
+                        async with c.stream("POST", url + "/v1/chat/completions", content=body,
+                                            headers={"content-type": "application/json"}) as r:
+                            async for _ in r.aiter_raw():
+                                pass
+                            ok = r.status_code == 200
+                    except httpx.HTTPError:
+                        ok = False
+                    done += ok
+                    errors += not ok
+            await asyncio.gather(*(loop() for _ in range(concurrency)))
+        q.put((done, errors))
+    asyncio.run(main())
+
+
+def streamed_rps(url: str, ns) -> tuple[float, int]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    per = max(1, ns.concurrency // ns.client_procs)
+    ps = [ctx.Process(target=_client_proc, args=(url, per, ns.duration, q)) for _ in range(ns.client_procs)]
+    t0 = time.perf_counter()
+    for p in ps:
+        p.start()
+    res = [q.get() for _ in ps]
+    wall = time.perf_counter() - t0
+    for p in ps:
+        p.join()
+    return sum(d for d, _ in res) / min(wall, ns.duration + 1.0), sum(e for _, e in res)
+
+
+def cmd_overhead(ns) -> dict:
+    log_dir = tempfile.mkdtemp(prefix="router-bench-")
+    procs = []
+    try:
+        fakes = [Proc([PY, "-m", "loadtest.fake_engine", "--port", str(p := free_port()), "--instance-id", f"f{i}",
+                       "--chunks", str(ns.chunks)], f"http://127.0.0.1:{p}", log_dir, f"fake-{i}")
+                 for i in range(ns.upstreams)]
+        procs += fakes
+        for f in fakes:
+            f.wait_ready()
+        router = start_router(ns, log_dir, [f.url for f in fakes], ns.policy, ns.model)
+        procs.append(router)
+        router.wait_ready()
+        direct_url = fakes[0].url
+        latencies(router.url, 50, False)  # warm up both paths
+        latencies(direct_url, 50, False)
+        res = {}
+        for stream in (False, True):
+            d, r = [], []
+            for _ in range(ns.requests // 100 or 1):  # interleave, so drift hits both equally
+                d += latencies(direct_url, 50, stream)
+                r += latencies(router.url, 50, stream)
+            tag = "stream" if stream else "json"
+            res[f"{tag}_direct_p50_ms"], res[f"{tag}_direct_p99_ms"] = pct(d, 50) * 1e3, pct(d, 99) * 1e3
+            res[f"{tag}_router_p50_ms"], res[f"{tag}_router_p99_ms"] = pct(r, 50) * 1e3, pct(r, 99) * 1e3
+            res[f"{tag}_added_p50_ms"] = res[f"{tag}_router_p50_ms"] - res[f"{tag}_direct_p50_ms"]
+            res[f"{tag}_added_p99_ms"] = res[f"{tag}_router_p99_ms"] - res[f"{tag}_direct_p99_ms"]
+            print(f"{tag:6s}: direct p50 {res[f'{tag}_direct_p50_ms']:.2f} ms p99 {res[f'{tag}_direct_p99_ms']:.2f} ms"
+                  f" | router p50 {res[f'{tag}_router_p50_ms']:.2f} ms p99 {res[f'{tag}_router_p99_ms']:.2f} ms"
+                  f" | added p50 {res[f'{tag}_added_p50_ms']:.2f} ms (target < 2) p99 {res[f'{tag}_added_p99_ms']:.2f} ms",
+                  flush=True)
+        m = httpx.get(router.url + "/metrics").text
+        for line in m.splitlines():
+            if line.startswith("kvfleet_router_routing_decision_seconds_sum"):
+                dsum = float(line.split()[-1])
+            if line.startswith("kvfleet_router_routing_decision_seconds_count"):
+                dcount = float(line.split()[-1])
+        res["decision_mean_us"] = dsum / max(dcount, 1) * 1e6
+        print(f"routing decision (tokenize + hash + score), mean: {res['decision_mean_us']:.0f} us", flush=True)
+        rps, errs = streamed_rps(router.url, ns)
+        res["router_streamed_rps"], res["router_stream_errors"] = rps, errs
+        drps, _ = streamed_rps(direct_url, ns)
+        res["direct_streamed_rps"] = drps
+        print(f"streamed requests/s through one router: {rps:.0f} (target >= 1000; errors {errs}); "
+              f"one fake upstream directly: {drps:.0f}; ratio {rps / max(drps, 1e-9):.2f} "
+              f"({ns.upstreams} upstreams, {ns.concurrency} connections, {ns.client_procs} client processes, "
+              f"{os.cpu_count()} CPUs)", flush=True)
+        return res
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="router_bench", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("policies", help="hit rate / TTFT / throughput per routing policy on a local fleet")
+    p.add_argument("--policies", default="kv,approx-prefix,session,round-robin,least-load")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--sessions", type=int, default=32)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-prompts", type=int, default=4)
+    p.add_argument("--system-tokens", type=int, default=256)
+    p.add_argument("--mean-user-tokens", type=float, default=60)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=4, help="sessions in flight at once")
+    p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per replica")
+    p.add_argument("--threads-per-engine", type=int, default=None)
+    p.add_argument("--no-single-reference", dest="single_reference", action="store_false",
+                   help="skip the one-replica-with-the-whole-cache reference run")
+    p.add_argument("--api", choices=("chat", "tokens"), default="chat",
+                   help="chat messages (the router tokenizes) or token-id prompts via /v1/completions")
+    p.add_argument("--engine-arg", action="append", default=[], help="extra engine flag (repeatable)")
+    o = sub.add_parser("overhead", help="router latency overhead and streamed requests/s vs a fake engine")
+    o.add_argument("--requests", type=int, default=1000, help="sequential requests per path for latency")
+    o.add_argument("--duration", type=float, default=10.0, help="seconds of the throughput run")
+    o.add_argument("--concurrency", type=int, default=64)
+    o.add_argument("--client-procs", type=int, default=2)
+    o.add_argument("--upstreams", type=int, default=2, help="fake engines behind the router")
+    o.add_argument("--chunks", type=int, default=8, help="SSE chunks per streamed response")
+    o.add_argument("--policy", default="kv")
+    for q in (p, o):
+        q.add_argument("--model", default="smollm2")
+        q.add_argument("--seed", type=int, default=0)
+        q.add_argument("--engine-module", default=None, help="engine as `python -m MODULE` (e.g. loadtest.fake_engine)")
+        q.add_argument("--json", default=None, help="write the figures to this file")
+    ns = ap.parse_args(argv)
+    out = cmd_policies(ns) if ns.cmd == "policies" else cmd_overhead(ns)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,6 +9,7 @@ slow. Outputs are poisoned with NaN first, so an element a kernel forgets to wri
 from __future__ import annotations
 
 import itertools
+import zlib
 
 import pytest
 import torch
@@ -35,6 +36,10 @@ FULL = [(bs, 2 if g == 1 else 1, g, d, dt)
         for bs, g, d, dt in itertools.product((8, 16, 32, 64), (1, 3, 4, 8), (64, 128), (F32, F16, BF16))]
 slow_full = pytest.mark.parametrize("case", FULL, ids=lambda c: f"bs{c[0]}-g{c[2]}-d{c[3]}-{str(c[4])[6:]}")
 sample = pytest.mark.parametrize("case", SAMPLE, ids=lambda c: f"bs{c[0]}-g{c[2]}-d{c[3]}-{str(c[4])[6:]}")
+
+
+def seed_of(case) -> int:
+    return zlib.crc32(repr(case).encode()) % 10_000  # stable across runs (hash() of a dtype is not)
 
 
 def decode_specs(bs: int) -> list[tuple[int, int]]:
@@ -72,13 +77,13 @@ def run_extend(case, seed: int) -> None:
 
 @sample
 def test_paged_decode_direct_and_split(case):
-    run_decode(case, splits=1, seed=hash(case) % 1000)
-    run_decode(case, splits=5, seed=hash(case) % 1000 + 1)  # short sequences leave splits empty
+    run_decode(case, splits=1, seed=seed_of(case))
+    run_decode(case, splits=5, seed=seed_of(case) + 1)  # short sequences leave splits empty
 
 
 @sample
 def test_extend_over_cached_prefix_in_mixed_batch(case):
-    run_extend(case, seed=hash(case) % 1000 + 2)
+    run_extend(case, seed=seed_of(case) + 2)
 
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])

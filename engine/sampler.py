@@ -45,7 +45,8 @@ from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.sequence import Sequence
 
 _MASK64 = (1 << 64) - 1
-_FIRST_CANDIDATES = 128  # top-p first looks for its set among this many best tokens, then 8x more
+_BLOCK = 256  # inverse-CDF sampling over wide rows: block sums first, then inside one block
+_FIRST_CANDIDATES = 128  # top-p / min-p look for their kept set among this many best tokens, then 8x more
 
 
 @dataclass
@@ -107,35 +108,119 @@ class Sampler:
         rows = [i for i, g in enumerate(greedy) if not g]
         dev = x.device
         tokens = x.argmax(dim=-1) if len(rows) < len(seqs) else torch.empty(len(seqs), dtype=torch.long, device=dev)
-        sp = [params[i] for i in rows]
-        xs = warp_logits(x if len(rows) == len(seqs) else x[torch.tensor(rows, device=dev)], sp)
-        u = [seeded_uniform(p.seed, seqs[i].index, seqs[i].num_output_tokens) if p.seed is not None
-             else self._rng.random() for i, p in zip(rows, sp, strict=True)]
-        tokens[torch.tensor(rows, device=dev)] = _inverse_cdf(xs, torch.tensor(u, dtype=torch.float64, device=dev))
+        u = torch.tensor([seeded_uniform(params[i].seed, seqs[i].index, seqs[i].num_output_tokens)
+                          if params[i].seed is not None else self._rng.random() for i in rows],
+                         dtype=torch.float64, device=dev)
+        rows_t = torch.tensor(rows, device=dev)
+        xs = x if len(rows) == len(seqs) else x[rows_t]
+        for group, vals, ids in candidates(xs, [params[i] for i in rows]):
+            picked = _inverse_cdf(vals, u[group])
+            tokens[rows_t[group]] = picked if ids is None else ids.gather(1, picked.unsqueeze(1)).squeeze(1)
         return tokens
 
 
 def warp_logits(x: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p for sampling rows: a new tensor, -inf where a token is excluded."""
+    """Temperature, top-k, top-p, min-p over whole rows: a new tensor, -inf where a token is excluded."""
+    out = torch.full_like(x, float("-inf"))
+    for group, vals, ids in candidates(x, params):
+        out[group] = vals if ids is None else out[group].scatter_(1, ids, vals)
+    return out
+
+
+def candidates(x: torch.Tensor, params: Seq[SamplingParams]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """What each sampling row may draw: groups (rows of x, temperature-scaled logits, token ids or None).
+
+    Rows without top-k / top-p / min-p keep the whole vocabulary (token ids None: column = token id).
+    The others get their best tokens sorted, -inf past the kept set, found without sorting the vocabulary.
+    """
     dev = x.device
     vocab = x.shape[1]
-    x = x / torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
+    temp = torch.tensor([p.temperature for p in params], device=dev)
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    top_p = [p.top_p for p in params]
-    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-        x = _top_k_top_p(x, top_k, top_p)
-    if any(p.min_p > 0 for p in params):
-        log_min_p = torch.tensor([p.min_p for p in params], device=dev).log().unsqueeze(1)
-        x = x.masked_fill(x < x.max(dim=-1, keepdim=True).values + log_min_p, float("-inf"))
-    return x
+    filtered = [i for i, p in enumerate(params) if top_k[i] < vocab or p.top_p < 1.0 or p.min_p > 0.0]
+    groups = []
+    if len(filtered) < len(params):
+        chosen = set(filtered)
+        full = torch.tensor([i for i in range(len(params)) if i not in chosen], device=dev)
+        xf = x if not filtered else x[full]
+        groups.append((full, xf / temp[full].unsqueeze(1), None))
+    if filtered:
+        groups += _best_tokens(x, filtered, temp, top_k, params)
+    return groups
+
+
+def _best_tokens(x: torch.Tensor, rows: list[int], temp: torch.Tensor, top_k: list[int],
+                 params: Seq[SamplingParams]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per row: keep the top_k best tokens, then the fewest of those whose mass (renormalized) reaches
+    top_p, then those with probability >= min_p x the best one's. Exact (ties in torch.topk's order).
+
+    Each kept set is the first r tokens in sorted order, so it is looked for among the C best tokens,
+    C growing 8x for the rows whose set might extend beyond C.
+    """
+    dev = x.device
+    vocab = x.shape[1]
+    rows_t = torch.tensor(rows, device=dev)
+    k = torch.tensor([top_k[i] for i in rows], device=dev)
+    p = torch.tensor([params[i].top_p for i in rows], device=dev)
+    log_min_p = torch.tensor([params[i].min_p for i in rows], device=dev).log()
+    t = temp[rows_t]
+    c = min(vocab, max(_FIRST_CANDIDATES, max((top_k[i] for i in rows if top_k[i] < vocab), default=0)))
+    # top-p over the whole vocabulary (top-k off) needs the normalizer of all tokens
+    whole = [j for j, i in enumerate(rows) if top_k[i] >= vocab and params[i].top_p < 1.0]
+    lse = torch.zeros(len(rows), device=dev)
+    if whole:
+        w = torch.tensor(whole, device=dev)
+        lse[w] = torch.logsumexp(x[rows_t[w]] / t[w].unsqueeze(1), dim=-1)
+    groups = []
+    pending = torch.arange(len(rows), device=dev)
+    while pending.numel():
+        xr = x if pending.numel() == x.shape[0] == len(rows) else x[rows_t[pending]]
+        vals, ids = xr.topk(c, dim=-1)  # sorted; dividing by the temperature keeps the order
+        vals = vals / t[pending].unsqueeze(1)
+        kr, pr = k[pending], p[pending]
+        keep = torch.arange(c, device=dev).unsqueeze(0) < kr.unsqueeze(1)
+        vals = vals.masked_fill(~keep, float("-inf"))
+        norm = torch.where(kr <= c, torch.logsumexp(vals, dim=-1), lse[pending])
+        probs = torch.exp(vals - norm.unsqueeze(1))
+        keep &= (probs.cumsum(dim=-1) - probs < pr.unsqueeze(1)) | (pr >= 1.0).unsqueeze(1)
+        keep &= vals >= vals[:, :1] + log_min_p[pending].unsqueeze(1)
+        vals = vals.masked_fill(~keep, float("-inf"))
+        done = (kr <= c) | (c == vocab) | ~keep[:, -1]
+        if bool(done.any()):
+            groups.append((rows_t[pending[done]], vals[done], ids[done]))
+        pending = pending[~done]
+        c = min(vocab, c * 8)
+    return groups
 
 
 def _inverse_cdf(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Row i's token: where u[i] (uniform in [0, 1)) falls in the CDF of softmax(x[i])."""
-    cdf = torch.softmax(x, dim=-1).cumsum(dim=-1, dtype=torch.float64)
+    """Row i's column: where u[i] (uniform in [0, 1)) falls in the CDF of softmax(x[i]).
+
+    Wide rows go in two levels (which block of _BLOCK columns, then where inside it), so that the
+    running sum is float64 and short instead of a float64 cumsum over the whole vocabulary.
+    """
+    probs = torch.softmax(x, dim=-1)
+    rows, width = probs.shape
+    if width <= 4 * _BLOCK:
+        return _search(probs.cumsum(dim=-1, dtype=torch.float64), u)
+    nblocks = -(-width // _BLOCK)
+    if nblocks * _BLOCK != width:
+        probs = torch.nn.functional.pad(probs, (0, nblocks * _BLOCK - width))
+    blocks = probs.view(rows, nblocks, _BLOCK)
+    block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)
+    block = _search(block_cdf, u)
+    ar = torch.arange(rows, device=x.device)
+    before = torch.where(block > 0, block_cdf[ar, (block - 1).clamp(min=0)], 0.0)
+    mass = block_cdf[ar, block] - before
+    u_in = ((u * block_cdf[:, -1] - before) / mass).clamp(0.0, 1.0)
+    return block * _BLOCK + _search(blocks[ar, block].cumsum(dim=-1, dtype=torch.float64), u_in)
+
+
+def _search(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """First column whose CDF exceeds u * total: never a column without probability mass."""
     total = cdf[:, -1:].contiguous()
     picked = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True)
-    # rounding can put u * total at the very end: fall back to the last token with any probability
+    # rounding can put u * total at the very end: fall back to the last column with any mass
     return torch.minimum(picked, torch.searchsorted(cdf, total)).squeeze(1)
 
 
@@ -173,89 +258,55 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], params: Seq[Sampli
             pen_rows.append(i)
     if not (bias_r or mask_r or rep_rows or pen_rows):
         return logits
-    x = logits.clone()
+    x = logits.clone(memory_format=torch.contiguous_format)
     if bias_r:
         x.index_put_((torch.tensor(bias_r, device=dev), torch.tensor(bias_t, device=dev)),
                      torch.tensor(bias_v, device=dev), accumulate=True)
     if mask_r:
         x[torch.tensor(mask_r, device=dev), torch.tensor(mask_t, device=dev)] = float("-inf")
+    flat = x.view(-1)  # penalties touch only the tokens a sequence holds: O(tokens), not O(batch x vocab)
     if rep_rows:
-        seen = _token_counts(x, [seqs[i].token_ids for i in rep_rows]) > 0
-        idx = torch.tensor(rep_rows, device=dev)
-        pen = torch.tensor([params[i].repetition_penalty for i in rep_rows], device=dev).unsqueeze(1)
-        sel = x[idx]
-        x[idx] = torch.where(seen, torch.where(sel > 0, sel / pen, sel * pen), sel)
+        at, j, _ = _occurrences(x, rep_rows, [seqs[i].token_ids for i in rep_rows])
+        pen = torch.tensor([params[i].repetition_penalty for i in rep_rows], device=dev)[j]
+        val = flat[at]
+        flat[at] = torch.where(val > 0, val / pen, val * pen)
     if pen_rows:
-        counts = _token_counts(x, [seqs[i].output_token_ids for i in pen_rows])
-        idx = torch.tensor(pen_rows, device=dev)
-        freq = torch.tensor([params[i].frequency_penalty for i in pen_rows], device=dev).unsqueeze(1)
-        pres = torch.tensor([params[i].presence_penalty for i in pen_rows], device=dev).unsqueeze(1)
-        x[idx] = x[idx] - freq * counts - pres * (counts > 0).float()
+        at, j, counts = _occurrences(x, pen_rows, [seqs[i].output_token_ids for i in pen_rows])
+        freq = torch.tensor([params[i].frequency_penalty for i in pen_rows], device=dev)[j]
+        pres = torch.tensor([params[i].presence_penalty for i in pen_rows], device=dev)[j]
+        flat[at] -= freq * counts + pres
     return x
 
 
-def _token_counts(x: torch.Tensor, token_lists: list[list[int]]) -> torch.Tensor:
-    """[len(token_lists), vocab] float: how often each token occurs in each list (ids >= vocab ignored)."""
+def _occurrences(x: torch.Tensor, rows: list[int],
+                 token_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each distinct token of token_lists[j] (logits row rows[j]): its flat index into x, j, and its count."""
     vocab = x.shape[1]
-    counts = torch.zeros(len(token_lists), vocab + 1, device=x.device)
-    rows = torch.repeat_interleave(torch.arange(len(token_lists)), torch.tensor([len(t) for t in token_lists]))
-    toks = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long).clamp_(0, vocab)
-    counts.index_put_((rows.to(x.device), toks.to(x.device)), torch.ones(len(toks), device=x.device),
-                      accumulate=True)
-    return counts[:, :vocab]
-
-
-def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Keep, per row, the top_k best tokens, then the fewest best of those whose mass reaches top_p.
-
-    Exact (ties broken by torch.topk's order) without sorting the whole vocabulary: the kept set is
-    looked for among the C best tokens, C growing 8x for the rows whose set could extend beyond C.
-    """
-    vocab = x.shape[1]
-    dev = x.device
-    out = x.clone()
-    k = torch.tensor(top_k, device=dev)
-    p = torch.tensor(top_p, device=dev)
-    limited_k = [kk for kk in top_k if kk < vocab]
-    c = min(vocab, max(_FIRST_CANDIDATES, max(limited_k, default=0)))
-    pending = torch.tensor([i for i in range(len(top_k)) if top_k[i] < vocab or top_p[i] < 1.0], device=dev)
-    lse_all = torch.logsumexp(x, dim=-1)
-    while pending.numel():
-        xr, kr, pr = x[pending], k[pending], p[pending]
-        vals, idx = xr.topk(c, dim=-1)
-        rank = torch.arange(c, device=dev).unsqueeze(0)
-        vals = vals.masked_fill(rank >= kr.unsqueeze(1), float("-inf"))
-        # top-p renormalizes over the top-k set: over all tokens when top-k is off (k >= C then).
-        norm = torch.where(kr <= c, torch.logsumexp(vals, dim=-1), lse_all[pending])
-        probs = torch.exp(vals - norm.unsqueeze(1))
-        before = probs.cumsum(dim=-1) - probs
-        keep = (before < pr.unsqueeze(1)) | (pr >= 1.0).unsqueeze(1)
-        vals = vals.masked_fill(~keep, float("-inf"))
-        done = (kr <= c) | (c == vocab) | ~keep[:, -1]
-        if bool(done.any()):
-            kept = torch.full((int(done.sum()), vocab), float("-inf"), device=dev)
-            out[pending[done]] = kept.scatter_(1, idx[done], vals[done])
-        pending = pending[~done]
-        c = min(vocab, c * 8)
-    return out
+    toks = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long)
+    pairs = torch.repeat_interleave(torch.arange(len(token_lists)), torch.tensor([len(t) for t in token_lists]))
+    pairs = pairs * vocab + toks
+    pairs, counts = torch.unique(pairs[(toks >= 0) & (toks < vocab)], return_counts=True)
+    j = pairs // vocab
+    at = torch.tensor(rows)[j] * vocab + pairs % vocab
+    return at.to(x.device), j.to(x.device), counts.to(x.device, torch.float32)
 
 
 def _logprobs(logits: torch.Tensor, params: list[SamplingParams],
               tokens: list[int]) -> list[TokenLogprob | None]:
+    """Raw log-softmax of the sampled token and of the `logprobs` best tokens, for rows that ask."""
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     result: list[TokenLogprob | None] = [None] * len(params)
     if not rows:
         return result
     dev = logits.device
-    idx = torch.tensor(rows, device=dev)
-    lp = torch.log_softmax(logits[idx], dim=-1)
-    chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=dev).unsqueeze(1)).squeeze(1).tolist()
+    x = logits if len(rows) == len(params) else logits[torch.tensor(rows, device=dev)]
+    lse = torch.logsumexp(x, dim=-1)
+    picked = torch.tensor([tokens[i] for i in rows], device=dev).unsqueeze(1)
+    chosen = (x.gather(1, picked).squeeze(1) - lse).tolist()
     kmax = max(params[i].logprobs for i in rows)
-    top_v, top_i = lp.topk(kmax, dim=-1) if kmax else (None, None)
-    top_v = top_v.tolist() if kmax else None
-    top_i = top_i.tolist() if kmax else None
+    top_v, top_i = x.topk(kmax, dim=-1) if kmax else (x[:, :0], x[:, :0].long())
+    top_v, top_i = (top_v - lse.unsqueeze(1)).tolist(), top_i.tolist()
     for j, i in enumerate(rows):
         k = params[i].logprobs
-        top = list(zip(top_i[j][:k], top_v[j][:k], strict=True)) if k else []
-        result[i] = TokenLogprob(tokens[i], chosen[j], top)
+        result[i] = TokenLogprob(tokens[i], chosen[j], list(zip(top_i[j][:k], top_v[j][:k], strict=True)))
     return result

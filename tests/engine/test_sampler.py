@@ -108,9 +108,7 @@ def test_top_p_on_a_flat_large_vocabulary():
     mass_strong = 10 * math.e ** 2 / (10 * math.e ** 2 + vocab - 10)
     top_p = mass_strong + 700.5 / (10 * math.e ** 2 + vocab - 10)  # + 700.5 flat tokens' mass
     seqs = [seq(top_p=top_p) for _ in range(400)]
-    allowed = set()
-    from engine.sampler import _top_k_top_p
-    kept = _top_k_top_p(logits, [vocab], [top_p])[0]
+    kept = warp_logits(logits, [SamplingParams(top_p=top_p)])[0]
     allowed = set(torch.nonzero(kept > NEG).flatten().tolist())
     assert len(allowed) == 10 + 701
     assert set(range(10)) <= allowed
@@ -340,3 +338,26 @@ def test_a_seeded_row_ignores_its_companions(data):
                         torch.randn(len(others) - pos, vocab, generator=g)])
     alone = Sampler()(my_logits, [me]).token_ids[0]
     assert Sampler()(logits, batch).token_ids[pos] == alone
+
+
+def test_wide_rows_sample_the_distribution_in_two_levels():
+    """Vocabulary wider than the block sum path (and not a multiple of its block): exact support, right odds."""
+    from engine.sampler import _inverse_cdf
+    vocab = 3001
+    x = torch.full((1, vocab), NEG)
+    chosen = {5: 0.3, 255: 0.1, 256: 0.2, 1800: 0.15, 3000: 0.25}  # block edges and the padded last block
+    for t, p in chosen.items():
+        x[0, t] = math.log(p)
+    n = 20000
+    u = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    picked = _inverse_cdf(x.repeat(n, 1), u)
+    counts = torch.bincount(picked, minlength=vocab)
+    assert set(torch.nonzero(counts).flatten().tolist()) == set(chosen)
+    for t, p in chosen.items():
+        assert abs(counts[t].item() / n - p) < 0.015, t
+    edges = torch.tensor([0.0, 1.0 - 2 ** -53], dtype=torch.float64)
+    assert _inverse_cdf(x.repeat(2, 1), edges).tolist() == [5, 3000]
+    # the same draws from a one-level CDF over the same logits pick the same tokens
+    from engine.sampler import _search
+    one_level = _search(torch.softmax(x, -1).repeat(n, 1).cumsum(-1, dtype=torch.float64), u)
+    assert (one_level != picked).sum().item() <= 2  # only float rounding at a boundary may differ

@@ -57,7 +57,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         return Response(status_code=499)
     except Exception as e:  # the engine refused it (RequestTooLongError, SamplingParamsError) or is gone
         raise engine_error(e) from None
-    if final is None or not final.finished:
+    if not serving.completed(final):
         raise APIError(503, "the request was aborted before it finished (server shutting down)", None, "aborted")
     choices = []
     for o in sorted(final.outputs, key=lambda c: c.index):
@@ -112,7 +112,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, gen: AsyncIter
         err = engine_error(e)
         yield sse(error_body(err.status, err.message, err.param, err.code))
     else:
-        if last is None or not last.finished:
+        if not serving.completed(last):
             yield sse(error_body(503, "the request was aborted before it finished", None, "aborted"))
         elif include_usage:
             yield sse({**base, "choices": [], "usage": serving.usage([last])})

@@ -79,7 +79,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         return Response(status_code=499)
     except Exception as e:
         raise engine_error(e) from None
-    if any(f is None or not f.finished for f in finals):
+    if not all(serving.completed(f) for f in finals):
         raise APIError(503, "the request was aborted before it finished (server shutting down)", None, "aborted")
     choices = []
     for k, final in enumerate(finals):
@@ -137,7 +137,7 @@ async def _stream(state: ServerState, req: CompletionRequest, outs: AsyncIterato
         yield sse(error_body(err.status, err.message, err.param, err.code))
     else:
         finals = [last.get(k) for k in range(num_prompts)]
-        if any(f is None or not f.finished for f in finals):
+        if not all(serving.completed(f) for f in finals):
             yield sse(error_body(503, "the request was aborted before it finished", None, "aborted"))
         elif include_usage:
             yield sse({**base, "choices": [], "usage": serving.usage(finals)})

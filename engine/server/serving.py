@@ -136,6 +136,11 @@ def check_capacity(engine, prompt_len: int, params: SamplingParams, param: str) 
                           f"reduce the prompt or max_tokens", param, "context_length_exceeded")
 
 
+def completed(out: RequestOutput | None) -> bool:
+    """Finished on its own (stop/length), not aborted by a drain deadline or shutdown."""
+    return out is not None and out.finished and all(o.finish_reason != "abort" for o in out.outputs)
+
+
 def usage(outs: list[RequestOutput]) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     completion = sum(len(c.token_ids) for o in outs for c in o.outputs)

@@ -22,7 +22,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # small max_num_seqs so a handful of requests queue up (num_requests_waiting > 0)
 API_FLAGS = ("--max-num-seqs", "4", "--num-blocks", "1024", "--max-model-len", "2048",
-             "--dtype", "float32")  # float32: greedy outputs do not depend on batch composition
+             "--dtype", "float32")  # float32: greedy text is robust to batch composition
 
 
 def free_port() -> int:

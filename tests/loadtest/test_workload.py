@@ -1,0 +1,76 @@
+"""The seeded chat workloads: deterministic, lengths as specified, prefixes shared where the mode says."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from loadtest.workload import MOONCAKE_PATH, generate_trace, read_mooncake
+
+
+def test_same_seed_same_trace_other_seed_other_trace():
+    a = generate_trace(50, seed=3)
+    assert a == generate_trace(50, seed=3)
+    assert [r.messages for r in a] != [r.messages for r in generate_trace(50, seed=4)]
+
+
+def test_single_mode_lengths():
+    trace = generate_trace(400, seed=0)
+    assert len({r.request_id for r in trace}) == 400
+    assert all(16 <= r.max_tokens <= 128 for r in trace)
+    words = [len(r.messages[-1]["content"].split()) for r in trace]
+    assert 45 < statistics.mean(words) < 75  # log-normal around ~60 tokens
+    assert statistics.median(words) < statistics.mean(words)  # right-skewed
+    assert all(len(r.messages) == 1 and r.messages[0]["role"] == "user" for r in trace)
+
+
+def test_shared_system_prompts_repeat():
+    trace = generate_trace(40, seed=1, mode="shared_system", num_system_prompts=3)
+    systems = {r.messages[0]["content"] for r in trace}
+    assert len(systems) == 3
+    assert all(r.messages[0]["role"] == "system" and r.session_id.startswith("system-") for r in trace)
+
+
+def test_multi_turn_extends_the_previous_turn():
+    trace = generate_trace(12, seed=2, mode="multi_turn", turns_per_session=4)
+    by_session: dict[str, list] = {}
+    for r in trace:
+        by_session.setdefault(r.session_id, []).append(r)
+    assert len(by_session) == 3
+    for turns in by_session.values():
+        assert [t.turn for t in turns] == [0, 1, 2, 3]
+        for prev, cur in zip(turns, turns[1:], strict=False):
+            assert list(cur.messages[:len(prev.messages)]) == list(prev.messages)  # the prefix is the earlier turn
+            assert cur.messages[len(prev.messages)]["role"] == "assistant"
+
+
+def test_poisson_arrivals_and_body():
+    trace = generate_trace(100, seed=0, request_rate=10.0)
+    times = [r.arrival_s for r in trace]
+    assert times == sorted(times) and 5 < times[-1] < 20
+    body = trace[0].body("smollm2", stream=True)
+    assert body["model"] == "smollm2" and body["stream"] and body["max_tokens"] == trace[0].max_tokens
+    json.dumps(body)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="mode"):
+        generate_trace(1, mode="chaos")
+    with pytest.raises(ValueError):
+        generate_trace(1, min_output_tokens=10, max_output_tokens=5)
+
+
+def test_mooncake_prefix_reuse_carries_over():
+    trace = read_mooncake(MOONCAKE_PATH, limit=200, token_scale=1 / 16)
+    assert len(trace) == 200
+    assert all(r.approx_prompt_tokens <= 1536 and r.max_tokens >= 1 for r in trace)
+    assert [r.arrival_s for r in trace] == sorted(r.arrival_s for r in trace)
+    # requests whose trace block 0 is the same share their first 32 words (512 tokens / 16)
+    first = [r for r in trace if r.extra["hash_ids"][:1] == [0]]
+    assert len(first) > 2
+    heads = {" ".join(r.messages[0]["content"].split()[:32]) for r in first}
+    assert len(heads) == 1
+    others = {" ".join(r.messages[0]["content"].split()[:32]) for r in trace if r.extra["hash_ids"][:1] != [0]}
+    assert heads.isdisjoint(others)

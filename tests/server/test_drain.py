@@ -1,0 +1,73 @@
+"""SIGTERM drains: /ready turns false, new requests get 503, running ones finish until the drain
+timeout (longer ones are aborted then), and the process exits 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+
+from tests.server.conftest import start_engine
+
+DRAIN_TIMEOUT = 6.0
+
+
+def stream_chat(url: str, max_tokens: int, out: dict, started: threading.Event) -> None:
+    body = {"model": "smollm2", "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "Describe the harbour at night."}]}
+    out.update(tokens=0, finish=None, error=None, done=False, usage=None)
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                out["done"] = True
+                break
+            msg = json.loads(line[6:])
+            if "error" in msg:
+                out["error"] = msg["error"]
+                continue
+            out["usage"] = msg.get("usage") or out["usage"]
+            for ch in msg["choices"]:
+                if ch["delta"].get("content"):
+                    out["tokens"] += 1
+                    started.set()
+                out["finish"] = ch.get("finish_reason") or out["finish"]
+
+
+def test_sigterm_drains_then_exits(tmp_path):
+    server = start_engine(str(tmp_path), "--drain-timeout", str(DRAIN_TIMEOUT), "--max-model-len", "2048")
+    try:
+        short, long_ = {}, {}
+        started_s, started_l = threading.Event(), threading.Event()
+        threads = [threading.Thread(target=stream_chat, args=(server.url, 40, short, started_s)),
+                   threading.Thread(target=stream_chat, args=(server.url, 1800, long_, started_l))]
+        for t in threads:
+            t.start()
+        assert started_s.wait(60) and started_l.wait(60)
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        r = httpx.get(f"{server.url}/ready", timeout=5)
+        assert r.status_code == 503 and r.json() == {"ready": False, "reason": "draining"}
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=5,
+                       json={"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
+        assert r.headers.get("retry-after") == "1"
+        for t in threads:
+            t.join(60)
+        # the short request finished normally during the drain
+        assert short["finish"] == "length" and short["usage"]["completion_tokens"] == 40 and short["done"]
+        # the long one could not finish within the drain timeout: aborted, and told so
+        assert long_["error"] is not None and long_["error"]["code"] == "aborted" and long_["done"]
+        assert long_["tokens"] < 1800
+        assert server.proc.wait(30) == 0
+        elapsed = time.monotonic() - t0
+        assert DRAIN_TIMEOUT - 0.5 < elapsed < DRAIN_TIMEOUT + 15
+    finally:
+        server.stop()

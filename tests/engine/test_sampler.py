@@ -272,7 +272,7 @@ def test_warpers_agree_with_hugging_face_on_random_logits():
     )
     g = torch.Generator().manual_seed(5)
     vocab = 700  # > the first candidate window, so top-p's candidate growth is exercised
-    for trial in range(40):
+    for trial in range(20):
         rows = 12
         logits = torch.randn(rows, vocab, generator=g) * float(torch.empty(1).uniform_(0.5, 6, generator=g))
         params = []
@@ -348,13 +348,13 @@ def test_wide_rows_sample_the_distribution_in_two_levels():
     chosen = {5: 0.3, 255: 0.1, 256: 0.2, 1800: 0.15, 3000: 0.25}  # block edges and the padded last block
     for t, p in chosen.items():
         x[0, t] = math.log(p)
-    n = 20000
+    n = 6000
     u = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     picked = _inverse_cdf(x.repeat(n, 1), u)
     counts = torch.bincount(picked, minlength=vocab)
     assert set(torch.nonzero(counts).flatten().tolist()) == set(chosen)
     for t, p in chosen.items():
-        assert abs(counts[t].item() / n - p) < 0.015, t
+        assert abs(counts[t].item() / n - p) < 0.025, t
     edges = torch.tensor([0.0, 1.0 - 2 ** -53], dtype=torch.float64)
     assert _inverse_cdf(x.repeat(2, 1), edges).tolist() == [5, 3000]
     # the same draws from a one-level CDF over the same logits pick the same tokens

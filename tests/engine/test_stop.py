@@ -3,7 +3,7 @@
 import os
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.detokenizer import IncrementalDetokenizer
@@ -242,3 +242,34 @@ def test_real_tokenizer_stop_strings(tok, text, stop, expected):
 def test_real_tokenizer_eos_in_chat_output(tok):
     results, checker = run_real(tok, "Sure! 👍<|im_end|>ignored", skip_special_tokens=False)
     assert checker.text == "Sure! 👍" and checker.finish_reason == "stop" and checker.stop_reason is None
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_real_tokenizer_random_text_and_stop_strings(tok, data):
+    """Unicode text through SmolLM2's tokens: nothing shown is retracted, no stop string survives, the cut is right."""
+    alphabet = st.sampled_from(list("ab .\n") + ["é", "世", "界", "🎉", "e\u0301"])
+    text = "".join(data.draw(st.lists(alphabet, max_size=30)))
+    stops = data.draw(st.lists(st.one_of(
+        st.builds(lambda s, i, n: s[i:i + n], st.just(text), st.integers(0, 30), st.integers(1, 4)),
+        st.text(st.sampled_from(list("ab .é世🎉")), min_size=1, max_size=3)), max_size=3))
+    stops = [s for s in stops if s]
+    include = data.draw(st.booleans())
+    ids = tok.encode(text)
+    results, checker = run_real(tok, text, stop=stops, include_stop_str_in_output=include,
+                                max_tokens=max(1, len(ids)))
+    shown = ""
+    for r in results:
+        shown += r.text
+        assert checker.text.startswith(shown)
+        assert "\ufffd" not in r.text
+    assert shown == checker.text
+    full = tok.decode(ids)
+    if checker.stop_reason is not None:
+        s = checker.stop_reason
+        body = checker.text[:-len(s)] if include else checker.text
+        assert full.startswith(body + s) and (not include or checker.text.endswith(s))
+        assert not any(t in body for t in stops)
+    elif ids:
+        assert checker.finish_reason == "length"
+        assert checker.text == full and not any(s in full for s in stops)

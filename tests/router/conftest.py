@@ -72,16 +72,30 @@ class Proc:
             self.log.close()
 
 
-@pytest.fixture
-def procs(tmp_path):
-    """Factory for processes that are all stopped at the end of the test."""
+def _spawner(log_dir):
     started: list[Proc] = []
 
     def spawn(args: list[str], url: str, name: str, env: dict | None = None) -> Proc:
-        p = Proc(args, url, str(tmp_path / f"{name}.log"), env).start()
+        p = Proc(args, url, str(log_dir / f"{name}.log"), env).start()
         started.append(p)
         return p
 
+    return spawn, started
+
+
+@pytest.fixture
+def procs(tmp_path):
+    """Factory for processes that are all stopped at the end of the test."""
+    spawn, started = _spawner(tmp_path)
+    yield spawn
+    for p in reversed(started):
+        p.stop()
+
+
+@pytest.fixture(scope="module")
+def module_procs(tmp_path_factory):
+    """Like `procs`, for processes shared by a module's tests (e.g. real engines)."""
+    spawn, started = _spawner(tmp_path_factory.mktemp("procs"))
     yield spawn
     for p in reversed(started):
         p.stop()

@@ -15,7 +15,9 @@ gives it (like vLLM), where a standalone decode would strip it.
 How: a window of token ids (a few prompt tokens for context, the last emitted tokens, then the tokens
 not yet turned into text) is decoded, and the text beyond the decoded "already emitted" part is new.
 Text ending in U+FFFD (a multi-byte character split over tokens) is held back until the next token
-completes it. Work per token is O(window), independent of the sequence's length.
+completes it; U+FFFD reaches the stream only for bytes that can no longer become a character (invalid
+UTF-8 the model produced, or a character cut off by the end). Work per token is O(window), independent
+of the sequence's length.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Protocol
 
 _REPLACEMENT = "\ufffd"
 _CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the first output token (vLLM uses the same)
+_MAX_SPLIT = 3  # an unfinished UTF-8 character is at most 3 bytes, so it spans at most 3 tokens
 
 
 class Decoder(Protocol):
@@ -43,30 +46,58 @@ class IncrementalDetokenizer:
         self._window = window  # token ids: [emitted context | unread]
         self._read = len(window)  # window[:_read] is decoded into _read_text and already accounted for
         self._read_text = text
+        self._held_text = ""  # decode of the window while it ends in an unfinished character
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append new token ids; return the text they complete."""
+        before = len(self._window)
         self._window.extend(token_ids)
         text = self._decode(self._window)
-        if text.endswith(_REPLACEMENT):
-            return ""  # an unfinished character: wait for the tokens that complete it
+        if text.endswith(_REPLACEMENT):  # an unfinished character: wait for the rest of it
+            if text == self._held_text and not any(self._decode([t]) for t in token_ids):
+                del self._window[before:]  # skipped special tokens in between: they add no bytes
+                return ""
+            self._held_text = text
+            return self._release_final_bytes(text)
         if len(text) <= len(self._read_text):
             del self._window[self._read:]  # tokens that add no text (skipped special tokens): drop them
             return ""
-        new = text[len(self._read_text):]
-        self._window = self._window[self._read:]
-        self._read = len(self._window)
-        self._read_text = self._decode(self._window)
-        return new
+        return self._advance(len(self._window), text)
 
     def flush(self) -> str:
         """The text held back at the end of the sequence (a split character decodes as U+FFFD)."""
         text = self._decode(self._window)
-        new = text[len(self._read_text):] if len(text) > len(self._read_text) else ""
+        if len(text) <= len(self._read_text):
+            return ""
+        return self._advance(len(self._window), text)
+
+    def _advance(self, upto: int, text: str) -> str:
+        """Emit the text of window[_read:upto] (`text` = decode(window[:upto])); it becomes the context."""
+        new = text[len(self._read_text):]
         self._window = self._window[self._read:]
-        self._read = len(self._window)
-        self._read_text = self._decode(self._window)
+        upto -= self._read
+        self._read = upto
+        self._read_text = self._decode(self._window[:upto])
         return new
+
+    def _release_final_bytes(self, text: str) -> str:
+        """An unfinished UTF-8 character has at most _MAX_SPLIT bytes, so it started within the last
+        _MAX_SPLIT unread tokens that decode to something (a token that decodes to "" alone adds no bytes).
+        Bytes before those are final even while the text ends in U+FFFD (invalid bytes the model made):
+        emitting them keeps the stream moving and the window short."""
+        if len(self._window) - self._read <= _MAX_SPLIT:
+            return ""
+        with_bytes = 0
+        upto = len(self._window)
+        while upto > self._read and with_bytes < _MAX_SPLIT:
+            upto -= 1
+            with_bytes += bool(self._decode([self._window[upto]]))
+        if with_bytes < _MAX_SPLIT or upto <= self._read:
+            return ""
+        head = self._decode(self._window[:upto])
+        if len(head) <= len(self._read_text) or not text.startswith(head):
+            return ""
+        return self._advance(upto, head)
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip) if ids else ""

@@ -120,8 +120,12 @@ def test_random_token_streams_match_the_full_decode(tok, data):
     skip = data.draw(st.booleans())
     chunk = data.draw(st.integers(1, 4))
     pieces, tail = stream(tok, prompt, out, skip=skip, chunk=chunk)
-    assert "".join(pieces) + tail == tok.decode(out, skip_special_tokens=skip)
-    assert not any(p.endswith("\ufffd") for p in pieces)
+    full = tok.decode(out, skip_special_tokens=skip)
+    assert "".join(pieces) + tail == full
+    shown = ""
+    for p in pieces:  # nothing is ever shown that the full decode does not keep (no premature U+FFFD)
+        shown += p
+        assert full.startswith(shown)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -163,3 +167,18 @@ def test_sentencepiece_leading_space_comes_from_the_prompt_context():
     # without a prompt there is no context: the first token's space is stripped, like a plain decode
     pieces, tail = stream(hf, [], out)
     assert "".join(pieces) + tail == hf.decode(out, skip_special_tokens=True)
+
+
+def test_invalid_bytes_from_the_model_are_emitted_and_do_not_pile_up(tok):
+    """A run of stray UTF-8 continuation bytes never becomes a character: it must not stall the stream."""
+    stray = tok.hf.convert_tokens_to_ids("©")  # byte-level BPE's token for the byte 0xA9: a continuation byte
+    assert tok.decode([stray, stray]) == "\ufffd\ufffd"
+    assert tok.decode(tok.encode("é")[:1] + [stray]) == "é\ufffd"
+    out = tok.encode("a") + [stray] * 200 + tok.encode(" 🎉 ok")
+    counting = CountingTokenizer(tok)
+    pieces, tail = stream(counting, tok.encode("x"), out)
+    assert "".join(pieces) + tail == tok.decode(out)
+    assert counting.longest <= 16
+    assert "\ufffd" in "".join(pieces[:100])  # the stray bytes went out while the run was still going
+    assert not any(p.endswith("\ufffd") and "🎉" in p for p in pieces)
+    assert "🎉" in "".join(pieces)

@@ -27,9 +27,17 @@ import httpx
 
 from loadtest.workload import MODES, ChatRequest, generate_trace
 
-VLLM_CMD = ("HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=4 /tmp/peers/vllm-venv/bin/python -m "
-            "vllm.entrypoints.openai.api_server --model /tmp/peers/smollm2-hf --served-model-name smollm2 "
-            "--host 127.0.0.1 --port 8200 --dtype float32 --max-model-len 2048")
+VLLM_MODEL_DIRS = {"float32": "/tmp/peers/smollm2-hf", "bfloat16": "/tmp/peers/smollm2-hf-bf16"}
+
+
+def vllm_cmd(dtype: str = "bfloat16", threads_bind: str | None = "0-1") -> str:
+    """vLLM-CPU as ../shared/peers/README.md starts it; bf16 on both cores is its best setting here."""
+    bind = f"VLLM_CPU_OMP_THREADS_BIND={threads_bind} " if threads_bind else ""
+    return (f"HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=4 {bind}/tmp/peers/vllm-venv/bin/python -m "
+            f"vllm.entrypoints.openai.api_server --model {VLLM_MODEL_DIRS[dtype]} --served-model-name smollm2 "
+            f"--host 127.0.0.1 --port 8200 --dtype {dtype} --max-model-len 2048")
+
+
 KVFLEET_CMD = f"{sys.executable} -m engine.cli engine --model smollm2 --host 127.0.0.1 --port 8001"
 
 
@@ -196,7 +204,7 @@ async def amain(a: argparse.Namespace) -> list[LevelResult]:
         starts.setdefault("kvfleet", KVFLEET_CMD + (" " + a.kvfleet_args if a.kvfleet_args else ""))
     if a.with_vllm:
         targets.setdefault("vllm", "http://127.0.0.1:8200")
-        starts.setdefault("vllm", VLLM_CMD)
+        starts.setdefault("vllm", vllm_cmd(a.vllm_dtype, a.vllm_threads_bind or None))
     if not targets:
         raise SystemExit("give at least one --target NAME=URL (or --with-kvfleet / --with-vllm)")
     trace = generate_trace(a.num_requests, a.seed, a.mode, max_output_tokens=a.max_output_tokens,
@@ -230,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--with-kvfleet", action="store_true", help="start `kvfleet engine` on :8001 for its turn")
     ap.add_argument("--kvfleet-args", default="", help="extra flags for the started kvfleet engine")
     ap.add_argument("--with-vllm", action="store_true", help="start vLLM-CPU (peers README) on :8200 for its turn")
+    ap.add_argument("--vllm-dtype", choices=tuple(VLLM_MODEL_DIRS), default="bfloat16")
+    ap.add_argument("--vllm-threads-bind", default="0-1",
+                    help="VLLM_CPU_OMP_THREADS_BIND for the started vLLM ('' = its default: one core)")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--num-requests", type=int, default=64, help="requests per concurrency level")

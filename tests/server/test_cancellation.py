@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 
 
 def body(i: int, stream: bool = True, max_tokens: int = MAX_TOKENS) -> dict:

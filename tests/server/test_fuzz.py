@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-CLIENT_TIMEOUT = 5.0
+CLIENT_TIMEOUT = 3.0
 FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
           "stream", "stream_options", "seed", "logprobs", "top_logprobs", "logit_bias", "presence_penalty",
           "frequency_penalty", "user", "top_k", "min_p", "min_tokens", "ignore_eos", "cache_salt",
@@ -39,7 +39,7 @@ def call(url: str, method: str, path: str, **kw) -> int | None:
 def test_mutated_bodies_never_5xx(api_server):
     statuses: list[int | None] = []
 
-    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(chat=st.booleans(), field=st.sampled_from(FIELDS), value=json_values, drop=st.booleans())
     def check(chat, field, value, drop):
         body = dict(VALID_CHAT if chat else VALID_COMPLETION)
@@ -65,7 +65,7 @@ def test_schemathesis_openapi_never_5xx(api_server):
     strategy = st.one_of([op.as_strategy() for op in ops if op.path != "/v1/kv/events"])  # endless stream
     seen: list[int | None] = []
 
-    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(case=strategy)
     def check(case):
         try:

@@ -134,11 +134,11 @@ def test_completions_logprobs(openai_client):
 
 
 def test_seed_reproducible(openai_client):
-    kw = dict(model=MODEL, messages=MSGS, max_tokens=16, temperature=1.0, top_p=0.95, extra_body=NO_EOS)
+    kw = dict(model=MODEL, messages=MSGS, max_tokens=8, temperature=1.0, top_p=0.95, extra_body=NO_EOS)
     a = openai_client.chat.completions.create(seed=1234, **kw).choices[0].message.content
     b = openai_client.chat.completions.create(seed=1234, **kw).choices[0].message.content
     assert a == b
-    others = {openai_client.chat.completions.create(seed=s, **kw).choices[0].message.content for s in (1, 2, 3)}
+    others = {openai_client.chat.completions.create(seed=s, **kw).choices[0].message.content for s in (1, 2)}
     assert others - {a}, "different seeds should not all give the seed-1234 text"
 
 

@@ -361,3 +361,20 @@ def test_wide_rows_sample_the_distribution_in_two_levels():
     from engine.sampler import _search
     one_level = _search(torch.softmax(x, -1).repeat(n, 1).cumsum(-1, dtype=torch.float64), u)
     assert (one_level != picked).sum().item() <= 2  # only float rounding at a boundary may differ
+
+
+def test_filtered_rows_follow_the_renormalized_distribution():
+    """top-k / top-p / min-p rows draw from the kept tokens with their renormalized odds."""
+    probs = torch.tensor([0.05, 0.35, 0.1, 0.3, 0.2])
+    n = 12000
+    cases = [(dict(top_k=3), {1: 0.35, 3: 0.3, 4: 0.2}), (dict(top_p=0.6), {1: 0.35, 3: 0.3}),
+             (dict(min_p=0.5), {1: 0.35, 3: 0.3, 4: 0.2}), (dict(top_k=4, temperature=0.5), None)]
+    for params, kept in cases:
+        out = Sampler(seed=11)(probs.log().repeat(n, 1), [seq(**params) for _ in range(n)])
+        freq = torch.bincount(torch.tensor(out.token_ids), minlength=5).double() / n
+        if kept is None:  # temperature 0.5 squares the odds: p^2 over the 4 best
+            kept = {t: probs[t].item() ** 2 for t in (1, 2, 3, 4)}
+        total = sum(kept.values())
+        for t in range(5):
+            want = kept.get(t, 0.0) / total
+            assert abs(freq[t].item() - want) < 0.02, (params, t, freq.tolist())

@@ -177,19 +177,22 @@ def test_streamed_text_is_always_a_prefix_of_the_final_text(data):
     pieces = data.draw(st.lists(st.text(alphabet, min_size=1, max_size=3), min_size=1, max_size=12))
     stops = data.draw(st.lists(st.text(alphabet, min_size=1, max_size=4), max_size=3))
     include = data.draw(st.booleans())
+    min_tokens = data.draw(st.integers(0, len(pieces)))
     tok = PieceTokenizer(["</s>", "<stop>"] + pieces)
     results, checker = run(list(range(2, 2 + len(pieces))) + [EOS], tok=tok, prompt=(), stop=stops,
-                           include_stop_str_in_output=include)
+                           include_stop_str_in_output=include, min_tokens=min_tokens)
     shown = ""
     for r in results:
         shown += r.text
         assert checker.text.startswith(shown)
     assert shown == checker.text
     full = "".join(pieces)
-    # reference: the first token that completes a stop string; within it, the earliest-starting one
+    # reference: the first token (from the min_tokens-th on) that completes a stop string; within it,
+    # the earliest-starting one
     ends = [len("".join(pieces[:i + 1])) for i in range(len(pieces))]
     hits = [(next(i for i, e in enumerate(ends) if at + len(s) <= e), at, j)
             for j, s in enumerate(stops) for at in range(len(full)) if full.startswith(s, at)]
+    hits = [h for h in hits if h[0] + 1 >= min_tokens]
     if hits:
         _, at, j = min(hits)
         s = stops[j]

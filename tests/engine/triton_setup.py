@@ -1,9 +1,10 @@
 """Load the Triton kernels for tests: compiled on CUDA when TRITON_INTERPRET=0 is set explicitly and a
 GPU is present (loadtest/gpu_check.sh), otherwise in Triton's interpreter on CPU tensors.
 
-Triton decides at decoration time whether a kernel is interpreted, and reads the variable again while
-launching, so it is set while the kernel modules are (re)imported and, through the `triton_mode` fixture
-(use it autouse, module-scoped), while the tests of that module run; it is restored in between.
+Triton decides whether a function is interpreted when it is decorated (its own library functions: when
+triton is first imported; tests/engine/conftest.py sets TRITON_INTERPRET=1 early for that) and reads the
+variable again while launching. So it is set while the kernel modules are (re)imported and, through the
+`triton_mode` fixture (use it module-wide), while the tests of that module run.
 """
 
 from __future__ import annotations
@@ -26,8 +27,14 @@ def load_kernels() -> dict[str, object]:
     prev = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "0" if COMPILED else "1"
     try:
+        import triton.language as tl
         from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
 
+        if not COMPILED and isinstance(tl.standard.sum, JITFunction):
+            raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set, so its library functions "
+                               "cannot run in the interpreter; set TRITON_INTERPRET=1 in the environment "
+                               "(tests/engine/conftest.py does it on machines without CUDA)")
         mods = [importlib.import_module(name) for name in KERNEL_MODULES]
         interpreted = isinstance(mods[0]._kv_write_kernel, InterpretedFunction)
         if interpreted == COMPILED:

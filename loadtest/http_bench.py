@@ -148,8 +148,9 @@ async def wait_ready(url: str, timeout: float, proc: subprocess.Popen | None) ->
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
             try:
-                if (await client.get(f"{url}/v1/models")).status_code == 200 and \
-                        (await client.get(f"{url}/health")).status_code == 200:
+                ready = (await client.get(f"{url}/ready")).status_code  # kvfleet; vLLM has no /ready
+                if ready == 200 or (ready == 404 and (await client.get(f"{url}/health")).status_code == 200
+                                    and (await client.get(f"{url}/v1/models")).status_code == 200):
                     return
             except httpx.HTTPError:
                 pass

@@ -114,14 +114,17 @@ def build_app(config: ServerConfig, engine=None, engine_factory: Callable[[], ob
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        if state.engine_dead and not state.closing:  # liveness: a dead engine loop needs a restart
+            return JSONResponse({"status": "engine_dead", "error": str(state.engine.dead)}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
         if state.ready:
             return JSONResponse({"ready": True})
-        reason = "draining" if state.draining else ("load_failed" if state.load_error else "loading")
+        reason = ("draining" if state.draining else "engine_dead" if state.engine_dead
+                  else "load_failed" if state.load_error else "loading")
         return JSONResponse({"ready": False, "reason": reason}, status_code=503)
 
     @app.get("/metrics")

@@ -89,6 +89,7 @@ def _names(value) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     from engine.args import EngineArgs
+    from engine.model.registry import resolve_model
 
     parser = argparse.ArgumentParser(prog="kvfleet engine", description="Start one kvfleet engine replica.")
     EngineArgs.add_cli_args(parser)
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     try:
         engine_args = EngineArgs.from_cli(ns)
+        resolve_model(engine_args.model)  # a wrong path fails here, before the server starts
         config = ServerConfig(
             served_model_names=tuple(_names(ns.served_model_name) or [ns.model]),
             instance_id=ns.instance_id or f"{socket.gethostname()}:{ns.port}",

@@ -52,8 +52,12 @@ class ServerState:
         self._token_text: dict[int, str] = {}
 
     @property
+    def engine_dead(self) -> bool:
+        return self.engine is not None and getattr(self.engine, "dead", None) is not None
+
+    @property
     def ready(self) -> bool:
-        return self.engine is not None and not self.draining
+        return self.engine is not None and not self.draining and not self.engine_dead
 
     def check_model(self, model: str | None) -> str:
         if model is None or model in self.config.served_model_names:
@@ -65,6 +69,8 @@ class ServerState:
         if self.draining:
             raise APIError(503, "server is shutting down; retry on another replica", None, "draining",
                            {"Retry-After": "1", "Connection": "close"})
+        if self.engine_dead:
+            raise APIError(503, f"the engine is not running: {self.engine.dead}", None, "engine_dead")
         if self.engine is None:
             msg = f"model failed to load: {self.load_error}" if self.load_error else "model is still loading"
             raise APIError(503, msg, None, "not_ready", {"Retry-After": "5"})

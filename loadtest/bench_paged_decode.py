@@ -121,7 +121,10 @@ def bench_shape(batch: int, context: int, args, device: torch.device, timer: Tim
     row.update(paged_ms=ms, paged_gbs=moved / (ms * 1e-3) / 1e9, num_splits=backend._plan.num_splits)
     del k_cache, v_cache  # free the paged cache before the contiguous copy is allocated
     if sdpa and not args.no_sdpa:
-        row.update(sdpa_vs(batch, context, q, args, device, timer, gen, moved))
+        try:
+            row.update(sdpa_vs(batch, context, q, args, device, timer, gen, moved))
+        except (RuntimeError, torch.OutOfMemoryError) as e:  # no SDPA kernel or memory for it: say so
+            row["sdpa_skipped"] = f"{type(e).__name__}: {str(e)[:200]}"
     return row
 
 
@@ -168,19 +171,28 @@ def main(argv: list[str] | None = None) -> int:
                     row["sdpa_frac_copy"] = row["sdpa_gbs"] / copy_gbs
                     row["paged_vs_sdpa_time"] = row["paged_ms"] / row["sdpa_ms"]
             rows.append(row)
+            print(f"  batch {batch} context {context}: " + (
+                f"paged {row['paged_ms'] * 1e3:.1f} us, {row['paged_gbs']:.0f} GB/s" if "paged_ms" in row
+                else row.get("skipped", "?")), flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     print_table(rows)
     result = {"device": name, "copy_gbs": copy_gbs, "args": vars(args), "rows": rows,
               "targets": targets(rows)}
+    print(f"targets: {json.dumps(result['targets'])}", flush=True)
+    write_json(args.json, result)  # now, so a later timeout in the sweep keeps the main numbers
     if args.sweep:
         result["sweep"] = sweep(args, device, timer, copy_gbs)
-    print(f"targets: {json.dumps(result['targets'])}")
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
     return 0
+
+
+def write_json(path: str | None, result: dict) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(result, f, indent=2)
+        os.replace(path + ".tmp", path)
 
 
 def sweep(args, device: torch.device, timer: Timer, copy_gbs: float) -> list[dict]:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One-command GPU check of the attention kernels (issue 5), unattended, well under 10 minutes on an H100/H200:
-#   1. the kernel tests, compiled (TRITON_INTERPRET=0) on the GPU;
-#   2. device copy bandwidth, then paged decode at batch 1/16/64/256 x context 512/2K/8K (do_bench median):
-#      GB/s, fraction of copy bandwidth, next to torch SDPA on contiguous K/V;
+#   1. device copy bandwidth, then paged decode at batch 1/16/64/256 x context 512/2K/8K (do_bench median):
+#      GB/s, fraction of copy bandwidth, next to torch SDPA on contiguous K/V; a decode launch-shape sweep;
+#   2. the kernel tests and the engine greedy test, compiled (TRITON_INTERPRET=0) on the GPU;
 #   3. the engine's offline throughput on SmolLM2 with the triton backend (loadtest/offline_throughput.py).
 # Prints one short table last; full numbers go to $OUT/gpu_check/ (or ./results/gpu_check/).
 # Without a CUDA GPU: says so, runs the kernel tests in Triton's interpreter, exits with their status (0 = pass).
@@ -26,7 +26,7 @@ mkdir -p "$RESULTS"
 LOG="$RESULTS/log.txt"
 : > "$LOG"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$RESULTS/.triton_cache}"
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-${TMPDIR:-/tmp}/kvfleet_triton_cache}"  # not under $OUT
 export HF_HUB_OFFLINE=1
 say() { echo "[gpu_check $(date +%H:%M:%S)] $*" | tee -a "$LOG"; }
 
@@ -65,11 +65,19 @@ say "GPU: $GPU_NAME; python $PY ($("$PY" -c 'import torch, triton; print("torch"
 STATUS_TESTS="not run"; STATUS_BENCH="not run"; STATUS_THROUGHPUT="not run"; WORST=0
 note_rc() { [ "$1" -gt "$WORST" ] && WORST="$1"; }
 
-# 1. kernel tests, compiled
+# 1. paged decode benchmark
+say "step 1: copy bandwidth + paged decode benchmark + launch-shape sweep (limit 220s)"
+timeout 220 "$PY" -m loadtest.bench_paged_decode --batches 1,16,64,256 --contexts 512,2048,8192 --sweep 64,2048 \
+    --json "$RESULTS/bench_paged_decode.json" 2>&1 | tee "$RESULTS/bench_paged_decode.txt" | tee -a "$LOG"
+rc=${PIPESTATUS[0]}
+case "$rc" in 0) STATUS_BENCH="done" ;; 124) STATUS_BENCH="TIMED OUT after 220s" ;; *) STATUS_BENCH="FAILED (rc=$rc)" ;; esac
+note_rc "$rc"
+
+# 2. kernel tests, compiled
 if has_mod "$PY" pytest; then
-  MARK="not slow"; TLIMIT=180
-  if [ "$FULL" = 1 ]; then MARK="slow or not slow"; TLIMIT=480; fi
-  say "step 1: kernel tests compiled on the GPU (-m '$MARK', limit ${TLIMIT}s)"
+  MARK="not slow"; TLIMIT=200
+  if [ "$FULL" = 1 ]; then MARK="slow or not slow"; TLIMIT=420; fi
+  say "step 2: kernel tests compiled on the GPU (-m '$MARK', limit ${TLIMIT}s)"
   TRITON_INTERPRET=0 timeout "$TLIMIT" "$PY" -m pytest tests/engine/test_triton_kernels.py tests/engine/test_triton_engine.py \
       -q -p no:cacheprovider \
       -m "$MARK" -o addopts="" --junitxml="$RESULTS/kernel_tests.xml" 2>&1 | tail -25 | tee -a "$LOG"
@@ -77,24 +85,16 @@ if has_mod "$PY" pytest; then
   case "$rc" in 0) STATUS_TESTS="passed" ;; 124) STATUS_TESTS="TIMED OUT after ${TLIMIT}s" ;; *) STATUS_TESTS="FAILED (rc=$rc)" ;; esac
   note_rc "$rc"
 else
-  STATUS_TESTS="skipped: pytest is not installed for $PY"; say "step 1: $STATUS_TESTS"
+  STATUS_TESTS="skipped: pytest is not installed for $PY"; say "step 2: $STATUS_TESTS"
 fi
-
-# 2. paged decode benchmark
-say "step 2: copy bandwidth + paged decode benchmark + launch-shape sweep (limit 270s)"
-timeout 270 "$PY" -m loadtest.bench_paged_decode --batches 1,16,64,256 --contexts 512,2048,8192 --sweep 64,2048 \
-    --json "$RESULTS/bench_paged_decode.json" 2>&1 | tee "$RESULTS/bench_paged_decode.txt" >> "$LOG"
-rc=${PIPESTATUS[0]}
-case "$rc" in 0) STATUS_BENCH="done" ;; 124) STATUS_BENCH="TIMED OUT after 270s" ;; *) STATUS_BENCH="FAILED (rc=$rc)" ;; esac
-note_rc "$rc"
 
 # 3. engine offline throughput (owned by the MODEL part; run if present)
 if [ -f loadtest/offline_throughput.py ]; then
-  say "step 3: engine offline throughput on SmolLM2, triton backend (limit 120s)"
-  timeout 120 "$PY" -m loadtest.offline_throughput --model smollm2 --attention-backend triton --device cuda \
+  say "step 3: engine offline throughput on SmolLM2, triton backend (limit 110s)"
+  timeout 110 "$PY" -m loadtest.offline_throughput --model smollm2 --attention-backend triton --device cuda \
       --json "$RESULTS/offline_throughput.json" 2>&1 | tail -15 | tee "$RESULTS/offline_throughput.txt" >> "$LOG"
   rc=${PIPESTATUS[0]}
-  case "$rc" in 0) STATUS_THROUGHPUT="done" ;; 124) STATUS_THROUGHPUT="TIMED OUT after 120s" ;; *) STATUS_THROUGHPUT="FAILED (rc=$rc)" ;; esac
+  case "$rc" in 0) STATUS_THROUGHPUT="done" ;; 124) STATUS_THROUGHPUT="TIMED OUT after 110s" ;; *) STATUS_THROUGHPUT="FAILED (rc=$rc)" ;; esac
   note_rc "$rc"
 else
   STATUS_THROUGHPUT="skipped: loadtest/offline_throughput.py is not in this tree"

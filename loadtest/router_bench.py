@@ -278,22 +278,25 @@ def latencies(url: str, n: int, stream: bool) -> list[float]:
 
 
 def _client_proc(url: str, concurrency: int, duration: float, q) -> None:
+    """One load-generator process: `concurrency` connections issuing streamed requests back to back
+    (aiohttp: a cheap client, so the router, not the client, is what saturates)."""
+    import aiohttp
+
     async def main():
         done = errors = 0
         body = json.dumps({**OVERHEAD_BODY, "stream": True}).encode()
         deadline = time.perf_counter() + duration
-        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        async with httpx.AsyncClient(timeout=30, limits=limits) as c:
+        headers = {"content-type": "application/json"}
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as s:
             async def loop():
                 nonlocal done, errors
                 while time.perf_counter() < deadline:
                     try:
-                        async with c.stream("POST", url + "/v1/chat/completions", content=body,
-                                            headers={"content-type": "application/json"}) as r:
-                            async for _ in r.aiter_raw():
+                        async with s.post(url + "/v1/chat/completions", data=body, headers=headers) as r:
+                            async for _ in r.content.iter_any():
                                 pass
-                            ok = r.status_code == 200
-                    except httpx.HTTPError:
+                            ok = r.status == 200
+                    except (aiohttp.ClientError, asyncio.TimeoutError):
                         ok = False
                     done += ok
                     errors += not ok
@@ -317,6 +320,13 @@ def streamed_rps(url: str, ns) -> tuple[float, int]:
     return sum(d for d, _ in res) / min(wall, ns.duration + 1.0), sum(e for _, e in res)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cmd_overhead(ns) -> dict:
     log_dir = tempfile.mkdtemp(prefix="router-bench-")
     procs = []
@@ -336,18 +346,20 @@ def cmd_overhead(ns) -> dict:
         res = {}
         for stream in (False, True):
             d, r = [], []
+            cpu0 = cpu_seconds(router.popen.pid)
             for _ in range(ns.requests // 100 or 1):  # interleave, so drift hits both equally
                 d += latencies(direct_url, 50, stream)
                 r += latencies(router.url, 50, stream)
             tag = "stream" if stream else "json"
+            res[f"{tag}_router_cpu_ms_per_request"] = (cpu_seconds(router.popen.pid) - cpu0) / len(r) * 1e3
             res[f"{tag}_direct_p50_ms"], res[f"{tag}_direct_p99_ms"] = pct(d, 50) * 1e3, pct(d, 99) * 1e3
             res[f"{tag}_router_p50_ms"], res[f"{tag}_router_p99_ms"] = pct(r, 50) * 1e3, pct(r, 99) * 1e3
             res[f"{tag}_added_p50_ms"] = res[f"{tag}_router_p50_ms"] - res[f"{tag}_direct_p50_ms"]
             res[f"{tag}_added_p99_ms"] = res[f"{tag}_router_p99_ms"] - res[f"{tag}_direct_p99_ms"]
             print(f"{tag:6s}: direct p50 {res[f'{tag}_direct_p50_ms']:.2f} ms p99 {res[f'{tag}_direct_p99_ms']:.2f} ms"
                   f" | router p50 {res[f'{tag}_router_p50_ms']:.2f} ms p99 {res[f'{tag}_router_p99_ms']:.2f} ms"
-                  f" | added p50 {res[f'{tag}_added_p50_ms']:.2f} ms (target < 2) p99 {res[f'{tag}_added_p99_ms']:.2f} ms",
-                  flush=True)
+                  f" | added p50 {res[f'{tag}_added_p50_ms']:.2f} ms (target < 2) p99 {res[f'{tag}_added_p99_ms']:.2f} ms"
+                  f" | router CPU {res[f'{tag}_router_cpu_ms_per_request']:.2f} ms/request", flush=True)
         m = httpx.get(router.url + "/metrics").text
         for line in m.splitlines():
             if line.startswith("kvfleet_router_routing_decision_seconds_sum"):
@@ -356,14 +368,17 @@ def cmd_overhead(ns) -> dict:
                 dcount = float(line.split()[-1])
         res["decision_mean_us"] = dsum / max(dcount, 1) * 1e6
         print(f"routing decision (tokenize + hash + score), mean: {res['decision_mean_us']:.0f} us", flush=True)
+        cpu0 = cpu_seconds(router.popen.pid)
         rps, errs = streamed_rps(router.url, ns)
+        res["router_cpu_s_per_s_at_load"] = (cpu_seconds(router.popen.pid) - cpu0) / ns.duration
         res["router_streamed_rps"], res["router_stream_errors"] = rps, errs
         drps, _ = streamed_rps(direct_url, ns)
         res["direct_streamed_rps"] = drps
         print(f"streamed requests/s through one router: {rps:.0f} (target >= 1000; errors {errs}); "
               f"one fake upstream directly: {drps:.0f}; ratio {rps / max(drps, 1e-9):.2f} "
               f"({ns.upstreams} upstreams, {ns.concurrency} connections, {ns.client_procs} client processes, "
-              f"{os.cpu_count()} CPUs)", flush=True)
+              f"{os.cpu_count()} CPUs); router CPU use under that load: "
+              f"{res['router_cpu_s_per_s_at_load']:.2f} cores", flush=True)
         return res
     finally:
         for p in procs:

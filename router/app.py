@@ -13,7 +13,7 @@ import json
 import logging
 import time
 
-import httpx
+import aiohttp
 
 from router.config import RouterConfig
 from router.discovery import make_discovery
@@ -22,6 +22,7 @@ from router.fleet import Fleet
 from router.metrics import RouterMetrics
 from router.prepare import CHAT_PATH, COMPLETIONS_PATH, prepare_request
 from router.proxy import Proxy
+from router.tokens import PromptTokenizer
 
 log = logging.getLogger("kvfleet.router")
 
@@ -37,8 +38,8 @@ class RouterApp:
         self.metrics.attach(self.fleet)
         self.tokenizer = tokenizer
         self.need_tokens = cfg.policy in ("kv", "approx-prefix")
-        self.client: httpx.AsyncClient | None = None
         self.proxy: Proxy | None = None
+        self.session: aiohttp.ClientSession | None = None
         self._discovery_task: asyncio.Task | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------------------
@@ -47,11 +48,13 @@ class RouterApp:
         if self.need_tokens and self.tokenizer is None and cfg.model:
             from engine.tokenizer import load_tokenizer
 
-            self.tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model)
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=cfg.connect_timeout_s, read=cfg.request_timeout_s, write=30.0, pool=30.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024, keepalive_expiry=30.0))
-        self.proxy = Proxy(self.fleet, self.metrics, self.client, cfg.max_attempts)
+            tok = await asyncio.to_thread(load_tokenizer, cfg.model)
+            self.tokenizer = await asyncio.to_thread(PromptTokenizer, tok)
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, ttl_dns_cache=10),
+            timeout=aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout_s, sock_read=cfg.request_timeout_s),
+            auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
+        self.proxy = Proxy(self.fleet, self.metrics, self.session, cfg.max_attempts)
         await self.fleet.start()
         discovery = make_discovery(cfg)
         self._discovery_task = asyncio.create_task(discovery.run(self.fleet.set_replicas))
@@ -62,8 +65,8 @@ class RouterApp:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._discovery_task
         await self.fleet.stop()
-        if self.client is not None:
-            await self.client.aclose()
+        if self.session is not None:
+            await self.session.close()
 
     # -- ASGI ----------------------------------------------------------------------------------------------
     async def __call__(self, scope, receive, send) -> None:
@@ -116,12 +119,12 @@ class RouterApp:
     async def _models(self, send) -> None:
         for url in self.fleet.ready_urls():
             try:
-                resp = await self.client.get(url + "/v1/models", timeout=2.0)
-            except httpx.HTTPError:
+                async with self.session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+                    if resp.status == 200:
+                        await send_bytes(send, 200, await resp.read(), b"application/json")
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
                 continue
-            if resp.status_code == 200:
-                await send_bytes(send, 200, resp.content, b"application/json")
-                return
         if not self.cfg.model:
             await send_json(send, 503, json_error("no ready replica to list models", code=503))
             return

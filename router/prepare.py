@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from router.prefix_index import request_block_hashes
+from router.tokens import PromptTokenizer, engine_messages
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -40,14 +41,15 @@ class PreparedRequest:
         return hashes
 
 
-def prompt_token_ids(path: str, body: Mapping, tokenizer) -> list[int] | None:
-    """The prompt's token ids as the engine will see them, or None when unknown."""
+def prompt_token_ids(path: str, body: Mapping, tokenizer: PromptTokenizer | None) -> list[int] | None:
+    """The prompt's token ids exactly as the engine will see them, or None when unknown."""
     try:
         if path == CHAT_PATH:
-            messages = body.get("messages")
-            if tokenizer is None or not messages:
+            messages = engine_messages(body.get("messages"))
+            if tokenizer is None or messages is None:
                 return None
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            add_generation_prompt = body.get("add_generation_prompt", True)
+            return tokenizer.chat(messages, add_generation_prompt is not False)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]
@@ -55,7 +57,7 @@ def prompt_token_ids(path: str, body: Mapping, tokenizer) -> list[int] | None:
                                                        for t in prompt):
             return list(prompt)  # token ids need no tokenizer
         if isinstance(prompt, str) and tokenizer is not None:
-            return tokenizer.encode(prompt)
+            return tokenizer.completion(prompt)
     except (ValueError, TypeError, KeyError):  # TokenizerError is a ValueError
         return None
     return None
@@ -69,7 +71,7 @@ def session_key(body: Mapping, headers: Mapping[str, str]) -> str | None:
     return user if isinstance(user, str) and user else None
 
 
-def prepare_request(path: str, body: Mapping, headers: Mapping[str, str], tokenizer,
+def prepare_request(path: str, body: Mapping, headers: Mapping[str, str], tokenizer: PromptTokenizer | None,
                     need_tokens: bool) -> PreparedRequest:
     salt = body.get("cache_salt")
     return PreparedRequest(

@@ -100,13 +100,15 @@ class EngineMetrics:
                                lab, registry=r).labels(model_name)
         self.rejected = Counter("kvfleet:rejected_requests", "Requests rejected before running, by HTTP status.",
                                 ["model_name", "status"], registry=r)
+        for status in ("400", "404", "413", "503"):  # exported from the start, at 0
+            self.rejected.labels(model_name, status)
         r.register(_StatsCollector(model_name, stats, extra_info))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def timer(self) -> RequestTimer:
-        return RequestTimer(self)
+    def timer(self, arrival: float | None = None) -> RequestTimer:
+        return RequestTimer(self, arrival)
 
 
 class RequestTimer:

@@ -21,6 +21,7 @@ from engine.tokenizer import TokenizerError
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request) -> Response:
+    arrival = time.monotonic()
     model = state.check_model(req.model)
     engine = state.engine_or_503()
     tok = engine.tokenizer
@@ -30,13 +31,13 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     except TokenizerError as e:
         raise bad_request(str(e), "messages") from None
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = serving.max_tokens_for(req.requested_max_tokens(), len(prompt_ids), engine.max_model_len, param,
-                                         "messages")
+    max_tokens = serving.max_tokens_for(req.requested_max_tokens(), len(prompt_ids), engine.max_model_len,
+                                        serving.kv_capacity(engine), param, "messages")
     params = serving.build_params(req, max_tokens, req.requested_logprobs(), tok.vocab_size)
-    serving.check_capacity(engine, len(prompt_ids), params, param)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    gen = run(engine, prompt_ids, params, rid, req.cache_salt, request.app.state.metrics, state.inflight)
+    gen = run(engine, prompt_ids, params, rid, req.cache_salt, request.app.state.metrics, state.inflight,
+              arrival)
     if req.stream:
         try:
             gen = await prime(gen)

@@ -21,6 +21,7 @@ from engine.tokenizer import TokenizerError
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request) -> Response:
+    arrival = time.monotonic()
     model = state.check_model(req.model)
     engine = state.engine_or_503()
     tok = engine.tokenizer
@@ -42,17 +43,17 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
             raise bad_request("the prompt is empty", param)
         prompts.append(ids)
     params = []
+    kv_tokens = serving.kv_capacity(engine)
     for i, ids in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-        max_tokens = serving.max_tokens_for(req.max_tokens, len(ids), engine.max_model_len, "max_tokens", param)
-        p = serving.build_params(req, max_tokens, req.logprobs, tok.vocab_size)
-        serving.check_capacity(engine, len(ids), p, "max_tokens")
-        params.append(p)
+        max_tokens = serving.max_tokens_for(req.max_tokens, len(ids), engine.max_model_len, kv_tokens, "max_tokens",
+                                            param)
+        params.append(serving.build_params(req, max_tokens, req.logprobs, tok.vocab_size))
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     metrics = request.app.state.metrics
-    gens = [run(engine, ids, p, rid if len(prompts) == 1 else f"{rid}-{k}", req.cache_salt, metrics, state.inflight)
-            for k, (ids, p) in enumerate(zip(prompts, params, strict=True))]
+    gens = [run(engine, ids, p, rid if len(prompts) == 1 else f"{rid}-{k}", req.cache_salt, metrics, state.inflight,
+                arrival) for k, (ids, p) in enumerate(zip(prompts, params, strict=True))]
     echo = texts if req.echo else None
     if req.stream:
         primed = []

@@ -111,13 +111,21 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     return "; ".join(msgs) + more, param
 
 
+def _count_rejected(request: Request, status: int) -> None:
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is not None and request.url.path.startswith("/v1/"):
+        metrics.rejected.labels(metrics.model_name, str(status)).inc()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        _count_rejected(request, exc.status)
         return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        _count_rejected(request, 400)
         message, param = validation_message(list(exc.errors()))
         return error_response(400, message, param, "invalid_value")
 

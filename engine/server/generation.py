@@ -56,9 +56,10 @@ class Inflight:
 
 
 async def run(engine, prompt_ids: list[int], params, request_id: str, cache_salt: str | None,
-              metrics: EngineMetrics, inflight: Inflight) -> AsyncIterator[RequestOutput]:
-    """engine.generate with metrics; aborts the request unless it finished (always use aclosing)."""
-    timer = metrics.timer()
+              metrics: EngineMetrics, inflight: Inflight, arrival: float | None = None) -> AsyncIterator[RequestOutput]:
+    """engine.generate with metrics; aborts the request unless it finished (always use aclosing).
+    arrival: time.monotonic() when the HTTP request came in (TTFT and e2e count from there)."""
+    timer = metrics.timer(arrival)
     finished = False
     inflight.add(request_id)
     try:

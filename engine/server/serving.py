@@ -104,9 +104,16 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
         raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param)
 
 
-def max_tokens_for(requested: int | None, prompt_len: int, max_model_len: int, param: str,
+def kv_capacity(engine) -> int:
+    """Tokens the whole KV cache holds (a single request can never use more)."""
+    stats = engine.stats()
+    return int(getattr(stats, "num_total_blocks", 0)) * int(getattr(stats, "block_size", 0))
+
+
+def max_tokens_for(requested: int | None, prompt_len: int, max_model_len: int, kv_tokens: int, param: str,
                    prompt_param: str) -> int:
-    """The output budget: the requested one, or what is left of the context; 400 if it cannot fit."""
+    """The output budget: the requested one, or all that is left of the context (and of the KV cache);
+    400 naming the field when the request could never fit."""
     if prompt_len == 0:
         raise bad_request("the prompt is empty", prompt_param)
     left = max_model_len - prompt_len
@@ -114,13 +121,17 @@ def max_tokens_for(requested: int | None, prompt_len: int, max_model_len: int, p
         raise bad_request(f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
                           f"{prompt_len} tokens (no room for output). Shorten the prompt.",
                           prompt_param, "context_length_exceeded")
-    if requested is None:
-        return left
-    if requested > left:
+    kv_left = kv_tokens - prompt_len if kv_tokens else left
+    if requested is not None and requested > left:
         raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                           f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
                           f"completion). Reduce the prompt or {param}.", param, "context_length_exceeded")
-    return requested
+    budget = min(left, kv_left) if requested is None else requested
+    if budget > kv_left or budget < 1:
+        raise bad_request(f"the request needs {prompt_len + max(budget, 1)} tokens of KV cache but this replica "
+                          f"holds only {kv_tokens}; reduce the prompt or {param}",
+                          param if requested is not None else prompt_param, "context_length_exceeded")
+    return budget
 
 
 def build_params(req: _SamplingRequest, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
@@ -130,16 +141,6 @@ def build_params(req: _SamplingRequest, max_tokens: int, logprobs: int | None, v
         return req.sampling_params(max_tokens, logprobs, logit_bias(req, vocab_size))
     except SamplingParamsError as e:
         raise bad_request(str(e), e.param) from None
-
-
-def check_capacity(engine, prompt_len: int, params: SamplingParams, param: str) -> None:
-    """400 when a request could never fit in the KV cache even alone (tiny --num-blocks)."""
-    stats = engine.stats()
-    total = getattr(stats, "num_total_blocks", 0) * getattr(stats, "block_size", 0)
-    need = prompt_len + (params.max_tokens or 0)
-    if total and need > total:
-        raise bad_request(f"the request needs {need} tokens of KV cache but this replica holds only {total}; "
-                          f"reduce the prompt or max_tokens", param, "context_length_exceeded")
 
 
 def completed(out: RequestOutput | None) -> bool:

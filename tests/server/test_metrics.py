@@ -99,3 +99,10 @@ def test_waiting_and_running_with_more_requests_than_max_num_seqs(api_server):
     assert 0 < max(seen_running) <= 4
     assert api_server.metric("vllm:num_requests_running") == 0
     assert api_server.metric("vllm:num_requests_waiting") == 0
+
+
+def test_rejected_requests_counted_by_status(api_server):
+    before = api_server.metric("kvfleet:rejected_requests_total", status="400")
+    r = httpx.post(f"{api_server.url}/v1/chat/completions", json={"model": "smollm2", "messages": []}, timeout=30)
+    assert r.status_code == 400
+    assert api_server.metric("kvfleet:rejected_requests_total", status="400") - before == 1

@@ -261,18 +261,27 @@ OVERHEAD_BODY = {"model": "smollm2", "max_tokens": 8,
                               {"role": "user", "content": "What is the capital of France?"}]}
 
 
-def latencies(url: str, n: int, stream: bool) -> list[float]:
-    out = []
+def overhead_body(rng: random.Random, stream: bool) -> bytes:
+    """A shared system prompt and a fresh ~30-word user message, so every request costs real tokenization."""
     body = {**OVERHEAD_BODY, "stream": stream}
+    body["messages"] = [OVERHEAD_BODY["messages"][0], {"role": "user", "content": words(rng, 30) + "?"}]
+    return json.dumps(body).encode()
+
+
+def latencies(url: str, n: int, stream: bool, seed: int = 0) -> list[float]:
+    out = []
+    rng = random.Random(seed)
+    headers = {"content-type": "application/json"}
     with httpx.Client(timeout=30) as c:
         for _ in range(n):
+            body = overhead_body(rng, stream)
             t0 = time.perf_counter()
             if stream:
-                with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                with c.stream("POST", url + "/v1/chat/completions", content=body, headers=headers) as r:
                     for _ in r.iter_raw():
                         pass
             else:
-                c.post(url + "/v1/chat/completions", json=body).raise_for_status()
+                c.post(url + "/v1/chat/completions", content=body, headers=headers).raise_for_status()
             out.append(time.perf_counter() - t0)
     return out
 
@@ -284,7 +293,8 @@ def _client_proc(url: str, concurrency: int, duration: float, q) -> None:
 
     async def main():
         done = errors = 0
-        body = json.dumps({**OVERHEAD_BODY, "stream": True}).encode()
+        rng = random.Random(os.getpid())
+        bodies = [overhead_body(rng, True) for _ in range(256)]
         deadline = time.perf_counter() + duration
         headers = {"content-type": "application/json"}
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as s:
@@ -292,6 +302,7 @@ def _client_proc(url: str, concurrency: int, duration: float, q) -> None:
                 nonlocal done, errors
                 while time.perf_counter() < deadline:
                     try:
+                        body = bodies[(done + errors) % len(bodies)]
                         async with s.post(url + "/v1/chat/completions", data=body, headers=headers) as r:
                             async for _ in r.content.iter_any():
                                 pass
@@ -347,9 +358,9 @@ def cmd_overhead(ns) -> dict:
         for stream in (False, True):
             d, r = [], []
             cpu0 = cpu_seconds(router.popen.pid)
-            for _ in range(ns.requests // 100 or 1):  # interleave, so drift hits both equally
-                d += latencies(direct_url, 50, stream)
-                r += latencies(router.url, 50, stream)
+            for k in range(ns.requests // 50 or 1):  # interleave, so drift hits both equally
+                d += latencies(direct_url, 50, stream, seed=k)
+                r += latencies(router.url, 50, stream, seed=k)
             tag = "stream" if stream else "json"
             res[f"{tag}_router_cpu_ms_per_request"] = (cpu_seconds(router.popen.pid) - cpu0) / len(r) * 1e3
             res[f"{tag}_direct_p50_ms"], res[f"{tag}_direct_p99_ms"] = pct(d, 50) * 1e3, pct(d, 99) * 1e3

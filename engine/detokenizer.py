@@ -7,7 +7,8 @@ Interface (used by engine/stop.py's StopChecker and the engine loop):
     text = detok.flush()           # at the end: whatever is still held back (a character cut off by the end)
 
 `tokenizer` is anything with `decode(ids, skip_special_tokens=bool) -> str` (engine.tokenizer.Tokenizer or a
-Hugging Face tokenizer). The concatenation of everything `add` and `flush` return equals
+Hugging Face tokenizer); with `convert_ids_to_tokens(ids)` too, SentencePiece byte-fallback pieces (<0xE4>)
+are decoded exactly as a full decode does (a run of them is one unit, all-or-nothing valid UTF-8). The concatenation of everything `add` and `flush` return equals
 `tokenizer.decode(output_ids, skip_special_tokens=...)` for byte-level BPE tokenizers (Llama 3, SmolLM2,
 Qwen2, GPT-2); for SentencePiece tokenizers the first token keeps the leading space the prompt context
 gives it (like vLLM), where a standalone decode would strip it.
@@ -46,21 +47,23 @@ class IncrementalDetokenizer:
         self._window = window  # token ids: [emitted context | unread]
         self._read = len(window)  # window[:_read] is decoded into _read_text and already accounted for
         self._read_text = text
-        self._held_text = ""  # decode of the window while it ends in an unfinished character
+        self._convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+        self._skipped: dict[int, bool] = {}  # token id -> removed by skip_special_tokens
+        self._byte_pieces: dict[int, bool] = {}  # token id -> is a <0xNN> byte-fallback piece
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append new token ids; return the text they complete."""
-        before = len(self._window)
+        if self._skip:  # a skipped special token adds nothing anywhere: keep it out of the window
+            token_ids = [t for t in token_ids if not self._is_skipped(t)]
+        if not token_ids:
+            return ""
         self._window.extend(token_ids)
+        if self._is_byte_piece(self._window[-1]):
+            return ""  # SentencePiece byte fallback decodes a run of <0xNN> pieces as a whole: wait for its end
         text = self._decode(self._window)
         if text.endswith(_REPLACEMENT):  # an unfinished character: wait for the rest of it
-            if text == self._held_text and not any(self._decode([t]) for t in token_ids):
-                del self._window[before:]  # skipped special tokens in between: they add no bytes
-                return ""
-            self._held_text = text
             return self._release_final_bytes(text)
         if len(text) <= len(self._read_text):
-            del self._window[self._read:]  # tokens that add no text (skipped special tokens): drop them
             return ""
         return self._advance(len(self._window), text)
 
@@ -98,6 +101,25 @@ class IncrementalDetokenizer:
         if len(head) <= len(self._read_text) or not text.startswith(head):
             return ""
         return self._advance(upto, head)
+
+    def _is_skipped(self, token_id: int) -> bool:
+        """True for a token that skip_special_tokens removes (decodes to "" only when skipping)."""
+        skipped = self._skipped.get(token_id)
+        if skipped is None:
+            skipped = self._skipped[token_id] = (
+                self._decode([token_id]) == "" and self._tokenizer.decode([token_id], skip_special_tokens=False) != "")
+        return skipped
+
+    def _is_byte_piece(self, token_id: int) -> bool:
+        """True for a SentencePiece byte-fallback piece such as <0xE4>."""
+        if self._convert is None:
+            return False
+        byte = self._byte_pieces.get(token_id)
+        if byte is None:
+            piece = self._convert([token_id])[0]
+            byte = self._byte_pieces[token_id] = (isinstance(piece, str) and len(piece) == 6
+                                                  and piece.startswith("<0x") and piece.endswith(">"))
+        return byte
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip) if ids else ""

@@ -162,7 +162,8 @@ def test_sentencepiece_leading_space_comes_from_the_prompt_context():
     full = hf.decode(prompt + out, skip_special_tokens=True)
     assert "".join(pieces) + tail == full[len(hf.decode(prompt, skip_special_tokens=True)):]
     assert "".join(pieces) == " world!世lo again  世"  # a standalone decode would drop the first space
-    assert pieces[2:5] == ["", "", "世"]  # byte-fallback bytes are held until the character is whole
+    # byte-fallback pieces are decoded as one run (all-or-nothing UTF-8): held until the run ends
+    assert pieces[2:6] == ["", "", "", "世lo"]
     assert not any("\ufffd" in p for p in pieces) and tail == ""
     # without a prompt there is no context: the first token's space is stripped, like a plain decode
     pieces, tail = stream(hf, [], out)
@@ -182,3 +183,40 @@ def test_invalid_bytes_from_the_model_are_emitted_and_do_not_pile_up(tok):
     assert "\ufffd" in "".join(pieces[:100])  # the stray bytes went out while the run was still going
     assert not any(p.endswith("\ufffd") and "🎉" in p for p in pieces)
     assert "🎉" in "".join(pieces)
+
+
+def test_sentencepiece_invalid_byte_run_is_never_shown_early():
+    """Byte fallback turns a whole run of <0xNN> pieces into U+FFFDs when any byte of it is invalid,
+    even an ASCII byte that alone would decode: nothing of the run may be shown before it ends."""
+    hf, vocab = sentencepiece_tokenizer()
+    ids = lambda *ps: [vocab[p] for p in ps]  # noqa: E731
+    out = ids("▁world", "<0x69>", "<0xB8>", "</s>", "<0x41>", "▁again")
+    for skip in (True, False):
+        full = hf.decode(out, skip_special_tokens=skip)
+        assert full.startswith("world\ufffd\ufffd")  # the "i" byte is part of an invalid run
+        pieces, tail = stream(hf, [], out, skip=skip)
+        shown = ""
+        for p in pieces:
+            shown += p
+            assert full.startswith(shown)
+        assert shown + tail == full
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_sentencepiece_random_token_streams(data):
+    hf, vocab = sentencepiece_tokenizer()
+    pieces_st = st.one_of(st.integers(0, len(vocab) - 1), st.sampled_from(
+        [vocab[p] for p in ["<s>", "</s>", "▁", "▁Hello", "lo", "▁世", "<0xE4>", "<0xB8>", "<0x96>", "<0x41>", "<0x80>"]]))
+    prompt = data.draw(st.lists(pieces_st, max_size=6))
+    out = data.draw(st.lists(pieces_st, max_size=25))
+    skip = data.draw(st.booleans())
+    detok = IncrementalDetokenizer(hf, prompt, skip_special_tokens=skip)
+    ctx = detok._window[:]  # the prompt context it chose (none when the prompt ends inside a character)
+    dec = lambda ids: hf.decode(ids, skip_special_tokens=skip) if ids else ""  # noqa: E731
+    full = dec(ctx + out)[len(dec(ctx)):]
+    shown = ""
+    for t in out:
+        shown += detok.add([t])
+        assert full.startswith(shown)
+    assert shown + detok.flush() == full

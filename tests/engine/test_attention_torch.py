@@ -135,3 +135,11 @@ def test_selector_refuses_triton_on_cpu_without_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         get_attention_backend("triton", "cpu")
+
+
+def test_workspace_reuse_across_sizes_and_dtypes():
+    backend = TorchAttentionBackend()
+    for specs, dtype in [([(1, 300)] * 4, torch.float32), ([(1, 3), (5, 9)], torch.float32),
+                         ([(1, 40), (17, 17)], torch.bfloat16), ([(1, 200)] * 3, torch.float32)]:
+        b = make_batch(specs, 16, 2, 2, 64, dtype, seed=len(specs))
+        assert_close(backend.forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale), reference_attention(b), dtype)

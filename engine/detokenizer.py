@@ -7,11 +7,13 @@ Interface (used by engine/stop.py's StopChecker and the engine loop):
     text = detok.flush()           # at the end: whatever is still held back (a character cut off by the end)
 
 `tokenizer` is anything with `decode(ids, skip_special_tokens=bool) -> str` (engine.tokenizer.Tokenizer or a
-Hugging Face tokenizer); with `convert_ids_to_tokens(ids)` too, SentencePiece byte-fallback pieces (<0xE4>)
-are decoded exactly as a full decode does (a run of them is one unit, all-or-nothing valid UTF-8). The concatenation of everything `add` and `flush` return equals
+Hugging Face tokenizer). The concatenation of everything `add` and `flush` return equals
 `tokenizer.decode(output_ids, skip_special_tokens=...)` for byte-level BPE tokenizers (Llama 3, SmolLM2,
-Qwen2, GPT-2); for SentencePiece tokenizers the first token keeps the leading space the prompt context
-gives it (like vLLM), where a standalone decode would strip it.
+Qwen2, GPT-2), and every prefix of the stream is a prefix of that decode (nothing shown is retracted).
+SentencePiece tokenizers (Llama 2, Mistral): the first token keeps the leading space the prompt context
+gives it (like vLLM), where a standalone decode would strip it; if the tokenizer also has
+`convert_ids_to_tokens`, runs of byte-fallback pieces (<0xE4>) are held until they end, because the
+full decode turns a whole run into U+FFFDs when any byte of it is invalid.
 
 How: a window of token ids (a few prompt tokens for context, the last emitted tokens, then the tokens
 not yet turned into text) is decoded, and the text beyond the decoded "already emitted" part is new.

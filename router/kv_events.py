@@ -99,6 +99,7 @@ class KVEventSubscriber:
         self.on_resync = on_resync or (lambda reason: None)
         self.retry_unavailable_s = retry_unavailable_s
         self.status = "connecting"
+        self._warned_auth = False
 
     def _set_status(self, status: str) -> None:
         self.status = status
@@ -131,6 +132,11 @@ class KVEventSubscriber:
                     self._set_status("unavailable")
                     return "unavailable"
                 if resp.status_code != 200:
+                    if resp.status_code in (401, 403) and not self._warned_auth:
+                        self._warned_auth = True
+                        log.warning("KV events of %s: HTTP %d - the engine wants an internal token "
+                                    "(--internal-token / KVFLEET_INTERNAL_TOKEN); routing to it without its "
+                                    "cache contents until then", self.url, resp.status_code)
                     return f"http-{resp.status_code}"
                 async for line in resp.aiter_lines():
                     if not line.strip():

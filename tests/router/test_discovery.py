@@ -11,6 +11,7 @@ import dns.message
 import dns.rcode
 import dns.rdatatype
 import dns.rrset
+import httpx
 from kubernetes.client import (
     DiscoveryV1EndpointPort,
     V1Endpoint,
@@ -177,3 +178,34 @@ def test_slice_tracker_follows_watch_events():
     assert t.urls() == ["http://10.0.0.2:8000", "http://10.0.0.7:8000"]
     t.apply("BOOKMARK", _slice("c", []))
     assert t.urls() == ["http://10.0.0.2:8000", "http://10.0.0.7:8000"]
+
+
+def test_router_follows_dns_without_a_restart(procs):
+    """A router process discovering fake engines on 127.0.0.1 and 127.0.0.2 (same port) through a DNS
+    server: replicas join and leave as the records change."""
+    from tests.router.conftest import fake_engine, free_port, router, wait_for
+
+    port = free_port()
+    one = fake_engine(procs, "one", port=port, host="127.0.0.1")
+    two = fake_engine(procs, "two", port=port, host="127.0.0.2")
+    name = "engine.kvfleet.svc.cluster.local"
+    server = TinyDNS({name: ["127.0.0.1"]})
+    try:
+        r = router(procs, None, "--dns-name", name, "--dns-port", str(port), "--dns-interval", "0.2",
+                   "--dns-nameserver", f"127.0.0.1:{server.port}", policy="round-robin")
+        for p in (one, two, r):
+            p.wait_ready()
+
+        def served(n=6):
+            return {httpx.post(r.url + "/v1/completions", json={"prompt": [1, 2]}, timeout=10).headers[
+                "x-fake-instance"] for _ in range(n)}
+
+        assert served() == {"one"}
+        server.records[name] = ["127.0.0.1", "127.0.0.2"]
+        wait_for(lambda: httpx.get(r.url + "/ready").json()["ready_replicas"] == 2, what="second replica joined")
+        assert served() == {"one", "two"}
+        server.records[name] = ["127.0.0.2"]
+        wait_for(lambda: httpx.get(r.url + "/ready").json()["replicas"] == 1, what="first replica left")
+        assert served() == {"two"}
+    finally:
+        server.close()

@@ -23,6 +23,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+import aiohttp
 import httpx
 
 from loadtest.workload import MODES, ChatRequest, generate_trace
@@ -77,21 +78,22 @@ def percentile(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
+async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> RequestResult:
     t0 = time.perf_counter()
     first = last = None
     tokens = 0
     chunks = 0
     try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")[:200]
-                return RequestResult(False, error=f"HTTP {resp.status_code}: {text}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
+        async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+            if resp.status != 200:
+                text = (await resp.text())[:200]
+                return RequestResult(False, error=f"HTTP {resp.status}: {text}")
+            async for raw in resp.content:  # one SSE line per iteration
+                line = raw.strip()
+                if not line.startswith(b"data: "):
                     continue
                 data = line[6:]
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     break
                 msg = json.loads(data)
                 if "error" in msg:
@@ -104,7 +106,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Reques
                         first = first or now
                         last = now
                         chunks += 1
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
         return RequestResult(False, error=f"{type(e).__name__}: {e}"[:200])
     end = time.perf_counter()
     tokens = tokens or chunks
@@ -118,16 +120,16 @@ async def run_level(url: str, model: str, trace: list[ChatRequest], concurrency:
                     temperature: float, timeout: float) -> LevelResult:
     extra = {"stream": True, "stream_options": {"include_usage": True}, "temperature": temperature,
              "logit_bias": {"2": -100}, "ignore_eos": True}
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        await one_request(client, url, trace[0].body(model, **{**extra, "max_tokens": 4}))  # warm-up
+    connector = aiohttp.TCPConnector(limit=concurrency + 4)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        await one_request(session, url, trace[0].body(model, **{**extra, "max_tokens": 4}))  # warm-up
         queue = list(reversed(trace))
         results: list[RequestResult] = []
 
         async def worker() -> None:
             while queue:
                 r = queue.pop()
-                results.append(await one_request(client, url, r.body(model, **extra)))
+                results.append(await one_request(session, url, r.body(model, **extra)))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))

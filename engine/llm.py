@@ -18,8 +18,9 @@ PromptLike = str | Sequence[int] | Mapping
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2", **engine_args):
-        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+    def __init__(self, model: str = "smollm2", *, loaded_model=None, **engine_args):
+        """engine_args: EngineArgs fields (dtype, num_blocks, max_num_seqs, ...); loaded_model: see LLMEngine."""
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_args), loaded_model)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -76,7 +76,8 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, model=None):
+        """model: an already loaded (LlamaForCausalLM, hf_config) of args.model to reuse (tests, benchmarks)."""
         self.args = args
         threads = args.num_threads or len(os.sched_getaffinity(0))
         torch.set_num_threads(threads)
@@ -93,7 +94,7 @@ class LLMEngine:
         if self.max_model_len > config.max_position_embeddings and rope_type == "default":
             raise EngineArgsError("--max-model-len", f"{self.max_model_len} exceeds the model's context length "
                                                      f"({config.max_position_embeddings})")
-        self.model, self.hf_config = load_model(self.source, self.dtype, self.device, self.max_model_len)
+        self.model, self.hf_config = model or load_model(self.source, self.dtype, self.device, self.max_model_len)
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = self.tokenizer.eos_token_ids

@@ -38,6 +38,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool = False
+    o_bias: bool = False
     mlp_bias: bool = False
     rope_theta: float = 10000.0
     rope_parameters: dict = field(default_factory=dict, compare=False, hash=False)
@@ -63,6 +64,7 @@ class ModelConfig:
             rms_norm_eps=hf.rms_norm_eps, max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=bool(getattr(hf, "attention_bias", False)) or model_type == "qwen2",
+            o_bias=bool(getattr(hf, "attention_bias", False)) and model_type != "qwen2",
             mlp_bias=bool(getattr(hf, "mlp_bias", False)), rope_theta=float(theta),
             rope_parameters=rope, model_type=model_type)
 
@@ -120,6 +122,26 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
+class Linear(nn.Linear):
+    """nn.Linear that can run on a weight pre-packed for oneDNN (bf16 on CPUs: no repacking per call)."""
+
+    packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
+    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def prepack(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -127,8 +149,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.scale = 1.0 / math.sqrt(self.head_dim)
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, meta: AttentionMetadata, backend):
@@ -147,8 +169,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -178,6 +200,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(config, max_model_len, hf_config)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._lm_head_packed: torch.Tensor | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -193,7 +216,20 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices is not None:
             h = h[logits_indices]
         h = self.norm(h)
+        if self._lm_head_packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(h, self._lm_head_packed, None, "none", [], "").float()
         return F.linear(h, self.lm_head_weight).float()
+
+    def prepack_weights(self) -> bool:
+        """Pre-pack every projection for oneDNN when that is the fast path (bf16 on CPU); True if done."""
+        weight = self.embed_tokens.weight
+        if not can_prepack(weight.dtype, weight.device):
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.packed = prepack(module.weight)
+        self._lm_head_packed = prepack(self.lm_head_weight)
+        return True
 
     # ---- weights -------------------------------------------------------------------------------
 

@@ -1,0 +1,181 @@
+"""The engine loop on a tiny random Llama: HF equality of the decoder (RoPE variants, GQA, untied head,
+qkv bias), n > 1 block sharing, seeded sampling across runs and batch compositions, stops, aborts, and
+the KV cache sizing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.llm import LLM
+from engine.model.loader import load_model, resolve_dtype
+from engine.model.registry import resolve_model
+from engine.model_runner import kv_bytes_per_token, num_blocks_for_memory
+from engine.sequence import SequenceStatus
+from tests.engine._tiny_llama import make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(tiny):
+    return load_model(resolve_model(tiny), torch.float32, "cpu", 1024)
+
+
+def _llm(tiny, tiny_loaded, **kw) -> LLM:
+    args = dict(dtype="float32", num_blocks=128, max_num_seqs=16, max_model_len=1024, seed=0)
+    args.update(kw)
+    return LLM(tiny, loaded_model=tiny_loaded, **args)
+
+
+def _hf_greedy(path: str, prompt: list[int], n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          eos_token_id=None, pad_token_id=2)
+    return out[0, len(prompt):].tolist()
+
+
+PROMPT = [(i * 7919) % 40000 + 3 for i in range(37)]  # 37 tokens: 2 full blocks + a partial one
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64}},
+    {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}},
+    {"tie_word_embeddings": True, "num_key_value_heads": 1, "attention_bias": True},
+], ids=["default", "llama3", "linear", "yarn", "tied-mqa-bias"])
+def test_decoder_matches_hf_greedy(tmp_path, overrides):
+    path = make_tiny_llama(str(tmp_path / "m"), seed=1, **overrides)
+    llm = LLM(path, dtype="float32", num_blocks=32, max_num_seqs=4, max_model_len=1024)
+    ours = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert ours.outputs[0].token_ids == _hf_greedy(path, PROMPT, 12)
+
+
+def test_n4_allocates_prompt_blocks_once(tiny, tiny_loaded):
+    llm = _llm(tiny, tiny_loaded, enable_prefix_caching=False)
+    eng = llm.engine
+    eng.add_request("r", PROMPT, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=5, ignore_eos=True))
+    eng.step()  # prefill, fork, first token of each of the 4 completions
+    seqs = eng.requests["r"].seqs
+    assert len(seqs) == 4
+    assert eng.kv.stats().num_used_blocks == 3  # ceil(37 / 16): the prompt's blocks, once
+    assert all(s.block_table == seqs[0].block_table for s in seqs)
+    eng.step()  # each completion writes its 38th token into the shared partial block: copy-on-write
+    tables = [s.block_table for s in seqs]
+    assert all(t[:2] == tables[0][:2] for t in tables)  # the 2 full prompt blocks stay shared
+    assert len({t[2] for t in tables}) == 4
+    assert eng.kv.stats().num_used_blocks == 2 + 4
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.kv.stats().num_used_blocks == 0
+
+
+def test_n4_outputs_have_every_index_and_differ(tiny, tiny_loaded):
+    llm = _llm(tiny, tiny_loaded)
+    out = llm.generate([PROMPT], SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_seeded_sampling_is_reproducible_across_runs_and_batches(tiny, tiny_loaded):
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    alone = _llm(tiny, tiny_loaded).generate([PROMPT], seeded)[0].outputs[0].token_ids
+    again = _llm(tiny, tiny_loaded).generate([PROMPT], seeded)[0].outputs[0].token_ids
+    fillers = [[5 + i, 17, 99, 1000 + i] * (i + 1) for i in range(5)]
+    mixed = _llm(tiny, tiny_loaded).generate(fillers[:2] + [PROMPT] + fillers[2:], [other] * 2 + [seeded] + [other] * 3)
+    small_budget = _llm(tiny, tiny_loaded, max_num_batched_tokens=16, max_num_seqs=4).generate(
+        [PROMPT] + fillers, [seeded] + [other] * 5)
+    assert alone == again == mixed[2].outputs[0].token_ids == small_budget[0].outputs[0].token_ids
+    unseeded = SamplingParams(temperature=0.9, max_tokens=16, ignore_eos=True)
+    runs = {tuple(_llm(tiny, tiny_loaded, seed=s).generate([PROMPT], unseeded)[0].outputs[0].token_ids)
+            for s in (1, 2)}
+    assert len(runs) == 2  # without a request seed, the engine seed decides
+
+
+def test_stop_strings_max_tokens_and_stop_token_ids(tiny, tiny_loaded):
+    llm = _llm(tiny, tiny_loaded)
+    greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    text = greedy.text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]))[0]
+    comp = out.outputs[0]
+    assert comp.finish_reason == "stop" and comp.stop_reason == stop
+    assert stop not in comp.text and text.startswith(comp.text)
+    tok = greedy.token_ids[4]
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[tok]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == tok and out.token_ids[-1] == tok
+    assert len(out.token_ids) == greedy.token_ids.index(tok) + 1
+
+
+def test_abort_frees_blocks_and_reports_abort(tiny, tiny_loaded):
+    llm = _llm(tiny, tiny_loaded)
+    eng = llm.engine
+    eng.add_request("a", PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.add_request("b", PROMPT[:5], SamplingParams(max_tokens=3, ignore_eos=True))
+    eng.step()
+    eng.step()
+    out = eng.abort_request("a")
+    assert out.finished and out.outputs[0].finish_reason == "abort" and len(out.outputs[0].token_ids) == 2
+    assert eng.abort_request("a") is None
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.kv.stats().num_used_blocks == 0
+
+
+def test_bad_requests_raise_before_running(tiny, tiny_loaded):
+    from engine.sampling_params import SamplingParamsError
+    from engine.scheduler import RequestTooLongError
+
+    eng = _llm(tiny, tiny_loaded, num_blocks=8, max_model_len=512).engine
+    with pytest.raises(RequestTooLongError, match="max_model_len"):
+        eng.add_request("x", [5] * 500, SamplingParams(max_tokens=100))
+    with pytest.raises(RequestTooLongError, match="KV cache holds only 8 blocks"):
+        eng.add_request("x", [5] * 200, SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.add_request("x", [5, 10**6], SamplingParams())
+    with pytest.raises(SamplingParamsError) as e:
+        eng.add_request("x", [5], SamplingParams(logit_bias={10**6: 1.0}))
+    assert e.value.param == "logit_bias"
+    with pytest.raises(ValueError, match="at least one token"):
+        eng.add_request("x", [], SamplingParams())
+    assert not eng.has_unfinished_requests()
+
+
+def test_finished_sequences_carry_status(tiny, tiny_loaded):
+    eng = _llm(tiny, tiny_loaded).engine
+    eng.add_request("r", PROMPT, SamplingParams(max_tokens=2, ignore_eos=True))
+    seq = eng.requests["r"].seqs[0]
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert seq.status is SequenceStatus.FINISHED_LENGTH and seq.block_table == []
+
+
+def test_kv_cache_sizing_formula(tiny_loaded):
+    model, _ = tiny_loaded
+    cfg = model.config
+    assert kv_bytes_per_token(cfg, torch.float32) == cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    per_block = kv_bytes_per_token(cfg, torch.bfloat16) * 16
+    assert num_blocks_for_memory(cfg, torch.bfloat16, 16, 1.0) == (1 << 30) // per_block
+
+
+def test_dtype_auto_follows_cpu_flags(monkeypatch):
+    from engine.model import loader
+
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)
+    assert resolve_dtype("auto", "cpu") is torch.bfloat16
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
+    assert resolve_dtype("auto", "cpu") is torch.float32
+    assert resolve_dtype("float16", "cpu") is torch.float16
+    with pytest.raises(ValueError, match="--dtype"):
+        resolve_dtype("int8", "cpu")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 
 import dns.message
 import dns.rcode
@@ -209,3 +210,126 @@ def test_router_follows_dns_without_a_restart(procs):
         assert served() == {"two"}
     finally:
         server.close()
+
+
+class FakeKubeAPI:
+    """Just enough of the Kubernetes API for EndpointSlices: list (with resourceVersion) and watch (NDJSON
+    events until timeoutSeconds), so the real `kubernetes` client and watch code run against it."""
+
+    def __init__(self):
+        import json as _json
+        import queue
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import parse_qs, urlsplit
+
+        self.slices: dict[str, dict] = {}
+        self.version = 1
+        self.watchers: list[queue.Queue] = []
+        self.lists = 0
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.0"
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                parts = urlsplit(self.path)
+                q = parse_qs(parts.query)
+                if not parts.path.endswith("/endpointslices"):
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                if q.get("watch", ["false"])[0] == "true":
+                    events: queue.Queue = queue.Queue()
+                    api.watchers.append(events)
+                    deadline = time.monotonic() + float(q.get("timeoutSeconds", ["5"])[0])
+                    try:
+                        while time.monotonic() < deadline:
+                            try:
+                                ev = events.get(timeout=0.05)
+                            except queue.Empty:
+                                continue
+                            self.wfile.write(_json.dumps(ev).encode() + b"\n")
+                            self.wfile.flush()
+                    finally:
+                        api.watchers.remove(events)
+                    return
+                api.lists += 1
+                self.wfile.write(_json.dumps({"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
+                                              "metadata": {"resourceVersion": str(api.version)},
+                                              "items": list(api.slices.values())}).encode())
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def put(self, name: str, endpoints: list[tuple[str, bool]], notify: bool = True, deleted: bool = False):
+        self.version += 1
+        obj = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
+               "metadata": {"name": name, "resourceVersion": str(self.version),
+                            "labels": {"kubernetes.io/service-name": "engine"}},
+               "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}],
+               "endpoints": [{"addresses": [ip], "conditions": {"ready": ready}} for ip, ready in endpoints]}
+        kind = "DELETED" if deleted else "MODIFIED" if name in self.slices else "ADDED"
+        if deleted:
+            self.slices.pop(name, None)
+        else:
+            self.slices[name] = obj
+        if notify:
+            for w in list(self.watchers):
+                w.put({"type": kind, "object": obj})
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_k8s_discovery_lists_watches_and_resyncs():
+    from kubernetes.client import ApiClient, Configuration, DiscoveryV1Api
+
+    from router.discovery import K8sDiscovery
+
+    kube = FakeKubeAPI()
+    kube.put("engine-a", [("10.0.0.1", True), ("10.0.0.2", False)])
+    conf = Configuration(host=kube.url)
+    api = DiscoveryV1Api(ApiClient(conf))
+    changes: list[list[str]] = []
+
+    async def scenario():
+        async def on_change(urls):
+            changes.append(urls)
+
+        async def until(urls, what):
+            for _ in range(200):
+                if changes and changes[-1] == urls:
+                    return
+                await asyncio.sleep(0.02)
+            raise AssertionError(f"{what}: last {changes[-1:]}")
+
+        d = K8sDiscovery("engine", "kvfleet", "http", "http", resync_s=1.0, api=api)
+        task = asyncio.create_task(d.run(on_change))
+        await until(["http://10.0.0.1:8000"], "initial list: ready endpoints only")
+        for _ in range(100):
+            if kube.watchers:
+                break
+            await asyncio.sleep(0.02)
+        kube.put("engine-a", [("10.0.0.1", True), ("10.0.0.2", True)])
+        await until(["http://10.0.0.1:8000", "http://10.0.0.2:8000"], "MODIFIED: pod became ready")
+        kube.put("engine-b", [("10.0.0.3", True)])
+        await until(["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"], "ADDED slice")
+        kube.put("engine-a", [], deleted=True)
+        await until(["http://10.0.0.3:8000"], "DELETED slice")
+        kube.put("engine-b", [("10.0.0.4", True)], notify=False)  # a missed event: the periodic re-list heals it
+        await until(["http://10.0.0.4:8000"], "resync")
+        task.cancel()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        kube.close()
+    assert kube.lists >= 2

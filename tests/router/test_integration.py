@@ -31,10 +31,13 @@ QUESTIONS = ["Do you ship to Spain?", "How long does it take?", "Can I return a 
              "Recommend a novel about the sea.", "What time do you close on Saturday?"]
 
 
+TOKEN = ["--internal-token", "it-secret"]  # the KV event streams need it: the routers must send it
+
+
 def engine_proc(procs, port: int, name: str):
     return procs(["-m", "engine.cli", "engine", "--model", "smollm2", "--port", str(port), "--instance-id", name,
-                  "--num-threads", "1", "--num-blocks", "512", "--max-num-seqs", "8", "--log-level", "warning"],
-                 f"http://127.0.0.1:{port}", f"{name}-{port}")
+                  "--num-threads", "1", "--num-blocks", "512", "--max-num-seqs", "8", "--log-level", "warning",
+                  *TOKEN], f"http://127.0.0.1:{port}", f"{name}-{port}")
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +81,7 @@ def converse(router_url: str, engine_urls, salt: str, n_conv: int = 3, turns: in
 
 def test_kv_keeps_conversations_home_round_robin_does_not(procs, fleet):
     urls = [e.url for e in fleet]
-    kv = router(procs, urls, policy="kv", model="smollm2")
+    kv = router(procs, urls, *TOKEN, policy="kv", model="smollm2")
     rr = router(procs, urls, policy="round-robin", model="")
     kv.wait_ready(timeout=120)
     rr.wait_ready(timeout=120)
@@ -97,7 +100,7 @@ def test_kv_keeps_conversations_home_round_robin_does_not(procs, fleet):
 
 
 def test_openai_client_through_the_router_matches_the_engine(procs, fleet):
-    r = router(procs, [e.url for e in fleet], policy="kv", model="smollm2")
+    r = router(procs, [e.url for e in fleet], *TOKEN, policy="kv", model="smollm2")
     r.wait_ready(timeout=120)
     via = openai.OpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0, timeout=120)
     direct = openai.OpenAI(base_url=fleet[0].url + "/v1", api_key="x", max_retries=0, timeout=120)
@@ -141,7 +144,7 @@ async def _one(client: httpx.AsyncClient, url: str, i: int) -> tuple[float, str,
 
 def test_sigkill_one_replica_under_load_then_it_rejoins(procs, fleet):
     a, b = fleet
-    r = router(procs, [a.url, b.url], policy="kv", model="smollm2")
+    r = router(procs, [a.url, b.url], *TOKEN, policy="kv", model="smollm2")
     r.wait_ready(timeout=120)
     wait_for(lambda: httpx.get(r.url + "/ready").json()["ready_replicas"] == 2, what="both replicas ready")
 

@@ -31,7 +31,7 @@ def seq(prompt=(1, 2, 3), output=(), **params) -> Sequence:
 def sampled_set(logits_row, draws=3000, eos=None, **params) -> set[int]:
     """Every token a sampling row produced over `draws` identical rows (one batched call)."""
     logits = torch.tensor([logits_row], dtype=torch.float32).repeat(draws, 1)
-    out = Sampler(seed=1)(logits, [seq(**params) for _ in range(draws)], eos)
+    out = Sampler(seed=1)(logits, [seq(**params)] * draws, eos)
     return set(out.token_ids)
 
 
@@ -107,7 +107,7 @@ def test_top_p_on_a_flat_large_vocabulary():
     logits[0, :10] = 2.0  # 10 strong tokens, the rest flat
     mass_strong = 10 * math.e ** 2 / (10 * math.e ** 2 + vocab - 10)
     top_p = mass_strong + 700.5 / (10 * math.e ** 2 + vocab - 10)  # + 700.5 flat tokens' mass
-    seqs = [seq(top_p=top_p) for _ in range(400)]
+    seqs = [seq(top_p=top_p)] * 400
     kept = warp_logits(logits, [SamplingParams(top_p=top_p)])[0]
     allowed = set(torch.nonzero(kept > NEG).flatten().tolist())
     assert len(allowed) == 10 + 701
@@ -119,7 +119,7 @@ def test_top_p_on_a_flat_large_vocabulary():
 def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.1, 0.6, 0.05, 0.25])
     n = 20000
-    out = Sampler(seed=7)(probs.log().repeat(n, 1), [seq() for _ in range(n)])
+    out = Sampler(seed=7)(probs.log().repeat(n, 1), [seq()] * n)
     freq = torch.bincount(torch.tensor(out.token_ids), minlength=4).float() / n
     assert torch.allclose(freq, probs, atol=0.015), freq
 
@@ -370,7 +370,7 @@ def test_filtered_rows_follow_the_renormalized_distribution():
     cases = [(dict(top_k=3), {1: 0.35, 3: 0.3, 4: 0.2}), (dict(top_p=0.6), {1: 0.35, 3: 0.3}),
              (dict(min_p=0.5), {1: 0.35, 3: 0.3, 4: 0.2}), (dict(top_k=4, temperature=0.5), None)]
     for params, kept in cases:
-        out = Sampler(seed=11)(probs.log().repeat(n, 1), [seq(**params) for _ in range(n)])
+        out = Sampler(seed=11)(probs.log().repeat(n, 1), [seq(**params)] * n)
         freq = torch.bincount(torch.tensor(out.token_ids), minlength=5).double() / n
         if kept is None:  # temperature 0.5 squares the odds: p^2 over the 4 best
             kept = {t: probs[t].item() ** 2 for t in (1, 2, 3, 4)}

@@ -39,9 +39,31 @@ def stream_chat(url: str, max_tokens: int, out: dict, started: threading.Event) 
                 out["finish"] = ch.get("finish_reason") or out["finish"]
 
 
-def test_sigterm_drains_then_exits(tmp_path):
-    server = start_engine(str(tmp_path), "--drain-timeout", str(DRAIN_TIMEOUT), "--max-model-len", "2048")
+def wait_for(url: str, status: int, timeout: float = 300) -> httpx.Response:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(url, timeout=2)
+            if r.status_code == status:
+                return r
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} never answered {status}")
+
+
+def test_not_ready_while_loading_then_sigterm_drains_then_exits(tmp_path):
+    server = start_engine(str(tmp_path), "--drain-timeout", str(DRAIN_TIMEOUT), "--max-model-len", "2048",
+                          wait_ready=False)
     try:
+        # the HTTP server is up before the model: alive, not ready, requests refused with 503
+        wait_for(f"{server.url}/health", 200)
+        r = httpx.get(f"{server.url}/ready", timeout=5)
+        assert r.status_code == 503 and r.json() == {"ready": False, "reason": "loading"}
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=5,
+                       json={"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
+        wait_for(f"{server.url}/ready", 200)
         short, long_ = {}, {}
         started_s, started_l = threading.Event(), threading.Event()
         threads = [threading.Thread(target=stream_chat, args=(server.url, 40, short, started_s)),

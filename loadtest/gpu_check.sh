@@ -88,17 +88,64 @@ else
   STATUS_TESTS="skipped: pytest is not installed for $PY"; say "step 2: $STATUS_TESTS"
 fi
 
-# 3. engine offline throughput (owned by the MODEL part; run if present)
+# 3. engine offline throughput on SmolLM2 with the triton backend. loadtest/offline_throughput.py (MODEL part) is
+#    used when it takes --device and --attention-backend; otherwise a short inline run of the same engine
+#    (triton, then torch for comparison, bf16, greedy, EOS ignored) measures it.
+THR_JSON="$RESULTS/offline_throughput.json"
+THR_HELP=""
 if [ -f loadtest/offline_throughput.py ]; then
-  say "step 3: engine offline throughput on SmolLM2, triton backend (limit 110s)"
-  timeout 110 "$PY" -m loadtest.offline_throughput --model smollm2 --attention-backend triton --device cuda \
-      --json "$RESULTS/offline_throughput.json" 2>&1 | tail -15 | tee "$RESULTS/offline_throughput.txt" >> "$LOG"
-  rc=${PIPESTATUS[0]}
-  case "$rc" in 0) STATUS_THROUGHPUT="done" ;; 124) STATUS_THROUGHPUT="TIMED OUT after 110s" ;; *) STATUS_THROUGHPUT="FAILED (rc=$rc)" ;; esac
-  note_rc "$rc"
-else
-  STATUS_THROUGHPUT="skipped: loadtest/offline_throughput.py is not in this tree"
+  THR_HELP="$(timeout 30 "$PY" -m loadtest.offline_throughput --help 2>/dev/null || true)"
 fi
+if grep -q -- "--attention-backend" <<< "$THR_HELP" && grep -q -- "--device" <<< "$THR_HELP"; then
+  say "step 3: loadtest/offline_throughput.py on SmolLM2, triton backend (limit 110s)"
+  JSON_FLAG=()
+  if grep -q -- "--json" <<< "$THR_HELP"; then JSON_FLAG=(--json "$THR_JSON"); fi
+  timeout 110 "$PY" -m loadtest.offline_throughput --model smollm2 --attention-backend triton --device cuda --skip-hf \
+      --num-requests 64 ${JSON_FLAG[@]+"${JSON_FLAG[@]}"} 2>&1 | tail -15 | tee "$RESULTS/offline_throughput.txt" | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+else
+  say "step 3: engine offline throughput on SmolLM2 (inline: offline_throughput.py has no --device/--attention-backend; limit 110s)"
+  timeout 110 "$PY" - "$THR_JSON" 64 <<'PYEOF' 2>&1 | grep -v -i warn | tail -15 | tee "$RESULTS/offline_throughput.txt" | tee -a "$LOG"
+import json, sys, time
+import torch
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from loadtest.workload import generate_trace
+path, n = sys.argv[1], int(sys.argv[2])
+res, tokens = {"source": "gpu_check inline run of engine.llm.LLM", "model": "smollm2", "dtype": "bfloat16"}, {}
+for backend in ("triton", "torch"):
+    t0 = time.perf_counter()
+    llm = LLM("smollm2", device="cuda", attention_backend=backend, dtype="bfloat16", max_num_seqs=64,
+              kv_cache_memory=4.0)
+    load_s = time.perf_counter() - t0
+    reqs = generate_trace(n, seed=0, mode="single", min_output_tokens=64, max_output_tokens=128)
+    prompts = [llm.tokenizer.apply_chat_template(list(r.messages)) for r in reqs]
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+    llm.generate(prompts[:4], params[:4])  # warm-up (kernel compilation)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    tokens[backend] = [list(o.outputs[0].token_ids) for o in outs]
+    out_toks = sum(len(x) for x in tokens[backend])
+    res[backend] = {"requests": n, "prompt_tokens": sum(len(p) for p in prompts), "output_tokens": out_toks,
+                    "seconds": dt, "output_tokens_per_s": out_toks / dt, "load_seconds": load_s}
+    print(f"{backend}: {n} requests, {out_toks} output tokens in {dt:.2f} s = {out_toks / dt:.1f} tok/s", flush=True)
+    del llm
+    torch.cuda.empty_cache()
+res["output_tokens_per_s"] = res["triton"]["output_tokens_per_s"]
+res["triton_vs_torch"] = res["triton"]["output_tokens_per_s"] / res["torch"]["output_tokens_per_s"]
+res["same_greedy_tokens_fraction"] = sum(a == b for a, b in zip(tokens["triton"], tokens["torch"])) / n
+print(f"triton/torch throughput {res['triton_vs_torch']:.2f}x; identical greedy outputs "
+      f"{res['same_greedy_tokens_fraction']:.0%} (bf16: small differences may flip late tokens)")
+with open(path, "w") as f:
+    json.dump(res, f, indent=2)
+PYEOF
+  rc=${PIPESTATUS[0]}
+fi
+case "$rc" in 0) STATUS_THROUGHPUT="done" ;; 124) STATUS_THROUGHPUT="TIMED OUT after 110s" ;; *) STATUS_THROUGHPUT="FAILED (rc=$rc)" ;; esac
+note_rc "$rc"
 
 # summary: one JSON with everything, one short table last
 "$PY" - "$RESULTS" "$GPU_NAME" "$STATUS_TESTS" "$STATUS_BENCH" "$STATUS_THROUGHPUT" <<'PYEOF' | tee -a "$LOG"
@@ -137,8 +184,9 @@ if b:
 else:
     print(f"paged decode benchmark: {bench}")
 if t:
-    keys = [k for k in ("output_tokens_per_s", "tokens_per_s", "requests_per_s", "total_tokens_per_s") if k in t]
-    print("engine offline throughput: " + (", ".join(f"{k}={t[k]:.1f}" for k in keys) if keys else json.dumps(t)[:300]))
+    keys = [k for k in ("output_tokens_per_s", "triton_vs_torch", "same_greedy_tokens_fraction") if k in t]
+    print("engine offline throughput (SmolLM2, triton): "
+          + (", ".join(f"{k}={t[k]:.2f}" for k in keys) if keys else json.dumps(t)[:300]))
 else:
     print(f"engine offline throughput: {thr}")
 print(f"full results: {os.path.join(res, 'gpu_check.json')}")

@@ -114,6 +114,18 @@ def test_auto_split_count_matches_forced():
         assert_close(out, expected, case[4])
 
 
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_long_context_many_splits_and_long_prefix(dtype):
+    """Decodes of 5000 and 4100 tokens merged from 8 splits (auto) next to a 40-token chunk over a 3000-token prefix."""
+    b = make_batch([(1, 5000), (40, 3040), (1, 4100)], 16, 1, 2, 64, dtype, seed=11, device=DEVICE)
+    expected = TORCH.forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    out = torch.full_like(b.q, float("nan"))
+    backend = TritonAttentionBackend()
+    backend.forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale, out=out)
+    assert DEVICE == "cuda" or backend._plan.num_splits == 8
+    assert_close(out, expected, dtype)
+
+
 @pytest.mark.parametrize("head_dim", [8, 80])
 def test_head_dims_that_are_small_or_not_powers_of_two(head_dim):
     run_decode((16, 1, 2, head_dim, F32), splits=3, seed=head_dim)

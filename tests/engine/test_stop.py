@@ -276,3 +276,15 @@ def test_real_tokenizer_random_text_and_stop_strings(tok, data):
     elif ids:
         assert checker.finish_reason == "length"
         assert checker.text == full and not any(s in full for s in stops)
+
+
+def test_several_tokens_per_update_stop_at_the_first_stopping_one():
+    seq = Sequence("r", [9], SamplingParams(stop=["o wo"], max_tokens=100))
+    checker = StopChecker(seq.params, EOS, 100, IncrementalDetokenizer(TOK, [9]))
+    for t in TOK.ids("He", "llo"):
+        seq.append_token(t)
+    assert checker.update(seq) == StopResult("Hell")
+    for t in TOK.ids(" wor", "ld", "!"):
+        seq.append_token(t)
+    assert checker.update(seq) == StopResult("", "stop", "o wo")
+    assert checker.text == "Hell"

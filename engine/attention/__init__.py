@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
 
 import torch
@@ -13,6 +15,8 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 
 BACKEND_NAMES = ("auto", "torch", "triton")
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "BACKEND_NAMES", "get_attention_backend"]
 
@@ -28,6 +32,9 @@ def get_attention_backend(name: str = "auto", device: torch.device | str | None 
     dev = torch.device(device if device is not None else "cpu")
     if name == "auto":
         name = "triton" if dev.type == "cuda" else "torch"
+        if name == "triton" and importlib.util.find_spec("triton") is None:
+            logger.warning("triton is not installed: attention falls back to the torch backend on %s", dev)
+            name = "torch"
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
 

@@ -129,9 +129,10 @@ async def run_sessions(base_url: str, sessions, ns, salt: str, tokenizer) -> dic
     for i, s in enumerate(sessions):
         queue.put_nowait((i, s))
     ttfts, e2es, errors, out_tokens = [], [], [], 0
+    trace: list[tuple] = []  # (session, turn, replica, prompt tokens, cached tokens)
     by_replica: dict[str, int] = {}
 
-    async def one(client, sid, msgs) -> None:
+    async def one(client, sid, turn, msgs) -> None:
         nonlocal out_tokens
         body = {"model": ns.model, "max_tokens": ns.max_tokens, "stream": True, "temperature": 0,
                 "stream_options": {"include_usage": True}, "cache_salt": salt}
@@ -154,18 +155,23 @@ async def run_sessions(base_url: str, sessions, ns, salt: str, tokenizer) -> dic
                 if "error" in chunk:
                     errors.append(chunk["error"].get("message", "error"))
                     return
-                if first is None and chunk.get("choices"):
-                    first = time.perf_counter()
+                choices = chunk.get("choices") or []
+                if first is None and choices and (choices[0].get("text") or
+                                                  (choices[0].get("delta") or {}).get("content")):
+                    first = time.perf_counter()  # the first generated text, not the role-only chunk
                 if chunk.get("usage"):
-                    out_tokens += chunk["usage"].get("completion_tokens", 0)
+                    usage = chunk["usage"]
+                    out_tokens += usage.get("completion_tokens", 0)
+                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                    trace.append((sid, turn, rep, usage.get("prompt_tokens", 0), cached))
         ttfts.append((first or time.perf_counter()) - t0)
         e2es.append(time.perf_counter() - t0)
 
     async def worker(client):
         while not queue.empty():
             sid, turns = queue.get_nowait()
-            for msgs in turns:
-                await one(client, sid, msgs)
+            for turn, msgs in enumerate(turns):
+                await one(client, sid, turn, msgs)
 
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
@@ -174,7 +180,21 @@ async def run_sessions(base_url: str, sessions, ns, salt: str, tokenizer) -> dic
     return {"requests": len(e2es), "errors": len(errors), "first_error": errors[0] if errors else None,
             "wall_s": wall, "req_per_s": len(e2es) / wall, "out_tok_per_s": out_tokens / wall,
             "ttft_p50_ms": pct(ttfts, 50) * 1e3, "ttft_p99_ms": pct(ttfts, 99) * 1e3,
-            "e2e_p50_ms": pct(e2es, 50) * 1e3, "by_replica": by_replica}
+            "e2e_p50_ms": pct(e2es, 50) * 1e3, "by_replica": by_replica,
+            "usage_hit_rate": sum(t[4] for t in trace) / max(sum(t[3] for t in trace), 1),
+            "follow_ups_home": _follow_ups_home(trace), "trace": sorted(trace)}
+
+
+def _follow_ups_home(trace) -> float:
+    """Fraction of follow-up turns served by the replica that served the session's previous turn."""
+    prev = {}
+    same = total = 0
+    for sid, turn, rep, _, _ in sorted(trace):
+        if turn > 0 and (sid, turn - 1) in prev:
+            total += 1
+            same += prev[(sid, turn - 1)] == rep
+        prev[(sid, turn)] = rep
+    return same / total if total else float("nan")
 
 
 def pct(xs, p) -> float:
@@ -250,7 +270,8 @@ def cmd_policies(ns) -> dict:
 
 
 def print_row(name: str, r: dict) -> None:
-    print(f"{name:28s} hit {r['hit_rate']:6.1%}  TTFT p50 {r['ttft_p50_ms']:8.1f} ms  p99 {r['ttft_p99_ms']:8.1f} ms"
+    print(f"{name:28s} hit {r['hit_rate']:6.1%} (usage {r['usage_hit_rate']:6.1%}, follow-ups home "
+          f"{r['follow_ups_home']:4.0%})  TTFT p50 {r['ttft_p50_ms']:8.1f} ms  p99 {r['ttft_p99_ms']:8.1f} ms"
           f"  {r['req_per_s']:6.2f} req/s  {r['out_tok_per_s']:7.1f} tok/s  errors {r['errors']}  "
           f"split {sorted(r['by_replica'].values())}", flush=True)
 

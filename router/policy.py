@@ -3,7 +3,8 @@
 The `kv` score of a replica for one request is the prefill work it would still have to do plus its load,
 both in prefill-token equivalents:
 
-    cost = (prompt tokens - predicted cached tokens) + request_cost * (running + waiting + sent since scrape)
+    cost = (prompt tokens - predicted cached tokens)
+           + request_cost * (running + waiting - finished since scrape + sent since scrape)
            + uncached prompt tokens sent since scrape
 
 An overloaded replica (long waiting queue or KV usage past the limit) is left out for this request only:
@@ -37,6 +38,7 @@ class ReplicaView:
     waiting: int = 0
     new_requests: int = 0  # sent by this router since the last scrape, still in flight
     new_tokens: int = 0  # their uncached prompt tokens
+    finished: int = 0  # this router's requests counted by the last scrape that have finished since
     inflight: int = 0  # all of this router's in-flight requests on the replica
     cached_tokens: int = 0  # predicted prefix-cache hit for this request
 
@@ -66,19 +68,23 @@ class Load:
 def effective_loads(views: Sequence[ReplicaView]) -> list[Load]:
     """Each replica's load; unknown load is the worst fresh load in the fleet, never below our own in-flight."""
     known = [v for v in views if v.load_known]
-    worst_queued = max((v.running + v.waiting + v.new_requests for v in known), default=0)
+    worst_queued = max((_scraped(v) + v.new_requests for v in known), default=0)
     worst_waiting = max((v.waiting + v.new_requests for v in known), default=0)
     worst_kv = max((v.kv_usage for v in known), default=0.0)
     worst_tokens = max((v.new_tokens for v in known), default=0)
     out = []
     for v in views:
         if v.load_known:
-            out.append(Load(v.running + v.waiting + v.new_requests, v.waiting + v.new_requests, v.kv_usage,
-                            v.new_tokens))
+            out.append(Load(_scraped(v) + v.new_requests, v.waiting + v.new_requests, v.kv_usage, v.new_tokens))
         else:
             out.append(Load(max(worst_queued, v.inflight), max(worst_waiting, v.inflight), worst_kv,
                             max(worst_tokens, v.new_tokens)))
     return out
+
+
+def _scraped(v: ReplicaView) -> int:
+    """Running + waiting at the last scrape, less this router's requests that have finished since."""
+    return max(v.running + v.waiting - v.finished, 0)
 
 
 def is_overloaded(view: ReplicaView, cfg: ScoringConfig) -> bool:

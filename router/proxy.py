@@ -86,10 +86,13 @@ class Proxy:
             ticket = st.on_dispatch(max(prep.num_prompt_tokens - decision.predicted_cached_tokens, 0))
             st.breaker.on_attempt(fleet.clock())
             fleet.record_routed(url, prep)
+            kind = "aborted"
             try:
                 kind, detail = await self._attempt(send, url, path, body, fwd_headers, prep, decision)
             finally:
                 st.on_done(ticket)
+                if kind == "aborted":  # the client went away (cancelled) or could not be written to
+                    st.breaker.on_abandoned()
             if kind == "done":
                 st.breaker.on_success()
                 metrics.requests.labels(url, metrics.policy, detail).inc()

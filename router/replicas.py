@@ -38,6 +38,10 @@ class CircuitBreaker:
             self._state = HALF_OPEN
             self.probing = True
 
+    def on_abandoned(self) -> None:
+        """The attempt ended without a verdict on the replica (client gone): free the probe slot."""
+        self.probing = False
+
     def on_success(self) -> None:
         self._state, self.failures, self.probing = CLOSED, 0, False
 
@@ -119,6 +123,7 @@ class ReplicaState:
         self.inflight = 0
         self.new_requests = 0  # dispatched in the current scrape epoch and still in flight
         self.new_tokens = 0
+        self.finished = 0  # dispatched before the last scrape, finished after it
         self.epoch = 0
         self.kv_events = "connecting"  # connecting | live | unavailable (no KV event endpoint)
 
@@ -133,14 +138,15 @@ class ReplicaState:
         load = self.load if known and self.load is not None else EngineLoad()
         return ReplicaView(url=self.url, routable=not excluded and self.routable(now), load_known=known,
                            kv_usage=load.kv_usage, running=load.running, waiting=load.waiting,
-                           new_requests=self.new_requests, new_tokens=self.new_tokens, inflight=self.inflight,
+                           new_requests=self.new_requests, new_tokens=self.new_tokens, finished=self.finished,
+                           inflight=self.inflight,
                            cached_tokens=cached_tokens)
 
     def on_scrape(self, load: EngineLoad, now: float) -> None:
         """A fresh scrape already counts everything sent before it: start a new epoch."""
         self.load, self.scraped_at = load, now
         self.epoch += 1
-        self.new_requests = self.new_tokens = 0
+        self.new_requests = self.new_tokens = self.finished = 0
 
     def on_scrape_failed(self) -> None:
         self.load = None
@@ -156,3 +162,5 @@ class ReplicaState:
         if ticket.epoch == self.epoch:
             self.new_requests -= 1
             self.new_tokens -= ticket.tokens
+        else:  # the last scrape counted it as running or waiting; it is gone now
+            self.finished += 1

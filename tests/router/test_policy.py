@@ -56,6 +56,15 @@ def test_affinity_weighs_saved_prefill_against_load_per_request():
     assert choose_by_cache(views, RouteRequest(600), CFG).url == B
 
 
+def test_requests_finished_since_the_scrape_no_longer_count():
+    # A's scrape showed 3 running, 2 of them (ours) have finished since: it holds 1, and its cache wins
+    views = [ReplicaView(A, cached_tokens=512, running=3, finished=2), ReplicaView(B)]
+    assert [ld.queued for ld in effective_loads(views)] == [1, 0]
+    d = choose_by_cache(views, RouteRequest(600), CFG)
+    assert (d.url, d.cost) == (A, 344)
+    assert effective_loads([ReplicaView(A, running=1, finished=3, new_requests=1)])[0].queued == 1
+
+
 def test_all_cold_goes_to_least_loaded():
     views = [ReplicaView(A, running=2), ReplicaView(B, running=0, waiting=1, kv_usage=0.5),
              ReplicaView(C, running=1, kv_usage=0.2)]

@@ -36,6 +36,10 @@ def test_circuit_breaker_transitions():
     b.on_failure(11)  # probe failed → open again, for another open_s
     assert b.state(11) == OPEN and b.state(15.9) == OPEN and b.state(16) == HALF_OPEN
     b.on_attempt(16)
+    assert not b.can_try(16)
+    b.on_abandoned()  # the probe's client hung up: no verdict, the next request may probe
+    assert b.can_try(16) and b.state(16) == HALF_OPEN
+    b.on_attempt(16)
     b.on_success()
     assert b.state(16) == CLOSED and b.can_try(16) and b.failures == 0
 
@@ -53,12 +57,16 @@ def test_replica_view_staleness_and_inflight_epochs():
     st.on_scrape(EngineLoad(running=4), now=102.0)  # the engine now counts both requests itself
     v = st.view(now=102.5, stale_s=3.0)
     assert (v.running, v.new_requests, v.new_tokens, v.inflight) == (4, 0, 0, 2)
-    st.on_done(t1)  # from the previous epoch: only in-flight drops
+    st.on_done(t1)  # from the previous epoch: counted by the scrape, finished since
     t3 = st.on_dispatch(10)
+    v = st.view(now=102.5, stale_s=3.0)
+    assert (v.running, v.finished, v.new_requests, v.new_tokens, v.inflight) == (4, 1, 1, 10, 2)
     st.on_done(t3)
     st.on_done(t2)
     v = st.view(now=105.1, stale_s=3.0)
-    assert (v.load_known, v.running, v.new_requests, v.inflight) == (False, 0, 0, 0)  # stale → unknown
+    assert (v.load_known, v.running, v.new_requests, v.finished, v.inflight) == (False, 0, 0, 2, 0)  # stale
+    st.on_scrape(EngineLoad(running=0), now=106.0)
+    assert st.view(now=106.0, stale_s=3.0).finished == 0
     assert st.view(now=103.0, stale_s=3.0, excluded=True).routable is False
 
 

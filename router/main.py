@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scrape-interval", type=float, default=d["scrape_interval_s"].default, dest="scrape_interval_s")
     p.add_argument("--scrape-stale", type=float, default=d["scrape_stale_s"].default, dest="scrape_stale_s",
                    help="seconds after which a replica's scraped load counts as unknown")
+    p.add_argument("--kv-heartbeat-timeout", type=float, default=d["kv_heartbeat_timeout_s"].default,
+                   dest="kv_heartbeat_timeout_s", help="seconds of silence after which a KV event stream is resynced")
     p.add_argument("--block-size", type=int, default=d["block_size"].default,
                    help="block size for the approximate index (the exact index uses each engine's own)")
     p.add_argument("--hash-seed", type=int, default=d["hash_seed"].default)
@@ -65,7 +67,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         replicas=replicas, dns_name=ns.dns_name, dns_port=ns.dns_port, dns_interval_s=ns.dns_interval_s,
         dns_nameserver=ns.dns_nameserver, k8s_service=ns.k8s_service, k8s_namespace=ns.k8s_namespace,
         k8s_port_name=ns.k8s_port_name, scheme=ns.scheme, health_interval_s=ns.health_interval_s,
-        scrape_interval_s=ns.scrape_interval_s, scrape_stale_s=ns.scrape_stale_s, block_size=ns.block_size,
+        scrape_interval_s=ns.scrape_interval_s, scrape_stale_s=ns.scrape_stale_s,
+        kv_heartbeat_timeout_s=ns.kv_heartbeat_timeout_s, block_size=ns.block_size,
         hash_seed=ns.hash_seed, approx_max_blocks=ns.approx_max_blocks, breaker_failures=ns.breaker_failures,
         breaker_open_s=ns.breaker_open_s, max_attempts=ns.max_attempts, request_timeout_s=ns.request_timeout_s,
         internal_token=ns.internal_token, scoring=scoring)

@@ -208,3 +208,30 @@ def test_without_kv_events_the_approximate_index_takes_over(procs):
         m = c.get("/metrics").text
     assert metric(m, "kvfleet_router_kv_events_live") == 0
     assert metric(m, "kvfleet_router_routing_decisions_total", reason="cache") == 4
+
+
+def test_a_frozen_replica_is_resynced_and_avoided(procs):
+    """SIGSTOP a replica: its KV event stream goes silent (heartbeat timeout → resync), its health checks
+    fail, and traffic moves to the other one; after SIGCONT it is back in both respects."""
+    import os
+    import signal
+
+    a, b = fake_engine(procs, "a"), fake_engine(procs, "b")
+    r = router(procs, [a.url, b.url], "--kv-heartbeat-timeout", "1.0", policy="kv")
+    for p in (a, b, r):
+        p.wait_ready()
+    m = lambda: httpx.get(r.url + "/metrics").text  # noqa: E731
+    wait_for(lambda: metric(m(), "kvfleet_router_kv_events_live") == 2, what="live")
+    os.killpg(a.popen.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: metric(m(), "kvfleet_router_kv_event_resyncs_total", replica=a.url,
+                                reason="heartbeat-timeout") >= 1, timeout=10, what="heartbeat timeout")
+        wait_for(lambda: metric(m(), "kvfleet_router_replica_ready", replica=a.url) == 0, timeout=10,
+                 what="not ready")
+        for _ in range(4):
+            resp = httpx.post(r.url + "/v1/completions", json={"prompt": [1, 2, 3]}, timeout=10)
+            assert resp.headers["x-kvfleet-replica"] == b.url
+    finally:
+        os.killpg(a.popen.pid, signal.SIGCONT)
+    wait_for(lambda: metric(m(), "kvfleet_router_kv_events_live") == 2, timeout=10, what="live again")
+    wait_for(lambda: metric(m(), "kvfleet_router_replica_ready", replica=a.url) == 1, timeout=10, what="ready")

@@ -27,7 +27,7 @@ def tiny_loaded(tiny):
 
 
 def _llm(tiny, tiny_loaded, **kw) -> LLM:
-    args = dict(dtype="float32", num_blocks=128, max_num_seqs=16, max_model_len=1024, seed=0)
+    args = dict(dtype="float32", num_blocks=128, max_num_seqs=16, max_model_len=1024, seed=0, num_threads=1)
     args.update(kw)
     return LLM(tiny, loaded_model=tiny_loaded, **args)
 
@@ -55,7 +55,7 @@ PROMPT = [(i * 7919) % 40000 + 3 for i in range(37)]  # 37 tokens: 2 full blocks
 ], ids=["default", "llama3", "linear", "yarn", "tied-mqa-bias"])
 def test_decoder_matches_hf_greedy(tmp_path, overrides):
     path = make_tiny_llama(str(tmp_path / "m"), seed=1, **overrides)
-    llm = LLM(path, dtype="float32", num_blocks=32, max_num_seqs=4, max_model_len=1024)
+    llm = LLM(path, dtype="float32", num_blocks=32, max_num_seqs=4, max_model_len=1024, num_threads=1)
     ours = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
     assert ours.outputs[0].token_ids == _hf_greedy(path, PROMPT, 12)
 

@@ -76,6 +76,15 @@ SYSTEM_CHATS = [  # share a ~90-token system prompt: the prefix-cache case
       {"role": "user", "content": "Is the observatory open on Mondays?"}]]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: on a shared 2-core machine OpenMP barriers across busy cores cost 5-20x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def source():
     return resolve_model("smollm2")
@@ -144,7 +153,7 @@ def loaded(source):
 
 
 def _llm(loaded, **kw) -> LLM:
-    args = dict(dtype="float32", max_model_len=MAX_LEN, num_blocks=512, max_num_seqs=32, seed=0)
+    args = dict(dtype="float32", max_model_len=MAX_LEN, num_blocks=512, max_num_seqs=32, seed=0, num_threads=1)
     args.update(kw)
     return LLM("smollm2", loaded_model=loaded, **args)
 

@@ -34,6 +34,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     max_tokens = serving.max_tokens_for(req.requested_max_tokens(), len(prompt_ids), engine.max_model_len,
                                         serving.kv_capacity(engine), param, "messages")
     params = serving.build_params(req, max_tokens, req.requested_logprobs(), tok.vocab_size)
+    state.admit(engine)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     gen = run(engine, prompt_ids, params, rid, req.cache_salt, request.app.state.metrics, state.inflight,

@@ -49,6 +49,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         max_tokens = serving.max_tokens_for(req.max_tokens, len(ids), engine.max_model_len, kv_tokens, "max_tokens",
                                             param)
         params.append(serving.build_params(req, max_tokens, req.logprobs, tok.vocab_size))
+    state.admit(engine, len(prompts))
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     metrics = request.app.state.metrics

@@ -40,6 +40,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds running requests may take to finish after SIGTERM before they are aborted")
     g.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest request body accepted; larger ones get 413")
+    g.add_argument("--max-queued-requests", type=int, default=None,
+                   help="requests allowed to wait beyond --max-num-seqs; more get 429 + Retry-After (default: no limit)")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
 
@@ -101,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         config = ServerConfig(
             served_model_names=tuple(_names(ns.served_model_name) or [ns.model]),
             instance_id=ns.instance_id or f"{socket.gethostname()}:{ns.port}",
-            internal_token=ns.internal_token, drain_timeout=ns.drain_timeout, max_body_bytes=ns.max_body_bytes)
+            internal_token=ns.internal_token, drain_timeout=ns.drain_timeout, max_body_bytes=ns.max_body_bytes,
+            max_queued_requests=ns.max_queued_requests)
     except ValueError as e:
         parser.error(str(e))
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

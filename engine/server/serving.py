@@ -24,6 +24,7 @@ class ServerConfig:
     internal_token: str | None = None
     drain_timeout: float = 30.0
     max_body_bytes: int = 4 * 1024 * 1024
+    max_queued_requests: int | None = None  # beyond max_num_seqs running + this many, new requests get 429
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -32,6 +33,8 @@ class ServerConfig:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
 
     @property
     def model_name(self) -> str:
@@ -75,6 +78,17 @@ class ServerState:
             msg = f"model failed to load: {self.load_error}" if self.load_error else "model is still loading"
             raise APIError(503, msg, None, "not_ready", {"Retry-After": "5"})
         return self.engine
+
+    def admit(self, engine, num_requests: int = 1) -> None:
+        """429 when the replica already holds as many requests as it runs plus --max-queued-requests."""
+        limit = self.config.max_queued_requests
+        if limit is None:
+            return
+        capacity = int(getattr(getattr(engine, "args", None), "max_num_seqs", 0)) + limit
+        if len(self.inflight) + num_requests > capacity:
+            raise APIError(429, f"this replica is at capacity ({len(self.inflight)} requests in flight, at most "
+                                f"{capacity}); retry shortly or on another replica", None, "engine_overloaded",
+                           {"Retry-After": "1"})
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)

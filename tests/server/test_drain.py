@@ -1,5 +1,6 @@
-"""SIGTERM drains: /ready turns false, new requests get 503, running ones finish until the drain
-timeout (longer ones are aborted then), and the process exits 0."""
+"""Lifecycle of one replica: /ready is 503 while the model loads; overload beyond
+--max-queued-requests is a 429; SIGTERM drains: /ready turns false, new requests get 503, running
+ones finish until the drain timeout (longer ones are aborted then), and the process exits 0."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import httpx
 
 from tests.server.conftest import start_engine
 
-DRAIN_TIMEOUT = 6.0
+DRAIN_TIMEOUT = 10.0
 
 
 def stream_chat(url: str, max_tokens: int, out: dict, started: threading.Event) -> None:
@@ -54,7 +55,7 @@ def wait_for(url: str, status: int, timeout: float = 300) -> httpx.Response:
 
 def test_not_ready_while_loading_then_sigterm_drains_then_exits(tmp_path):
     server = start_engine(str(tmp_path), "--drain-timeout", str(DRAIN_TIMEOUT), "--max-model-len", "2048",
-                          wait_ready=False)
+                          "--max-num-seqs", "2", "--max-queued-requests", "0", wait_ready=False)
     try:
         # the HTTP server is up before the model: alive, not ready, requests refused with 503
         wait_for(f"{server.url}/health", 200)
@@ -66,11 +67,16 @@ def test_not_ready_while_loading_then_sigterm_drains_then_exits(tmp_path):
         wait_for(f"{server.url}/ready", 200)
         short, long_ = {}, {}
         started_s, started_l = threading.Event(), threading.Event()
-        threads = [threading.Thread(target=stream_chat, args=(server.url, 40, short, started_s)),
+        threads = [threading.Thread(target=stream_chat, args=(server.url, 24, short, started_s)),
                    threading.Thread(target=stream_chat, args=(server.url, 1800, long_, started_l))]
         for t in threads:
             t.start()
         assert started_s.wait(60) and started_l.wait(60)
+        # both sequence slots are busy and no queueing is allowed: overload is a 429, not a pile-up
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=5,
+                       json={"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "engine_overloaded"
+        assert r.headers.get("retry-after") == "1"
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
@@ -84,7 +90,7 @@ def test_not_ready_while_loading_then_sigterm_drains_then_exits(tmp_path):
         for t in threads:
             t.join(60)
         # the short request finished normally during the drain
-        assert short["finish"] == "length" and short["usage"]["completion_tokens"] == 40 and short["done"]
+        assert short["finish"] == "length" and short["usage"]["completion_tokens"] == 24 and short["done"]
         # the long one could not finish within the drain timeout: aborted, and told so
         assert long_["error"] is not None and long_["error"]["code"] == "aborted" and long_["done"]
         assert long_["tokens"] < 1800

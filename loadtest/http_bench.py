@@ -39,7 +39,7 @@ def vllm_cmd(dtype: str = "bfloat16", threads_bind: str | None = "0-1") -> str:
             f"--host 127.0.0.1 --port 8200 --dtype {dtype} --max-model-len 2048")
 
 
-KVFLEET_CMD = f"{sys.executable} -m engine.cli engine --model smollm2 --host 127.0.0.1 --port 8001"
+KVFLEET_CMD = f"{sys.executable} -m engine.cli engine --model smollm2 --host 127.0.0.1 --port 8001 --max-model-len 2048"
 
 
 @dataclass
@@ -210,17 +210,18 @@ async def amain(a: argparse.Namespace) -> list[LevelResult]:
         starts.setdefault("vllm", vllm_cmd(a.vllm_dtype, a.vllm_threads_bind or None))
     if not targets:
         raise SystemExit("give at least one --target NAME=URL (or --with-kvfleet / --with-vllm)")
-    trace = generate_trace(a.num_requests, a.seed, a.mode, max_output_tokens=a.max_output_tokens,
+    sizes = {c: max(a.num_requests, a.min_waves * c) for c in a.concurrency}
+    trace = generate_trace(max(sizes.values()), a.seed, a.mode, max_output_tokens=a.max_output_tokens,
                            min_output_tokens=min(a.min_output_tokens, a.max_output_tokens))
-    print(f"trace: {len(trace)} requests, mode {a.mode}, seed {a.seed}, "
-          f"{sum(r.max_tokens for r in trace)} output tokens per level", flush=True)
+    print(f"trace: mode {a.mode}, seed {a.seed}; requests per level "
+          f"{', '.join(f'c={c}: {n}' for c, n in sizes.items())} (the first n of one trace)", flush=True)
     results = []
     for name, url in targets.items():
         proc = start_server(starts[name], f"/tmp/http_bench_{name}.log") if name in starts else None
         try:
             await wait_ready(url, a.start_timeout, proc)
             for c in a.concurrency:
-                r = await run_level(url, a.model, trace, c, name, a.temperature, a.request_timeout)
+                r = await run_level(url, a.model, trace[:sizes[c]], c, name, a.temperature, a.request_timeout)
                 results.append(r)
                 print_table([r])
                 sys.stdout.flush()
@@ -246,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="VLLM_CPU_OMP_THREADS_BIND for the started vLLM ('' = its default: one core)")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--num-requests", type=int, default=64, help="requests per concurrency level")
+    ap.add_argument("--num-requests", type=int, default=64, help="requests per concurrency level (at least)")
+    ap.add_argument("--min-waves", type=int, default=2,
+                    help="at least this many requests per worker at each level (steadier figures at high concurrency)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mode", choices=MODES, default="single")
     ap.add_argument("--min-output-tokens", type=int, default=16)

@@ -25,8 +25,10 @@ class RouterConfigError(ValueError):
 class ScoringConfig:
     """Weights and limits of the routing score (pure policy inputs)."""
 
-    # Cost of one request already queued or running on a replica, in prefill-token equivalents.
-    request_cost_tokens: float = 256.0
+    # Cost of one request already on a replica, in prefill-token equivalents: a waiting one is a whole
+    # prompt to prefill first; a running one only shares the batch.
+    waiting_cost_tokens: float = 256.0
+    running_cost_tokens: float = 32.0
     # A replica is overloaded (no affinity, no cache misses) past either limit.
     overload_waiting: int = 8  # waiting requests + requests sent since the last scrape
     overload_kv_usage: float = 0.95
@@ -35,8 +37,9 @@ class ScoringConfig:
     session_vnodes: int = 64
 
     def validate(self) -> None:
-        if not self.request_cost_tokens >= 0:
-            raise RouterConfigError("request_cost_tokens", f"must be >= 0, got {self.request_cost_tokens}")
+        for name in ("waiting_cost_tokens", "running_cost_tokens"):
+            if not getattr(self, name) >= 0:
+                raise RouterConfigError(name, f"must be >= 0, got {getattr(self, name)}")
         if self.overload_waiting < 1:
             raise RouterConfigError("overload_waiting", f"must be >= 1, got {self.overload_waiting}")
         if not 0 < self.overload_kv_usage <= 1:

@@ -1,11 +1,16 @@
 """Routing policies: pure scoring and choice over a snapshot of the fleet (no I/O, no clocks).
 
-The `kv` score of a replica for one request is the prefill work it would still have to do plus its load,
-both in prefill-token equivalents:
+The `kv` score of a replica for one request estimates how long the request would wait for its first token
+there, in prefill-token equivalents: its own uncached prompt, the prefill queued ahead of it, and the
+slowdown from sharing batches with requests already running:
 
     cost = (prompt tokens - predicted cached tokens)
-           + request_cost * (running + waiting - finished since scrape + sent since scrape)
-           + uncached prompt tokens sent since scrape
+           + uncached prompt tokens this router sent there since the last scrape
+           + waiting_cost * waiting + running_cost * (running + sent since the last scrape)
+
+(`running`/`waiting` as scraped, less this router's requests that finished since the scrape.) Running
+requests cost little (continuous batching interleaves their decode steps with a new prefill); waiting ones
+cost a whole unknown prompt each.
 
 An overloaded replica (long waiting queue or KV usage past the limit) is left out for this request only:
 affinity yields per request, and a cache miss never goes to an overloaded replica. When no replica holds
@@ -59,32 +64,40 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class Load:
-    queued: float  # running + waiting + sent since scrape (pessimistic when unknown)
+    queued: float  # running + waiting + sent since scrape (pessimistic when unknown): for least-load
+    running: float  # running + sent since scrape
     waiting: float
     kv_usage: float
     new_tokens: float
 
 
+def _scraped(v: ReplicaView) -> tuple[int, int]:
+    """(running, waiting) at the last scrape, less this router's requests that have finished since."""
+    running = max(v.running - v.finished, 0)
+    waiting = max(v.waiting - max(v.finished - v.running, 0), 0)
+    return running, waiting
+
+
 def effective_loads(views: Sequence[ReplicaView]) -> list[Load]:
     """Each replica's load; unknown load is the worst fresh load in the fleet, never below our own in-flight."""
-    known = [v for v in views if v.load_known]
-    worst_queued = max((_scraped(v) + v.new_requests for v in known), default=0)
-    worst_waiting = max((v.waiting + v.new_requests for v in known), default=0)
-    worst_kv = max((v.kv_usage for v in known), default=0.0)
-    worst_tokens = max((v.new_tokens for v in known), default=0)
-    out = []
+    known: list[Load] = []
+    out: list[Load | None] = []
     for v in views:
         if v.load_known:
-            out.append(Load(_scraped(v) + v.new_requests, v.waiting + v.new_requests, v.kv_usage, v.new_tokens))
+            running, waiting = _scraped(v)
+            load = Load(running + waiting + v.new_requests, running + v.new_requests, waiting, v.kv_usage,
+                        v.new_tokens)
+            known.append(load)
+            out.append(load)
         else:
-            out.append(Load(max(worst_queued, v.inflight), max(worst_waiting, v.inflight), worst_kv,
-                            max(worst_tokens, v.new_tokens)))
-    return out
-
-
-def _scraped(v: ReplicaView) -> int:
-    """Running + waiting at the last scrape, less this router's requests that have finished since."""
-    return max(v.running + v.waiting - v.finished, 0)
+            out.append(None)
+    worst = Load(max((ld.queued for ld in known), default=0), max((ld.running for ld in known), default=0),
+                 max((ld.waiting for ld in known), default=0), max((ld.kv_usage for ld in known), default=0.0),
+                 max((ld.new_tokens for ld in known), default=0))
+    return [ld if ld is not None else
+            Load(max(worst.queued, v.inflight), max(worst.running, v.inflight), worst.waiting, worst.kv_usage,
+                 max(worst.new_tokens, v.new_tokens))
+            for v, ld in zip(views, out, strict=True)]
 
 
 def is_overloaded(view: ReplicaView, cfg: ScoringConfig) -> bool:
@@ -96,7 +109,7 @@ def is_overloaded(view: ReplicaView, cfg: ScoringConfig) -> bool:
 
 def cost(view: ReplicaView, load: Load, req: RouteRequest, cfg: ScoringConfig) -> float:
     uncached = max(req.num_prompt_tokens - view.cached_tokens, 0)
-    return uncached + cfg.request_cost_tokens * load.queued + load.new_tokens
+    return uncached + load.new_tokens + cfg.waiting_cost_tokens * load.waiting + cfg.running_cost_tokens * load.running
 
 
 def _pool(views: Sequence[ReplicaView], cfg: ScoringConfig) -> tuple[list[int], bool]:

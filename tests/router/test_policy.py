@@ -17,7 +17,7 @@ from router.policy import (
     is_overloaded,
 )
 
-CFG = ScoringConfig(request_cost_tokens=256, overload_waiting=8, overload_kv_usage=0.95)
+CFG = ScoringConfig(waiting_cost_tokens=256, running_cost_tokens=32, overload_waiting=8, overload_kv_usage=0.95)
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 
 
@@ -41,27 +41,32 @@ def test_hot_overloaded_replica_yields_to_next_best():
 
 
 def test_affinity_weighs_saved_prefill_against_load_per_request():
-    # A saves 512 tokens but runs 1 request: 88 + 256 = 344 < 600 → A
-    views = [ReplicaView(A, cached_tokens=512, running=1), ReplicaView(B)]
-    d = choose_by_cache(views, RouteRequest(600), CFG)
-    assert (d.url, d.cost) == (A, 344)
-    # with 3 running, 88 + 768 = 856 > 600 → B, for this request only
+    # A saves 512 tokens and runs 3 requests: 88 + 3 * 32 = 184 < 600 → A
     views = [ReplicaView(A, cached_tokens=512, running=3), ReplicaView(B)]
+    d = choose_by_cache(views, RouteRequest(600), CFG)
+    assert (d.url, d.cost) == (A, 184)
+    # with 2 waiting ahead: 88 + 2 * 256 = 600, equal to B's 600 → the one holding more of the prompt
+    views = [ReplicaView(A, cached_tokens=512, waiting=2), ReplicaView(B)]
+    assert [choose_by_cache(views, RouteRequest(600), CFG, tiebreak=k).url for k in range(2)] == [A, A]
+    # with 3 waiting: 88 + 768 = 856 > 600 → B, for this request only
+    views = [ReplicaView(A, cached_tokens=512, waiting=3), ReplicaView(B)]
     assert choose_by_cache(views, RouteRequest(600), CFG).url == B
     # a longer shared prefix still goes to A: 100 + 768 = 868 < 2100
-    views = [ReplicaView(A, cached_tokens=2000, running=3), ReplicaView(B)]
+    views = [ReplicaView(A, cached_tokens=2000, waiting=3), ReplicaView(B)]
     assert choose_by_cache(views, RouteRequest(2100), CFG).url == A
-    # uncached tokens sent since the scrape are queued prefill work: 88 + 256 + 300 = 644 > 600
-    views = [ReplicaView(A, cached_tokens=512, new_requests=1, new_tokens=300), ReplicaView(B)]
-    assert choose_by_cache(views, RouteRequest(600), CFG).url == B
+    # uncached tokens sent since the scrape are prefill queued ahead: 88 + 32 + 500 = 620 > 600
+    views = [ReplicaView(A, cached_tokens=512, new_requests=1, new_tokens=500), ReplicaView(B)]
+    d = choose_by_cache(views, RouteRequest(600), CFG)
+    assert (d.url, d.cost) == (B, 600)
 
 
 def test_requests_finished_since_the_scrape_no_longer_count():
-    # A's scrape showed 3 running, 2 of them (ours) have finished since: it holds 1, and its cache wins
-    views = [ReplicaView(A, cached_tokens=512, running=3, finished=2), ReplicaView(B)]
-    assert [ld.queued for ld in effective_loads(views)] == [1, 0]
-    d = choose_by_cache(views, RouteRequest(600), CFG)
-    assert (d.url, d.cost) == (A, 344)
+    # A's scrape showed 1 running + 3 waiting; 2 of them (ours) finished since: 0 running, 2 waiting left
+    views = [ReplicaView(A, cached_tokens=512, running=1, waiting=3, finished=2), ReplicaView(B)]
+    loads = effective_loads(views)
+    assert (loads[0].running, loads[0].waiting, loads[0].queued) == (0, 2, 2)
+    d = choose_by_cache(views, RouteRequest(700), CFG)
+    assert (d.url, d.cost) == (A, 188 + 512)
     assert effective_loads([ReplicaView(A, running=1, finished=3, new_requests=1)])[0].queued == 1
 
 

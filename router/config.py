@@ -26,9 +26,10 @@ class ScoringConfig:
     """Weights and limits of the routing score (pure policy inputs)."""
 
     # Cost of one request already on a replica, in prefill-token equivalents: a waiting one is a whole
-    # prompt to prefill first; a running one only shares the batch.
+    # prompt to prefill first; a running one shares the batch for its remaining decode steps (cheap on a
+    # GPU's memory-bound decode, dearer on compute-bound CPU engines: lower it for GPU fleets).
     waiting_cost_tokens: float = 256.0
-    running_cost_tokens: float = 32.0
+    running_cost_tokens: float = 128.0
     # A replica is overloaded (no affinity, no cache misses) past either limit.
     overload_waiting: int = 8  # waiting requests + requests sent since the last scrape
     overload_kv_usage: float = 0.95

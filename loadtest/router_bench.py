@@ -230,17 +230,18 @@ def cmd_policies(ns) -> dict:
         for e in engines:
             e.wait_ready()
         urls = [e.url for e in engines]
-        for policy in ns.policies.split(","):
+        for run, policy in enumerate(ns.policies.split(",")):
             router = start_router(ns, log_dir, urls, policy, ns.model)
             procs.append(router)
             router.wait_ready()
             while httpx.get(router.url + "/ready").json().get("ready_replicas") != len(urls):
                 time.sleep(0.1)
             time.sleep(1.0)  # KV event streams connected
-            results[policy] = measure(router.url, urls, sessions, ns, f"bench-{ns.seed}-{policy}", tokenizer)
+            name = policy if policy not in results else f"{policy}#{run}"  # a policy may run twice
+            results[name] = measure(router.url, urls, sessions, ns, f"bench-{ns.seed}-{run}-{policy}", tokenizer)
             router.stop()
             procs.remove(router)
-            print_row(policy, results[policy])
+            print_row(name, results[name])
         for e in engines:
             e.stop()
             procs.remove(e)

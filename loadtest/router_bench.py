@@ -129,7 +129,8 @@ async def run_sessions(base_url: str, sessions, ns, salt: str, tokenizer) -> dic
     for i, s in enumerate(sessions):
         queue.put_nowait((i, s))
     ttfts, e2es, errors, out_tokens = [], [], [], 0
-    trace: list[tuple] = []  # (session, turn, replica, prompt tokens, cached tokens)
+    trace: list[tuple] = []  # (session, turn, replica, prompt tokens, cached tokens, TTFT ms, start s)
+    start = time.perf_counter()
     by_replica: dict[str, int] = {}
 
     async def one(client, sid, turn, msgs) -> None:
@@ -163,7 +164,8 @@ async def run_sessions(base_url: str, sessions, ns, salt: str, tokenizer) -> dic
                     usage = chunk["usage"]
                     out_tokens += usage.get("completion_tokens", 0)
                     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                    trace.append((sid, turn, rep, usage.get("prompt_tokens", 0), cached))
+                    trace.append((sid, turn, rep, usage.get("prompt_tokens", 0), cached,
+                                  round(((first or time.perf_counter()) - t0) * 1e3, 1), round(t0 - start, 3)))
         ttfts.append((first or time.perf_counter()) - t0)
         e2es.append(time.perf_counter() - t0)
 
@@ -189,7 +191,7 @@ def _follow_ups_home(trace) -> float:
     """Fraction of follow-up turns served by the replica that served the session's previous turn."""
     prev = {}
     same = total = 0
-    for sid, turn, rep, _, _ in sorted(trace):
+    for sid, turn, rep, *_ in sorted(trace):
         if turn > 0 and (sid, turn - 1) in prev:
             total += 1
             same += prev[(sid, turn - 1)] == rep

@@ -113,9 +113,10 @@ class Fleet:
     async def _scrape_loop(self, st: ReplicaState) -> None:
         while True:
             try:
+                sent_at = self.clock()
                 resp = await self._client.get(st.url + "/metrics", timeout=min(2.0, self.cfg.scrape_stale_s))
                 if resp.status_code == 200:
-                    st.on_scrape(parse_engine_metrics(resp.text), self.clock())
+                    st.on_scrape(parse_engine_metrics(resp.text), sent_at, self.clock())
                 else:
                     st.on_scrape_failed()
             except httpx.HTTPError:

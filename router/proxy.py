@@ -83,7 +83,7 @@ class Proxy:
             url = decision.url
             st = fleet.replicas[url]
             tried.add(url)
-            ticket = st.on_dispatch(max(prep.num_prompt_tokens - decision.predicted_cached_tokens, 0))
+            ticket = st.on_dispatch(max(prep.num_prompt_tokens - decision.predicted_cached_tokens, 0), fleet.clock())
             st.breaker.on_attempt(fleet.clock())
             fleet.record_routed(url, prep)
             kind = "aborted"

@@ -105,27 +105,34 @@ def parse_engine_metrics(text: str) -> EngineLoad:
                       prefix_hits=sums.get("prefix_hits", 0.0))
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Ticket:
     """One request this router has in flight on a replica."""
 
-    epoch: int
-    tokens: int
+    dispatched_at: float
+    tokens: int  # uncached prompt tokens (predicted)
 
 
 class ReplicaState:
-    def __init__(self, url: str, breaker: CircuitBreaker):
+    """A scrape is taken to count the requests dispatched at least `grace_s` before it was sent (they had
+    time to reach the engine); later ones are this router's "new" load on top of it, and counted ones that
+    finished since are subtracted, so load is neither lost nor counted twice between scrapes."""
+
+    def __init__(self, url: str, breaker: CircuitBreaker, grace_s: float = 0.2):
         self.url = url
         self.breaker = breaker
+        self.grace_s = grace_s
         self.ready: bool = False  # the last /ready check answered 200
         self.load: EngineLoad | None = None
         self.scraped_at: float = -math.inf
-        self.inflight = 0
-        self.new_requests = 0  # dispatched in the current scrape epoch and still in flight
-        self.new_tokens = 0
-        self.finished = 0  # dispatched before the last scrape, finished after it
-        self.epoch = 0
+        self.covered_until: float = -math.inf  # requests dispatched up to here are in the scrape
+        self.tickets: set[Ticket] = set()
+        self.finished = 0  # covered by the last scrape, finished after it
         self.kv_events = "connecting"  # connecting | live | unavailable (no KV event endpoint)
+
+    @property
+    def inflight(self) -> int:
+        return len(self.tickets)
 
     def routable(self, now: float) -> bool:
         return self.ready and self.breaker.can_try(now)
@@ -136,31 +143,27 @@ class ReplicaState:
     def view(self, now: float, stale_s: float, cached_tokens: int = 0, excluded: bool = False) -> ReplicaView:
         known = self.load_known(now, stale_s)
         load = self.load if known and self.load is not None else EngineLoad()
+        new = [t for t in self.tickets if t.dispatched_at > self.covered_until]
         return ReplicaView(url=self.url, routable=not excluded and self.routable(now), load_known=known,
                            kv_usage=load.kv_usage, running=load.running, waiting=load.waiting,
-                           new_requests=self.new_requests, new_tokens=self.new_tokens, finished=self.finished,
-                           inflight=self.inflight,
-                           cached_tokens=cached_tokens)
+                           new_requests=len(new), new_tokens=sum(t.tokens for t in new), finished=self.finished,
+                           inflight=len(self.tickets), cached_tokens=cached_tokens)
 
-    def on_scrape(self, load: EngineLoad, now: float) -> None:
-        """A fresh scrape already counts everything sent before it: start a new epoch."""
-        self.load, self.scraped_at = load, now
-        self.epoch += 1
-        self.new_requests = self.new_tokens = self.finished = 0
+    def on_scrape(self, load: EngineLoad, sent_at: float, now: float | None = None) -> None:
+        """A scrape sent at `sent_at` (answered at `now`)."""
+        self.load, self.scraped_at = load, sent_at if now is None else now
+        self.covered_until = sent_at - self.grace_s
+        self.finished = 0
 
     def on_scrape_failed(self) -> None:
         self.load = None
 
-    def on_dispatch(self, uncached_tokens: int) -> Ticket:
-        self.inflight += 1
-        self.new_requests += 1
-        self.new_tokens += uncached_tokens
-        return Ticket(self.epoch, uncached_tokens)
+    def on_dispatch(self, uncached_tokens: int, now: float) -> Ticket:
+        ticket = Ticket(now, uncached_tokens)
+        self.tickets.add(ticket)
+        return ticket
 
     def on_done(self, ticket: Ticket) -> None:
-        self.inflight -= 1
-        if ticket.epoch == self.epoch:
-            self.new_requests -= 1
-            self.new_tokens -= ticket.tokens
-        else:  # the last scrape counted it as running or waiting; it is gone now
+        self.tickets.discard(ticket)
+        if ticket.dispatched_at <= self.covered_until:  # the last scrape counted it; it is gone now
             self.finished += 1

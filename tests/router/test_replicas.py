@@ -44,28 +44,29 @@ def test_circuit_breaker_transitions():
     assert b.state(16) == CLOSED and b.can_try(16) and b.failures == 0
 
 
-def test_replica_view_staleness_and_inflight_epochs():
-    st = ReplicaState("http://a:1", CircuitBreaker(3, 5.0))
+def test_replica_load_between_scrapes_is_neither_lost_nor_double_counted():
+    st = ReplicaState("http://a:1", CircuitBreaker(3, 5.0), grace_s=0.2)
     assert not st.routable(0)  # not ready until /ready said so
     st.ready = True
-    st.on_scrape(EngineLoad(kv_usage=0.5, running=2, waiting=1), now=100.0)
-    t1 = st.on_dispatch(300)
-    t2 = st.on_dispatch(50)
-    v = st.view(now=101.0, stale_s=3.0, cached_tokens=64)
+    st.on_scrape(EngineLoad(kv_usage=0.5, running=2, waiting=1), sent_at=100.0)
+    t1 = st.on_dispatch(300, now=100.5)
+    t2 = st.on_dispatch(50, now=101.9)
+    v = st.view(now=102.0, stale_s=3.0, cached_tokens=64)
     assert (v.load_known, v.running, v.waiting, v.new_requests, v.new_tokens, v.inflight, v.cached_tokens) == \
         (True, 2, 1, 2, 350, 2, 64)
-    st.on_scrape(EngineLoad(running=4), now=102.0)  # the engine now counts both requests itself
+    # a scrape sent at 102.0 counts t1 (sent 1.5 s before) but maybe not t2 (0.1 s before: still in transit)
+    st.on_scrape(EngineLoad(running=3), sent_at=102.0, now=102.01)
     v = st.view(now=102.5, stale_s=3.0)
-    assert (v.running, v.new_requests, v.new_tokens, v.inflight) == (4, 0, 0, 2)
-    st.on_done(t1)  # from the previous epoch: counted by the scrape, finished since
-    t3 = st.on_dispatch(10)
-    v = st.view(now=102.5, stale_s=3.0)
-    assert (v.running, v.finished, v.new_requests, v.new_tokens, v.inflight) == (4, 1, 1, 10, 2)
-    st.on_done(t3)
+    assert (v.running, v.new_requests, v.new_tokens, v.finished, v.inflight) == (3, 1, 50, 0, 2)
+    st.on_done(t1)  # counted by the scrape, finished since: subtracted until the next scrape
+    t3 = st.on_dispatch(10, now=102.6)
+    v = st.view(now=102.6, stale_s=3.0)
+    assert (v.running, v.finished, v.new_requests, v.new_tokens, v.inflight) == (3, 1, 2, 60, 2)
+    st.on_done(t3)  # never counted by a scrape: just leaves the new load
     st.on_done(t2)
     v = st.view(now=105.1, stale_s=3.0)
-    assert (v.load_known, v.running, v.new_requests, v.finished, v.inflight) == (False, 0, 0, 2, 0)  # stale
-    st.on_scrape(EngineLoad(running=0), now=106.0)
+    assert (v.load_known, v.running, v.new_requests, v.finished, v.inflight) == (False, 0, 0, 1, 0)  # stale
+    st.on_scrape(EngineLoad(running=0), sent_at=106.0)
     assert st.view(now=106.0, stale_s=3.0).finished == 0
     assert st.view(now=103.0, stale_s=3.0, excluded=True).routable is False
 

@@ -73,6 +73,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | s
         model.rope = RotaryEmbedding(config, max_len, hf_config)
     model.load_weights(_iter_safetensors(_materialize(source), device))
     model.eval().requires_grad_(False)
+    if model.prepack_weights():
+        logger.info("projections pre-packed for oneDNN (bf16 on CPU)")
     return model, hf_config
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -90,36 +91,50 @@ def source():
     return resolve_model("smollm2")
 
 
-@pytest.fixture(scope="module")
-def prompts(source) -> list[list[int]]:
+@dataclass(frozen=True)
+class Case:
+    name: str
+    prompts: list[list[int]]
+    new_tokens: int
+    system_group: list[int]  # indices of the prompts sharing the long system prompt
+    reference: list[dict]
+
+
+# The full case is the acceptance suite (22 prompts x 64 tokens, minutes on 2 shared cores: -m slow);
+# the quick case runs by default: 8 of them (short, unicode, long, multi-turn, shared system) x 24 tokens.
+QUICK = [0, 5, 9, 14, 15, 17, 18, 21]
+
+
+@pytest.fixture(scope="module", params=["quick", pytest.param("full", marks=pytest.mark.slow)])
+def case(request, source) -> Case:
     tok = load_tokenizer(source)
-    ids = [tok.encode(p) for p in TEXT_PROMPTS]
-    ids += [tok.apply_chat_template(c) for c in CHATS + SYSTEM_CHATS]
-    return ids
-
-
-def _system_prompt_indices() -> list[int]:
+    prompts = [tok.encode(p) for p in TEXT_PROMPTS] + [tok.apply_chat_template(c) for c in CHATS + SYSTEM_CHATS]
     first = len(TEXT_PROMPTS) + len(CHATS)
-    return list(range(first, first + len(SYSTEM_CHATS)))
+    group = list(range(first, first + len(SYSTEM_CHATS)))
+    if request.param == "quick":
+        group = [QUICK.index(i) for i in group if i in QUICK]
+        prompts, new_tokens = [prompts[i] for i in QUICK], 24
+    else:
+        new_tokens = NEW_TOKENS
+    return Case(request.param, prompts, new_tokens, group, _cached_reference(request, source, prompts, new_tokens))
 
 
-@pytest.fixture(scope="module")
-def reference(request, source, prompts) -> list[dict]:
+def _cached_reference(request, source, prompts: list[list[int]], new_tokens: int) -> list[dict]:
     """HF greedy tokens, per-step top-2 margins and (first prompts) log-softmax top 5, cached across runs."""
     import transformers
 
     st = os.stat(source.path)
     key = hashlib.sha256(json.dumps([source.path, st.st_size, st.st_mtime_ns, transformers.__version__,
-                                     torch.__version__, NEW_TOKENS, prompts]).encode()).hexdigest()[:20]
+                                     torch.__version__, new_tokens, prompts]).encode()).hexdigest()[:20]
     cached = request.config.cache.get(f"kvfleet/hf_reference/{key}", None)
     if cached is not None:
         return cached
-    ref = _hf_reference(source, prompts)
+    ref = _hf_reference(source, prompts, new_tokens)
     request.config.cache.set(f"kvfleet/hf_reference/{key}", ref)
     return ref
 
 
-def _hf_reference(source, prompts: list[list[int]]) -> list[dict]:
+def _hf_reference(source, prompts: list[list[int]], new_tokens: int) -> list[dict]:
     """HF generate over all prompts in one left-padded batch (per-prompt runs cost minutes on 2 cores)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.utils import logging as hf_logging
@@ -127,7 +142,7 @@ def _hf_reference(source, prompts: list[list[int]]) -> list[dict]:
     hf_logging.set_verbosity_error()
     hf = AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # generate all NEW_TOKENS (the engine runs with ignore_eos)
-    cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=PAD,
+    cfg = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=PAD,
                            output_logits=True, return_dict_in_generate=True)
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
@@ -158,18 +173,19 @@ def _llm(loaded, **kw) -> LLM:
     return LLM("smollm2", loaded_model=loaded, **args)
 
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+def _greedy(case: Case, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=case.new_tokens, ignore_eos=True, **kw)
 
 
-def _check_equal(outputs, reference, indices, label: str) -> None:
+def _check_equal(case: Case, outputs, indices, label: str) -> None:
     flips = []
     for out, i in zip(outputs, indices, strict=True):
-        got, want = out.outputs[0].token_ids, reference[i]["tokens"]
-        assert len(got) == NEW_TOKENS, f"{label}: prompt {i} produced {len(got)} tokens"
+        got, want = out.outputs[0].token_ids, case.reference[i]["tokens"]
+        assert len(got) == case.new_tokens, f"{label}: prompt {i} produced {len(got)} tokens"
         if got == want:
             continue
         j = next(k for k, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
-        margin = reference[i]["margins"][j]
+        margin = case.reference[i]["margins"][j]
         print(f"{label}: prompt {i} diverges at token {j} (ours {got[j]}, HF {want[j]}); HF top-2 margin {margin:.2e}")
         assert margin < FLIP_MARGIN, (f"{label}: prompt {i} differs from HF at token {j} where HF's top-2 "
                                       f"margin is {margin:.3e} (not a float32 near-tie): {got} vs {want}")
@@ -177,60 +193,61 @@ def _check_equal(outputs, reference, indices, label: str) -> None:
     assert len(flips) <= 1, f"{label}: more than one prompt flipped on a near-tie: {flips}"
 
 
-def test_reference_is_varied(prompts):
-    assert len(prompts) >= 20
-    assert max(len(p) for p in prompts) > 16 * 10  # long prompts span many blocks
-    assert any(len(p) < 8 for p in prompts)
+def test_prompts_are_varied(case):
+    assert len(case.prompts) >= (20 if case.name == "full" else 8)
+    assert max(len(p) for p in case.prompts) > 16 * 10  # long prompts span many blocks
+    assert any(len(p) < 8 for p in case.prompts)
+    assert len(case.system_group) >= 3
 
 
-def test_one_by_one(loaded, prompts, reference):
+def test_one_by_one(loaded, case):
     llm = _llm(loaded)
-    outs = [llm.generate([p], GREEDY)[0] for p in prompts]
-    _check_equal(outs, reference, range(len(prompts)), "one-by-one")
+    outs = [llm.generate([p], _greedy(case))[0] for p in case.prompts]
+    _check_equal(case, outs, range(len(case.prompts)), "one-by-one")
 
 
-def test_one_batch(loaded, prompts, reference):
+def test_one_batch(loaded, case):
     llm = _llm(loaded, enable_prefix_caching=False)
-    outs = llm.generate(prompts, GREEDY)
-    _check_equal(outs, reference, range(len(prompts)), "batch")
+    outs = llm.generate(case.prompts, _greedy(case))
+    _check_equal(case, outs, range(len(case.prompts)), "batch")
 
 
-def test_prefix_cache_with_shared_system_prompt(loaded, prompts, reference):
+def test_prefix_cache_with_shared_system_prompt(loaded, case):
     llm = _llm(loaded, enable_prefix_caching=True)
-    idx = _system_prompt_indices()
-    first = llm.generate([prompts[idx[0]]], GREEDY)
-    rest = llm.generate([prompts[i] for i in idx[1:]], GREEDY)
-    _check_equal(first + rest, reference, idx, "prefix-cache")
+    idx = case.system_group
+    first = llm.generate([case.prompts[idx[0]]], _greedy(case))
+    rest = llm.generate([case.prompts[i] for i in idx[1:]], _greedy(case))
+    _check_equal(case, first + rest, idx, "prefix-cache")
     hits = [o.num_cached_tokens for o in rest]
     assert all(h >= 5 * 16 for h in hits), f"the shared system prompt was not served from the cache: {hits}"
     assert llm.engine.stats().prefix_hits_tokens == sum(hits)
 
 
-def test_forced_preemption_with_tiny_kv_pool(loaded, prompts, reference):
-    longest = max(len(p) for p in prompts) + NEW_TOKENS
+def test_forced_preemption_with_tiny_kv_pool(loaded, case):
+    longest = max(len(p) for p in case.prompts) + case.new_tokens
     blocks = -(-longest // 16) + 4  # the longest request fits, a few at once do not
     llm = _llm(loaded, num_blocks=blocks, enable_prefix_caching=False)
-    outs = llm.generate(prompts, GREEDY)
+    outs = llm.generate(case.prompts, _greedy(case))
     assert llm.engine.stats().num_preemptions > 0
-    _check_equal(outs, reference, range(len(prompts)), "preemption")
+    _check_equal(case, outs, range(len(case.prompts)), "preemption")
 
 
-def test_chunked_prefill_with_small_token_budget(loaded, prompts, reference):
+def test_chunked_prefill_with_small_token_budget(loaded, case):
     llm = _llm(loaded, max_num_batched_tokens=24, max_num_seqs=8, enable_prefix_caching=False)
-    outs = llm.generate(prompts, GREEDY)
-    _check_equal(outs, reference, range(len(prompts)), "chunked-prefill")
+    outs = llm.generate(case.prompts, _greedy(case))
+    _check_equal(case, outs, range(len(case.prompts)), "chunked-prefill")
 
 
-def test_logprobs_match_hf_log_softmax(loaded, prompts, reference):
+def test_logprobs_match_hf_log_softmax(loaded, case):
     llm = _llm(loaded)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
-    outs = llm.generate(prompts[:LOGPROB_PROMPTS], params)
+    n_prompts = sum(1 for r in case.reference if "top5" in r)
+    outs = llm.generate(case.prompts[:n_prompts], _greedy(case, logprobs=5))
     for i, out in enumerate(outs):
         comp = out.outputs[0]
-        want = reference[i]["top5"]
-        n = next((k for k, (a, b) in enumerate(zip(comp.token_ids, reference[i]["tokens"], strict=True)) if a != b),
-                 NEW_TOKENS)  # compare up to a (near-tie) divergence, see _check_equal
-        assert n > NEW_TOKENS // 2
+        want = case.reference[i]["top5"]
+        n = next((k for k, (a, b) in enumerate(zip(comp.token_ids, case.reference[i]["tokens"], strict=True))
+                  if a != b), case.new_tokens)  # compare up to a (near-tie) divergence, see _check_equal
+        assert n > case.new_tokens // 2
         for step in range(n):
             lp = comp.logprobs[step]
             assert lp.token_id == comp.token_ids[step]

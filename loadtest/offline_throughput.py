@@ -28,8 +28,12 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 from loadtest.workload import generate_trace  # noqa: E402
 
 
-def build_trace(llm: LLM, n: int, seed: int, min_out: int, max_out: int) -> list[tuple[list[int], int]]:
-    reqs = generate_trace(n, seed=seed, mode="single", min_output_tokens=min_out, max_output_tokens=max_out)
+def build_trace(llm: LLM, n: int, seed: int, prompt_mean: float, min_out: int, max_out: int
+                ) -> list[tuple[list[int], int]]:
+    """Chat-templated prompts whose token lengths (template included) are log-normal around prompt_mean."""
+    overhead = len(llm.tokenizer.apply_chat_template([{"role": "user", "content": ""}]))
+    reqs = generate_trace(n, seed=seed, mode="single", mean_prompt_tokens=max(8.0, prompt_mean - overhead),
+                          min_output_tokens=min_out, max_output_tokens=max_out)
     return [(llm.tokenizer.apply_chat_template(list(r.messages)), r.max_tokens) for r in reqs]
 
 
@@ -92,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt-mean", type=float, default=60, help="mean prompt tokens, chat template included")
     ap.add_argument("--min-output", type=int, default=16)
     ap.add_argument("--max-output", type=int, default=128)
     ap.add_argument("--hf-batch", type=int, default=16, help="HF static batch size")
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
     llm = make_llm(args.max_num_seqs)
     threads = torch.get_num_threads()
-    trace = build_trace(llm, args.num_requests, args.seed, args.min_output, args.max_output)
+    trace = build_trace(llm, args.num_requests, args.seed, args.prompt_mean, args.min_output, args.max_output)
     prompt_lens = [len(p) for p, _ in trace]
     print(f"model {source.path}  dtype {dtype}  threads {threads}")
     print(f"trace: {len(trace)} requests, prompt tokens mean {sum(prompt_lens) / len(trace):.1f} "

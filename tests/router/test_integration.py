@@ -105,17 +105,20 @@ def test_openai_client_through_the_router_matches_the_engine(procs, fleet):
     via = openai.OpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0, timeout=120)
     direct = openai.OpenAI(base_url=fleet[0].url + "/v1", api_key="x", max_retries=0, timeout=120)
     msgs = [{"role": "user", "content": "Name three colours."}]
-    a = via.chat.completions.create(model="smollm2", messages=msgs, max_tokens=8, temperature=0)
-    b = direct.chat.completions.create(model="smollm2", messages=msgs, max_tokens=8, temperature=0)
+    # distinct cache salts: both sides compute the prompt from scratch (a prefix hit may change low bits)
+    salt = iter(f"parity-{k}" for k in range(10))
+    kw = dict(model="smollm2", messages=msgs, max_tokens=8, temperature=0)
+    a = via.chat.completions.create(**kw, extra_body={"cache_salt": next(salt)})
+    b = direct.chat.completions.create(**kw, extra_body={"cache_salt": next(salt)})
     assert a.choices[0].message.content == b.choices[0].message.content
     assert a.usage.prompt_tokens == b.usage.prompt_tokens
-    chunks = list(via.chat.completions.create(model="smollm2", messages=msgs, max_tokens=8, temperature=0,
-                                              stream=True, stream_options={"include_usage": True}))
+    chunks = list(via.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True},
+                                              extra_body={"cache_salt": next(salt)}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == b.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 8
-    comp = via.completions.create(model="smollm2", prompt="The sky is", max_tokens=4, temperature=0)
-    assert comp.choices[0].text == direct.completions.create(model="smollm2", prompt="The sky is", max_tokens=4,
-                                                             temperature=0).choices[0].text
+    ckw = dict(model="smollm2", prompt="The sky is", max_tokens=4, temperature=0)
+    comp = via.completions.create(**ckw, extra_body={"cache_salt": next(salt)})
+    assert comp.choices[0].text == direct.completions.create(**ckw, extra_body={"cache_salt": next(salt)}).choices[0].text
     assert [m.id for m in via.models.list().data] == [m.id for m in direct.models.list().data]
     with pytest.raises(openai.BadRequestError):  # engine validation errors come through as they are
         via.chat.completions.create(model="smollm2", messages=msgs, max_tokens=-1)

@@ -18,6 +18,7 @@ import os
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")  # as engine/__init__.py sets it, for both sides (before torch loads)
 
 import torch  # noqa: E402
 

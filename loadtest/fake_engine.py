@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     uvicorn.run(FakeEngine(ns), host=ns.host, port=ns.port, log_level="warning", access_log=False,
-                loop="uvloop", http="httptools", lifespan="on")
+                loop="uvloop", http="httptools", lifespan="on", timeout_graceful_shutdown=2)
     return 0
 
 

@@ -23,80 +23,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing as mp
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 
 import httpx
 
+from loadtest.router_overhead import cmd_overhead, pct
+from loadtest.router_procs import Proc, start_engine, start_router
 from loadtest.workload import generate_trace, words
 from router.replicas import parse_engine_metrics
-
-PY = sys.executable
-
-
-# -- processes -----------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    def __init__(self, argv: list[str], url: str, log_dir: str, name: str):
-        self.url, self.name = url, name
-        self.log_path = os.path.join(log_dir, f"{name}.log")
-        self.log = open(self.log_path, "ab")
-        self.popen = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                      env={**os.environ, "HF_HUB_OFFLINE": "1"})
-
-    def wait_ready(self, timeout: float = 600.0, path: str = "/ready") -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} exited ({self.popen.returncode}); see {self.log_path}")
-            try:
-                if httpx.get(self.url + path, timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.name} not ready after {timeout}s; see {self.log_path}")
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            os.killpg(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait()
-        self.log.close()
-
-
-def start_engine(ns, log_dir: str, name: str, num_blocks: int) -> Proc:
-    port = free_port()
-    if ns.engine_module:
-        argv = [PY, "-m", ns.engine_module, "--port", str(port), "--instance-id", name, "--model", ns.model]
-    else:
-        argv = [PY, "-m", "engine.cli", "engine", "--model", ns.model, "--port", str(port), "--instance-id", name,
-                "--num-blocks", str(num_blocks), "--log-level", "warning"]
-        if ns.threads_per_engine:
-            argv += ["--num-threads", str(ns.threads_per_engine)]
-    return Proc(argv + ns.engine_arg, f"http://127.0.0.1:{port}", log_dir, name)
-
-
-def start_router(ns, log_dir: str, replicas: list[str], policy: str, model: str | None) -> Proc:
-    port = free_port()
-    argv = [PY, "-m", "router.main", "--port", str(port), "--policy", policy, "--model", model or "",
-            "--replicas", ",".join(replicas), "--log-level", "warning"]
-    return Proc(argv, f"http://127.0.0.1:{port}", log_dir, f"router-{policy}")
 
 
 # -- workload ------------------------------------------------------------------------------------------------
@@ -199,13 +136,6 @@ def _follow_ups_home(trace) -> float:
     return same / total if total else float("nan")
 
 
-def pct(xs, p) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))]
-
-
 def measure(base_url: str, engine_urls: list[str], sessions, ns, salt: str, tokenizer) -> dict:
     q0, h0 = fleet_prefix_counters(engine_urls)
     res = asyncio.run(run_sessions(base_url, sessions, ns, salt, tokenizer))
@@ -255,7 +185,7 @@ def cmd_policies(ns) -> dict:
                                                             tokenizer)
             print_row("single-replica-whole-cache", results["single-replica-whole-cache"])
     finally:
-        for p in procs:
+        for p in reversed(procs):  # routers first: engines then have no open event streams
             p.stop()
     summary = {}
     if "kv" in results and "single-replica-whole-cache" in results:
@@ -277,147 +207,6 @@ def print_row(name: str, r: dict) -> None:
           f"{r['follow_ups_home']:4.0%})  TTFT p50 {r['ttft_p50_ms']:8.1f} ms  p99 {r['ttft_p99_ms']:8.1f} ms"
           f"  {r['req_per_s']:6.2f} req/s  {r['out_tok_per_s']:7.1f} tok/s  errors {r['errors']}  "
           f"split {sorted(r['by_replica'].values())}", flush=True)
-
-
-# -- router overhead -----------------------------------------------------------------------------------------
-OVERHEAD_BODY = {"model": "smollm2", "max_tokens": 8,
-                 "messages": [{"role": "system", "content": "You are a helpful assistant. " * 20},
-                              {"role": "user", "content": "What is the capital of France?"}]}
-
-
-def overhead_body(rng: random.Random, stream: bool) -> bytes:
-    """A shared system prompt and a fresh ~30-word user message, so every request costs real tokenization."""
-    body = {**OVERHEAD_BODY, "stream": stream}
-    body["messages"] = [OVERHEAD_BODY["messages"][0], {"role": "user", "content": words(rng, 30) + "?"}]
-    return json.dumps(body).encode()
-
-
-def latencies(url: str, n: int, stream: bool, seed: int = 0) -> list[float]:
-    out = []
-    rng = random.Random(seed)
-    headers = {"content-type": "application/json"}
-    with httpx.Client(timeout=30) as c:
-        for _ in range(n):
-            body = overhead_body(rng, stream)
-            t0 = time.perf_counter()
-            if stream:
-                with c.stream("POST", url + "/v1/chat/completions", content=body, headers=headers) as r:
-                    for _ in r.iter_raw():
-                        pass
-            else:
-                c.post(url + "/v1/chat/completions", content=body, headers=headers).raise_for_status()
-            out.append(time.perf_counter() - t0)
-    return out
-
-
-def _client_proc(url: str, concurrency: int, duration: float, q) -> None:
-    """One load-generator process: `concurrency` connections issuing streamed requests back to back
-    (aiohttp: a cheap client, so the router, not the client, is what saturates)."""
-    import aiohttp
-
-    async def main():
-        done = errors = 0
-        rng = random.Random(os.getpid())
-        bodies = [overhead_body(rng, True) for _ in range(256)]
-        deadline = time.perf_counter() + duration
-        headers = {"content-type": "application/json"}
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as s:
-            async def loop():
-                nonlocal done, errors
-                while time.perf_counter() < deadline:
-                    try:
-                        body = bodies[(done + errors) % len(bodies)]
-                        async with s.post(url + "/v1/chat/completions", data=body, headers=headers) as r:
-                            async for _ in r.content.iter_any():
-                                pass
-                            ok = r.status == 200
-                    except (aiohttp.ClientError, asyncio.TimeoutError):
-                        ok = False
-                    done += ok
-                    errors += not ok
-            await asyncio.gather(*(loop() for _ in range(concurrency)))
-        q.put((done, errors))
-    asyncio.run(main())
-
-
-def streamed_rps(url: str, ns) -> tuple[float, int]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    per = max(1, ns.concurrency // ns.client_procs)
-    ps = [ctx.Process(target=_client_proc, args=(url, per, ns.duration, q)) for _ in range(ns.client_procs)]
-    t0 = time.perf_counter()
-    for p in ps:
-        p.start()
-    res = [q.get() for _ in ps]
-    wall = time.perf_counter() - t0
-    for p in ps:
-        p.join()
-    return sum(d for d, _ in res) / min(wall, ns.duration + 1.0), sum(e for _, e in res)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def cmd_overhead(ns) -> dict:
-    log_dir = tempfile.mkdtemp(prefix="router-bench-")
-    procs = []
-    try:
-        fakes = [Proc([PY, "-m", "loadtest.fake_engine", "--port", str(p := free_port()), "--instance-id", f"f{i}",
-                       "--chunks", str(ns.chunks)], f"http://127.0.0.1:{p}", log_dir, f"fake-{i}")
-                 for i in range(ns.upstreams)]
-        procs += fakes
-        for f in fakes:
-            f.wait_ready()
-        router = start_router(ns, log_dir, [f.url for f in fakes], ns.policy, ns.model)
-        procs.append(router)
-        router.wait_ready()
-        direct_url = fakes[0].url
-        latencies(router.url, 50, False)  # warm up both paths
-        latencies(direct_url, 50, False)
-        res = {}
-        for stream in (False, True):
-            d, r = [], []
-            cpu0 = cpu_seconds(router.popen.pid)
-            for k in range(ns.requests // 50 or 1):  # interleave, so drift hits both equally
-                d += latencies(direct_url, 50, stream, seed=k)
-                r += latencies(router.url, 50, stream, seed=k)
-            tag = "stream" if stream else "json"
-            res[f"{tag}_router_cpu_ms_per_request"] = (cpu_seconds(router.popen.pid) - cpu0) / len(r) * 1e3
-            res[f"{tag}_direct_p50_ms"], res[f"{tag}_direct_p99_ms"] = pct(d, 50) * 1e3, pct(d, 99) * 1e3
-            res[f"{tag}_router_p50_ms"], res[f"{tag}_router_p99_ms"] = pct(r, 50) * 1e3, pct(r, 99) * 1e3
-            res[f"{tag}_added_p50_ms"] = res[f"{tag}_router_p50_ms"] - res[f"{tag}_direct_p50_ms"]
-            res[f"{tag}_added_p99_ms"] = res[f"{tag}_router_p99_ms"] - res[f"{tag}_direct_p99_ms"]
-            print(f"{tag:6s}: direct p50 {res[f'{tag}_direct_p50_ms']:.2f} ms p99 {res[f'{tag}_direct_p99_ms']:.2f} ms"
-                  f" | router p50 {res[f'{tag}_router_p50_ms']:.2f} ms p99 {res[f'{tag}_router_p99_ms']:.2f} ms"
-                  f" | added p50 {res[f'{tag}_added_p50_ms']:.2f} ms (target < 2) p99 {res[f'{tag}_added_p99_ms']:.2f} ms"
-                  f" | router CPU {res[f'{tag}_router_cpu_ms_per_request']:.2f} ms/request", flush=True)
-        m = httpx.get(router.url + "/metrics").text
-        for line in m.splitlines():
-            if line.startswith("kvfleet_router_routing_decision_seconds_sum"):
-                dsum = float(line.split()[-1])
-            if line.startswith("kvfleet_router_routing_decision_seconds_count"):
-                dcount = float(line.split()[-1])
-        res["decision_mean_us"] = dsum / max(dcount, 1) * 1e6
-        print(f"routing decision (tokenize + hash + score), mean: {res['decision_mean_us']:.0f} us", flush=True)
-        cpu0 = cpu_seconds(router.popen.pid)
-        rps, errs = streamed_rps(router.url, ns)
-        res["router_cpu_s_per_s_at_load"] = (cpu_seconds(router.popen.pid) - cpu0) / ns.duration
-        res["router_streamed_rps"], res["router_stream_errors"] = rps, errs
-        drps, _ = streamed_rps(direct_url, ns)
-        res["direct_streamed_rps"] = drps
-        print(f"streamed requests/s through one router: {rps:.0f} (target >= 1000; errors {errs}); "
-              f"one fake upstream directly: {drps:.0f}; ratio {rps / max(drps, 1e-9):.2f} "
-              f"({ns.upstreams} upstreams, {ns.concurrency} connections, {ns.client_procs} client processes, "
-              f"{os.cpu_count()} CPUs); router CPU use under that load: "
-              f"{res['router_cpu_s_per_s_at_load']:.2f} cores", flush=True)
-        return res
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

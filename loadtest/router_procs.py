@@ -1,0 +1,74 @@
+"""Processes for the router benchmarks: engines (real or fake) and routers on loopback, each in its own
+process group, stopped (TERM, then KILL) by the caller."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+PY = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    def __init__(self, argv: list[str], url: str, log_dir: str, name: str):
+        self.url, self.name = url, name
+        self.log_path = os.path.join(log_dir, f"{name}.log")
+        self.log = open(self.log_path, "ab")
+        self.popen = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                      env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+    def wait_ready(self, timeout: float = 600.0, path: str = "/ready") -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.popen.returncode}); see {self.log_path}")
+            try:
+                if httpx.get(self.url + path, timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name} not ready after {timeout}s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+        self.log.close()
+
+
+def start_engine(ns, log_dir: str, name: str, num_blocks: int) -> Proc:
+    port = free_port()
+    if ns.engine_module:
+        argv = [PY, "-m", ns.engine_module, "--port", str(port), "--instance-id", name, "--model", ns.model]
+    else:
+        argv = [PY, "-m", "engine.cli", "engine", "--model", ns.model, "--port", str(port), "--instance-id", name,
+                "--num-blocks", str(num_blocks), "--log-level", "warning"]
+        if ns.threads_per_engine:
+            argv += ["--num-threads", str(ns.threads_per_engine)]
+    return Proc(argv + ns.engine_arg, f"http://127.0.0.1:{port}", log_dir, name)
+
+
+def start_router(ns, log_dir: str, replicas: list[str], policy: str, model: str | None) -> Proc:
+    port = free_port()
+    argv = [PY, "-m", "router.main", "--port", str(port), "--policy", policy, "--model", model or "",
+            "--replicas", ",".join(replicas), "--log-level", "warning"]
+    return Proc(argv, f"http://127.0.0.1:{port}", log_dir, f"router-{policy}")
+
+

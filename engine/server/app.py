@@ -77,7 +77,10 @@ class BodyLimit:
 
 
 def build_app(config: ServerConfig, engine=None, engine_factory: Callable[[], object] | None = None,
-              metrics: EngineMetrics | None = None, on_load_error: Callable[[str], None] | None = None) -> FastAPI:
+              metrics: EngineMetrics | None = None, on_load_error: Callable[[str], None] | None = None,
+              on_engine_dead: Callable[[str], None] | None = None) -> FastAPI:
+    """on_load_error / on_engine_dead: called (once) when the model fails to load / the engine loop dies;
+    main() exits non-zero then, so a supervisor restarts the replica instead of keeping a zombie."""
     state = ServerState(config, None)
     metrics = metrics or EngineMetrics(config.model_name, stats=lambda: state.engine.stats() if state.engine else None,
                                        extra_info=lambda: {"instance_id": config.instance_id})
@@ -93,6 +96,14 @@ def build_app(config: ServerConfig, engine=None, engine_factory: Callable[[], ob
             state.load_error = f"{type(e).__name__}: {e}"
             if on_load_error:
                 on_load_error(state.load_error)
+            return
+        while not state.closing:  # watchdog: /health and /ready turn 503 at once; main() exits
+            await asyncio.sleep(0.5)
+            if state.engine_dead:
+                logger.error("engine loop died: %s", state.engine.dead)
+                if on_engine_dead:
+                    on_engine_dead(f"engine loop died: {state.engine.dead}")
+                return
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         return AsyncLLMEngine(engine_args)
 
     server: DrainingServer | None = None
-    app = build_app(config, engine_factory=make_engine, on_load_error=lambda msg: server and server.fail(msg))
+    app = build_app(config, engine_factory=make_engine, on_load_error=lambda msg: server and server.fail(msg),
+                    on_engine_dead=lambda msg: server and server.fail(msg))
     uv_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=ns.access_log,
                                timeout_graceful_shutdown=5, lifespan="on")
     server = DrainingServer(uv_config, app.state.server, ns.drain_timeout)

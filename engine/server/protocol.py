@@ -61,7 +61,7 @@ class _SamplingRequest(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=100.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_p: float | None = Field(None, ge=1e-8, le=1.0)  # a smaller top_p rounds to 0 in float32: keep nothing
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -73,7 +73,8 @@ class _SamplingRequest(BaseModel):
     # vLLM extras
     top_k: int | None = Field(None, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    # below ~1e-37 logits / penalty overflow to inf; 0.01 is already a 100x sharpening
+    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None

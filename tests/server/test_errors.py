@@ -22,6 +22,7 @@ CASES = [
     ("chat", {**CHAT, "temperature": "hot"}, 400, "temperature"),
     ("chat", {**CHAT, "temperature": -0.5}, 400, "temperature"),
     ("chat", {**CHAT, "top_p": 0}, 400, "top_p"),
+    ("completions", {**COMP, "top_p": 5e-324}, 400, "top_p"),  # found by fuzzing
     ("chat", {**CHAT, "n": 0}, 400, "n"),
     ("chat", {**CHAT, "n": 1000}, 400, "n"),
     ("chat", {**CHAT, "stream": "yes"}, 400, "stream"),
@@ -35,6 +36,8 @@ CASES = [
     ("chat", {**CHAT, "stop": [""]}, 400, "stop"),
     ("chat", {**CHAT, "seed": 1.5}, 400, "seed"),
     ("chat", {**CHAT, "presence_penalty": 3}, 400, "presence_penalty"),
+    ("chat", {**CHAT, "repetition_penalty": 2.2250738585072014e-308}, 400, "repetition_penalty"),  # found by fuzzing
+    ("chat", {**CHAT, "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("chat", {**CHAT, "min_tokens": 5}, 400, "min_tokens"),
     ("chat", {**CHAT, "stop_token_ids": [-1]}, 400, "stop_token_ids[0]"),
     ("chat", {**CHAT, "messages": []}, 400, "messages"),

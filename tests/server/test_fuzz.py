@@ -7,6 +7,8 @@ request that would run long is cut by the client timeout, which also exercises a
 
 from __future__ import annotations
 
+import os
+
 import httpx
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -39,7 +41,7 @@ def call(url: str, method: str, path: str, **kw) -> int | None:
 def test_mutated_bodies_never_5xx(api_server):
     statuses: list[int | None] = []
 
-    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=int(os.environ.get("KVFLEET_FUZZ_EXAMPLES", "60")), deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(chat=st.booleans(), field=st.sampled_from(FIELDS), value=json_values, drop=st.booleans())
     def check(chat, field, value, drop):
         body = dict(VALID_CHAT if chat else VALID_COMPLETION)
@@ -65,7 +67,7 @@ def test_schemathesis_openapi_never_5xx(api_server):
     strategy = st.one_of([op.as_strategy() for op in ops if op.path != "/v1/kv/events"])  # endless stream
     seen: list[int | None] = []
 
-    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=int(os.environ.get("KVFLEET_FUZZ_EXAMPLES", "60")), deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(case=strategy)
     def check(case):
         try:

@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(ns)
     except RouterConfigError as e:
-        print(f"kvfleet router: error: --{e.field.replace('_', '-')}: {e.msg}", file=sys.stderr)
+        flag = e.field[:-2] if e.field.endswith("_s") else e.field
+        print(f"kvfleet router: error: --{flag.replace('_', '-')}: {e.msg}", file=sys.stderr)
         return 2
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn

@@ -122,6 +122,15 @@ def test_openai_client_through_the_router_matches_the_engine(procs, fleet):
     assert [m.id for m in via.models.list().data] == [m.id for m in direct.models.list().data]
     with pytest.raises(openai.BadRequestError):  # engine validation errors come through as they are
         via.chat.completions.create(model="smollm2", messages=msgs, max_tokens=-1)
+    # a client that hangs up mid-stream: the router closes the upstream stream and the engine aborts
+    before = sum(metric(httpx.get(e.url + "/metrics").text, "kvfleet:aborted_requests_total") for e in fleet)
+    with httpx.stream("POST", r.url + "/v1/chat/completions", timeout=120, json={
+            "model": "smollm2", "messages": msgs, "max_tokens": 500, "ignore_eos": True, "stream": True,
+            "cache_salt": "abort"}) as resp:
+        lines = resp.iter_lines()
+        next(lines)
+    wait_for(lambda: sum(metric(httpx.get(e.url + "/metrics").text, "kvfleet:aborted_requests_total")
+                         for e in fleet) == before + 1, timeout=30, what="engine aborted the request")
 
 
 async def _one(client: httpx.AsyncClient, url: str, i: int) -> tuple[float, str, str]:

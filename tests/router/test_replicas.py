@@ -110,3 +110,16 @@ def test_config_validation_names_the_field():
     assert cfg.policy == "kv" and cfg.discovery == "static"
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.policy = "session"  # type: ignore[misc]
+
+
+def test_cli_errors_name_the_flag(capsys):
+    from router.main import build_parser, config_from_args, main
+
+    assert main(["--replicas", "http://a:1", "--scrape-stale", "0.1"]) == 2
+    assert "--scrape-stale: must be >= scrape_interval_s" in capsys.readouterr().err
+    assert main(["--replicas", "ftp://x"]) == 2
+    assert "--replicas: not an http(s) base URL" in capsys.readouterr().err
+    cfg = config_from_args(build_parser().parse_args(["--dns-name", "engine.ns.svc", "--policy", "session"]))
+    assert (cfg.discovery, cfg.dns_name, cfg.policy) == ("dns", "engine.ns.svc", "session")
+    cfg = config_from_args(build_parser().parse_args(["--replicas", "http://a:1/, http://b:2", "--model", ""]))
+    assert cfg.replicas == ("http://a:1", "http://b:2") and cfg.model is None

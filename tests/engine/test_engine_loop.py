@@ -51,8 +51,9 @@ PROMPT = [(i * 7919) % 40000 + 3 for i in range(37)]  # 37 tokens: 2 full blocks
                       "original_max_position_embeddings": 64}},
     {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
     {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}},
+    {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
     {"tie_word_embeddings": True, "num_key_value_heads": 1, "attention_bias": True},
-], ids=["default", "llama3", "linear", "yarn", "tied-mqa-bias"])
+], ids=["default", "llama3", "linear", "yarn", "dynamic", "tied-mqa-bias"])
 def test_decoder_matches_hf_greedy(tmp_path, overrides):
     path = make_tiny_llama(str(tmp_path / "m"), seed=1, **overrides)
     llm = LLM(path, dtype="float32", num_blocks=32, max_num_seqs=4, max_model_len=1024, num_threads=1)

@@ -94,6 +94,10 @@ class LLMEngine:
         if self.max_model_len > config.max_position_embeddings and rope_type == "default":
             raise EngineArgsError("--max-model-len", f"{self.max_model_len} exceeds the model's context length "
                                                      f"({config.max_position_embeddings})")
+        if config.sliding_window and self.max_model_len > config.sliding_window:
+            raise EngineArgsError("--max-model-len", f"{self.max_model_len} exceeds the model's sliding attention "
+                                                     f"window ({config.sliding_window}), which is not implemented; "
+                                                     f"use --max-model-len {config.sliding_window} or less")
         self.model, self.hf_config = model or load_model(self.source, self.dtype, self.device, self.max_model_len)
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.source)

@@ -43,6 +43,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_parameters: dict = field(default_factory=dict, compare=False, hash=False)
     model_type: str = "llama"
+    sliding_window: int | None = None  # attention window of Mistral-style models (full attention within it)
 
     @classmethod
     def from_hf(cls, hf) -> ModelConfig:
@@ -66,7 +67,8 @@ class ModelConfig:
             qkv_bias=bool(getattr(hf, "attention_bias", False)) or model_type == "qwen2",
             o_bias=bool(getattr(hf, "attention_bias", False)) and model_type != "qwen2",
             mlp_bias=bool(getattr(hf, "mlp_bias", False)), rope_theta=float(theta),
-            rope_parameters=rope, model_type=model_type)
+            rope_parameters=rope, model_type=model_type,
+            sliding_window=(getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None))
 
 
 def rope_inv_freq(config: ModelConfig, hf_config=None, max_len: int | None = None) -> tuple[torch.Tensor, float]:

@@ -2,7 +2,7 @@
 
 Request models are strict (no "5" for an int, no true for a number, no NaN) and validate ranges, so
 bad input is rejected at the edge with a 400 that names the field. Responses are plain dicts built
-in `engine.server.responses`; only requests need models.
+by the handlers (chat.py, completions.py); only requests need models.
 """
 
 from __future__ import annotations

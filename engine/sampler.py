@@ -183,6 +183,7 @@ def _best_tokens(x: torch.Tensor, rows: list[int], temp: torch.Tensor, top_k: li
         norm = torch.where(kr <= c, torch.logsumexp(vals, dim=-1), lse[pending])
         probs = torch.exp(vals - norm.unsqueeze(1))
         keep &= (probs.cumsum(dim=-1) - probs < pr.unsqueeze(1)) | (pr >= 1.0).unsqueeze(1)
+        keep[:, 0] = True  # the best token always survives (a top_p that rounds to 0 in float32 too)
         keep &= vals >= vals[:, :1] + log_min_p[pending].unsqueeze(1)
         vals = vals.masked_fill(~keep, float("-inf"))
         done = (kr <= c) | (c == vocab) | ~keep[:, -1]

@@ -54,8 +54,8 @@ class SamplingParams:
         _check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
         _check(self.top_k == -1 or self.top_k >= 0, "top_k", f"top_k must be -1, 0 or positive, got {self.top_k}")
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
-        _check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty",
-               f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        _check(0.01 <= self.repetition_penalty <= 10.0, "repetition_penalty",
+               f"repetition_penalty must be in [0.01, 10], got {self.repetition_penalty}")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",

@@ -378,3 +378,17 @@ def test_filtered_rows_follow_the_renormalized_distribution():
         for t in range(5):
             want = kept.get(t, 0.0) / total
             assert abs(freq[t].item() - want) < 0.02, (params, t, freq.tolist())
+
+
+def test_top_p_that_rounds_to_zero_keeps_the_best_token():
+    logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(3))
+    seqs = [Sequence("a", [1, 2, 3], SamplingParams(top_p=1e-300)),
+            Sequence("b", [1, 2, 3], SamplingParams(top_p=1e-300, top_k=5))]
+    out = Sampler(seed=0)(logits, seqs, 2)
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_repetition_penalty_below_the_floor_is_refused():
+    with pytest.raises(SamplingParamsError) as err:
+        SamplingParams(repetition_penalty=2.2e-308)
+    assert err.value.param == "repetition_penalty"

@@ -29,13 +29,13 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 from loadtest.workload import generate_trace  # noqa: E402
 
 
-def build_trace(llm: LLM, n: int, seed: int, prompt_mean: float, min_out: int, max_out: int
+def build_trace(tokenizer, n: int, seed: int, prompt_mean: float, min_out: int, max_out: int
                 ) -> list[tuple[list[int], int]]:
     """Chat-templated prompts whose token lengths (template included) are log-normal around prompt_mean."""
-    overhead = len(llm.tokenizer.apply_chat_template([{"role": "user", "content": ""}]))
+    overhead = len(tokenizer.apply_chat_template([{"role": "user", "content": ""}]))
     reqs = generate_trace(n, seed=seed, mode="single", mean_prompt_tokens=max(8.0, prompt_mean - overhead),
                           min_output_tokens=min_out, max_output_tokens=max_out)
-    return [(llm.tokenizer.apply_chat_template(list(r.messages)), r.max_tokens) for r in reqs]
+    return [(tokenizer.apply_chat_template(list(r.messages)), r.max_tokens) for r in reqs]
 
 
 def model_flops_per_token(cfg, context: float) -> float:
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
     llm = make_llm(args.max_num_seqs)
     threads = torch.get_num_threads()
-    trace = build_trace(llm, args.num_requests, args.seed, args.prompt_mean, args.min_output, args.max_output)
+    trace = build_trace(llm.tokenizer, args.num_requests, args.seed, args.prompt_mean, args.min_output, args.max_output)
     prompt_lens = [len(p) for p, _ in trace]
     print(f"model {source.path}  dtype {dtype}  threads {threads}")
     print(f"trace: {len(trace)} requests, prompt tokens mean {sum(prompt_lens) / len(trace):.1f} "

@@ -8,7 +8,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.router.conftest import ROOT
+
+pytestmark = pytest.mark.model  # the kv router and the bench load the SmolLM2 tokenizer
 
 
 def run_bench(tmp_path, *args: str) -> dict:

@@ -131,11 +131,12 @@ class SliceTracker:
         self.slices = {s.metadata.name: endpoint_slice_urls(s, self.port_name, self.scheme) for s in slices}
 
     def apply(self, event_type: str, endpoint_slice) -> None:
-        name = endpoint_slice.metadata.name
+        """ADDED / MODIFIED / DELETED change one slice; anything else (BOOKMARK) changes nothing."""
         if event_type == "DELETED":
-            self.slices.pop(name, None)
+            self.slices.pop(endpoint_slice.metadata.name, None)
         elif event_type in ("ADDED", "MODIFIED"):
-            self.slices[name] = endpoint_slice_urls(endpoint_slice, self.port_name, self.scheme)
+            self.slices[endpoint_slice.metadata.name] = endpoint_slice_urls(endpoint_slice, self.port_name,
+                                                                            self.scheme)
 
     def urls(self) -> list[str]:
         return sorted({u for urls in self.slices.values() for u in urls})

@@ -177,7 +177,7 @@ def test_slice_tracker_follows_watch_events():
     t.apply("ADDED", _slice("c", [(["10.0.0.2"], {"ready": True})]))  # same pod in two slices: once
     t.apply("DELETED", _slice("b", []))
     assert t.urls() == ["http://10.0.0.2:8000", "http://10.0.0.7:8000"]
-    t.apply("BOOKMARK", _slice("c", []))
+    t.apply("BOOKMARK", None)
     assert t.urls() == ["http://10.0.0.2:8000", "http://10.0.0.7:8000"]
 
 

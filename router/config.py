@@ -25,11 +25,12 @@ class RouterConfigError(ValueError):
 class ScoringConfig:
     """Weights and limits of the routing score (pure policy inputs)."""
 
-    # Cost of one request already on a replica, in prefill-token equivalents: a waiting one is a whole
-    # prompt to prefill first; a running one shares the batch for its remaining decode steps (cheap on a
-    # GPU's memory-bound decode, dearer on compute-bound CPU engines: lower it for GPU fleets).
+    # Load in prefill-token equivalents: each KV token held by running requests (their contexts being
+    # decoded), each waiting request (a whole prompt to prefill first), each running request (per-sequence
+    # overhead in every step).
+    kv_token_cost: float = 1.0
     waiting_cost_tokens: float = 256.0
-    running_cost_tokens: float = 128.0
+    running_cost_tokens: float = 32.0
     # A replica is overloaded (no affinity, no cache misses) past either limit.
     overload_waiting: int = 8  # waiting requests + requests sent since the last scrape
     overload_kv_usage: float = 0.95
@@ -38,7 +39,7 @@ class ScoringConfig:
     session_vnodes: int = 64
 
     def validate(self) -> None:
-        for name in ("waiting_cost_tokens", "running_cost_tokens"):
+        for name in ("kv_token_cost", "waiting_cost_tokens", "running_cost_tokens"):
             if not getattr(self, name) >= 0:
                 raise RouterConfigError(name, f"must be >= 0, got {getattr(self, name)}")
         if self.overload_waiting < 1:

@@ -6,11 +6,13 @@ slowdown from sharing batches with requests already running:
 
     cost = (prompt tokens - predicted cached tokens)
            + uncached prompt tokens this router sent there since the last scrape
+           + kv_token_cost * KV tokens held by running requests (kv_usage * capacity)
            + waiting_cost * waiting + running_cost * (running + sent since the last scrape)
 
-(`running`/`waiting` as scraped, less this router's requests that finished since the scrape.) Running
-requests cost little (continuous batching interleaves their decode steps with a new prefill); waiting ones
-cost a whole unknown prompt each.
+(`running`/`waiting` as scraped, less this router's requests that finished since the scrape.) The active
+KV tokens weigh the contexts being decoded there, 1:1 with prefill tokens by default (as Dynamo's KV router
+does); they keep a long shared prefix from piling every session onto one replica. Each running request adds
+a little per-sequence overhead; each waiting one is a whole unknown prompt ahead.
 
 An overloaded replica (long waiting queue or KV usage past the limit) is left out for this request only:
 affinity yields per request, and a cache miss never goes to an overloaded replica. When no replica holds
@@ -39,6 +41,7 @@ class ReplicaView:
     routable: bool = True  # ready, circuit not open, not already tried for this request
     load_known: bool = True  # the last /metrics scrape is fresh
     kv_usage: float = 0.0
+    kv_tokens: float = 0.0  # KV cache tokens held by running requests (kv_usage * capacity; 0 if unknown)
     running: int = 0
     waiting: int = 0
     new_requests: int = 0  # sent by this router since the last scrape, still in flight
@@ -69,6 +72,7 @@ class Load:
     waiting: float
     kv_usage: float
     new_tokens: float
+    kv_tokens: float
 
 
 def _scraped(v: ReplicaView) -> tuple[int, int]:
@@ -86,17 +90,17 @@ def effective_loads(views: Sequence[ReplicaView]) -> list[Load]:
         if v.load_known:
             running, waiting = _scraped(v)
             load = Load(running + waiting + v.new_requests, running + v.new_requests, waiting, v.kv_usage,
-                        v.new_tokens)
+                        v.new_tokens, v.kv_tokens)
             known.append(load)
             out.append(load)
         else:
             out.append(None)
     worst = Load(max((ld.queued for ld in known), default=0), max((ld.running for ld in known), default=0),
                  max((ld.waiting for ld in known), default=0), max((ld.kv_usage for ld in known), default=0.0),
-                 max((ld.new_tokens for ld in known), default=0))
+                 max((ld.new_tokens for ld in known), default=0), max((ld.kv_tokens for ld in known), default=0.0))
     return [ld if ld is not None else
             Load(max(worst.queued, v.inflight), max(worst.running, v.inflight), worst.waiting, worst.kv_usage,
-                 max(worst.new_tokens, v.new_tokens))
+                 max(worst.new_tokens, v.new_tokens), worst.kv_tokens)
             for v, ld in zip(views, out, strict=True)]
 
 
@@ -109,7 +113,8 @@ def is_overloaded(view: ReplicaView, cfg: ScoringConfig) -> bool:
 
 def cost(view: ReplicaView, load: Load, req: RouteRequest, cfg: ScoringConfig) -> float:
     uncached = max(req.num_prompt_tokens - view.cached_tokens, 0)
-    return uncached + load.new_tokens + cfg.waiting_cost_tokens * load.waiting + cfg.running_cost_tokens * load.running
+    return (uncached + load.new_tokens + cfg.kv_token_cost * load.kv_tokens
+            + cfg.waiting_cost_tokens * load.waiting + cfg.running_cost_tokens * load.running)
 
 
 def _pool(views: Sequence[ReplicaView], cfg: ScoringConfig) -> tuple[list[int], bool]:

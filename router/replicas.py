@@ -4,6 +4,7 @@ circuit breaker. Pure state with the clock passed in; the I/O that feeds it live
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from router.policy import ReplicaView
@@ -66,6 +67,12 @@ class EngineLoad:
     waiting: int = 0
     prefix_queries: float = 0.0
     prefix_hits: float = 0.0
+    kv_capacity_tokens: float = 0.0  # num_gpu_blocks * block_size from vllm:cache_config_info (0: unknown)
+
+    @property
+    def kv_tokens(self) -> float:
+        """Tokens of KV cache held by running requests (their whole contexts)."""
+        return self.kv_usage * self.kv_capacity_tokens
 
 
 _LOAD_METRICS = {
@@ -80,6 +87,10 @@ _LOAD_METRICS = {
 }
 
 
+_BLOCK_SIZE = re.compile(r'[{,]block_size="(\d+)"')
+_NUM_BLOCKS = re.compile(r'[{,]num_gpu_blocks="(\d+)"')
+
+
 def parse_engine_metrics(text: str) -> EngineLoad:
     """The load figures from an engine's Prometheus text (vLLM names), summed over label sets."""
     sums: dict[str, float] = {}
@@ -91,7 +102,13 @@ def parse_engine_metrics(text: str) -> EngineLoad:
             k = line.find(ch)
             if 0 <= k < end:
                 end = k
-        field = _LOAD_METRICS.get(line[:end])
+        name = line[:end]
+        if name == "vllm:cache_config_info":
+            bs, nb = _BLOCK_SIZE.search(line), _NUM_BLOCKS.search(line)
+            if bs and nb:
+                sums["kv_capacity_tokens"] = float(bs.group(1)) * float(nb.group(1))
+            continue
+        field = _LOAD_METRICS.get(name)
         if field is None:
             continue
         value_part = line[line.rfind("}") + 1:] if line[end:end + 1] == "{" else line[end:]
@@ -102,7 +119,7 @@ def parse_engine_metrics(text: str) -> EngineLoad:
         sums[field] = sums.get(field, 0.0) + value
     return EngineLoad(kv_usage=sums.get("kv_usage", 0.0), running=int(sums.get("running", 0)),
                       waiting=int(sums.get("waiting", 0)), prefix_queries=sums.get("prefix_queries", 0.0),
-                      prefix_hits=sums.get("prefix_hits", 0.0))
+                      prefix_hits=sums.get("prefix_hits", 0.0), kv_capacity_tokens=sums.get("kv_capacity_tokens", 0.0))
 
 
 @dataclass(slots=True, eq=False)
@@ -145,7 +162,8 @@ class ReplicaState:
         load = self.load if known and self.load is not None else EngineLoad()
         new = [t for t in self.tickets if t.dispatched_at > self.covered_until]
         return ReplicaView(url=self.url, routable=not excluded and self.routable(now), load_known=known,
-                           kv_usage=load.kv_usage, running=load.running, waiting=load.waiting,
+                           kv_usage=load.kv_usage, kv_tokens=load.kv_tokens, running=load.running,
+                           waiting=load.waiting,
                            new_requests=len(new), new_tokens=sum(t.tokens for t in new), finished=self.finished,
                            inflight=len(self.tickets), cached_tokens=cached_tokens)
 

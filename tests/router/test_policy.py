@@ -60,6 +60,22 @@ def test_affinity_weighs_saved_prefill_against_load_per_request():
     assert (d.url, d.cost) == (B, 600)
 
 
+def test_a_long_shared_prefix_does_not_pile_every_session_onto_one_replica():
+    # only A holds the 1024-token system prompt, but it is decoding 3 sessions (4500 KV tokens),
+    # B one (1500): A = 176 + 4500 + 96, B = 1200 + 1500 + 32 → B
+    views = [ReplicaView(A, cached_tokens=1024, running=3, kv_tokens=4500),
+             ReplicaView(B, running=1, kv_tokens=1500)]
+    d = choose_by_cache(views, RouteRequest(1200), CFG)
+    assert (d.url, d.cost) == (B, 2732)
+    # with one session each, the cached prefix wins: 176 + 1500 + 32 < 1200 + 1500 + 32
+    views = [ReplicaView(A, cached_tokens=1024, running=1, kv_tokens=1500),
+             ReplicaView(B, running=1, kv_tokens=1500)]
+    assert choose_by_cache(views, RouteRequest(1200), CFG).url == A
+    # unknown load takes the worst fresh KV tokens too
+    views = [ReplicaView(A, load_known=False), ReplicaView(B, kv_tokens=800)]
+    assert [ld.kv_tokens for ld in effective_loads(views)] == [800, 800]
+
+
 def test_requests_finished_since_the_scrape_no_longer_count():
     # A's scrape showed 1 running + 3 waiting; 2 of them (ours) finished since: 0 running, 2 waiting left
     views = [ReplicaView(A, cached_tokens=512, running=1, waiting=3, finished=2), ReplicaView(B)]

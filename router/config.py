@@ -28,7 +28,7 @@ class ScoringConfig:
     # Load in prefill-token equivalents: each KV token held by running requests (their contexts being
     # decoded), each waiting request (a whole prompt to prefill first), each running request (per-sequence
     # overhead in every step).
-    kv_token_cost: float = 1.0
+    kv_token_cost: float = 0.5
     waiting_cost_tokens: float = 256.0
     running_cost_tokens: float = 32.0
     # A replica is overloaded (no affinity, no cache misses) past either limit.

@@ -10,8 +10,8 @@ slowdown from sharing batches with requests already running:
            + waiting_cost * waiting + running_cost * (running + sent since the last scrape)
 
 (`running`/`waiting` as scraped, less this router's requests that finished since the scrape.) The active
-KV tokens weigh the contexts being decoded there, 1:1 with prefill tokens by default (as Dynamo's KV router
-does); they keep a long shared prefix from piling every session onto one replica. Each running request adds
+KV tokens weigh the contexts being decoded there (0.5 per prefill token by default; Dynamo's KV router uses
+1:1); they keep a long shared prefix from piling every session onto one replica. Each running request adds
 a little per-sequence overhead; each waiting one is a whole unknown prompt ahead.
 
 An overloaded replica (long waiting queue or KV usage past the limit) is left out for this request only:

@@ -17,7 +17,8 @@ from router.policy import (
     is_overloaded,
 )
 
-CFG = ScoringConfig(waiting_cost_tokens=256, running_cost_tokens=32, overload_waiting=8, overload_kv_usage=0.95)
+CFG = ScoringConfig(kv_token_cost=0.5, waiting_cost_tokens=256, running_cost_tokens=32, overload_waiting=8,
+                    overload_kv_usage=0.95)
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 
 
@@ -62,12 +63,12 @@ def test_affinity_weighs_saved_prefill_against_load_per_request():
 
 def test_a_long_shared_prefix_does_not_pile_every_session_onto_one_replica():
     # only A holds the 1024-token system prompt, but it is decoding 3 sessions (4500 KV tokens),
-    # B one (1500): A = 176 + 4500 + 96, B = 1200 + 1500 + 32 → B
+    # B one (1500): A = 176 + 0.5 * 4500 + 96 = 2522, B = 1200 + 0.5 * 1500 + 32 = 1982 → B
     views = [ReplicaView(A, cached_tokens=1024, running=3, kv_tokens=4500),
              ReplicaView(B, running=1, kv_tokens=1500)]
     d = choose_by_cache(views, RouteRequest(1200), CFG)
-    assert (d.url, d.cost) == (B, 2732)
-    # with one session each, the cached prefix wins: 176 + 1500 + 32 < 1200 + 1500 + 32
+    assert (d.url, d.cost) == (B, 1982)
+    # with one session each, the cached prefix wins: 176 + 750 + 32 < 1200 + 750 + 32
     views = [ReplicaView(A, cached_tokens=1024, running=1, kv_tokens=1500),
              ReplicaView(B, running=1, kv_tokens=1500)]
     assert choose_by_cache(views, RouteRequest(1200), CFG).url == A

@@ -123,14 +123,24 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can run on a weight pre-packed for oneDNN (bf16 on CPUs: no repacking per call)."""
+    """nn.Linear with optional CPU fast paths: a weight pre-packed for oneDNN (bf16: no repacking per call)
+    and, for weights that are exactly 4-bit group-quantized (GGUF Q4_0/Q4_1 checkpoints), an int4 copy used
+    for the few-row (memory-bound) steps, where reading a quarter of the bytes makes decode faster."""
 
     packed: torch.Tensor | None = None
+    int4: tuple[torch.Tensor, torch.Tensor] | None = None  # (packed 4-bit weight, [K/32, N, 2] scales/zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4[0], INT4_GROUP, self.int4[1])
+            return out if self.bias is None else out + self.bias
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+INT4_GROUP = 32
+INT4_MAX_ROWS = 4  # decode steps of up to this many rows (measured: 1.6-1.9x at 1 row, 1.3x at 4); AMX bf16 wins beyond
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -140,6 +150,27 @@ def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
 
 def prepack(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+
+
+def exact_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The weight as 4-bit values with a scale and zero per 32 inputs, if that reproduces it (up to the
+    rounding of the model dtype): true for checkpoints that were 4-bit quantized, false for float ones."""
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return None
+    w = weight.detach().float()
+    n, k = w.shape
+    if k % INT4_GROUP or n % 16:
+        return None
+    g = w.view(n, k // INT4_GROUP, INT4_GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    step = (hi - lo) / 15
+    q = torch.round((g - lo[..., None]) / torch.where(step > 0, step, 1.0)[..., None]).clamp_(0, 15)
+    err = (q * step[..., None] + lo[..., None] - g).abs()
+    if bool((err > 0.15 * step[..., None] + 1e-12).any()):
+        return None  # not 4-bit data (a float checkpoint; rounding to bf16 stays far below this): keep bf16
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(n, k).to(torch.int32), 1)
+    scales_zeros = torch.stack([step, lo + 8 * step], dim=-1).transpose(0, 1).contiguous().to(weight.dtype)
+    return packed, scales_zeros
 
 
 class Attention(nn.Module):
@@ -228,6 +259,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.packed = prepack(module.weight)
+                module.int4 = exact_int4(module.weight)
         self._lm_head_packed = prepack(self.lm_head_weight)
         return True
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from router.prefix_index import leading_matches
+
 
 class ApproxPrefixIndex:
     def __init__(self, max_blocks: int):
@@ -43,18 +45,4 @@ class ApproxPrefixIndex:
 
     def matched_blocks(self, block_hashes: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
         """Per replica, how many leading blocks of the chain were routed to it (and not yet forgotten)."""
-        remaining = set(replicas)
-        out = dict.fromkeys(remaining, 0)
-        matched = 0
-        for h in block_hashes:
-            if not remaining:
-                break
-            holders = self._lru.get(h)
-            still = remaining & holders if holders else set()
-            for r in remaining - still:
-                out[r] = matched
-            remaining = still
-            matched += 1
-        for r in remaining:
-            out[r] = matched
-        return out
+        return leading_matches(block_hashes, set(replicas), self._lru)

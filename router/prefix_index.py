@@ -8,7 +8,7 @@ subscriber (kv_events.py) feeds it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from engine.kv.hashing import hash_blocks
 
@@ -70,21 +70,27 @@ class PrefixIndex:
 
     def matched_blocks(self, block_hashes: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
         """Per replica, how many leading blocks of the chain it holds."""
-        remaining = {r for r in replicas if r in self._blocks}
-        out = dict.fromkeys(remaining, 0)
-        matched = 0
-        for h in block_hashes:
-            if not remaining:
-                break
-            holders = self._holders.get(h)
-            still = remaining & holders if holders else set()
-            for r in remaining - still:
-                out[r] = matched
-            remaining = still
-            matched += 1
-        for r in remaining:
+        return leading_matches(block_hashes, {r for r in replicas if r in self._blocks}, self._holders)
+
+
+def leading_matches(block_hashes: Sequence[int], replicas: set[str],
+                    holders_of: Mapping[int, set[str]]) -> dict[str, int]:
+    """Per replica, how many leading blocks of the chain holders_of says it holds."""
+    remaining = set(replicas)
+    out = dict.fromkeys(remaining, 0)
+    matched = 0
+    for h in block_hashes:
+        if not remaining:
+            break
+        holders = holders_of.get(h)
+        still = remaining & holders if holders else set()
+        for r in remaining - still:
             out[r] = matched
-        return out
+        remaining = still
+        matched += 1
+    for r in remaining:
+        out[r] = matched
+    return out
 
 
 def cacheable_blocks(num_tokens: int, block_size: int) -> int:

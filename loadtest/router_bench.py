@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api", choices=("chat", "tokens"), default="chat",
                    help="chat messages (the router tokenizes) or token-id prompts via /v1/completions")
     p.add_argument("--engine-arg", action="append", default=[], help="extra engine flag (repeatable)")
+    p.add_argument("--router-arg", action="append", default=[],
+                   help="extra router flag (repeatable), e.g. --router-arg=--kv-token-cost=0")
     o = sub.add_parser("overhead", help="router latency overhead and streamed requests/s vs a fake engine")
     o.add_argument("--requests", type=int, default=1000, help="sequential requests per path for latency")
     o.add_argument("--duration", type=float, default=10.0, help="seconds of the throughput run")

@@ -69,6 +69,6 @@ def start_router(ns, log_dir: str, replicas: list[str], policy: str, model: str 
     port = free_port()
     argv = [PY, "-m", "router.main", "--port", str(port), "--policy", policy, "--model", model or "",
             "--replicas", ",".join(replicas), "--log-level", "warning"]
-    return Proc(argv, f"http://127.0.0.1:{port}", log_dir, f"router-{policy}")
+    return Proc(argv + list(getattr(ns, "router_arg", [])), f"http://127.0.0.1:{port}", log_dir, f"router-{policy}")
 
 

@@ -26,9 +26,10 @@ class ScoringConfig:
     """Weights and limits of the routing score (pure policy inputs)."""
 
     # Load in prefill-token equivalents: each KV token held by running requests (their contexts being
-    # decoded), each waiting request (a whole prompt to prefill first), each running request (per-sequence
-    # overhead in every step).
-    kv_token_cost: float = 0.5
+    # decoded; off by default: at 0.5 it sent follow-ups away from their history, see loadtest/RESULTS.md),
+    # each waiting request (a whole prompt to prefill first), each running request (per-sequence overhead
+    # in every step).
+    kv_token_cost: float = 0.0
     waiting_cost_tokens: float = 256.0
     running_cost_tokens: float = 32.0
     # A replica is overloaded (no affinity, no cache misses) past either limit.

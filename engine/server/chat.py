@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from engine.outputs import RequestOutput
 from engine.server import serving
-from engine.server.errors import APIError, bad_request, error_body
+from engine.server.errors import APIError, bad_request
 from engine.server.generation import engine_error, prime, run
 from engine.server.protocol import ChatCompletionRequest
 from engine.server.serving import ServerState
@@ -111,11 +111,8 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, gen: AsyncIter
                         chunk["usage"] = serving.usage([out])
                     yield sse(chunk)
     except Exception as e:
-        err = engine_error(e)
-        yield sse(error_body(err.status, err.message, err.param, err.code))
+        yield serving.stream_error(e)
     else:
-        if not serving.completed(last):
-            yield sse(error_body(503, "the request was aborted before it finished", None, "aborted"))
-        elif include_usage:
-            yield sse({**base, "choices": [], "usage": serving.usage([last])})
+        if (end := serving.stream_end(base, [last], include_usage)) is not None:
+            yield end
     yield SSE_DONE

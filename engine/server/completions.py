@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from engine.outputs import RequestOutput
 from engine.server import serving
-from engine.server.errors import APIError, bad_request, error_body
+from engine.server.errors import APIError, bad_request
 from engine.server.generation import engine_error, merge, prime, run
 from engine.server.protocol import CompletionRequest
 from engine.server.serving import ServerState
@@ -135,12 +135,8 @@ async def _stream(state: ServerState, req: CompletionRequest, outs: AsyncIterato
                         chunk["usage"] = serving.usage([out])
                     yield sse(chunk)
     except Exception as e:
-        err = engine_error(e)
-        yield sse(error_body(err.status, err.message, err.param, err.code))
+        yield serving.stream_error(e)
     else:
-        finals = [last.get(k) for k in range(num_prompts)]
-        if not all(serving.completed(f) for f in finals):
-            yield sse(error_body(503, "the request was aborted before it finished", None, "aborted"))
-        elif include_usage:
-            yield sse({**base, "choices": [], "usage": serving.usage(finals)})
+        if (end := serving.stream_end(base, [last.get(k) for k in range(num_prompts)], include_usage)) is not None:
+            yield end
     yield SSE_DONE

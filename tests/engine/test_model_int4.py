@@ -8,9 +8,6 @@ import torch
 from engine.model import llama
 from engine.model.llama import Linear, exact_int4
 
-pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"),
-                                reason="this torch build has no CPU int4 matmul")
-
 
 def _q4_weight(n: int = 64, k: int = 128, seed: int = 0) -> torch.Tensor:
     """What a GGUF Q4_1 tensor dequantizes to: q * d + m per 32 inputs, q in 0..15 (min and max used)."""

@@ -3,6 +3,9 @@
     kvfleet up                      # router on http://127.0.0.1:8000, engines on :8001 and :8002
     kvfleet up --replicas 3 --policy round-robin -- --max-num-seqs 8   # flags after -- go to every engine
 
+Each engine is pinned to its own slice of the usable cores (--cpu-cores), so replicas do not compete for the
+same ones; with fewer cores than replicas nothing is pinned (--no-pin-cores turns pinning off).
+
 Every child runs in its own process group (and gets SIGTERM if this launcher dies), waits until all are ready,
 prints where to send requests, and on Ctrl-C / SIGTERM stops the router first, then drains the engines; whatever
 has not exited after --stop-timeout is killed, group by group. No orphans.
@@ -21,6 +24,7 @@ import time
 
 import httpx
 
+from engine.cpu_cores import core_slices, format_cpu_list
 from router.config import POLICIES
 
 _PR_SET_PDEATHSIG = 1
@@ -96,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="kv", choices=POLICIES)
     p.add_argument("--threads-per-engine", type=int, default=None,
                    help="torch threads per engine (default: the usable cores split evenly)")
+    p.add_argument("--pin-cores", action=argparse.BooleanOptionalAction, default=True,
+                   help="pin each engine to its own slice of the usable cores (threads-per-engine of them, at most "
+                        "an even split); skipped when there are fewer cores than replicas (default: on)")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every process")
     p.add_argument("--stop-timeout", type=float, default=15.0, help="seconds each stage may take to exit")
     p.add_argument("--log-dir", default=None, help="where process logs go (default: a new temporary directory)")
@@ -117,6 +124,18 @@ def _check(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--port {ns.port} collides with the engine ports {ns.engine_port}..")
     if ns.threads_per_engine is not None and ns.threads_per_engine < 1:
         parser.error("--threads-per-engine must be >= 1")
+
+
+def engine_argv(ns: argparse.Namespace, py: str, i: int, threads: int, cores: tuple[int, ...] | None) -> list[str]:
+    """Replica i's command line (before the flags after --); threads and cores only for the real engine."""
+    base = [py, "-m", ns.engine_module] if ns.engine_module else [py, "-m", "engine.cli", "engine"]
+    argv = [*base, "--model", ns.model, "--host", ns.host, "--port", str(ns.engine_port + i),
+            "--instance-id", f"replica-{i}"]
+    if not ns.engine_module:
+        argv += ["--num-threads", str(threads), "--log-level", "warning"]
+        if cores:
+            argv += ["--cpu-cores", format_cpu_list(cores)]
+    return argv
 
 
 def _wait_ready(children: list[Child], timeout: float, stopping) -> str | None:
@@ -149,7 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     extra = ns.engine_args[1:] if ns.engine_args[:1] == ["--"] else ns.engine_args
     log_dir = ns.log_dir or tempfile.mkdtemp(prefix="kvfleet-up-")
     os.makedirs(log_dir, exist_ok=True)
-    threads = ns.threads_per_engine or max(1, len(os.sched_getaffinity(0)) // ns.replicas)
+    usable = sorted(os.sched_getaffinity(0))
+    threads = ns.threads_per_engine or max(1, len(usable) // ns.replicas)
+    pin = ns.pin_cores and not ns.engine_module  # a fake engine has no --cpu-cores
+    slices = core_slices(usable, ns.replicas, threads) if pin else None
+    if pin and slices is None:
+        print(f"kvfleet up: {len(usable)} usable core(s) for {ns.replicas} replicas: engines are not pinned to cores",
+              file=sys.stderr, flush=True)
     stop = {"signal": None}
 
     def on_signal(sig, frame):
@@ -161,15 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     engines = []
     print(f"kvfleet up: {ns.replicas} engine replica(s) of {ns.model} + a {ns.policy} router (logs in {log_dir})",
           flush=True)
+    if slices:
+        print(f"  engine cores: {' | '.join(format_cpu_list(c) for c in slices)}", flush=True)
     try:
         for i in range(ns.replicas):
             port = ns.engine_port + i
             url = f"http://{ns.host}:{port}"
-            base = [py, "-m", ns.engine_module] if ns.engine_module else [py, "-m", "engine.cli", "engine"]
-            argv_i = [*base, "--model", ns.model, "--host", ns.host, "--port", str(port),
-                      "--instance-id", f"replica-{i}"]
-            if not ns.engine_module:
-                argv_i += ["--num-threads", str(threads), "--log-level", "warning"]
+            argv_i = engine_argv(ns, py, i, threads, slices[i] if slices else None)
             children.append(Child(f"engine-{i}", [*argv_i, *extra], url, os.path.join(log_dir, f"engine-{i}.log")))
             engines.append(url)
         router_url = f"http://{ns.host}:{ns.port}"

@@ -8,8 +8,10 @@ ValueError whose `flag` names the command-line flag (e.g. "--max-num-seqs").
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, fields
 
+from engine.cpu_cores import format_cpu_list, parse_cpu_list
 from engine.kv.hashing import DEFAULT_HASH_SEED
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -42,6 +44,7 @@ class EngineArgs:
     hash_seed: int = DEFAULT_HASH_SEED
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; default: every core this process may use
+    cpu_cores: str | None = None  # Linux CPU list ("0", "0-1", "0,2-3") to pin the engine to; default: no pinning
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and self.model.strip() != "", "--model", "must be a model name or path")
@@ -73,6 +76,8 @@ class EngineArgs:
         _int("--seed", self.seed, 0)
         if self.num_threads is not None:
             _int("--num-threads", self.num_threads, 1)
+        if self.cpu_cores is not None:
+            _cpu_cores(self.cpu_cores)
 
     @property
     def model_name(self) -> str:
@@ -118,7 +123,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--hash-seed", type=int, default=d.hash_seed,
                    help="seed of the prefix block hashes (must match the routers')")
     g.add_argument("--seed", type=int, default=d.seed, help="seed of requests sampled without their own seed")
-    g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch (default: all usable cores)")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="CPU threads for torch (default: all usable cores, i.e. those of --cpu-cores if given)")
+    g.add_argument("--cpu-cores", default=None,
+                   help="pin the engine process to these cores, a Linux CPU list like 0, 0-1 or 0,2-3 "
+                        "(default: no pinning)")
     return parser
 
 
@@ -130,6 +139,17 @@ def _check(ok: bool, flag: str, message: str) -> None:
 def _int(flag: str, value: object, minimum: int) -> None:
     _check(isinstance(value, int) and not isinstance(value, bool), flag, f"must be an integer, got {value!r}")
     _check(value >= minimum, flag, f"must be >= {minimum}, got {value}")
+
+
+def _cpu_cores(text: object) -> None:
+    try:
+        cores = parse_cpu_list(text)
+    except ValueError as e:
+        raise EngineArgsError("--cpu-cores", str(e)) from None
+    usable = os.sched_getaffinity(0)
+    outside = set(cores) - usable
+    _check(not outside, "--cpu-cores", f"{text!r} names core(s) {format_cpu_list(outside)} that this process may "
+                                       f"not use; usable: {format_cpu_list(usable)}")
 
 
 def _choice(flag: str, value: object, choices: tuple[str, ...]) -> None:

@@ -19,6 +19,7 @@ import torch
 from engine.args import EngineArgs, EngineArgsError
 from engine.attention import get_attention_backend
 from engine.config import CacheConfig, SchedulerConfig
+from engine.cpu_cores import parse_cpu_list, pin_process
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv.events import KVEvent
 from engine.kv.manager import KVCacheManager
@@ -79,6 +80,8 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, model=None):
         """model: an already loaded (LlamaForCausalLM, hf_config) of args.model to reuse (tests, benchmarks)."""
         self.args = args
+        if args.cpu_cores is not None:  # first, so the torch threads below start on these cores
+            pin_process(parse_cpu_list(args.cpu_cores))
         threads = args.num_threads or len(os.sched_getaffinity(0))
         torch.set_num_threads(threads)
         self.device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()

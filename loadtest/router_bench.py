@@ -1,4 +1,4 @@
-"""Router benchmarks.
+r"""Router benchmarks.
 
 `policies`: the same seeded multi-turn + shared-system-prompt workload through each routing policy on a local
 2-replica fleet; prints the fleet prefix-cache hit rate (from the engines' own /metrics), TTFT p50/p99 and
@@ -7,6 +7,13 @@ gets on the same workload (target >= 0.9), and round-robin's TTFT p50 over kv's.
 
     python -m loadtest.router_bench policies --sessions 32 --turns 4 --concurrency 4
     python -m loadtest.router_bench policies --engine-module loadtest.fake_engine --api tokens   # smoke, no model
+
+Prefill-heavy (agent / document chats: each turn adds ~300 user + 100 reply tokens of history, so a follow-up
+that misses its cache re-prefills 1-2k tokens; the longest prompt is ~2.2k tokens, well inside SmolLM2's 8192
+and the default 1024 blocks x 16 tokens per replica), each replica pinned to its own core with one thread:
+
+    python -m loadtest.router_bench policies --policies kv,round-robin --pin-cores --mean-user-tokens 300 \
+        --reply-tokens 100 --max-tokens 16 --sessions 24 --turns 4 --concurrency 4
 
 Each policy gets a fresh router and its own `cache_salt`, so it starts from caches that hold none of its
 prompts (hashes are salted) without reloading the engines; the single-replica reference runs a separate
@@ -42,7 +49,7 @@ def build_sessions(ns) -> list[list[dict]]:
     each resend the whole history. Returns per session its list of message lists."""
     trace = generate_trace(ns.sessions * ns.turns, seed=ns.seed, mode="multi_turn", turns_per_session=ns.turns,
                            mean_prompt_tokens=ns.mean_user_tokens, min_output_tokens=ns.max_tokens,
-                           max_output_tokens=ns.max_tokens)
+                           max_output_tokens=ns.max_tokens, reply_tokens=ns.reply_tokens)
     systems = [words(random.Random(f"{ns.seed}-sys-{k}"), ns.system_tokens) for k in range(ns.system_prompts)]
     sessions: dict[str, list[list[dict]]] = {}
     for req in trace:
@@ -152,12 +159,14 @@ def cmd_policies(ns) -> dict:
         from engine.tokenizer import load_tokenizer
         tokenizer = load_tokenizer(ns.model)
     sessions = build_sessions(ns)
+    longest = max(sum(len(m["content"].split()) + 4 for m in turns[-1]) for turns in sessions)
     print(f"workload: {len(sessions)} sessions x {ns.turns} turns, {ns.system_prompts} shared system prompts of "
-          f"~{ns.system_tokens} tokens, max_tokens {ns.max_tokens}, concurrency {ns.concurrency}; logs {log_dir}")
+          f"~{ns.system_tokens} tokens, longest prompt ~{longest} tokens, max_tokens {ns.max_tokens}, "
+          f"concurrency {ns.concurrency}; logs {log_dir}")
     results: dict[str, dict] = {}
     procs: list[Proc] = []
     try:
-        engines = [start_engine(ns, log_dir, f"replica-{i}", ns.num_blocks) for i in range(ns.replicas)]
+        engines = [start_engine(ns, log_dir, f"replica-{i}", ns.num_blocks, i) for i in range(ns.replicas)]
         procs += engines
         for e in engines:
             e.wait_ready()
@@ -223,7 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=4, help="sessions in flight at once")
     p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per replica")
-    p.add_argument("--threads-per-engine", type=int, default=None)
+    p.add_argument("--reply-tokens", type=int, default=None,
+                   help="words of each earlier assistant reply in the history (default: max-tokens // 2)")
+    p.add_argument("--threads-per-engine", type=int, default=None,
+                   help="torch threads per engine (default: all usable cores, 1 with --pin-cores)")
+    p.add_argument("--pin-cores", action="store_true",
+                   help="pin engine replica i to usable core i %% their count (the single-replica reference: the "
+                        "first core)")
     p.add_argument("--no-single-reference", dest="single_reference", action="store_false",
                    help="skip the one-replica-with-the-whole-cache reference run")
     p.add_argument("--api", choices=("chat", "tokens"), default="chat",
@@ -245,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--engine-module", default=None, help="engine as `python -m MODULE` (e.g. loadtest.fake_engine)")
         q.add_argument("--json", default=None, help="write the figures to this file")
     ns = ap.parse_args(argv)
+    if ns.cmd == "policies" and ns.reply_tokens is not None and ns.reply_tokens < 1:
+        ap.error(f"--reply-tokens must be >= 1, got {ns.reply_tokens}")
     out = cmd_policies(ns) if ns.cmd == "policies" else cmd_overhead(ns)
     if ns.json:
         with open(ns.json, "w") as f:

@@ -53,15 +53,21 @@ class Proc:
         self.log.close()
 
 
-def start_engine(ns, log_dir: str, name: str, num_blocks: int) -> Proc:
+def start_engine(ns, log_dir: str, name: str, num_blocks: int, index: int = 0) -> Proc:
+    """With ns.pin_cores, the real engine `index` runs on usable core index % their count, 1 thread by default."""
     port = free_port()
     if ns.engine_module:
         argv = [PY, "-m", ns.engine_module, "--port", str(port), "--instance-id", name, "--model", ns.model]
     else:
         argv = [PY, "-m", "engine.cli", "engine", "--model", ns.model, "--port", str(port), "--instance-id", name,
                 "--num-blocks", str(num_blocks), "--log-level", "warning"]
-        if ns.threads_per_engine:
-            argv += ["--num-threads", str(ns.threads_per_engine)]
+        pin = getattr(ns, "pin_cores", False)
+        threads = ns.threads_per_engine or (1 if pin else None)
+        if threads:
+            argv += ["--num-threads", str(threads)]
+        if pin:
+            cores = sorted(os.sched_getaffinity(0))
+            argv += ["--cpu-cores", str(cores[index % len(cores)])]
     return Proc(argv + ns.engine_arg, f"http://127.0.0.1:{port}", log_dir, name)
 
 

@@ -8,8 +8,8 @@ work. Modes:
 - `shared_system`: every request starts with one of a few long system prompts (RAG/agent style),
   so a prefix cache can serve most of the prompt.
 - `multi_turn`: sessions of several turns; turn k repeats the whole conversation so far (with a
-  deterministic stand-in for the assistant's earlier replies), so turn k's prompt extends turn
-  k-1's.
+  deterministic stand-in for the assistant's earlier replies, `reply_tokens` words each, by default
+  half the turn's output length), so turn k's prompt extends turn k-1's.
 
 `read_mooncake` turns the Mooncake conversation trace (lengths, arrival times and prefix-block ids,
 no text) into chat requests whose texts share exactly the prefixes the trace says they share.
@@ -87,12 +87,16 @@ def lognormal_length(rng: random.Random, mean: float, sigma: float, lo: int, hi:
 def generate_trace(num_requests: int, seed: int = 0, mode: str = "single", *, mean_prompt_tokens: float = 60,
                    sigma: float = 0.6, max_prompt_tokens: int = 1024, min_output_tokens: int = 16,
                    max_output_tokens: int = 128, num_system_prompts: int = 4, system_prompt_tokens: int = 256,
-                   turns_per_session: int = 4, request_rate: float | None = None) -> list[ChatRequest]:
-    """A seeded list of chat requests. request_rate (req/s) adds Poisson arrival offsets."""
+                   turns_per_session: int = 4, request_rate: float | None = None,
+                   reply_tokens: int | None = None) -> list[ChatRequest]:
+    """A seeded list of chat requests. request_rate (req/s) adds Poisson arrival offsets; reply_tokens sets the
+    length in words of multi_turn's stand-in assistant replies (default: half the turn's max_tokens)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if num_requests < 0 or min_output_tokens < 1 or max_output_tokens < min_output_tokens:
         raise ValueError("need num_requests >= 0 and 1 <= min_output_tokens <= max_output_tokens")
+    if reply_tokens is not None and reply_tokens < 1:
+        raise ValueError(f"reply_tokens must be >= 1, got {reply_tokens}")
     rng = random.Random(seed)
     systems = [words(random.Random(f"{seed}-system-{i}"), system_prompt_tokens) for i in range(num_system_prompts)]
     out: list[ChatRequest] = []
@@ -117,7 +121,7 @@ def generate_trace(num_requests: int, seed: int = 0, mode: str = "single", *, me
             history = sessions.setdefault(sid, [])
             msgs = [*history, user]
             # a deterministic stand-in for the assistant's reply, so the next turn's prefix is known
-            reply = {"role": "assistant", "content": words(rng, n_out // 2)}
+            reply = {"role": "assistant", "content": words(rng, n_out // 2 if reply_tokens is None else reply_tokens)}
             sessions[sid] = [*msgs, reply]
             session = f"session-{sid}"
         approx = sum(len(m["content"].split()) + 4 for m in msgs)

@@ -13,6 +13,8 @@ import time
 import httpx
 import pytest
 
+from deploy.local import build_parser, engine_argv
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -125,6 +127,17 @@ def test_up_rejects_bad_flags(tmp_path):
     proc, _ = start_up(tmp_path, "--replicas", "0")
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 2 and "--replicas must be >= 1" in out
+
+
+def test_engine_argv_pins_only_the_real_engine():
+    ns = build_parser().parse_args(["--engine-port", "9001"])
+    assert ns.pin_cores and not build_parser().parse_args(["--no-pin-cores"]).pin_cores
+    argv = engine_argv(ns, "py", 1, 2, (2, 3))
+    assert argv == ["py", "-m", "engine.cli", "engine", "--model", "smollm2", "--host", "127.0.0.1", "--port", "9002",
+                    "--instance-id", "replica-1", "--num-threads", "2", "--log-level", "warning", "--cpu-cores", "2-3"]
+    assert "--cpu-cores" not in engine_argv(ns, "py", 0, 1, None)
+    fake = build_parser().parse_args(["--engine-module", "loadtest.fake_engine"])
+    assert engine_argv(fake, "py", 0, 1, (0,))[-2:] == ["--instance-id", "replica-0"]  # no threads, no cores
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -45,11 +46,25 @@ def test_defaults_and_cli_round_trip():
     ("model", " ", "--model"),
     ("served_model_name", "", "--served-model-name"),
     ("max_num_seqs", True, "--max-num-seqs"),
+    ("cpu_cores", "", "--cpu-cores"),
+    ("cpu_cores", "0-", "--cpu-cores"),
+    ("cpu_cores", "1-0", "--cpu-cores"),
+    ("cpu_cores", "zero", "--cpu-cores"),
+    ("cpu_cores", 0, "--cpu-cores"),
+    ("cpu_cores", "8191", "--cpu-cores"),  # valid syntax, but not a core this process may use
 ])
 def test_bad_values_name_the_flag(field, value, flag):
     with pytest.raises(EngineArgsError) as e:
         EngineArgs(**{field: value})
     assert e.value.flag == flag and str(e.value).startswith(flag)
+
+
+def test_cpu_cores_must_be_usable():
+    usable = sorted(os.sched_getaffinity(0))
+    assert _parse("--cpu-cores", str(usable[0])).cpu_cores == str(usable[0])
+    assert _parse().cpu_cores is None
+    with pytest.raises(EngineArgsError, match=rf"--cpu-cores: '{usable[0]},8191' names core\(s\) 8191 that"):
+        _parse("--cpu-cores", f"{usable[0]},8191")
 
 
 def test_cli_rejects_unknown_choices_through_argparse():

@@ -74,3 +74,16 @@ def test_mooncake_prefix_reuse_carries_over():
     assert len(heads) == 1
     others = {" ".join(r.messages[0]["content"].split()[:32]) for r in trace if r.extra["hash_ids"][:1] != [0]}
     assert heads.isdisjoint(others)
+
+
+def test_multi_turn_reply_tokens_sets_the_history_replies():
+    trace = generate_trace(8, seed=5, mode="multi_turn", turns_per_session=4, mean_prompt_tokens=300,
+                           min_output_tokens=16, max_output_tokens=16, reply_tokens=100)
+    replies = [m for r in trace for m in r.messages if m["role"] == "assistant"]
+    assert len(replies) == 2 * (1 + 2 + 3)  # turn k carries k earlier replies, two sessions
+    assert {len(m["content"].split()) for m in replies} == {100}
+    default = generate_trace(8, seed=5, mode="multi_turn", turns_per_session=4, min_output_tokens=16,
+                             max_output_tokens=16)
+    assert {len(m["content"].split()) for r in default for m in r.messages if m["role"] == "assistant"} == {8}
+    with pytest.raises(ValueError, match="reply_tokens"):
+        generate_trace(1, mode="multi_turn", reply_tokens=0)

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install lint clean
+.PHONY: run test install kernels lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -16,10 +16,15 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-run: $(STAMP)
+# the fused CPU kernels, compiled once per machine into ~/.cache/kvfleet (engines fall back to plain
+# PyTorch ops if this fails, and say why)
+kernels: $(STAMP)
+	-$(BIN)/python -m engine.kernels.cpu_ops
+
+run: kernels
 	$(BIN)/kvfleet up
 
-test: $(STAMP)
+test: kernels
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)

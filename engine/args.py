@@ -15,7 +15,7 @@ from engine.cpu_cores import format_cpu_list, parse_cpu_list
 from engine.kv.hashing import DEFAULT_HASH_SEED
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-BACKEND_CHOICES = ("auto", "torch", "triton")
+BACKEND_CHOICES = ("auto", "torch", "cpu", "triton")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
@@ -108,7 +108,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="weights and KV cache dtype; auto = bf16 on GPUs and CPUs with native bf16, else float32")
     g.add_argument("--device", default=d.device, choices=DEVICE_CHOICES, help="auto = cuda if available")
     g.add_argument("--attention-backend", default=d.attention_backend, choices=BACKEND_CHOICES,
-                   help="auto = triton on CUDA, torch otherwise")
+                   help="auto = triton on CUDA; on CPUs the fused C++ kernels (cpu) for bfloat16, torch otherwise")
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
     g.add_argument("--kv-cache-memory", type=float, default=None,
                    help="KV cache size in GiB (default: 2 on CPU, 90%% of free memory on GPU)")

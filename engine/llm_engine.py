@@ -111,7 +111,9 @@ class LLMEngine:
         self.kv = KVCacheManager(CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching, args.hash_seed))
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs,
                                                    self.max_model_len), self.kv)
-        backend = get_attention_backend(args.attention_backend, self.device)
+        backend = get_attention_backend(args.attention_backend, self.device, self.dtype)
+        if backend.name == "cpu":  # the fused kernels serve this model: the layers' glue runs through them too
+            self.model.enable_cpu_kernels()
         self.runner = ModelRunner(self.model, backend, num_blocks, args.block_size, self.device)
         self.sampler = Sampler(seed=args.seed)
         self.requests: dict[str, _Request] = {}

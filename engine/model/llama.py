@@ -116,6 +116,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.weight_f32: torch.Tensor | None = None  # float32 copy for the fused CPU kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # float32: bit-identical to HF's op sequence; reduced precision: one fused op (accumulates in float32)
@@ -183,13 +184,22 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.cpu_kernels = False  # fused rotary (torch.ops.kvfleet_cpu); set by enable_cpu_kernels
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, meta: AttentionMetadata, backend):
+        """rope: (cos, sin) per token, or with the fused CPU kernels (positions, cos_sin table)."""
         t = x.shape[0]
-        qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        qk = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], *rope)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
-        v = qkv[:, self.num_heads + self.num_kv_heads:]
+        qkv = self.qkv_proj(x)
+        rotated = self.num_heads + self.num_kv_heads
+        if self.cpu_kernels:
+            torch.ops.kvfleet_cpu.rotary_(qkv, rope[0], rope[1], rotated, self.head_dim)
+            qkv = qkv.view(t, rotated + self.num_kv_heads, self.head_dim)
+            q, k = qkv[:, : self.num_heads], qkv[:, self.num_heads:rotated]
+        else:
+            qkv = qkv.view(t, rotated + self.num_kv_heads, self.head_dim)
+            qk = apply_rope(qkv[:, :rotated], *rope)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, rotated:]
         k_cache, v_cache = kv_cache
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = backend.forward(q, k_cache, v_cache, meta, self.scale)
@@ -202,8 +212,11 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.cpu_kernels = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernels:
+            return self.down_proj(torch.ops.kvfleet_cpu.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -213,12 +226,26 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
         self.mlp = MLP(config)
+        self.cpu_kernels = False
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h, rope, kv_cache, meta, backend):
-        h = h + self.self_attn(self.input_layernorm(h), rope, kv_cache, meta, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, residual, rope, kv_cache, meta, backend):
+        """(h, residual) -> (h, residual): the residual stream travels beside the sublayer output, so the
+        add that joins them fuses with the next norm. The same additions as HF's layer, in the same order."""
+        if self.cpu_kernels:
+            ops = torch.ops.kvfleet_cpu
+            if residual is None:
+                residual, h = h, ops.rms_norm(h, self.input_layernorm.weight_f32, self.input_layernorm.eps)
+            else:
+                ops.add_rms_norm_(h, residual, self.input_layernorm.weight_f32, self.input_layernorm.eps)
+            h = self.self_attn(h, rope, kv_cache, meta, backend)
+            ops.add_rms_norm_(h, residual, self.post_attention_layernorm.weight_f32, self.post_attention_layernorm.eps)
+            return self.mlp(h), residual
+        residual = h if residual is None else residual + h
+        h = self.self_attn(self.input_layernorm(residual), rope, kv_cache, meta, backend)
+        residual = residual + h
+        return self.mlp(self.post_attention_layernorm(residual)), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -232,6 +259,8 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._lm_head_packed: torch.Tensor | None = None
+        self.cpu_kernels = False
+        self._cos_sin: torch.Tensor | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -241,12 +270,16 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, backend, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits [len(logits_indices), vocab] for the selected rows of the flattened batch."""
         h = self.embed_tokens(input_ids)
-        rope = self.rope(positions, h.dtype)
+        rope = (positions, self._cos_sin) if self.cpu_kernels else self.rope(positions, h.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, rope, kv_cache, meta, backend)
+            h, residual = layer(h, residual, rope, kv_cache, meta, backend)
         if logits_indices is not None:
-            h = h[logits_indices]
-        h = self.norm(h)
+            h, residual = h[logits_indices], residual[logits_indices]
+        if self.cpu_kernels:
+            torch.ops.kvfleet_cpu.add_rms_norm_(h, residual, self.norm.weight_f32, self.norm.eps)
+        else:
+            h = self.norm(residual + h)
         if self._lm_head_packed is not None:
             return torch.ops.mkldnn._linear_pointwise(h, self._lm_head_packed, None, "none", [], "").float()
         return F.linear(h, self.lm_head_weight).float()
@@ -262,6 +295,18 @@ class LlamaForCausalLM(nn.Module):
                 module.int4 = exact_int4(module.weight)
         self._lm_head_packed = prepack(self.lm_head_weight)
         return True
+
+    def enable_cpu_kernels(self) -> None:
+        """Run norms, residual adds, rotary and SiLU through the fused CPU kernels (torch.ops.kvfleet_cpu,
+        loaded by engine.kernels.cpu_ops); they compute in float32 and round once, so reduced-precision
+        results differ from the plain path in the last bit."""
+        half = self.config.head_dim // 2
+        self._cos_sin = torch.cat((self.rope.cos[:, :half], self.rope.sin[:, :half]), dim=1).float().contiguous()
+        for module in self.modules():
+            if hasattr(module, "cpu_kernels"):
+                module.cpu_kernels = True
+            if isinstance(module, RMSNorm):
+                module.weight_f32 = module.weight.detach().float().contiguous()
 
     # ---- weights -------------------------------------------------------------------------------
 

@@ -1,0 +1,463 @@
+// kvfleet CPU kernels: the per-layer glue of a decoder step fused into single calls (what vLLM's _C ops
+// do on CPUs), registered as torch.ops.kvfleet_cpu.*. Every op reads bf16 or float32 tensors, computes in
+// float32 and rounds once per output element. Parallel loops use ATen's thread pool (torch's OpenMP
+// threads), so they share the cores that matmuls use instead of oversubscribing them.
+//
+//   rms_norm(x, w, eps) -> out                       out = x / rms(x) * w, per row
+//   add_rms_norm_(x, residual, w, eps)               residual = x + residual; x = rms_norm(residual)
+//   rotary_(qkv, positions, cos_sin, n_rot_heads)    rotate the first n_rot_heads heads of each row
+//   write_kv(key, value, k_cache, v_cache, slots)    store each token's K/V heads at its cache slot
+//   silu_and_mul(x) -> out                           silu(x[:, :I]) * x[:, I:]
+//   paged_decode_(out, q, k_cache, v_cache, tables, seq_lens, scale)
+//       one query token per sequence over its paged context, grouped-query heads share K/V reads
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+inline void to_f32(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void to_f32(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) d[i] = uint32_t(s[i]) << 16;
+}
+
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+inline void from_f32(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void from_f32(const float* src, c10::BFloat16* dst, int64_t n) {
+  // round to nearest even, NaN stays NaN (what c10::BFloat16's constructor does)
+  const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
+  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t b = s[i];
+    uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+    d[i] = ((b & 0x7FFFFFFFu) > 0x7F800000u) ? uint16_t(0x7FC0) : uint16_t(rounded);
+  }
+}
+
+void check(bool ok, const char* msg) { TORCH_CHECK(ok, "kvfleet_cpu: ", msg); }
+
+void check_float(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "kvfleet_cpu: ", name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat, "kvfleet_cpu: ", name,
+              " must be bfloat16 or float32, got ", t.scalar_type());
+}
+
+// Runs f(scalar) with a value of the tensor's element type (bf16 or float32).
+template <typename F>
+void dispatch(at::ScalarType t, F&& f) {
+  if (t == at::kBFloat16) {
+    f(c10::BFloat16{});
+  } else {
+    f(float{});
+  }
+}
+
+// exp(x) to about 1 ulp from arithmetic alone, so loops calling it vectorize (std::exp does not without
+// -ffast-math): 2^n * e^r with n = round(x / ln 2), |r| <= ln(2) / 2, e^r by its Taylor series to r^7;
+// 0 below e^-70 (negligible next to the softmax maximum's 1, and it keeps denormals out).
+inline float fast_exp(float x) {
+  const bool tiny = x < -70.f;  // 0 below e^-70: no denormal products downstream (they are slow on x86)
+  x = std::min(std::max(x, -70.f), 88.f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return tiny ? 0.f : p * scale;
+}
+
+// ---- RMSNorm -------------------------------------------------------------------------------------
+
+template <typename T>
+void rms_row(const T* x, const float* w, T* out, float* buf, int64_t n, double eps) {
+  to_f32(x, buf, n);
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += buf[i] * buf[i];
+  const float inv = 1.f / std::sqrt(ss / float(n) + float(eps));
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) buf[i] = buf[i] * inv * w[i];
+  from_f32(buf, out, n);
+}
+
+Tensor rms_norm(const Tensor& x, const Tensor& w, double eps) {
+  check_float(x, "x");
+  check(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, hidden] with contiguous rows");
+  check(w.dim() == 1 && w.size(0) == x.size(1), "w must be [hidden]");
+  const Tensor wf = w.scalar_type() == at::kFloat && w.is_contiguous() ? w : w.to(at::kFloat).contiguous();
+  Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0);
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const float* wp = wf.data_ptr<float>();
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      std::vector<float> buf(n);
+      for (int64_t r = b; r < e; ++r) rms_row(xp + r * xs, wp, op + r * n, buf.data(), n, eps);
+    });
+  });
+  return out;
+}
+
+void add_rms_norm_(Tensor& x, Tensor& residual, const Tensor& w, double eps) {
+  check_float(x, "x");
+  check(x.is_contiguous() && residual.is_contiguous() && x.dim() == 2 && residual.sizes() == x.sizes() &&
+            residual.scalar_type() == x.scalar_type(),
+        "x and residual must be contiguous [rows, hidden] tensors of one dtype");
+  check(w.dim() == 1 && w.size(0) == x.size(1), "w must be [hidden]");
+  const Tensor wf = w.scalar_type() == at::kFloat && w.is_contiguous() ? w : w.to(at::kFloat).contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    const float* wp = wf.data_ptr<float>();
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      std::vector<float> a(n), c(n);
+      for (int64_t r = b; r < e; ++r) {
+        to_f32(xp + r * n, a.data(), n);
+        to_f32(rp + r * n, c.data(), n);
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) a[i] += c[i];
+        from_f32(a.data(), rp + r * n, n);  // the residual stream, rounded like an add in this dtype
+        rms_row(rp + r * n, wp, xp + r * n, a.data(), n, eps);
+      }
+    });
+  });
+}
+
+// ---- rotary embedding (rotate-half / NeoX layout) -------------------------------------------------
+
+void rotary_(Tensor& qkv, const Tensor& positions, const Tensor& cos_sin, int64_t n_rot_heads, int64_t head_dim) {
+  check_float(qkv, "qkv");
+  check(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [tokens, heads * head_dim] with contiguous rows");
+  check(qkv.size(1) >= n_rot_heads * head_dim && head_dim % 2 == 0, "qkv rows are shorter than the rotated heads");
+  check(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == qkv.size(0),
+        "positions must be int64 [tokens]");
+  check(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous() && cos_sin.dim() == 2 &&
+            cos_sin.size(1) == head_dim,
+        "cos_sin must be float32 [max_len, head_dim] (cos halves, then sin halves)");
+  const int64_t tokens = qkv.size(0), rs = qkv.stride(0), half = head_dim / 2, max_len = cos_sin.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_len, "kvfleet_cpu: position ", pos[t], " outside the rotary table");
+  const float* cs = cos_sin.data_ptr<float>();
+  dispatch(qkv.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* base = qkv.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, 8, [&](int64_t b, int64_t e) {
+      std::vector<float> x(head_dim), y(head_dim);
+      for (int64_t t = b; t < e; ++t) {
+        const float* c = cs + pos[t] * head_dim;
+        const float* s = c + half;
+        for (int64_t h = 0; h < n_rot_heads; ++h) {
+          scalar_t* p = base + t * rs + h * head_dim;
+          to_f32(p, x.data(), head_dim);
+#pragma omp simd
+          for (int64_t i = 0; i < half; ++i) {
+            y[i] = x[i] * c[i] - x[i + half] * s[i];
+            y[i + half] = x[i + half] * c[i] + x[i] * s[i];
+          }
+          from_f32(y.data(), p, head_dim);
+        }
+      }
+    });
+  });
+}
+
+// ---- KV write ------------------------------------------------------------------------------------
+
+void check_heads(const Tensor& t, const char* name, int64_t heads, int64_t d) {
+  TORCH_CHECK(t.dim() == 3 && t.size(1) == heads && t.size(2) == d && t.stride(2) == 1 && t.stride(1) == d,
+              "kvfleet_cpu: ", name, " must be [tokens, ", heads, ", ", d, "] with contiguous heads");
+}
+
+void write_kv(const Tensor& key, const Tensor& value, Tensor& k_cache, Tensor& v_cache, const Tensor& slots) {
+  check_float(key, "key");
+  check(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+        "caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
+  check(k_cache.scalar_type() == key.scalar_type() && v_cache.scalar_type() == key.scalar_type() &&
+            value.scalar_type() == key.scalar_type(),
+        "key, value and caches must have one dtype");
+  const int64_t hkv = k_cache.size(2), d = k_cache.size(3);
+  check_heads(key, "key", hkv, d);
+  check_heads(value, "value", hkv, d);
+  check(value.size(0) == key.size(0), "key and value must have the same number of tokens");
+  const int64_t n_slots = k_cache.size(0) * k_cache.size(1);
+  check(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == key.size(0),
+        "slot_mapping must be int64 [tokens]");
+  const Tensor sc = slots.contiguous();
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  const int64_t tokens = key.size(0), es = key.element_size();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(sp[t] < n_slots, "kvfleet_cpu: slot ", sp[t], " is outside the cache (", n_slots, " slots)");
+  const size_t bytes = hkv * d * es;
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  char* kd = static_cast<char*>(k_cache.data_ptr());
+  char* vd = static_cast<char*>(v_cache.data_ptr());
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (sp[t] < 0) continue;  // padding: not written
+    std::memcpy(kd + sp[t] * bytes, kp + t * key.stride(0) * es, bytes);
+    std::memcpy(vd + sp[t] * bytes, vp + t * value.stride(0) * es, bytes);
+  }
+}
+
+// ---- SiLU and multiply ---------------------------------------------------------------------------
+
+Tensor silu_and_mul(const Tensor& x) {
+  check_float(x, "x");
+  check(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "x must be [rows, 2 * intermediate]");
+  const int64_t rows = x.size(0), n = x.size(1) / 2, xs = x.stride(0);
+  Tensor out = at::empty({rows, n}, x.options());
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+      std::vector<float> g(n), u(n);
+      for (int64_t r = b; r < e; ++r) {
+        to_f32(xp + r * xs, g.data(), n);
+        to_f32(xp + r * xs + n, u.data(), n);
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) g[i] = g[i] / (1.f + fast_exp(-g[i])) * u[i];
+        from_f32(g.data(), op + r * n, n);
+      }
+    });
+  });
+  return out;
+}
+
+// ---- paged decode attention ----------------------------------------------------------------------
+
+// softmax numerators in place over each of `rows` rows of `len` scores; their sums in sum[rows]
+inline void softmax_rows(float* sc, int64_t rows, int64_t len, float* sum) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sj = sc + r * len;
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 0; t < len; ++t) m = sj[t] > m ? sj[t] : m;
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < len; ++t) {
+      sj[t] = fast_exp(sj[t] - m);
+      total += sj[t];
+    }
+    sum[r] = total;
+  }
+}
+
+#ifdef __AVX512F__
+// The decode of one sequence with head_dim D (a multiple of 16) and G query heads per kv head, for one kv
+// head at a time: its G queries (or G accumulators) stay in registers while the sequence's rows stream by.
+template <int D, int G, typename T>
+void decode_seq_avx512(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t len, int64_t bs,
+                       int64_t hkv, float scale, T* out, std::vector<float>& work) {
+  constexpr int V = D / 16;
+  const int64_t hq = hkv * G, row_elems = hkv * D, block_elems = bs * row_elems, nblk = (len + bs - 1) / bs;
+  work.resize(hq * len + hq + hq * D);
+  float* sc = work.data();
+  float* sum = sc + hq * len;
+  float* res = sum + hq;
+  for (int64_t h = 0; h < hkv; ++h) {
+    __m512 qv[G][V];
+    for (int j = 0; j < G; ++j)
+      for (int v = 0; v < V; ++v) qv[j][v] = _mm512_mul_ps(load16(q + (h * G + j) * D + v * 16), _mm512_set1_ps(scale));
+    float* dst = sc + h * G * len;
+    for (int64_t bi = 0; bi < nblk; ++bi) {
+      const T* base = kc + int64_t(table[bi]) * block_elems + h * D;
+      const int64_t n = std::min(bs, len - bi * bs);
+      for (int64_t o = 0; o < n; ++o) {
+        __m512 k[V];
+        for (int v = 0; v < V; ++v) k[v] = load16(base + o * row_elems + v * 16);
+        for (int j = 0; j < G; ++j) {
+          __m512 a = _mm512_mul_ps(qv[j][0], k[0]);
+          for (int v = 1; v < V; ++v) a = _mm512_fmadd_ps(qv[j][v], k[v], a);
+          dst[j * len + bi * bs + o] = _mm512_reduce_add_ps(a);
+        }
+      }
+    }
+  }
+  softmax_rows(sc, hq, len, sum);
+  for (int64_t h = 0; h < hkv; ++h) {
+    __m512 acc[G][V];
+    for (int j = 0; j < G; ++j)
+      for (int v = 0; v < V; ++v) acc[j][v] = _mm512_setzero_ps();
+    const float* p = sc + h * G * len;
+    for (int64_t bi = 0; bi < nblk; ++bi) {
+      const T* base = vc + int64_t(table[bi]) * block_elems + h * D;
+      const int64_t n = std::min(bs, len - bi * bs);
+      for (int64_t o = 0; o < n; ++o) {
+        __m512 x[V];
+        for (int v = 0; v < V; ++v) x[v] = load16(base + o * row_elems + v * 16);
+        const int64_t t = bi * bs + o;
+        for (int j = 0; j < G; ++j) {
+          const __m512 w = _mm512_set1_ps(p[j * len + t]);
+          for (int v = 0; v < V; ++v) acc[j][v] = _mm512_fmadd_ps(w, x[v], acc[j][v]);
+        }
+      }
+    }
+    for (int j = 0; j < G; ++j) {
+      const __m512 inv = _mm512_set1_ps(1.f / sum[h * G + j]);
+      for (int v = 0; v < V; ++v) _mm512_storeu_ps(res + (h * G + j) * D + v * 16, _mm512_mul_ps(acc[j][v], inv));
+    }
+  }
+  from_f32(res, out, hq * D);
+}
+#endif
+
+// The portable decode of one sequence, every head: K and V rows of all kv heads sit together in a block
+// ([block_size, kv_heads, d]), so each block is read front to back once for K and once for V.
+template <typename T>
+void decode_seq(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t len, int64_t bs, int64_t hkv,
+                int64_t g, int64_t d, float scale, T* out, std::vector<float>& work) {
+#ifdef __AVX512F__
+  if (d == 64 && g == 3) return decode_seq_avx512<64, 3>(q, kc, vc, table, len, bs, hkv, scale, out, work);
+  if (d == 64 && g == 4) return decode_seq_avx512<64, 4>(q, kc, vc, table, len, bs, hkv, scale, out, work);
+  if (d == 64 && g == 1) return decode_seq_avx512<64, 1>(q, kc, vc, table, len, bs, hkv, scale, out, work);
+  if (d == 128 && g == 1) return decode_seq_avx512<128, 1>(q, kc, vc, table, len, bs, hkv, scale, out, work);
+  if (d == 128 && g == 2) return decode_seq_avx512<128, 2>(q, kc, vc, table, len, bs, hkv, scale, out, work);
+  if (d == 128 && g == 4) return decode_seq_avx512<128, 4>(q, kc, vc, table, len, bs, hkv, scale, out, work);
+#endif
+  const int64_t hq = hkv * g, row_elems = hkv * d;
+  // work: q (hq*d) | scores (hq*len) | one K/V row (hkv*d) | accumulators (hq*d) | sums (hq)
+  work.resize(hq * d + hq * len + row_elems + hq * d + hq);
+  float* qf = work.data();
+  float* sc = qf + hq * d;
+  float* row = sc + hq * len;
+  float* acc = row + row_elems;
+  float* sum = acc + hq * d;
+  to_f32(q, qf, hq * d);
+  for (int64_t i = 0; i < hq * d; ++i) qf[i] *= scale;
+  const int64_t nblk = (len + bs - 1) / bs, block_elems = bs * row_elems;
+  for (int64_t bi = 0; bi < nblk; ++bi) {  // scores, block by block
+    const T* base = kc + int64_t(table[bi]) * block_elems;
+    const int64_t n = std::min(bs, len - bi * bs);
+    for (int64_t o = 0; o < n; ++o) {
+      to_f32(base + o * row_elems, row, row_elems);
+      float* dst = sc + bi * bs + o;
+      for (int64_t hj = 0; hj < hq; ++hj) {
+        const float* qj = qf + hj * d;
+        const float* kr = row + (hj / g) * d;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = 0; i < d; ++i) s += qj[i] * kr[i];
+        dst[hj * len] = s;
+      }
+    }
+  }
+  softmax_rows(sc, hq, len, sum);
+  std::fill(acc, acc + hq * d, 0.f);
+  for (int64_t bi = 0; bi < nblk; ++bi) {  // weighted sum of V
+    const T* base = vc + int64_t(table[bi]) * block_elems;
+    const int64_t n = std::min(bs, len - bi * bs);
+    for (int64_t o = 0; o < n; ++o) {
+      to_f32(base + o * row_elems, row, row_elems);
+      const int64_t t = bi * bs + o;
+      for (int64_t hj = 0; hj < hq; ++hj) {
+        const float p = sc[hj * len + t];
+        const float* vr = row + (hj / g) * d;
+        float* aj = acc + hj * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) aj[i] += p * vr[i];
+      }
+    }
+  }
+  for (int64_t hj = 0; hj < hq; ++hj) {
+    const float inv = 1.f / sum[hj];
+    for (int64_t i = 0; i < d; ++i) acc[hj * d + i] *= inv;
+  }
+  from_f32(acc, out, hq * d);
+}
+
+void paged_decode_(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                   const Tensor& block_tables, const Tensor& seq_lens, double scale) {
+  check_float(q, "q");
+  check(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && out.is_contiguous() &&
+            out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+        "q must be [seqs, q_heads, head_dim] with contiguous heads, out a contiguous tensor like it");
+  check(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+            k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+        "caches must be contiguous [blocks, block_size, kv_heads, head_dim] of q's dtype");
+  check(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous() &&
+            block_tables.size(0) == q.size(0),
+        "block_tables must be contiguous int32 [seqs, max_blocks]");
+  check(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0),
+        "seq_lens must be int32 [seqs]");
+  const int64_t b = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t nb = k_cache.size(0), bs = k_cache.size(1), hkv = k_cache.size(2);
+  check(k_cache.size(3) == d && hkv > 0 && hq % hkv == 0, "q heads must be a multiple of the cache's kv heads");
+  const int64_t mb = block_tables.size(1), g = hq / hkv, qs = q.stride(0);
+  const int32_t* tp = block_tables.data_ptr<int32_t>();
+  const Tensor lens = seq_lens.contiguous();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  for (int64_t i = 0; i < b; ++i) {
+    TORCH_CHECK(lp[i] >= 1 && (lp[i] + bs - 1) / bs <= mb, "kvfleet_cpu: seq_len ", lp[i], " of sequence ", i,
+                " does not fit its block table (", mb, " blocks of ", bs, ")");
+    for (int64_t j = 0; j < (lp[i] + bs - 1) / bs; ++j)
+      TORCH_CHECK(tp[i * mb + j] >= 0 && tp[i * mb + j] < nb, "kvfleet_cpu: block id ", tp[i * mb + j],
+                  " outside the cache");
+  }
+  dispatch(q.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, b, 1, [&](int64_t s, int64_t e) {
+      std::vector<float> work;
+      for (int64_t i = s; i < e; ++i)
+        decode_seq(qp + i * qs, kp, vp, tp + i * mb, lp[i], bs, hkv, g, d, float(scale), op + i * hq * d, work);
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvfleet_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor w, float eps) -> ()", &add_rms_norm_);
+  m.def("rotary_(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, int n_rot_heads, int head_dim) -> ()", &rotary_);
+  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()", &write_kv);
+  m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
+  m.def("paged_decode_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> ()",
+        &paged_decode_);
+}

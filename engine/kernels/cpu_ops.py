@@ -1,0 +1,89 @@
+"""Load the fused CPU kernels (`cpu_ops.cpp`) as `torch.ops.kvfleet_cpu`.
+
+The C++ source is compiled once per machine with the system's C++ compiler (through torch's extension
+builder and ninja) into ~/.cache/kvfleet/cpu_ops/<source hash>, and loaded from there afterwards;
+concurrent engines starting together build it once (torch locks the build folder). Where no compiler is
+present or the build fails, `load()` says why once and returns False, and the engine keeps the plain
+PyTorch path. `KVFLEET_CPU_KERNELS=torch` turns the kernels off; `python -m engine.kernels.cpu_ops`
+builds them ahead of time (the Makefile does, so the first engine start does not wait for the compiler).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+ENV = "KVFLEET_CPU_KERNELS"  # "auto" (default) or "torch" (off)
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17"]  # -fopenmp: ATen's parallel_for
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def build_dir() -> Path:
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode())
+    root = Path(os.environ.get("KVFLEET_CACHE", Path.home() / ".cache" / "kvfleet"))
+    return root / "cpu_ops" / digest.hexdigest()[:16]
+
+
+def load() -> bool:
+    """True once torch.ops.kvfleet_cpu is usable; False (with one logged reason) where it is not."""
+    with _lock:
+        if "ok" in _state:
+            return bool(_state["ok"])
+        ok, why = _load()
+        _state["ok"], _state["why"] = ok, why
+        if not ok:
+            logger.warning("fused CPU kernels not used (%s): the engine runs plain PyTorch ops", why)
+        return ok
+
+
+def unavailable_reason() -> str | None:
+    return None if load() else str(_state["why"])
+
+
+def _load() -> tuple[bool, str]:
+    mode = os.environ.get(ENV, "auto")
+    if mode == "torch":
+        return False, f"{ENV}=torch"
+    if mode != "auto":
+        return False, f"{ENV} must be 'auto' or 'torch', got {mode!r}"
+    if hasattr(torch.ops, "kvfleet_cpu") and hasattr(torch.ops.kvfleet_cpu, "rms_norm"):
+        return True, ""
+    lib = build_dir()
+    so = lib / "kvfleet_cpu_ops.so"
+    try:
+        if not so.exists():
+            from torch.utils import cpp_extension
+
+            lib.mkdir(parents=True, exist_ok=True)
+            cpp_extension.load(name="kvfleet_cpu_ops", sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                               build_directory=str(lib), is_python_module=False, verbose=False)
+        else:
+            torch.ops.load_library(str(so))
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a build error: keep the torch path
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return False, f"building {SOURCE.name} failed: {first[:300]}"
+    return True, ""
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if load():
+        print(f"kvfleet CPU kernels ready in {build_dir()}")
+        return 0
+    print(f"kvfleet CPU kernels unavailable: {_state['why']}", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

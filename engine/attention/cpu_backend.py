@@ -2,28 +2,69 @@
 
 Decode tokens (one new token per sequence) are attended by one kernel call per layer that reads each
 sequence's K/V straight from its cache blocks (no gather into a padded copy, no mask); grouped-query
-heads share every K/V row they read. The KV write is one call that copies each token's heads to its
-slot. Prefill and extend rows (several new tokens) keep the torch backend's scaled_dot_product_attention,
-which is already efficient for them.
+heads share every K/V row they read. Short prefills and extends ride in the same call: query j of an
+extend is a decode over the first seq_len - q_len + j + 1 keys of its blocks. Long ones use
+scaled_dot_product_attention over their gathered context, whose matrix products win there. The KV write
+is one call that copies each token's heads to its slot.
+
+Everything that depends only on the step's metadata (validation, which rows decode, their block tables,
+each extend's block ids and mask) is worked out once per step, not once per layer: the plan is kept for
+as long as the same AttentionMetadata object comes back.
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
-from engine.attention.backend import check_forward, check_write, output_for
+import torch
+import torch.nn.functional as F
+
+from engine.attention.backend import check_forward, check_lens, check_write, host_lens, output_for
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # what the kernels read; float16 takes the torch path
+# extends at most this big (query rows x context, and context) run in the kernel; larger ones in SDPA
+KERNEL_EXTEND_WORK = 64 * 1024
+KERNEL_EXTEND_CONTEXT = 1024
+
+
+@dataclass(frozen=True)
+class _Extend:
+    start: int  # first query row
+    q_len: int
+    seq_len: int
+    block_ids: torch.Tensor  # int64, the blocks holding its context
+    mask: torch.Tensor | None  # None: plain causal (a fresh prefill)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    decode_rows: slice | torch.Tensor | None  # rows the kernel attends; None: none, slice: rows 0..n-1
+    decode_tables: torch.Tensor | None  # int32 contiguous [n, max_blocks], each row's sequence's table
+    decode_lens: torch.Tensor | None  # int32 [n], the keys each row sees
+    extends: tuple[_Extend, ...]
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._plan_meta: AttentionMetadata | None = None
+        self._plan: _Plan | None = None
+        self._plan_key: tuple = ()
+        self._write_key: tuple = ()
+        self._write_slots: torch.Tensor | None = None
+
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        check_write(key, value, k_cache, v_cache, slot_mapping)
+        # every layer of a step writes the same shapes at the same slots: check them once per step
+        write_key = (key.shape, key.dtype, value.shape, value.dtype, k_cache.shape, k_cache.dtype,
+                     v_cache.shape, v_cache.dtype)
+        if slot_mapping is not self._write_slots or write_key != self._write_key:
+            check_write(key, value, k_cache, v_cache, slot_mapping)
+            self._write_slots, self._write_key = slot_mapping, write_key
         if k_cache.dtype not in KERNEL_DTYPES or key.dtype != k_cache.dtype or value.dtype != k_cache.dtype \
                 or key.stride(-1) != 1 or value.stride(-1) != 1:
             return super().write_kv(key, value, k_cache, v_cache, slot_mapping)
@@ -31,31 +72,86 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-        if meta.max_query_len != 1 or q.shape[0] == 0 or q.dtype not in KERNEL_DTYPES:
+        if q.shape[0] == 0 or q.dtype not in KERNEL_DTYPES:
             return super().forward(q, k_cache, v_cache, meta, scale, out)
-        check_forward(q, k_cache, v_cache, meta)
-        if q.shape[0] != meta.num_seqs:
-            raise ValueError(f"a decode batch has one query row per sequence: {q.shape[0]} rows, "
-                             f"{meta.num_seqs} sequences")
+        plan = self._plan_for(q, k_cache, v_cache, meta)
         out = output_for(q, out)
-        dst = out if out.is_contiguous() else torch.empty_like(q, memory_format=torch.contiguous_format)
-        torch.ops.kvfleet_cpu.paged_decode_(dst, q, k_cache, v_cache, _int32(meta.block_tables),
-                                            _int32(meta.seq_lens), scale)
-        if dst is not out:
-            out.copy_(dst)
+        rows = plan.decode_rows
+        if isinstance(rows, slice):
+            dst = out[rows]
+            direct = dst.is_contiguous()
+            res = dst if direct else torch.empty_like(dst, memory_format=torch.contiguous_format)
+            torch.ops.kvfleet_cpu.paged_decode_(res, q[rows], k_cache, v_cache, plan.decode_tables,
+                                                plan.decode_lens, scale)
+            if not direct:
+                dst.copy_(res)
+        elif rows is not None:
+            res = torch.empty((rows.numel(),) + tuple(q.shape[1:]), dtype=q.dtype)
+            torch.ops.kvfleet_cpu.paged_decode_(res, q.index_select(0, rows), k_cache, v_cache, plan.decode_tables,
+                                                plan.decode_lens, scale)
+            out.index_copy_(0, rows, res)
+        hkv, d = k_cache.shape[2], k_cache.shape[3]
+        for e in plan.extends:
+            k = self._ws.gather(k_cache, e.block_ids, 0).view(-1, hkv, d)[: e.seq_len].transpose(0, 1)[None]
+            v = self._ws.gather(v_cache, e.block_ids, 1).view(-1, hkv, d)[: e.seq_len].transpose(0, 1)[None]
+            qe = q[e.start:e.start + e.q_len].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(qe, k, v, attn_mask=e.mask, is_causal=e.mask is None, scale=scale,
+                                               enable_gqa=q.shape[1] != hkv)
+            out[e.start:e.start + e.q_len] = o[0].transpose(0, 1)
         return out
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                seq_lens: list[int], scale: float, out: torch.Tensor) -> None:
-        """The decode rows of a mixed batch (called by the torch backend's forward)."""
-        if q.dtype not in KERNEL_DTYPES:
-            return super()._decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
-        lens = torch.tensor(seq_lens, dtype=torch.int32)
-        res = torch.empty_like(q, memory_format=torch.contiguous_format)
-        torch.ops.kvfleet_cpu.paged_decode_(res, q.contiguous(), k_cache, v_cache, _int32(block_tables), lens, scale)
-        out.copy_(res)
+    def _plan_for(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata) -> _Plan:
+        key = (q.shape, q.dtype, k_cache.shape, k_cache.dtype, v_cache.shape, v_cache.dtype)
+        if meta is self._plan_meta and key == self._plan_key and self._plan is not None:
+            return self._plan  # every layer of a step: same metadata, same shapes
+        check_forward(q, k_cache, v_cache, meta)
+        q_lens, seq_lens = host_lens(meta)
+        block_size = k_cache.shape[1]
+        check_lens(q_lens, seq_lens, q.shape[0], block_size, meta.block_tables.shape[1])
+        # Rows the kernel attends: every decode token, and every token of a short extend (query j of a
+        # sequence sees keys 0 .. seq_len - q_len + j: a decode with that length over the same blocks).
+        # Long extends go to SDPA, whose matrix products win there.
+        seq_of_row: list[int] = []
+        row_lens: list[int] = []
+        extends = []
+        start = 0
+        for i, (ql, sl) in enumerate(zip(q_lens, seq_lens, strict=True)):
+            if _small(ql, sl):
+                seq_of_row.extend([i] * ql)
+                row_lens.extend(range(sl - ql + 1, sl + 1))
+            elif ql > 1:
+                ids = meta.block_tables[i, : -(-sl // block_size)].to(torch.long)
+                mask = None
+                if ql != sl:  # over a cached prefix: query j sees keys 0 .. sl - ql + j
+                    pos = torch.arange(sl - ql, sl)
+                    mask = torch.arange(sl)[None, :] <= pos[:, None]
+                extends.append(_Extend(start, ql, sl, ids, mask))
+            start += ql
+        rows = tables = lens = None
+        if seq_of_row:
+            n = len(seq_of_row)
+            lens = torch.tensor(row_lens, dtype=torch.int32)
+            if n == len(q_lens) and n == q.shape[0]:  # decode only: one row per sequence, in order
+                rows, tables = slice(0, n), _int32(meta.block_tables)
+            else:
+                row_ids = [r for r, (i, _) in enumerate(_rows_of(q_lens)) if _small(q_lens[i], seq_lens[i])]
+                tables = _int32(meta.block_tables[torch.tensor(seq_of_row)])
+                rows = slice(0, n) if row_ids == list(range(n)) else torch.tensor(row_ids)
+        self._plan_meta, self._plan_key, self._plan = meta, key, _Plan(rows, tables, lens, tuple(extends))
+        return self._plan
+
+
+def _small(q_len: int, seq_len: int) -> bool:
+    return q_len == 1 or (q_len * seq_len <= KERNEL_EXTEND_WORK and seq_len <= KERNEL_EXTEND_CONTEXT)
+
+
+def _rows_of(q_lens: list[int]):
+    """(sequence, j) for every query row of the flattened batch, in order."""
+    for i, ql in enumerate(q_lens):
+        for j in range(ql):
+            yield i, j
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
-

@@ -182,7 +182,7 @@ void rotary_(Tensor& qkv, const Tensor& positions, const Tensor& cos_sin, int64_
   dispatch(qkv.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     scalar_t* base = qkv.data_ptr<scalar_t>();
-    at::parallel_for(0, tokens, 8, [&](int64_t b, int64_t e) {
+    at::parallel_for(0, tokens, 32, [&](int64_t b, int64_t e) {
       std::vector<float> x(head_dim), y(head_dim);
       for (int64_t t = b; t < e; ++t) {
         const float* c = cs + pos[t] * head_dim;
@@ -251,7 +251,7 @@ Tensor silu_and_mul(const Tensor& x) {
     using scalar_t = decltype(tag);
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+    at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / n), [&](int64_t b, int64_t e) {
       std::vector<float> g(n), u(n);
       for (int64_t r = b; r < e; ++r) {
         to_f32(xp + r * xs, g.data(), n);

@@ -2,6 +2,7 @@
 
     python -m loadtest.http_bench --target kvfleet=http://127.0.0.1:8001 --concurrency 1 16 64
     python -m loadtest.http_bench --with-kvfleet --with-vllm --concurrency 1 16 64 --num-requests 64
+    python -m loadtest.http_bench --with-kvfleet --with-vllm --rounds 2   # alternate A B A B on a noisy machine
 
 Every target gets the same seeded chat trace (`loadtest.workload`) at every concurrency level
 (closed loop: C workers, each sends its next request when the previous one ends). EOS is banned
@@ -199,6 +200,23 @@ def print_ratios(results: list[LevelResult], names: list[str]) -> None:
                       f"TTFT p50 x{a.ttft_p50 / b.ttft_p50:.2f}   TPOT p50 x{a.tpot_p50 / b.tpot_p50:.2f}")
 
 
+def print_pooled_ratios(results: list[LevelResult], names: list[str]) -> None:
+    """Over all rounds: output tokens / wall time summed per target, and the median of per-round ratios."""
+    base = names[0]
+    for other in names[1:]:
+        print(f"\n{base} vs {other}, all rounds pooled (tokens over total time; per-round ratios in brackets)")
+        for c in sorted({r.concurrency for r in results}):
+            mine = [r for r in results if r.target.split("#")[0] == base and r.concurrency == c]
+            theirs = [r for r in results if r.target.split("#")[0] == other and r.concurrency == c]
+            if not mine or not theirs:
+                continue
+            rate = lambda rs: sum(r.output_tokens for r in rs) / sum(r.wall_s for r in rs)  # noqa: E731
+            per_round = [m.output_tok_s / t.output_tok_s for m, t in zip(mine, theirs, strict=False)
+                         if t.output_tok_s > 0]
+            print(f"  c={c:<3} out tok/s {rate(mine):.1f} vs {rate(theirs):.1f} = x{rate(mine) / rate(theirs):.2f}   "
+                  f"[{', '.join(f'x{x:.2f}' for x in per_round)}]")
+
+
 async def amain(a: argparse.Namespace) -> list[LevelResult]:
     targets = dict(t.split("=", 1) for t in a.target)
     starts = dict(s.split("=", 1) for s in a.start)
@@ -216,21 +234,28 @@ async def amain(a: argparse.Namespace) -> list[LevelResult]:
     print(f"trace: mode {a.mode}, seed {a.seed}; requests per level "
           f"{', '.join(f'c={c}: {n}' for c, n in sizes.items())} (the first n of one trace)", flush=True)
     results = []
-    for name, url in targets.items():
-        proc = start_server(starts[name], f"/tmp/http_bench_{name}.log") if name in starts else None
-        try:
-            await wait_ready(url, a.start_timeout, proc)
-            for c in a.concurrency:
-                r = await run_level(url, a.model, trace[:sizes[c]], c, name, a.temperature, a.request_timeout)
-                results.append(r)
-                print_table([r])
-                sys.stdout.flush()
-        finally:
-            if proc is not None:
-                stop_server(proc)
+    for rnd in range(1, a.rounds + 1):  # targets alternate: A B A B ..., so a slow spell hits both
+        for name, url in targets.items():
+            label = name if a.rounds == 1 else f"{name}#{rnd}"
+            proc = start_server(starts[name], f"/tmp/http_bench_{name}.log") if name in starts else None
+            try:
+                await wait_ready(url, a.start_timeout, proc)
+                for c in a.concurrency:
+                    r = await run_level(url, a.model, trace[:sizes[c]], c, label, a.temperature, a.request_timeout)
+                    results.append(r)
+                    print_table([r])
+                    sys.stdout.flush()
+            finally:
+                if proc is not None:
+                    stop_server(proc)
     print()
     print_table(results)
-    print_ratios(results, list(targets))
+    if a.rounds == 1:
+        print_ratios(results, list(targets))
+    else:
+        for rnd in range(1, a.rounds + 1):
+            print_ratios(results, [f"{n}#{rnd}" for n in targets])
+        print_pooled_ratios(results, list(targets))
     return results
 
 
@@ -257,8 +282,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the targets this many times, alternating (A B A B): a noisy machine's slow spells "
+                         "then hit every target; prints per-round and pooled ratios")
     ap.add_argument("--json", default=None, help="write the results here as JSON")
     a = ap.parse_args(argv)
+    if a.rounds < 1:
+        ap.error("--rounds must be >= 1")
     results = asyncio.run(amain(a))
     if a.json:
         with open(a.json, "w") as f:

@@ -1,0 +1,26 @@
+"""http_bench's alternating rounds: pooled and per-round ratios from hand-made level results."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtest.http_bench import LevelResult, main, print_pooled_ratios
+
+
+def level(target: str, c: int, tokens: int, wall: float) -> LevelResult:
+    return LevelResult(target, c, 10, 0, wall, tokens, tokens / wall, 10 / wall, 0.1, 0.2, 0.01, 0.02)
+
+
+def test_pooled_ratio_is_tokens_over_total_time(capsys):
+    results = [level("kvfleet#1", 16, 1000, 4.0), level("vllm#1", 16, 1000, 5.0),
+               level("kvfleet#2", 16, 1000, 6.0), level("vllm#2", 16, 1000, 5.0)]
+    print_pooled_ratios(results, ["kvfleet", "vllm"])
+    out = capsys.readouterr().out
+    # kvfleet 2000 tokens / 10 s = 200.0; vllm 2000 / 10 s = 200.0; per round 250/200 and 166.7/200
+    assert "c=16  out tok/s 200.0 vs 200.0 = x1.00" in out
+    assert "[x1.25, x0.83]" in out
+
+
+def test_rounds_must_be_positive():
+    with pytest.raises(SystemExit):
+        main(["--target", "a=http://127.0.0.1:1", "--rounds", "0"])

@@ -8,6 +8,7 @@
 //   rotary_(qkv, positions, cos_sin, n_rot_heads)    rotate the first n_rot_heads heads of each row
 //   write_kv(key, value, k_cache, v_cache, slots)    store each token's K/V heads at its cache slot
 //   silu_and_mul(x) -> out                           silu(x[:, :I]) * x[:, I:]
+//   argmax_rows(x) -> indices                        torch.argmax(x, -1) for float32 rows, vectorized
 //   paged_decode_(out, q, k_cache, v_cache, tables, seq_lens, scale)
 //       one query token per sequence over its paged context, grouped-query heads share K/V reads
 #include <ATen/Parallel.h>
@@ -449,6 +450,39 @@ void paged_decode_(Tensor& out, const Tensor& q, const Tensor& k_cache, const Te
   });
 }
 
+// ---- greedy sampling -----------------------------------------------------------------------------
+
+// torch.argmax(x, -1) for float32 rows, same answer (the first maximum; the first NaN if any), but
+// vectorized: one max pass, one search pass, rows in parallel.
+Tensor argmax_rows(const Tensor& x) {
+  check(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0,
+        "x must be float32 [rows, n] with contiguous rows and n > 0");
+  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0);
+  Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / n), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* v = xp + r * xs;
+      float m = -INFINITY;
+      int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+      for (int64_t i = 0; i < n; ++i) {
+        m = v[i] > m ? v[i] : m;
+        nan |= v[i] != v[i];
+      }
+      int64_t at = 0;
+      if (nan) {
+        while (v[at] == v[at]) ++at;
+      } else {
+        while (at < n - 1 && v[at] != m) ++at;
+      }
+      op[r] = at;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvfleet_cpu, m) {
@@ -457,6 +491,7 @@ TORCH_LIBRARY(kvfleet_cpu, m) {
   m.def("rotary_(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, int n_rot_heads, int head_dim) -> ()", &rotary_);
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()", &write_kv);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
+  m.def("argmax_rows(Tensor x) -> Tensor", &argmax_rows);
   m.def("paged_decode_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> ()",
         &paged_decode_);

@@ -47,6 +47,11 @@ def load() -> bool:
         return ok
 
 
+def loaded() -> bool:
+    """Whether an earlier load() made the kernels usable (never builds anything itself)."""
+    return bool(_state.get("ok"))
+
+
 def unavailable_reason() -> str | None:
     return None if load() else str(_state["why"])
 

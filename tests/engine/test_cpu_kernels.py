@@ -191,3 +191,17 @@ def test_bf16_engine_with_kernels_is_as_accurate_as_the_torch_path():
         err[name], matched[name] = total / max(count, 1), count
     assert matched["cpu"] >= 0.6 * matched["torch"] and matched["cpu"] >= 2 * 24, matched
     assert err["cpu"] <= 1.25 * err["torch"] + 0.005, err
+
+
+def test_argmax_rows_matches_torch_first_max_and_nan():
+    from engine.sampler import argmax
+
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(9, 49152, generator=gen)
+    x[1, 7] = x[1, 40000] = 100.0  # ties: the first wins
+    x[2, :] = -float("inf")
+    x[3, 12345] = float("nan")  # NaN counts as the maximum, like torch
+    x[4, 3] = float("inf")
+    for rows in (x, x[::2], x[:, :17]):
+        assert torch.equal(OPS.argmax_rows(rows), rows.argmax(-1))
+        assert torch.equal(argmax(rows), rows.argmax(-1))

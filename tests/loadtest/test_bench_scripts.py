@@ -1,4 +1,4 @@
-"""http_bench's alternating rounds: pooled and per-round ratios from hand-made level results."""
+"""Benchmark scripts without a model: http_bench's pooled ratios over alternating rounds, decode_step's flags."""
 
 from __future__ import annotations
 
@@ -24,3 +24,12 @@ def test_pooled_ratio_is_tokens_over_total_time(capsys):
 def test_rounds_must_be_positive():
     with pytest.raises(SystemExit):
         main(["--target", "a=http://127.0.0.1:1", "--rounds", "0"])
+
+
+def test_decode_step_rejects_bad_flags(capsys):
+    from loadtest import decode_step
+
+    for argv in (["--batch-sizes", "1,x"], ["--batch-sizes", "0"], ["--steps", "0"]):
+        with pytest.raises(SystemExit):
+            decode_step.main(argv)
+        assert "--batch-sizes" in capsys.readouterr().err or "--steps" in argv

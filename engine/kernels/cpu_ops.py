@@ -70,6 +70,7 @@ def _load() -> tuple[bool, str]:
         if not so.exists():
             from torch.utils import cpp_extension
 
+            _put_ninja_on_path()
             lib.mkdir(parents=True, exist_ok=True)
             cpp_extension.load(name="kvfleet_cpu_ops", sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                                build_directory=str(lib), is_python_module=False, verbose=False)
@@ -79,6 +80,20 @@ def _load() -> tuple[bool, str]:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return False, f"building {SOURCE.name} failed: {first[:300]}"
     return True, ""
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the pip-installed one sits in this environment's bin folder, which is
+    not on PATH when the environment's python is run directly (as `make test` does)."""
+    dirs = [os.path.dirname(sys.executable)]
+    try:
+        import ninja
+
+        dirs.insert(0, ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    os.environ["PATH"] = os.pathsep.join([d for d in dirs if d not in path] + path)
 
 
 def main() -> int:

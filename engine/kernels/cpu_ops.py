@@ -1,7 +1,7 @@
 """Load the fused CPU kernels (`cpu_ops.cpp`) as `torch.ops.kvfleet_cpu`.
 
 The C++ source is compiled once per machine with the system's C++ compiler (through torch's extension
-builder and ninja) into ~/.cache/kvfleet/cpu_ops/<source hash>, and loaded from there afterwards;
+builder and ninja) into $KVFLEET_CACHE_DIR (default ~/.cache/kvfleet)/cpu_ops/<hash>, then loaded from there;
 concurrent engines starting together build it once (torch locks the build folder). Where no compiler is
 present or the build fails, `load()` says why once and returns False, and the engine keeps the plain
 PyTorch path. `KVFLEET_CPU_KERNELS=torch` turns the kernels off; `python -m engine.kernels.cpu_ops`
@@ -31,7 +31,7 @@ _state: dict[str, object] = {}
 
 def build_dir() -> Path:
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode())
-    root = Path(os.environ.get("KVFLEET_CACHE", Path.home() / ".cache" / "kvfleet"))
+    root = Path(os.environ.get("KVFLEET_CACHE_DIR") or Path.home() / ".cache" / "kvfleet")
     return root / "cpu_ops" / digest.hexdigest()[:16]
 
 

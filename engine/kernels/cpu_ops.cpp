@@ -285,6 +285,19 @@ inline void softmax_rows(float* sc, int64_t rows, int64_t len, float* sum) {
   }
 }
 
+// Calls f(row, t) for the sequence's tokens t = 0 .. len-1 in order, row pointing at token t's entry in a
+// paged cache ([blocks, block_size, row_elems]) plus `offset` elements; blocks come from `table`.
+template <typename T, typename F>
+inline void for_each_token(const T* cache, const int32_t* table, int64_t len, int64_t bs, int64_t row_elems,
+                           int64_t offset, F&& f) {
+  const int64_t nblk = (len + bs - 1) / bs;
+  for (int64_t bi = 0; bi < nblk; ++bi) {
+    const T* base = cache + int64_t(table[bi]) * bs * row_elems + offset;
+    const int64_t n = std::min(bs, len - bi * bs);
+    for (int64_t o = 0; o < n; ++o) f(base + o * row_elems, bi * bs + o);
+  }
+}
+
 #ifdef __AVX512F__
 // The decode of one sequence with head_dim D (a multiple of 16) and G query heads per kv head, for one kv
 // head at a time: its G queries (or G accumulators) stay in registers while the sequence's rows stream by.
@@ -292,7 +305,7 @@ template <int D, int G, typename T>
 void decode_seq_avx512(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t len, int64_t bs,
                        int64_t hkv, float scale, T* out, std::vector<float>& work) {
   constexpr int V = D / 16;
-  const int64_t hq = hkv * G, row_elems = hkv * D, block_elems = bs * row_elems, nblk = (len + bs - 1) / bs;
+  const int64_t hq = hkv * G, row_elems = hkv * D;
   work.resize(hq * len + hq + hq * D);
   float* sc = work.data();
   float* sum = sc + hq * len;
@@ -302,19 +315,15 @@ void decode_seq_avx512(const T* q, const T* kc, const T* vc, const int32_t* tabl
     for (int j = 0; j < G; ++j)
       for (int v = 0; v < V; ++v) qv[j][v] = _mm512_mul_ps(load16(q + (h * G + j) * D + v * 16), _mm512_set1_ps(scale));
     float* dst = sc + h * G * len;
-    for (int64_t bi = 0; bi < nblk; ++bi) {
-      const T* base = kc + int64_t(table[bi]) * block_elems + h * D;
-      const int64_t n = std::min(bs, len - bi * bs);
-      for (int64_t o = 0; o < n; ++o) {
-        __m512 k[V];
-        for (int v = 0; v < V; ++v) k[v] = load16(base + o * row_elems + v * 16);
-        for (int j = 0; j < G; ++j) {
-          __m512 a = _mm512_mul_ps(qv[j][0], k[0]);
-          for (int v = 1; v < V; ++v) a = _mm512_fmadd_ps(qv[j][v], k[v], a);
-          dst[j * len + bi * bs + o] = _mm512_reduce_add_ps(a);
-        }
+    for_each_token(kc, table, len, bs, row_elems, h * D, [&](const T* row, int64_t t) {
+      __m512 k[V];
+      for (int v = 0; v < V; ++v) k[v] = load16(row + v * 16);
+      for (int j = 0; j < G; ++j) {
+        __m512 a = _mm512_mul_ps(qv[j][0], k[0]);
+        for (int v = 1; v < V; ++v) a = _mm512_fmadd_ps(qv[j][v], k[v], a);
+        dst[j * len + t] = _mm512_reduce_add_ps(a);
       }
-    }
+    });
   }
   softmax_rows(sc, hq, len, sum);
   for (int64_t h = 0; h < hkv; ++h) {
@@ -322,19 +331,14 @@ void decode_seq_avx512(const T* q, const T* kc, const T* vc, const int32_t* tabl
     for (int j = 0; j < G; ++j)
       for (int v = 0; v < V; ++v) acc[j][v] = _mm512_setzero_ps();
     const float* p = sc + h * G * len;
-    for (int64_t bi = 0; bi < nblk; ++bi) {
-      const T* base = vc + int64_t(table[bi]) * block_elems + h * D;
-      const int64_t n = std::min(bs, len - bi * bs);
-      for (int64_t o = 0; o < n; ++o) {
-        __m512 x[V];
-        for (int v = 0; v < V; ++v) x[v] = load16(base + o * row_elems + v * 16);
-        const int64_t t = bi * bs + o;
-        for (int j = 0; j < G; ++j) {
-          const __m512 w = _mm512_set1_ps(p[j * len + t]);
-          for (int v = 0; v < V; ++v) acc[j][v] = _mm512_fmadd_ps(w, x[v], acc[j][v]);
-        }
+    for_each_token(vc, table, len, bs, row_elems, h * D, [&](const T* row, int64_t t) {
+      __m512 x[V];
+      for (int v = 0; v < V; ++v) x[v] = load16(row + v * 16);
+      for (int j = 0; j < G; ++j) {
+        const __m512 w = _mm512_set1_ps(p[j * len + t]);
+        for (int v = 0; v < V; ++v) acc[j][v] = _mm512_fmadd_ps(w, x[v], acc[j][v]);
       }
-    }
+    });
     for (int j = 0; j < G; ++j) {
       const __m512 inv = _mm512_set1_ps(1.f / sum[h * G + j]);
       for (int v = 0; v < V; ++v) _mm512_storeu_ps(res + (h * G + j) * D + v * 16, _mm512_mul_ps(acc[j][v], inv));
@@ -367,40 +371,29 @@ void decode_seq(const T* q, const T* kc, const T* vc, const int32_t* table, int6
   float* sum = acc + hq * d;
   to_f32(q, qf, hq * d);
   for (int64_t i = 0; i < hq * d; ++i) qf[i] *= scale;
-  const int64_t nblk = (len + bs - 1) / bs, block_elems = bs * row_elems;
-  for (int64_t bi = 0; bi < nblk; ++bi) {  // scores, block by block
-    const T* base = kc + int64_t(table[bi]) * block_elems;
-    const int64_t n = std::min(bs, len - bi * bs);
-    for (int64_t o = 0; o < n; ++o) {
-      to_f32(base + o * row_elems, row, row_elems);
-      float* dst = sc + bi * bs + o;
-      for (int64_t hj = 0; hj < hq; ++hj) {
-        const float* qj = qf + hj * d;
-        const float* kr = row + (hj / g) * d;
-        float s = 0.f;
+  for_each_token(kc, table, len, bs, row_elems, 0, [&](const T* r, int64_t t) {  // scores
+    to_f32(r, row, row_elems);
+    for (int64_t hj = 0; hj < hq; ++hj) {
+      const float* qj = qf + hj * d;
+      const float* kr = row + (hj / g) * d;
+      float s = 0.f;
 #pragma omp simd reduction(+ : s)
-        for (int64_t i = 0; i < d; ++i) s += qj[i] * kr[i];
-        dst[hj * len] = s;
-      }
+      for (int64_t i = 0; i < d; ++i) s += qj[i] * kr[i];
+      sc[hj * len + t] = s;
     }
-  }
+  });
   softmax_rows(sc, hq, len, sum);
   std::fill(acc, acc + hq * d, 0.f);
-  for (int64_t bi = 0; bi < nblk; ++bi) {  // weighted sum of V
-    const T* base = vc + int64_t(table[bi]) * block_elems;
-    const int64_t n = std::min(bs, len - bi * bs);
-    for (int64_t o = 0; o < n; ++o) {
-      to_f32(base + o * row_elems, row, row_elems);
-      const int64_t t = bi * bs + o;
-      for (int64_t hj = 0; hj < hq; ++hj) {
-        const float p = sc[hj * len + t];
-        const float* vr = row + (hj / g) * d;
-        float* aj = acc + hj * d;
+  for_each_token(vc, table, len, bs, row_elems, 0, [&](const T* r, int64_t t) {  // weighted sum of V
+    to_f32(r, row, row_elems);
+    for (int64_t hj = 0; hj < hq; ++hj) {
+      const float p = sc[hj * len + t];
+      const float* vr = row + (hj / g) * d;
+      float* aj = acc + hj * d;
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) aj[i] += p * vr[i];
-      }
+      for (int64_t i = 0; i < d; ++i) aj[i] += p * vr[i];
     }
-  }
+  });
   for (int64_t hj = 0; hj < hq; ++hj) {
     const float inv = 1.f / sum[hj];
     for (int64_t i = 0; i < d; ++i) acc[hj * d + i] *= inv;

@@ -85,3 +85,25 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     actual, expected = actual.cpu().double(), expected.cpu().double()
     assert torch.isfinite(actual).all(), "output has non-finite elements (unwritten or overflow)"
     torch.testing.assert_close(actual, expected, rtol=tol, atol=tol)
+
+
+def check_write_kv(backend, dtype: torch.dtype, qkv_views: bool = False) -> None:
+    """backend.write_kv stores each token's K/V at its slot, skips slot -1 and leaves every other slot alone.
+    qkv_views: key and value are head slices of one fused qkv tensor (row stride > Hkv * D), as in the model."""
+    gen = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(6, 8, 2, 16, generator=gen).to(dtype)
+    v_cache = torch.randn(6, 8, 2, 16, generator=gen).to(dtype)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([17, -1, 0, 47, 5, -1], dtype=torch.int64)
+    if qkv_views:
+        qkv = torch.randn(6, 8, 16, generator=gen).to(dtype)  # 4 q heads, 2 k heads, 2 v heads per row
+        key, value = qkv[:, 4:6], qkv[:, 6:8]
+    else:
+        key = torch.randn(6, 2, 16, generator=gen).to(dtype)
+        value = torch.randn(6, 2, 16, generator=gen).to(dtype)
+    backend.write_kv(key, value, k_cache, v_cache, slots)
+    k_exp, v_exp = k_before.view(-1, 2, 16).clone(), v_before.view(-1, 2, 16).clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            k_exp[s], v_exp[s] = key[t], value[t]
+    assert torch.equal(k_cache.view(-1, 2, 16), k_exp) and torch.equal(v_cache.view(-1, 2, 16), v_exp)

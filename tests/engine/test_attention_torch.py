@@ -12,7 +12,7 @@ from engine.attention import get_attention_backend
 from engine.attention import torch_backend as tb
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
-from tests.engine.attention_cases import assert_close, make_batch, reference_attention
+from tests.engine.attention_cases import assert_close, check_write_kv, make_batch, reference_attention
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 BACKEND = TorchAttentionBackend()
@@ -72,19 +72,7 @@ def test_metadata_without_host_copies():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_write_kv_scatters_and_skips_negative_slots(dtype):
-    gen = torch.Generator().manual_seed(1)
-    k_cache = torch.randn(6, 8, 2, 16, generator=gen).to(dtype)
-    v_cache = torch.randn(6, 8, 2, 16, generator=gen).to(dtype)
-    k_before, v_before = k_cache.clone(), v_cache.clone()
-    slots = torch.tensor([17, -1, 0, 47, 5, -1], dtype=torch.int64)
-    key = torch.randn(6, 2, 16, generator=gen).to(dtype)
-    value = torch.randn(6, 2, 16, generator=gen).to(dtype)
-    BACKEND.write_kv(key, value, k_cache, v_cache, slots)
-    k_exp, v_exp = k_before.view(-1, 2, 16).clone(), v_before.view(-1, 2, 16).clone()
-    for t, s in enumerate(slots.tolist()):
-        if s >= 0:
-            k_exp[s], v_exp[s] = key[t], value[t]
-    assert torch.equal(k_cache.view(-1, 2, 16), k_exp) and torch.equal(v_cache.view(-1, 2, 16), v_exp)
+    check_write_kv(BACKEND, dtype)
 
 
 def test_write_then_attend_equals_attention_over_the_new_keys():

@@ -18,7 +18,7 @@ from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels import cpu_ops
 from engine.model.llama import apply_rope
-from tests.engine.attention_cases import assert_close, make_batch, reference_attention
+from tests.engine.attention_cases import assert_close, check_write_kv, make_batch, reference_attention
 
 if os.environ.get(cpu_ops.ENV) == "torch":
     pytest.skip("fused CPU kernels turned off", allow_module_level=True)
@@ -88,21 +88,12 @@ def test_decode_rejects_tables_that_do_not_fit():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_write_kv_from_qkv_views_skips_negative_slots(dtype):
-    gen = torch.Generator().manual_seed(1)
-    k_cache = torch.randn(6, 8, 2, 16, generator=gen).to(dtype)
-    v_cache = torch.randn(6, 8, 2, 16, generator=gen).to(dtype)
-    k_before, v_before = k_cache.clone(), v_cache.clone()
-    qkv = torch.randn(5, 8, 16, generator=gen).to(dtype)  # 4 q heads, 2 k heads, 2 v heads per row
-    key, value = qkv[:, 4:6], qkv[:, 6:8]
-    slots = torch.tensor([17, -1, 0, 47, 5])
-    BACKEND.write_kv(key, value, k_cache, v_cache, slots)
-    k_exp, v_exp = k_before.view(-1, 2, 16).clone(), v_before.view(-1, 2, 16).clone()
-    for t, s in enumerate(slots.tolist()):
-        if s >= 0:
-            k_exp[s], v_exp[s] = key[t], value[t]
-    assert torch.equal(k_cache.view(-1, 2, 16), k_exp) and torch.equal(v_cache.view(-1, 2, 16), v_exp)
+    check_write_kv(BACKEND, dtype, qkv_views=True)
+    check_write_kv(BACKEND, dtype)
+    key = value = torch.zeros(1, 2, 16, dtype=dtype)
+    k_cache = v_cache = torch.zeros(6, 8, 2, 16, dtype=dtype)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        BACKEND.write_kv(key[:1], value[:1], k_cache, v_cache, torch.tensor([48]))
+        BACKEND.write_kv(key, value, k_cache, v_cache, torch.tensor([48]))
 
 
 def test_selector_picks_cpu_for_bf16_only():

@@ -119,8 +119,6 @@ def main(argv: list[str] | None = None) -> int:
     uv_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=ns.access_log,
                                timeout_graceful_shutdown=5, lifespan="on")
     server = DrainingServer(uv_config, app.state.server, ns.drain_timeout)
-    if os.environ.get("KVFLEET_SWITCH_INTERVAL"):
-        sys.setswitchinterval(float(os.environ["KVFLEET_SWITCH_INTERVAL"]))
     server.run()
     return server.exit_code
 

@@ -112,8 +112,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs,
                                                    self.max_model_len), self.kv)
         backend = get_attention_backend(args.attention_backend, self.device, self.dtype)
-        if backend.name == "cpu":  # the fused kernels serve this model: the layers' glue runs through them too
-            self.model.enable_cpu_kernels()
+        if backend.name == "cpu" and self.dtype in (torch.bfloat16, torch.float32):
+            self.model.enable_cpu_kernels()  # the fused kernels serve this model: the layers' glue runs through them too
         self.runner = ModelRunner(self.model, backend, num_blocks, args.block_size, self.device)
         self.sampler = Sampler(seed=args.seed)
         self.requests: dict[str, _Request] = {}

@@ -196,3 +196,16 @@ def test_argmax_rows_matches_torch_first_max_and_nan():
     for rows in (x, x[::2], x[:, :17]):
         assert torch.equal(OPS.argmax_rows(rows), rows.argmax(-1))
         assert torch.equal(argmax(rows), rows.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_cpu_backend_asked_for_with_other_dtypes_still_generates(tmp_path, dtype):
+    """float16 has no kernels: attention and the layers fall back to plain ops instead of failing a step."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+    from tests.engine._tiny_llama import make_tiny_llama
+
+    llm = LLM(make_tiny_llama(str(tmp_path / "m")), dtype=dtype, attention_backend="cpu", num_blocks=64)
+    assert llm.engine.model.cpu_kernels == (dtype == "float32")
+    out = llm.generate([[5, 6, 7, 8] * 5, [9, 10]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in out] == [6, 6]

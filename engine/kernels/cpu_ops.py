@@ -22,6 +22,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+SOURCES = (SOURCE, Path(__file__).with_name("q4_gemm.cpp"))  # one library: cpu_ops.cpp defines it, q4_gemm.cpp adds to it
 ENV = "KVFLEET_CPU_KERNELS"  # "auto" (default) or "torch" (off)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17"]  # -fopenmp: ATen's parallel_for
 
@@ -30,7 +31,7 @@ _state: dict[str, object] = {}
 
 
 def build_dir() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode())
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode() + torch.__version__.encode())
     root = Path(os.environ.get("KVFLEET_CACHE_DIR") or Path.home() / ".cache" / "kvfleet")
     return root / "cpu_ops" / digest.hexdigest()[:16]
 
@@ -72,7 +73,7 @@ def _load() -> tuple[bool, str]:
 
             _put_ninja_on_path()
             lib.mkdir(parents=True, exist_ok=True)
-            cpp_extension.load(name="kvfleet_cpu_ops", sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+            cpp_extension.load(name="kvfleet_cpu_ops", sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                                build_directory=str(lib), is_python_module=False, verbose=False)
         else:
             torch.ops.load_library(str(so))

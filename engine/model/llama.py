@@ -10,6 +10,7 @@ The arithmetic follows Hugging Face's implementation op for op, so float32 outpu
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
+from engine.model.q4 import find_q4, pack_q4
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
@@ -125,13 +127,18 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Linear):
     """nn.Linear with optional CPU fast paths: a weight pre-packed for oneDNN (bf16: no repacking per call)
-    and, for weights that are exactly 4-bit group-quantized (GGUF Q4_0/Q4_1 checkpoints), an int4 copy used
-    for the few-row (memory-bound) steps, where reading a quarter of the bytes makes decode faster."""
+    and, for weights that are exactly 4-bit group-quantized (GGUF Q4_1 checkpoints), a packed 4-bit copy:
+    on CPUs with AMX every step multiplies through it (engine/kernels/q4_gemm.cpp: a quarter of the bytes,
+    the same bf16 weights); elsewhere torch's int4 kernel serves the few-row (memory-bound) steps."""
 
     packed: torch.Tensor | None = None
+    q4_packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (qweight, scales) of engine.model.q4.pack_q4
+    q4: tuple[torch.Tensor, torch.Tensor] | None = None  # q4_packed, once the AMX kernel is known to run
     int4: tuple[torch.Tensor, torch.Tensor] | None = None  # (packed 4-bit weight, [K/32, N, 2] scales/zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q4 is not None:
+            return torch.ops.kvfleet_cpu.q4_linear(x, self.q4[0], self.q4[1], self.bias)
         if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4[0], INT4_GROUP, self.int4[1])
             return out if self.bias is None else out + self.bias
@@ -140,6 +147,7 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+Q4_ENV = "KVFLEET_Q4_KERNEL"  # "off": keep the bf16 (oneDNN) projections even where the 4-bit kernel runs
 INT4_GROUP = 32
 INT4_MAX_ROWS = 4  # decode steps of up to this many rows (measured: 1.6-1.9x at 1 row, 1.3x at 4); AMX bf16 wins beyond
 
@@ -172,6 +180,17 @@ def exact_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(n, k).to(torch.int32), 1)
     scales_zeros = torch.stack([step, lo + 8 * step], dim=-1).transpose(0, 1).contiguous().to(weight.dtype)
     return packed, scales_zeros
+
+
+def _pack_parts(parts: dict[int, tuple | None] | None, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The packed 4-bit form of a (possibly fused) projection whose every part find_q4 recovered, else None."""
+    if not parts or any(p is None for p in parts.values()):
+        return None
+    ordered = [parts[start] for start in sorted(parts)]
+    q, s, m = (torch.cat([p[i] for p in ordered]) for i in range(3))
+    if tuple(q.shape) != tuple(shape):
+        return None
+    return pack_q4(q, s, m)
 
 
 class Attention(nn.Module):
@@ -259,6 +278,7 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._lm_head_packed: torch.Tensor | None = None
+        self._q4_parts: dict[str, dict[int, tuple | None]] = {}  # load_weights -> prepack_weights
         self.cpu_kernels = False
         self._cos_sin: torch.Tensor | None = None
 
@@ -285,13 +305,17 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(h, self.lm_head_weight).float()
 
     def prepack_weights(self) -> bool:
-        """Pre-pack every projection for oneDNN when that is the fast path (bf16 on CPU); True if done."""
+        """Pre-pack every projection for oneDNN when that is the fast path (bf16 on CPU); True if done.
+        Projections whose checkpoint values were exact 4-bit groups (seen by load_weights) also get a
+        packed 4-bit copy, which enable_cpu_kernels puts to use."""
         weight = self.embed_tokens.weight
+        parts, self._q4_parts = self._q4_parts, {}
         if not can_prepack(weight.dtype, weight.device):
             return False
-        for module in self.modules():
+        for name, module in self.named_modules():
             if isinstance(module, Linear):
                 module.packed = prepack(module.weight)
+                module.q4_packed = _pack_parts(parts.get(f"{name}.weight"), module.weight.shape)
                 module.int4 = exact_int4(module.weight)
         self._lm_head_packed = prepack(self.lm_head_weight)
         return True
@@ -302,11 +326,19 @@ class LlamaForCausalLM(nn.Module):
         results differ from the plain path in the last bit."""
         half = self.config.head_dim // 2
         self._cos_sin = torch.cat((self.rope.cos[:, :half], self.rope.sin[:, :half]), dim=1).float().contiguous()
+        amx = bool(torch.ops.kvfleet_cpu.q4_amx()) and os.environ.get(Q4_ENV, "auto") != "off"
         for module in self.modules():
             if hasattr(module, "cpu_kernels"):
                 module.cpu_kernels = True
             if isinstance(module, RMSNorm):
                 module.weight_f32 = module.weight.detach().float().contiguous()
+            if isinstance(module, Linear) and module.q4_packed is not None and amx:
+                module.q4, module.int4 = module.q4_packed, None
+
+    @property
+    def q4_projections(self) -> int:
+        """How many projections multiply through their packed 4-bit weights."""
+        return sum(1 for m in self.modules() if isinstance(m, Linear) and m.q4 is not None)
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -314,6 +346,9 @@ class LlamaForCausalLM(nn.Module):
         """Copy (HF name, tensor) pairs in, fusing q/k/v and gate/up; every parameter must be filled."""
         params = dict(self.named_parameters())
         filled: set[str] = set()
+        # float32 checkpoint values of a bf16 CPU model: look for exact 4-bit groups (prepack_weights packs them)
+        capture_q4 = can_prepack(self.embed_tokens.weight.dtype, self.embed_tokens.weight.device)
+        self._q4_parts = {}
         cfg = self.config
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         fused = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
@@ -338,6 +373,8 @@ class LlamaForCausalLM(nn.Module):
                                             f"expected {tuple(dst.shape)}")
             dst.copy_(tensor)
             filled.add(f"{target}:{start}")
+            if capture_q4 and target.endswith("_proj.weight"):
+                self._q4_parts.setdefault(target, {})[start or 0] = find_q4(tensor)
         expected = set()
         for pname in params:
             if pname.endswith("qkv_proj.weight") or pname.endswith("qkv_proj.bias"):

@@ -169,6 +169,8 @@ def test_bf16_engine_with_kernels_is_as_accurate_as_the_torch_path():
         llm = LLM("smollm2", dtype=dtype, attention_backend=backend, num_blocks=256, max_num_batched_tokens=128)
         assert llm.engine.runner.backend.name == backend
         assert llm.engine.model.cpu_kernels == (backend == "cpu")
+        # the fused bf16 run multiplies through the GGUF's 4-bit weights where AMX runs the kernel
+        assert llm.engine.model.q4_projections == (120 if backend == "cpu" and OPS.q4_amx() else 0)
         runs[name] = [r.outputs[0] for r in llm.generate(prompts, params)]
     err, matched = {}, {}
     for name in ("cpu", "torch"):

@@ -1,0 +1,316 @@
+// 4-bit group-quantized weights (GGUF Q4_0 / Q4_1: w = s * q + m, q in 0..15, one s and m per 32 inputs)
+// times bf16 activations, registered as torch.ops.kvfleet_cpu.*:
+//
+//   q4_linear(x, qweight, scales, bias?, allow_amx=True) -> out
+//       out[M, N] = x[M, K] @ dequant(qweight)^T (+ bias), bf16; allow_amx=False: the portable loops
+//   q4_dequant(qweight, scales) -> w              the bf16 weight [N, K] the kernel multiplies with
+//   q4_amx() -> bool                              whether q4_linear runs on AMX tiles here
+//
+// Decode steps are bound by reading weights from memory; the packed form is 0.625 bytes per weight
+// instead of bf16's 2. Each 16-column x 32-input chunk is dequantized in registers to exactly the bf16
+// value of s * q + m (the product is exact in float32, so this is the same single rounding as the float32
+// checkpoint's value, then round-to-nearest-even to bf16) and multiplied on AMX tiles (TDPBF16PS: bf16
+// products, float32 sums), so the result is the bf16 model's matmul, read from a quarter of the bytes.
+//
+// Packed layout (see engine/model/q4.py, which builds it):
+//   qweight uint8 [N/16, K/32, 16, 16]: chunk (n-block, k-group); row r holds inputs 2r and 2r+1 of the
+//       group; byte i = q[col i/2][2r + i%2] | q[8 + i/2][2r + i%2] << 4, so that one row unpacks into
+//       the AMX B-tile row (16 columns x a pair of inputs) directly.
+//   scales float16 [N/16, K/32, 2, 16]: s then m of the chunk's 16 columns.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KVFLEET_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+constexpr int64_t kCols = 16;   // columns per n-block (one AMX tile's width in float32)
+constexpr int64_t kGroup = 32;  // inputs per scale group (one AMX tile row of bf16)
+constexpr int64_t kChunkBytes = kCols * kGroup / 2;
+
+void check(bool ok, const char* msg) { TORCH_CHECK(ok, "kvfleet_cpu.q4: ", msg); }
+
+uint16_t round_bf16(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+float bf16_to_float(uint16_t h) {
+  uint32_t b = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+// Chunk (nb, kc) dequantized as an AMX B tile: 16 rows (input pairs) x 16 columns x 2 inputs, bf16.
+void dequant_chunk_portable(const uint8_t* q, const c10::Half* sm, uint16_t* dst) {
+  for (int64_t r = 0; r < 16; ++r)
+    for (int64_t i = 0; i < 16; ++i) {
+      const uint8_t byte = q[r * 16 + i];
+      const int64_t col_a = i / 2, col_b = 8 + i / 2;
+      dst[r * 32 + i] = round_bf16(float(byte & 0xF) * float(sm[col_a]) + float(sm[16 + col_a]));
+      dst[r * 32 + 16 + i] = round_bf16(float(byte >> 4) * float(sm[col_b]) + float(sm[16 + col_b]));
+    }
+}
+
+#ifdef KVFLEET_AMX
+inline void dequant_chunk(const uint8_t* q, const c10::Half* sm, uint16_t* dst) {
+  const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm)));
+  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + 16)));
+  const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
+  const __m512 sa = _mm512_permutexvar_ps(lo_cols, s), sb = _mm512_permutexvar_ps(hi_cols, s);
+  const __m512 ma = _mm512_permutexvar_ps(lo_cols, m), mb = _mm512_permutexvar_ps(hi_cols, m);
+  // float(0..15), looked up by each lane's low 4 bits (a permute instead of mask + convert)
+  const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int r = 0; r < 16; ++r) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * 16)));
+    // s * q is exact in float32 (11-bit s times 4-bit q), so the fma rounds once, like s * q + m does
+    const __m512 wa = _mm512_fmadd_ps(_mm512_permutexvar_ps(b, levels), sa, ma);
+    const __m512 wb = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), levels), sb, mb);
+    _mm512_store_si512(reinterpret_cast<__m512i*>(dst + r * 32), (__m512i)_mm512_cvtne2ps_pbh(wb, wa));
+  }
+}
+
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // arch_prctl(ARCH_REQ_XCOMP_PERM, ...)
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows x 64 bytes. 0-3: float32 sums of a 2 x 2 block of (16 rows, 16 columns);
+// 4, 6: two 16-row activation tiles (32 inputs); 5, 7: two dequantized weight chunks.
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Where the activations of 16-row block mb are: x itself (row stride k) or, for a last partial block, a
+// zero-padded copy of its rows packed per group ([kcs][16 x 32], row stride 32).
+struct ActTiles {
+  const uint16_t* x;
+  int64_t k, full_blocks;
+  const uint16_t* tail;
+  const uint16_t* at(int64_t mb, int64_t kc) const {
+    return mb < full_blocks ? x + mb * 16 * k + kc * kGroup : tail + kc * 512;
+  }
+  int64_t stride(int64_t mb) const { return mb < full_blocks ? k * 2 : 64; }
+};
+
+// The n-blocks [nb0, nb1) of one thread, two at a time (a 2 x 2 block of tiles: each tile load feeds
+// one multiply). While a pair is multiplied, the next pair's chunks are dequantized in between its tile
+// instructions, so the vector units dequantize while the tile unit multiplies. c: [2][mp x 16] float32.
+template <typename Store>
+void nblocks_amx(const ActTiles& a, int64_t mblocks, int64_t kcs, const uint8_t* qd, const c10::Half* sd,
+                 int64_t nb0, int64_t nb1, uint16_t* wbuf, float* c, Store&& store) {
+  const int64_t pair_chunks = 2 * kcs, mp = mblocks * 16;
+  auto dequant = [&](int64_t nb, int64_t i, uint16_t* w) {  // chunk i of the pair starting at n-block nb
+    const int64_t chunk = nb * kcs + i;  // the pair's chunks are consecutive: (nb, 0..kcs), (nb + 1, 0..kcs)
+    dequant_chunk(qd + chunk * kChunkBytes, sd + chunk * 32, w + i * 512);
+  };
+  const int64_t first = std::min<int64_t>(2, nb1 - nb0) * kcs;
+  for (int64_t i = 0; i < first; ++i) dequant(nb0, i, wbuf);
+  for (int64_t nb = nb0, parity = 0; nb < nb1; nb += 2, parity ^= 1) {
+    const uint16_t* w0 = wbuf + parity * pair_chunks * 512;
+    const uint16_t* w1 = nb + 1 < nb1 ? w0 + kcs * 512 : nullptr;
+    uint16_t* next = wbuf + (parity ^ 1) * pair_chunks * 512;
+    const int64_t next_chunks = nb + 2 < nb1 ? std::min<int64_t>(2, nb1 - nb - 2) * kcs : 0;
+    const int64_t iters = (mblocks + 1) / 2 * kcs;
+    int64_t done = 0, it = 0;
+    for (int64_t mb = 0; mb < mblocks; mb += 2) {
+      const bool two_m = mb + 1 < mblocks, two_n = w1 != nullptr;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const int64_t s0 = a.stride(mb), s1 = two_m ? a.stride(mb + 1) : 0;
+      for (int64_t kc = 0; kc < kcs; ++kc, ++it) {
+        _tile_loadd(5, w0 + kc * 512, 64);
+        _tile_loadd(4, a.at(mb, kc), s0);
+        if (two_n) _tile_loadd(7, w1 + kc * 512, 64);
+        if (two_m) _tile_loadd(6, a.at(mb + 1, kc), s1);
+        _tile_dpbf16ps(0, 4, 5);
+        if (two_n) _tile_dpbf16ps(1, 4, 7);
+        if (two_m) _tile_dpbf16ps(2, 6, 5);
+        if (two_m && two_n) _tile_dpbf16ps(3, 6, 7);
+        for (const int64_t target = (it + 1) * next_chunks / iters; done < target; ++done) dequant(nb + 2, done, next);
+      }
+      float* c0 = c + mb * 16 * kCols;
+      float* c1 = c + mp * kCols + mb * 16 * kCols;
+      _tile_stored(0, c0, 64);
+      if (two_n) _tile_stored(1, c1, 64);
+      if (two_m) _tile_stored(2, c0 + 256, 64);
+      if (two_m && two_n) _tile_stored(3, c1 + 256, 64);
+    }
+    for (; done < next_chunks; ++done) dequant(nb + 2, done, next);
+    store(nb, c);
+    if (w1) store(nb + 1, c + mp * kCols);
+  }
+}
+
+// out[r, 0:16] = bf16(c[r] + bias) for rows [0, m), rounding to nearest even.
+void store_block_avx512(const float* c, int64_t m, const uint16_t* bias, uint16_t* out, int64_t n) {
+  const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                              _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias))), 16))
+                        : _mm512_setzero_ps();
+  for (int64_t r = 0; r < m; ++r)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * n),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c + r * kCols), b)));
+}
+#endif
+
+bool use_amx() {
+#ifdef KVFLEET_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+void check_packed(const Tensor& qweight, const Tensor& scales) {
+  check(qweight.device().is_cpu() && qweight.scalar_type() == at::kByte && qweight.dim() == 4 &&
+            qweight.size(2) == 16 && qweight.size(3) == 16 && qweight.is_contiguous(),
+        "qweight must be contiguous uint8 [N/16, K/32, 16, 16]");
+  check(scales.scalar_type() == at::kHalf && scales.dim() == 4 && scales.size(0) == qweight.size(0) &&
+            scales.size(1) == qweight.size(1) && scales.size(2) == 2 && scales.size(3) == 16 && scales.is_contiguous(),
+        "scales must be contiguous float16 [N/16, K/32, 2, 16] matching qweight");
+}
+
+// 64-byte aligned scratch of n elements of T.
+template <typename T>
+struct Scratch {
+  std::unique_ptr<T[]> store;  // not zeroed: every element is written before it is read
+  T* data;
+  explicit Scratch(int64_t n) : store(new T[n + 64 / sizeof(T)]) {
+    data = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(store.get()) + 63) & ~uintptr_t(63));
+  }
+};
+
+// The portable path: one n-block, plain loops over the dequantized chunks (tests and CPUs without AMX).
+void nblock_portable(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, float* c) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t j = 0; j < kCols; ++j) {
+      float acc = 0.f;
+      for (int64_t kk = 0; kk < k; ++kk)
+        acc += bf16_to_float(x[r * k + kk]) * bf16_to_float(w[(kk / kGroup) * 512 + (kk % kGroup) / 2 * 32 + j * 2 + kk % 2]);
+      c[r * kCols + j] = acc;
+    }
+}
+
+Tensor q4_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales, const std::optional<Tensor>& bias,
+                 bool allow_amx) {
+  check_packed(qweight, scales);
+  check(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2, "x must be bf16 [M, K]");
+  const int64_t nbs = qweight.size(0), kcs = qweight.size(1), n = nbs * kCols, k = kcs * kGroup, m = x.size(0);
+  TORCH_CHECK(x.size(1) == k, "kvfleet_cpu.q4: x has ", x.size(1), " inputs, the weight ", k);
+  if (bias) check(bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 && bias->size(0) == n, "bias must be bf16 [N]");
+  Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const Tensor xc = x.contiguous();
+  const uint16_t* xd = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
+  const uint8_t* qd = qweight.data_ptr<uint8_t>();
+  const c10::Half* sd = scales.data_ptr<c10::Half>();
+  const uint16_t* bd = bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr<c10::BFloat16>()) : nullptr;
+  uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+#ifdef KVFLEET_AMX
+  if (allow_amx && use_amx()) {
+    const int64_t full = m / 16, mblocks = (m + 15) / 16;
+    Scratch<uint16_t> tail(kcs * 512);  // the last partial 16-row block, zero-padded, packed per group
+    if (full < mblocks) {
+      std::memset(tail.data, 0, kcs * 512 * sizeof(uint16_t));
+      for (int64_t r = full * 16; r < m; ++r)
+        for (int64_t kc = 0; kc < kcs; ++kc) std::memcpy(tail.data + kc * 512 + (r % 16) * 32, xd + r * k + kc * kGroup, 64);
+    }
+    const ActTiles acts{xd, k, full, tail.data};
+    // whole pairs of n-blocks per thread: at most one thread gets a lone last block
+    const int64_t pairs = (nbs + 1) / 2;
+    at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+      Scratch<uint16_t> w(2 * 2 * kcs * 512);
+      Scratch<float> c(2 * mblocks * 16 * kCols);
+      configure_tiles();
+      nblocks_amx(acts, mblocks, kcs, qd, sd, 2 * p0, std::min(2 * p1, nbs), w.data, c.data,
+                  [&](int64_t nb, const float* cb) {
+                    store_block_avx512(cb, m, bd ? bd + nb * kCols : nullptr, od + nb * kCols, n);
+                  });
+      _tile_release();
+    });
+    return out;
+  }
+#endif
+  at::parallel_for(0, nbs, 1, [&](int64_t nb0, int64_t nb1) {
+    Scratch<uint16_t> w(kcs * 512);
+    std::vector<float> c(m * kCols);
+    for (int64_t nb = nb0; nb < nb1; ++nb) {
+      for (int64_t kc = 0; kc < kcs; ++kc)
+        dequant_chunk_portable(qd + (nb * kcs + kc) * kChunkBytes, sd + (nb * kcs + kc) * 32, w.data + kc * 512);
+      nblock_portable(xd, m, k, w.data, c.data());
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t j = 0; j < kCols; ++j) {
+          const int64_t col = nb * kCols + j;
+          od[r * n + col] = round_bf16(c[r * kCols + j] + (bd ? bf16_to_float(bd[col]) : 0.f));
+        }
+    }
+  });
+  return out;
+}
+
+Tensor q4_dequant(const Tensor& qweight, const Tensor& scales) {
+  check_packed(qweight, scales);
+  const int64_t nbs = qweight.size(0), kcs = qweight.size(1), k = kcs * kGroup;
+  Tensor out = at::empty({nbs * kCols, k}, qweight.options().dtype(at::kBFloat16));
+  uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  std::vector<uint16_t> tile(512);
+  for (int64_t nb = 0; nb < nbs; ++nb)
+    for (int64_t kc = 0; kc < kcs; ++kc) {
+      dequant_chunk_portable(qweight.data_ptr<uint8_t>() + (nb * kcs + kc) * kChunkBytes,
+                             scales.data_ptr<c10::Half>() + (nb * kcs + kc) * 32, tile.data());
+      for (int64_t pr = 0; pr < 16; ++pr)
+        for (int64_t j = 0; j < kCols; ++j)
+          for (int64_t par = 0; par < 2; ++par)
+            od[(nb * kCols + j) * k + kc * kGroup + pr * 2 + par] = tile[pr * 32 + j * 2 + par];
+    }
+  return out;
+}
+
+bool q4_amx() { return use_amx(); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
+  m.def("q4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias=None, bool allow_amx=True) -> Tensor", &q4_linear);
+  m.def("q4_dequant(Tensor qweight, Tensor scales) -> Tensor", &q4_dequant);
+  m.def("q4_amx() -> bool", &q4_amx);
+}

@@ -1,0 +1,135 @@
+"""Exact 4-bit projections: finding Q4 groups in float32 checkpoint values, packing them, and the
+`q4_linear` kernel (AMX where the CPU has it, portable loops everywhere) against a float64 reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine.kernels import cpu_ops
+from engine.model.llama import Linear
+from engine.model.q4 import dequant_reference, find_q4, pack_q4
+
+if os.environ.get(cpu_ops.ENV) == "torch":
+    pytest.skip("fused CPU kernels turned off", allow_module_level=True)
+
+assert cpu_ops.load(), f"the fused CPU kernels must build here: {cpu_ops.unavailable_reason()}"
+OPS = torch.ops.kvfleet_cpu
+AMX = bool(OPS.q4_amx())
+
+
+def q4_1_tensor(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """float32 values as a GGUF Q4_1 tensor dequantizes: fp32(s * q) + m, s and m float16, min and max used."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+    q[..., 3], q[..., 17] = 0, 15
+    s = (torch.rand(n, k // 32, 1, generator=g) * 0.01 + 1e-4).half().float()
+    m = (-(7.0 + torch.rand(n, k // 32, 1, generator=g)) * s).half().float()
+    return (q * s + m).view(n, k)
+
+
+def test_find_q4_recovers_the_groups_exactly():
+    w = q4_1_tensor(48, 96)
+    found = find_q4(w)
+    assert found is not None
+    q, s, m = found
+    assert q.dtype == torch.uint8 and s.dtype == m.dtype == torch.float16
+    assert q.shape == (48, 96) and s.shape == m.shape == (48, 3)
+    assert int(q.max()) == 15
+    assert torch.equal(dequant_reference(q, s, m), w)
+
+
+def test_constant_groups_have_zero_scale():
+    w = q4_1_tensor(16, 64)
+    w[2, :32] = 0.125
+    q, s, m = find_q4(w)
+    assert s[2, 0] == 0 and m[2, 0] == 0.125 and torch.equal(dequant_reference(q, s, m), w)
+
+
+@pytest.mark.parametrize("case", ["float weights", "bf16 tensor", "one value off the grid", "inputs not whole groups",
+                                  "rows not whole blocks", "minimum not float16"])
+def test_anything_but_exact_4bit_groups_is_refused(case):
+    w = q4_1_tensor(32, 64)
+    if case == "float weights":
+        w = torch.randn(32, 64)
+    elif case == "bf16 tensor":
+        w = w.bfloat16()
+    elif case == "one value off the grid":
+        w[5, 40] += 0.4 * (w[5, 32:64].max() - w[5, 32:64].min()) / 15
+    elif case == "inputs not whole groups":
+        w = w[:, :48].contiguous()
+    elif case == "rows not whole blocks":
+        w = w[:24].contiguous()
+    elif case == "minimum not float16":
+        w[0, :32] += 1e-6
+    assert find_q4(w) is None
+
+
+def test_kernel_dequantizes_to_the_bf16_weights_bit_for_bit():
+    w = q4_1_tensor(64, 160, seed=1)
+    qweight, scales = pack_q4(*find_q4(w))
+    assert qweight.shape == (4, 5, 16, 16) and scales.shape == (4, 5, 2, 16)
+    assert torch.equal(OPS.q4_dequant(qweight, scales), w.bfloat16())
+
+
+@pytest.mark.parametrize("amx", [True, False] if AMX else [False])
+@pytest.mark.parametrize("rows,n,k", [(1, 32, 64), (5, 48, 96), (16, 64, 64), (17, 64, 1536), (33, 96, 128),
+                                      (64, 80, 576), (130, 32, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_q4_linear_matches_a_float64_reference(amx, rows, n, k, bias):
+    w = q4_1_tensor(n, k, seed=rows + n)
+    qweight, scales = pack_q4(*find_q4(w))
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    want = x.double() @ w.bfloat16().double().T + (b.double() if bias else 0)
+    got = OPS.q4_linear(x, qweight, scales, b, amx)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # float32 sums, one bf16 rounding of the result
+    assert torch.allclose(got.double(), want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item())
+
+
+def test_q4_linear_reads_strided_rows_and_empty_batches():
+    w = q4_1_tensor(32, 64)
+    qweight, scales = pack_q4(*find_q4(w))
+    x = torch.randn(20, 128).bfloat16()[:, ::2]  # not contiguous
+    assert torch.allclose(OPS.q4_linear(x, qweight, scales).float(), OPS.q4_linear(x.contiguous(), qweight, scales).float())
+    assert OPS.q4_linear(torch.zeros(0, 64, dtype=torch.bfloat16), qweight, scales).shape == (0, 32)
+
+
+def test_q4_linear_bad_inputs_are_clear_errors():
+    qweight, scales = pack_q4(*find_q4(q4_1_tensor(32, 64)))
+    with pytest.raises(RuntimeError, match="x must be bf16"):
+        OPS.q4_linear(torch.zeros(2, 64), qweight, scales)
+    with pytest.raises(RuntimeError, match="x has 32 inputs, the weight 64"):
+        OPS.q4_linear(torch.zeros(2, 32, dtype=torch.bfloat16), qweight, scales)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        OPS.q4_linear(torch.zeros(2, 64, dtype=torch.bfloat16), qweight, scales.float())
+    with pytest.raises(RuntimeError, match="bias must be bf16"):
+        OPS.q4_linear(torch.zeros(2, 64, dtype=torch.bfloat16), qweight, scales, torch.zeros(31, dtype=torch.bfloat16))
+
+
+def test_linear_with_q4_equals_the_bf16_linear():
+    w = q4_1_tensor(64, 128, seed=3)
+    lin = Linear(128, 64, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        lin.bias.copy_(torch.randn(64))
+    x = torch.randn(7, 128).bfloat16()
+    plain = lin(x).double()
+    lin.q4 = pack_q4(*find_q4(w))
+    assert torch.allclose(lin(x).double(), plain, rtol=2 ** -7, atol=1e-3 * plain.abs().max().item())
+
+
+@pytest.mark.skipif(not AMX, reason="the model uses the 4-bit kernel only where AMX runs it")
+def test_smollm2_projections_run_4bit_on_the_same_bf16_weights():
+    from engine.llm import LLM
+
+    llm = LLM("smollm2", dtype="bfloat16", num_blocks=64)
+    model = llm.engine.model
+    assert model.q4_projections == 4 * model.config.num_layers  # qkv, o, gate_up, down: all Q4_1 in the GGUF
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            assert torch.equal(OPS.q4_dequant(*module.q4), module.weight), name

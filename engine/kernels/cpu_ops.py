@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 SOURCES = (SOURCE, Path(__file__).with_name("q4_gemm.cpp"))  # one library: cpu_ops.cpp defines it, q4_gemm.cpp adds to it
+HEADERS = (Path(__file__).with_name("amx.h"),)
 ENV = "KVFLEET_CPU_KERNELS"  # "auto" (default) or "torch" (off)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17"]  # -fopenmp: ATen's parallel_for
 
@@ -31,7 +32,7 @@ _state: dict[str, object] = {}
 
 
 def build_dir() -> Path:
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode() + torch.__version__.encode())
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(CFLAGS).encode() + torch.__version__.encode())
     root = Path(os.environ.get("KVFLEET_CACHE_DIR") or Path.home() / ".cache" / "kvfleet")
     return root / "cpu_ops" / digest.hexdigest()[:16]
 

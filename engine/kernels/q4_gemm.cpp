@@ -25,12 +25,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define KVFLEET_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -93,30 +88,8 @@ inline void dequant_chunk(const uint8_t* q, const c10::Half* sm, uint16_t* dst) 
   }
 }
 
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // arch_prctl(ARCH_REQ_XCOMP_PERM, ...)
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile 16 rows x 64 bytes. 0-3: float32 sums of a 2 x 2 block of (16 rows, 16 columns);
-// 4, 6: two 16-row activation tiles (32 inputs); 5, 7: two dequantized weight chunks.
-void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+using kvfleet_amx::amx_permitted;
+using kvfleet_amx::configure_tiles;
 
 // Where the activations of 16-row block mb are: x itself (row stride k) or, for a last partial block, a
 // zero-padded copy of its rows packed per group ([kcs][16 x 32], row stride 32).
@@ -133,6 +106,7 @@ struct ActTiles {
 // The n-blocks [nb0, nb1) of one thread, two at a time (a 2 x 2 block of tiles: each tile load feeds
 // one multiply). While a pair is multiplied, the next pair's chunks are dequantized in between its tile
 // instructions, so the vector units dequantize while the tile unit multiplies. c: [2][mp x 16] float32.
+// Tiles: 0-3 the 2 x 2 float32 sums, 4 and 6 two 16-row activation tiles, 5 and 7 two weight chunks.
 template <typename Store>
 void nblocks_amx(const ActTiles& a, int64_t mblocks, int64_t kcs, const uint8_t* qd, const c10::Half* sd,
                  int64_t nb0, int64_t nb1, uint16_t* wbuf, float* c, Store&& store) {

@@ -39,7 +39,9 @@ def ulp_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,num_kv_heads,group,head_dim", [
-    (16, 3, 3, 64),   # SmolLM2's shape (the vectorized path)
+    (16, 3, 3, 64),   # SmolLM2's shape (the vectorized path; scores on AMX tiles for bf16 where the CPU has them)
+    (32, 3, 3, 64),   # AMX: two 16-key tiles per block
+    (16, 4, 4, 64), (16, 8, 1, 64),  # AMX: kv heads in passes of three
     (8, 2, 1, 64), (16, 1, 4, 64), (32, 2, 4, 128), (16, 2, 2, 128),
     (16, 1, 8, 128),  # group beyond the specialized ones: the portable path
     (16, 2, 2, 48),   # head_dim not a multiple of 16: the portable path
@@ -68,6 +70,8 @@ def test_decode_reads_q_with_row_stride_and_ignores_unused_cache():
     for blk in range(k.shape[0]):
         if blk not in used:
             k[blk], v[blk] = float("nan"), float("nan")
+    for row, sl in zip(b.meta.block_tables.tolist(), b.seq_lens, strict=True):  # past the end of the last block
+        k[row[(sl - 1) // 16], sl % 16 or 16:], v[row[(sl - 1) // 16], sl % 16 or 16:] = float("nan"), float("nan")
     qkv = torch.randn(2, 15, 64).to(torch.bfloat16)
     qkv[:, :9] = b.q
     out = BACKEND.forward(qkv[:, :9], k, v, b.meta, b.scale)

@@ -10,7 +10,7 @@
 // instead of bf16's 2. Each 16-column x 32-input chunk is dequantized in registers to exactly the bf16
 // value of s * q + m (the product is exact in float32, so this is the same single rounding as the float32
 // checkpoint's value, then round-to-nearest-even to bf16) and multiplied on AMX tiles (TDPBF16PS: bf16
-// products, float32 sums), so the result is the bf16 model's matmul, read from a quarter of the bytes.
+// products, float32 sums), so the result is the bf16 model's matmul, read from a third of the bytes.
 //
 // Packed layout (see engine/model/q4.py, which builds it):
 //   qweight uint8 [N/16, K/32, 16, 16]: chunk (n-block, k-group); row r holds inputs 2r and 2r+1 of the

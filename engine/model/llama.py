@@ -127,9 +127,10 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Linear):
     """nn.Linear with optional CPU fast paths: a weight pre-packed for oneDNN (bf16: no repacking per call)
-    and, for weights that are exactly 4-bit group-quantized (GGUF Q4_1 checkpoints), a packed 4-bit copy:
-    on CPUs with AMX every step multiplies through it (engine/kernels/q4_gemm.cpp: a quarter of the bytes,
-    the same bf16 weights); elsewhere torch's int4 kernel serves the few-row (memory-bound) steps."""
+    and, for weights that are exactly 4-bit group-quantized (GGUF Q4_1 checkpoints), two 4-bit copies:
+    torch's int4 kernel serves steps of up to INT4_MAX_ROWS rows (the fastest there; its bf16 scales round
+    the weights slightly differently), and on CPUs with AMX every larger step multiplies through the packed
+    copy (engine/kernels/q4_gemm.cpp: a third of the bytes, exactly the bf16 weights)."""
 
     packed: torch.Tensor | None = None
     q4_packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (qweight, scales) of engine.model.q4.pack_q4
@@ -137,11 +138,11 @@ class Linear(nn.Linear):
     int4: tuple[torch.Tensor, torch.Tensor] | None = None  # (packed 4-bit weight, [K/32, N, 2] scales/zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.q4 is not None:
-            return torch.ops.kvfleet_cpu.q4_linear(x, self.q4[0], self.q4[1], self.bias)
         if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4[0], INT4_GROUP, self.int4[1])
             return out if self.bias is None else out + self.bias
+        if self.q4 is not None:
+            return torch.ops.kvfleet_cpu.q4_linear(x, self.q4[0], self.q4[1], self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -149,7 +150,7 @@ class Linear(nn.Linear):
 
 Q4_ENV = "KVFLEET_Q4_KERNEL"  # "off": keep the bf16 (oneDNN) projections even where the 4-bit kernel runs
 INT4_GROUP = 32
-INT4_MAX_ROWS = 4  # decode steps of up to this many rows (measured: 1.6-1.9x at 1 row, 1.3x at 4); AMX bf16 wins beyond
+INT4_MAX_ROWS = 4  # steps of up to this many rows: 1.6-1.9x oneDNN bf16 at 1 row, 1.4x q4_linear at 1-2, ~1.1x at 4
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -333,7 +334,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, RMSNorm):
                 module.weight_f32 = module.weight.detach().float().contiguous()
             if isinstance(module, Linear) and module.q4_packed is not None and amx:
-                module.q4, module.int4 = module.q4_packed, None
+                module.q4 = module.q4_packed
 
     @property
     def q4_projections(self) -> int:

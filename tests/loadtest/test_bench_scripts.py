@@ -1,4 +1,5 @@
-"""Benchmark scripts without a model: http_bench's pooled ratios over alternating rounds, decode_step's flags."""
+"""Benchmark scripts without a model: http_bench's pooled ratios over alternating rounds, decode_step's flags,
+cpu_kernels_bench on tiny sizes."""
 
 from __future__ import annotations
 
@@ -33,3 +34,31 @@ def test_decode_step_rejects_bad_flags(capsys):
         with pytest.raises(SystemExit):
             decode_step.main(argv)
         assert "--batch-sizes" in capsys.readouterr().err or "--steps" in argv
+
+
+def test_cpu_kernels_bench_small_runs(capsys):
+    import torch
+
+    from engine.kernels import cpu_ops
+    from loadtest import cpu_kernels_bench
+
+    assert cpu_ops.load()
+    rc = cpu_kernels_bench.main(["projections", "--rows", "1,17", "--layers", "1", "--rounds", "1", "--hidden", "64",
+                                 "--intermediate", "96", "--kv-dim", "32"])
+    out = capsys.readouterr()
+    if torch.ops.kvfleet_cpu.q4_amx():
+        assert rc == 0 and "   17 " in out.out and "x" in out.out.splitlines()[-1]
+    else:
+        assert rc == 1 and "no AMX" in out.err
+    assert cpu_kernels_bench.main(["attention", "--batch", "2", "--context", "20", "--layers", "1", "--rounds", "1"]) == 0
+    assert "of the measured read bandwidth" in capsys.readouterr().out
+
+
+def test_cpu_kernels_bench_rejects_bad_flags(capsys):
+    from loadtest import cpu_kernels_bench
+
+    for argv, flag in ((["projections", "--rows", "0"], "--rows"), (["projections", "--hidden", "40"], "--hidden"),
+                       (["attention", "--batch", "0"], "--batch")):
+        with pytest.raises(SystemExit):
+            cpu_kernels_bench.main(argv)
+        assert flag in capsys.readouterr().err

@@ -115,9 +115,10 @@ class LLMEngine:
         if backend.name == "cpu" and self.dtype in (torch.bfloat16, torch.float32):
             self.model.enable_cpu_kernels()  # the fused kernels serve this model: the layers' glue runs through them too
         self.runner = ModelRunner(self.model, backend, num_blocks, args.block_size, self.device)
-        if self.model.q4_projections:
-            logger.info("%d projections multiply through their checkpoint's 4-bit weights (AMX kernel, same bf16 values)",
-                        self.model.q4_projections)
+        if self.model.q4_projections or self.model.q8_lm_head:
+            logger.info("%d projections%s multiply through the checkpoint's packed 4-bit%s weights (AMX kernels, "
+                        "the same bf16 values)", self.model.q4_projections, " and the output head" if self.model.q8_lm_head
+                        else "", " / 8-bit" if self.model.q8_lm_head else "")
         self.sampler = Sampler(seed=args.seed)
         self.requests: dict[str, _Request] = {}
         self.prompt_tokens_total = 0

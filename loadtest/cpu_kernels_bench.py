@@ -41,9 +41,9 @@ def q4_layer_weights(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor
 
 
 def bench_projections(a: argparse.Namespace) -> int:
-    from engine.model.q4 import dequant_reference, pack_q4
+    from engine.model.quantized import dequant_reference, pack_q4
 
-    if not torch.ops.kvfleet_cpu.q4_amx():
+    if not torch.ops.kvfleet_cpu.quant_amx():
         print("q4_linear runs its portable loops here (no AMX): nothing to compare", file=sys.stderr)
         return 1
     h, inter = a.hidden, a.intermediate

@@ -22,7 +22,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
-SOURCES = (SOURCE, Path(__file__).with_name("q4_gemm.cpp"))  # one library: cpu_ops.cpp defines it, q4_gemm.cpp adds to it
+SOURCES = (SOURCE, Path(__file__).with_name("quant_gemm.cpp"))  # one library: cpu_ops.cpp defines it, quant_gemm.cpp adds to it
 HEADERS = (Path(__file__).with_name("amx.h"),)
 ENV = "KVFLEET_CPU_KERNELS"  # "auto" (default) or "torch" (off)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17"]  # -fopenmp: ATen's parallel_for

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
-from engine.model.q4 import find_q4, pack_q4
+from engine.model.quantized import find_q4, find_q8, pack_q4, pack_q8
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
@@ -130,10 +130,10 @@ class Linear(nn.Linear):
     and, for weights that are exactly 4-bit group-quantized (GGUF Q4_1 checkpoints), two 4-bit copies:
     torch's int4 kernel serves steps of up to INT4_MAX_ROWS rows (the fastest there; its bf16 scales round
     the weights slightly differently), and on CPUs with AMX every larger step multiplies through the packed
-    copy (engine/kernels/q4_gemm.cpp: a third of the bytes, exactly the bf16 weights)."""
+    copy (engine/kernels/quant_gemm.cpp: a third of the bytes, exactly the bf16 weights)."""
 
     packed: torch.Tensor | None = None
-    q4_packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (qweight, scales) of engine.model.q4.pack_q4
+    q4_packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (qweight, scales) of quantized.pack_q4
     q4: tuple[torch.Tensor, torch.Tensor] | None = None  # q4_packed, once the AMX kernel is known to run
     int4: tuple[torch.Tensor, torch.Tensor] | None = None  # (packed 4-bit weight, [K/32, N, 2] scales/zeros)
 
@@ -148,7 +148,8 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-Q4_ENV = "KVFLEET_Q4_KERNEL"  # "off": keep the bf16 (oneDNN) projections even where the 4-bit kernel runs
+QUANT_ENV = "KVFLEET_QUANT_KERNELS"  # "off": keep the bf16 (oneDNN) matmuls even where the packed 4/8-bit kernels run
+Q8_HEAD_MAX_ROWS = 24  # the 8-bit head: 1.5x oneDNN at 1-16 rows, 1.06x at 24, parity at 32, 0.85x at 48 (AMX-bound)
 INT4_GROUP = 32
 INT4_MAX_ROWS = 4  # steps of up to this many rows: 1.6-1.9x oneDNN bf16 at 1 row, 1.4x q4_linear at 1-2, ~1.1x at 4
 
@@ -280,6 +281,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._lm_head_packed: torch.Tensor | None = None
         self._q4_parts: dict[str, dict[int, tuple | None]] = {}  # load_weights -> prepack_weights
+        self._q8_lm_head: tuple[torch.Tensor, torch.Tensor] | None = None  # (q, d) found by load_weights
+        self._lm_head_q8_packed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._lm_head_q8: tuple[torch.Tensor, torch.Tensor] | None = None  # packed, once the AMX kernel runs
         self.cpu_kernels = False
         self._cos_sin: torch.Tensor | None = None
 
@@ -301,6 +305,8 @@ class LlamaForCausalLM(nn.Module):
             torch.ops.kvfleet_cpu.add_rms_norm_(h, residual, self.norm.weight_f32, self.norm.eps)
         else:
             h = self.norm(residual + h)
+        if self._lm_head_q8 is not None and h.shape[0] <= Q8_HEAD_MAX_ROWS:
+            return torch.ops.kvfleet_cpu.q8_linear(h, self._lm_head_q8[0], self._lm_head_q8[1]).float()
         if self._lm_head_packed is not None:
             return torch.ops.mkldnn._linear_pointwise(h, self._lm_head_packed, None, "none", [], "").float()
         return F.linear(h, self.lm_head_weight).float()
@@ -319,6 +325,9 @@ class LlamaForCausalLM(nn.Module):
                 module.q4_packed = _pack_parts(parts.get(f"{name}.weight"), module.weight.shape)
                 module.int4 = exact_int4(module.weight)
         self._lm_head_packed = prepack(self.lm_head_weight)
+        found, self._q8_lm_head = self._q8_lm_head, None
+        if found is not None and tuple(found[0].shape) == tuple(self.lm_head_weight.shape):
+            self._lm_head_q8_packed = pack_q8(*found)
         return True
 
     def enable_cpu_kernels(self) -> None:
@@ -327,7 +336,7 @@ class LlamaForCausalLM(nn.Module):
         results differ from the plain path in the last bit."""
         half = self.config.head_dim // 2
         self._cos_sin = torch.cat((self.rope.cos[:, :half], self.rope.sin[:, :half]), dim=1).float().contiguous()
-        amx = bool(torch.ops.kvfleet_cpu.q4_amx()) and os.environ.get(Q4_ENV, "auto") != "off"
+        amx = bool(torch.ops.kvfleet_cpu.quant_amx()) and os.environ.get(QUANT_ENV, "auto") != "off"
         for module in self.modules():
             if hasattr(module, "cpu_kernels"):
                 module.cpu_kernels = True
@@ -335,11 +344,18 @@ class LlamaForCausalLM(nn.Module):
                 module.weight_f32 = module.weight.detach().float().contiguous()
             if isinstance(module, Linear) and module.q4_packed is not None and amx:
                 module.q4 = module.q4_packed
+        if amx:
+            self._lm_head_q8 = self._lm_head_q8_packed
 
     @property
     def q4_projections(self) -> int:
         """How many projections multiply through their packed 4-bit weights."""
         return sum(1 for m in self.modules() if isinstance(m, Linear) and m.q4 is not None)
+
+    @property
+    def q8_lm_head(self) -> bool:
+        """Whether the logits come from the checkpoint's packed 8-bit output weights."""
+        return self._lm_head_q8 is not None
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -349,7 +365,8 @@ class LlamaForCausalLM(nn.Module):
         filled: set[str] = set()
         # float32 checkpoint values of a bf16 CPU model: look for exact 4-bit groups (prepack_weights packs them)
         capture_q4 = can_prepack(self.embed_tokens.weight.dtype, self.embed_tokens.weight.device)
-        self._q4_parts = {}
+        self._q4_parts, self._q8_lm_head = {}, None
+        lm_head_name = "embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         cfg = self.config
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         fused = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
@@ -376,6 +393,8 @@ class LlamaForCausalLM(nn.Module):
             filled.add(f"{target}:{start}")
             if capture_q4 and target.endswith("_proj.weight"):
                 self._q4_parts.setdefault(target, {})[start or 0] = find_q4(tensor)
+            if capture_q4 and target == lm_head_name:
+                self._q8_lm_head = find_q8(tensor)
         expected = set()
         for pname in params:
             if pname.endswith("qkv_proj.weight") or pname.endswith("qkv_proj.bias"):

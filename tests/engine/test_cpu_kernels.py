@@ -174,7 +174,7 @@ def test_bf16_engine_with_kernels_is_as_accurate_as_the_torch_path():
         assert llm.engine.runner.backend.name == backend
         assert llm.engine.model.cpu_kernels == (backend == "cpu")
         # the fused bf16 run multiplies through the GGUF's 4-bit weights where AMX runs the kernel
-        assert llm.engine.model.q4_projections == (120 if backend == "cpu" and OPS.q4_amx() else 0)
+        assert llm.engine.model.q4_projections == (120 if backend == "cpu" and OPS.quant_amx() else 0)
         runs[name] = [r.outputs[0] for r in llm.generate(prompts, params)]
     err, matched = {}, {}
     for name in ("cpu", "torch"):

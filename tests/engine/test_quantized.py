@@ -1,5 +1,6 @@
-"""Exact 4-bit projections: finding Q4 groups in float32 checkpoint values, packing them, and the
-`q4_linear` kernel (AMX where the CPU has it, portable loops everywhere) against a float64 reference."""
+"""Exact group-quantized weights: finding Q4 and Q8 groups in float32 checkpoint values, packing them, and
+the `q4_linear` / `q8_linear` kernels (AMX where the CPU has it, portable loops everywhere) against a
+float64 reference."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ import torch
 
 from engine.kernels import cpu_ops
 from engine.model.llama import Linear
-from engine.model.q4 import dequant_reference, find_q4, pack_q4
+from engine.model.quantized import dequant_reference, dequant_reference_q8, find_q4, find_q8, pack_q4, pack_q8
 
 if os.environ.get(cpu_ops.ENV) == "torch":
     pytest.skip("fused CPU kernels turned off", allow_module_level=True)
 
 assert cpu_ops.load(), f"the fused CPU kernels must build here: {cpu_ops.unavailable_reason()}"
 OPS = torch.ops.kvfleet_cpu
-AMX = bool(OPS.q4_amx())
+AMX = bool(OPS.quant_amx())
 
 
 def q4_1_tensor(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -133,3 +134,55 @@ def test_smollm2_projections_run_4bit_on_the_same_bf16_weights():
     for name, module in model.named_modules():
         if isinstance(module, Linear):
             assert torch.equal(OPS.q4_dequant(*module.q4), module.weight), name
+
+
+# ---- 8-bit (Q8_0) --------------------------------------------------------------------------------
+
+def q8_0_tensor(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """float32 values as a GGUF Q8_0 tensor dequantizes: d * q, d float16, q in -127..127 with +-127 used."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+    q[..., 5] = 127 * torch.where(torch.rand(n, k // 32, generator=g) < 0.5, -1.0, 1.0)
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.002 + 1e-5).half().float()
+    return (q * d).view(n, k)
+
+
+def test_find_q8_recovers_the_groups_exactly_and_refuses_others():
+    w = q8_0_tensor(32, 96)
+    q, d = find_q8(w)
+    assert q.dtype == torch.int8 and d.dtype == torch.float16 and d.shape == (32, 3)
+    assert torch.equal(dequant_reference_q8(q, d), w)
+    assert find_q8(torch.randn(32, 96)) is None
+    assert find_q8(w.bfloat16()) is None
+    w[3, 7] += 0.3 * d[3, 0].float()
+    assert find_q8(w) is None
+
+
+@pytest.mark.parametrize("amx", [True, False] if AMX else [False])
+@pytest.mark.parametrize("rows", [1, 4, 16, 19, 40])
+def test_q8_linear_matches_a_float64_reference_on_the_exact_bf16_weights(amx, rows):
+    w = q8_0_tensor(48, 160, seed=rows)
+    qweight, scales = pack_q8(*find_q8(w))
+    assert torch.equal(OPS.q8_dequant(qweight, scales), w.bfloat16())
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    b = torch.randn(48).bfloat16()
+    want = x.double() @ w.bfloat16().double().T + b.double()
+    got = OPS.q8_linear(x, qweight, scales, b, amx)
+    assert torch.allclose(got.double(), want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item())
+
+
+def test_q8_linear_bad_packing_is_a_clear_error():
+    qweight, scales = pack_q8(*find_q8(q8_0_tensor(16, 64)))
+    with pytest.raises(RuntimeError, match="qweight must be contiguous int8"):
+        OPS.q8_linear(torch.zeros(1, 64, dtype=torch.bfloat16), qweight.view(torch.uint8), scales)
+    with pytest.raises(RuntimeError, match=r"scales must be contiguous float16 \[N/16, K/32, 16\]"):
+        OPS.q8_linear(torch.zeros(1, 64, dtype=torch.bfloat16), qweight, scales.float())
+
+
+@pytest.mark.skipif(not AMX, reason="the model uses the 8-bit head only where AMX runs it")
+def test_smollm2_head_runs_8bit_on_the_same_bf16_weights():
+    from engine.llm import LLM
+
+    model = LLM("smollm2", dtype="bfloat16", num_blocks=64).engine.model
+    assert model.q8_lm_head
+    assert torch.equal(OPS.q8_dequant(*model._lm_head_q8), model.lm_head_weight)

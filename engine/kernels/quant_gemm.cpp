@@ -1,22 +1,24 @@
-// 4-bit group-quantized weights (GGUF Q4_0 / Q4_1: w = s * q + m, q in 0..15, one s and m per 32 inputs)
-// times bf16 activations, registered as torch.ops.kvfleet_cpu.*:
+// Group-quantized weights from GGUF checkpoints times bf16 activations, registered as torch.ops.kvfleet_cpu.*:
+//   Q4 (Q4_1, and Q4_0 groups spanning all 16 levels): w = s * q + m, q in 0..15, float16 s and m per 32 inputs
+//   Q8 (Q8_0): w = d * q, q in -128..127, float16 d per 32 inputs
 //
 //   q4_linear(x, qweight, scales, bias?, allow_amx=True) -> out
+//   q8_linear(x, qweight, scales, bias?, allow_amx=True) -> out
 //       out[M, N] = x[M, K] @ dequant(qweight)^T (+ bias), bf16; allow_amx=False: the portable loops
-//   q4_dequant(qweight, scales) -> w              the bf16 weight [N, K] the kernel multiplies with
-//   q4_amx() -> bool                              whether q4_linear runs on AMX tiles here
+//   q4_dequant(qweight, scales) -> w, q8_dequant(...)   the bf16 weight [N, K] the kernel multiplies with
+//   quant_amx() -> bool                                 whether the *_linear ops run on AMX tiles here
 //
-// Decode steps are bound by reading weights from memory; the packed form is 0.625 bytes per weight
-// instead of bf16's 2. Each 16-column x 32-input chunk is dequantized in registers to exactly the bf16
-// value of s * q + m (the product is exact in float32, so this is the same single rounding as the float32
-// checkpoint's value, then round-to-nearest-even to bf16) and multiplied on AMX tiles (TDPBF16PS: bf16
-// products, float32 sums), so the result is the bf16 model's matmul, read from a third of the bytes.
+// Decode steps are bound by reading weights from memory; packed, Q4 is 0.625 bytes per weight and Q8
+// 1.03 instead of bf16's 2. Each 16-column x 32-input chunk is dequantized in registers to exactly the bf16
+// value of the checkpoint's weight (s * q and d * q are exact in float32, so s * q + m rounds once, as the
+// float32 value did; then round-to-nearest-even to bf16) and multiplied on AMX tiles (TDPBF16PS: bf16
+// products, float32 sums), so the result is the bf16 model's matmul, read from a third (half) of the bytes.
 //
-// Packed layout (see engine/model/q4.py, which builds it):
-//   qweight uint8 [N/16, K/32, 16, 16]: chunk (n-block, k-group); row r holds inputs 2r and 2r+1 of the
-//       group; byte i = q[col i/2][2r + i%2] | q[8 + i/2][2r + i%2] << 4, so that one row unpacks into
-//       the AMX B-tile row (16 columns x a pair of inputs) directly.
-//   scales float16 [N/16, K/32, 2, 16]: s then m of the chunk's 16 columns.
+// Packed layouts (engine/model/quantized.py builds them); a chunk's row r holds inputs 2r and 2r+1 of its
+// group for 16 columns, in AMX B-tile order (element e: column e/2, input 2r + e%2):
+//   Q4: qweight uint8 [N/16, K/32, 16, 16]: byte i = q[col i/2][2r + i%2] | q[8 + i/2][2r + i%2] << 4
+//       scales float16 [N/16, K/32, 2, 16]: s then m of the chunk's 16 columns
+//   Q8: qweight int8 [N/16, K/32, 16, 32]: element e as above; scales float16 [N/16, K/32, 16]: d
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -32,6 +34,7 @@
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -40,9 +43,8 @@ using at::Tensor;
 
 constexpr int64_t kCols = 16;   // columns per n-block (one AMX tile's width in float32)
 constexpr int64_t kGroup = 32;  // inputs per scale group (one AMX tile row of bf16)
-constexpr int64_t kChunkBytes = kCols * kGroup / 2;
 
-void check(bool ok, const char* msg) { TORCH_CHECK(ok, "kvfleet_cpu.q4: ", msg); }
+void check(bool ok, const char* msg) { TORCH_CHECK(ok, "kvfleet_cpu.quant: ", msg); }
 
 uint16_t round_bf16(float f) {
   uint32_t b;
@@ -58,36 +60,67 @@ float bf16_to_float(uint16_t h) {
   return f;
 }
 
-// Chunk (nb, kc) dequantized as an AMX B tile: 16 rows (input pairs) x 16 columns x 2 inputs, bf16.
-void dequant_chunk_portable(const uint8_t* q, const c10::Half* sm, uint16_t* dst) {
-  for (int64_t r = 0; r < 16; ++r)
-    for (int64_t i = 0; i < 16; ++i) {
-      const uint8_t byte = q[r * 16 + i];
-      const int64_t col_a = i / 2, col_b = 8 + i / 2;
-      dst[r * 32 + i] = round_bf16(float(byte & 0xF) * float(sm[col_a]) + float(sm[16 + col_a]));
-      dst[r * 32 + 16 + i] = round_bf16(float(byte >> 4) * float(sm[col_b]) + float(sm[16 + col_b]));
+// The two formats: a chunk's bytes and scales, and the chunk dequantized as an AMX B tile (16 rows of
+// input pairs x 16 columns x 2 inputs, bf16), portably and (where AMX is compiled) with AVX-512.
+struct Q4 {
+  using Q = uint8_t;
+  static constexpr int64_t kChunkBytes = kCols * kGroup / 2, kScales = 32, kRowBytes = 16;
+  static constexpr const char* kName = "q4";
+  static void dequant_portable(const uint8_t* q, const c10::Half* sm, uint16_t* dst) {
+    for (int64_t r = 0; r < 16; ++r)
+      for (int64_t i = 0; i < 16; ++i) {
+        const uint8_t byte = q[r * 16 + i];
+        const int64_t col_a = i / 2, col_b = 8 + i / 2;
+        dst[r * 32 + i] = round_bf16(float(byte & 0xF) * float(sm[col_a]) + float(sm[16 + col_a]));
+        dst[r * 32 + 16 + i] = round_bf16(float(byte >> 4) * float(sm[col_b]) + float(sm[16 + col_b]));
+      }
+  }
+#ifdef KVFLEET_AMX
+  static void dequant(const uint8_t* q, const c10::Half* sm, uint16_t* dst) {
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + 16)));
+    const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
+    const __m512 sa = _mm512_permutexvar_ps(lo_cols, s), sb = _mm512_permutexvar_ps(hi_cols, s);
+    const __m512 ma = _mm512_permutexvar_ps(lo_cols, m), mb = _mm512_permutexvar_ps(hi_cols, m);
+    // float(0..15), looked up by each lane's low 4 bits (a permute instead of mask + convert)
+    const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int r = 0; r < 16; ++r) {
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * 16)));
+      // s * q is exact in float32 (11-bit s times 4-bit q), so the fma rounds once, like s * q + m does
+      const __m512 wa = _mm512_fmadd_ps(_mm512_permutexvar_ps(b, levels), sa, ma);
+      const __m512 wb = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), levels), sb, mb);
+      _mm512_store_si512(reinterpret_cast<__m512i*>(dst + r * 32), (__m512i)_mm512_cvtne2ps_pbh(wb, wa));
     }
-}
+  }
+#endif
+};
+
+struct Q8 {
+  using Q = int8_t;
+  static constexpr int64_t kChunkBytes = kCols * kGroup, kScales = 16, kRowBytes = 32;
+  static constexpr const char* kName = "q8";
+  static void dequant_portable(const int8_t* q, const c10::Half* d, uint16_t* dst) {
+    for (int64_t e = 0; e < 512; ++e) dst[e] = round_bf16(float(q[e]) * float(d[(e % 32) / 2]));
+  }
+#ifdef KVFLEET_AMX
+  static void dequant(const int8_t* q, const c10::Half* d, uint16_t* dst) {
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
+    const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512 sa = _mm512_permutexvar_ps(lo_cols, s);
+    const __m512 sb = _mm512_permutexvar_ps(_mm512_add_epi32(lo_cols, _mm512_set1_epi32(8)), s);
+    for (int r = 0; r < 16; ++r) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * 32));
+      // d * q is exact in float32 (11-bit d times 8-bit q): one rounding, to bf16
+      const __m512 wa = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b))), sa);
+      const __m512 wb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1))), sb);
+      _mm512_store_si512(reinterpret_cast<__m512i*>(dst + r * 32), (__m512i)_mm512_cvtne2ps_pbh(wb, wa));
+    }
+  }
+#endif
+};
 
 #ifdef KVFLEET_AMX
-inline void dequant_chunk(const uint8_t* q, const c10::Half* sm, uint16_t* dst) {
-  const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm)));
-  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + 16)));
-  const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
-  const __m512 sa = _mm512_permutexvar_ps(lo_cols, s), sb = _mm512_permutexvar_ps(hi_cols, s);
-  const __m512 ma = _mm512_permutexvar_ps(lo_cols, m), mb = _mm512_permutexvar_ps(hi_cols, m);
-  // float(0..15), looked up by each lane's low 4 bits (a permute instead of mask + convert)
-  const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  for (int r = 0; r < 16; ++r) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * 16)));
-    // s * q is exact in float32 (11-bit s times 4-bit q), so the fma rounds once, like s * q + m does
-    const __m512 wa = _mm512_fmadd_ps(_mm512_permutexvar_ps(b, levels), sa, ma);
-    const __m512 wb = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), levels), sb, mb);
-    _mm512_store_si512(reinterpret_cast<__m512i*>(dst + r * 32), (__m512i)_mm512_cvtne2ps_pbh(wb, wa));
-  }
-}
-
 using kvfleet_amx::amx_permitted;
 using kvfleet_amx::configure_tiles;
 
@@ -107,13 +140,13 @@ struct ActTiles {
 // one multiply). While a pair is multiplied, the next pair's chunks are dequantized in between its tile
 // instructions, so the vector units dequantize while the tile unit multiplies. c: [2][mp x 16] float32.
 // Tiles: 0-3 the 2 x 2 float32 sums, 4 and 6 two 16-row activation tiles, 5 and 7 two weight chunks.
-template <typename Store>
-void nblocks_amx(const ActTiles& a, int64_t mblocks, int64_t kcs, const uint8_t* qd, const c10::Half* sd,
+template <typename F, typename Store>
+void nblocks_amx(const ActTiles& a, int64_t mblocks, int64_t kcs, const typename F::Q* qd, const c10::Half* sd,
                  int64_t nb0, int64_t nb1, uint16_t* wbuf, float* c, Store&& store) {
   const int64_t pair_chunks = 2 * kcs, mp = mblocks * 16;
   auto dequant = [&](int64_t nb, int64_t i, uint16_t* w) {  // chunk i of the pair starting at n-block nb
     const int64_t chunk = nb * kcs + i;  // the pair's chunks are consecutive: (nb, 0..kcs), (nb + 1, 0..kcs)
-    dequant_chunk(qd + chunk * kChunkBytes, sd + chunk * 32, w + i * 512);
+    F::dequant(qd + chunk * F::kChunkBytes, sd + chunk * F::kScales, w + i * 512);
   };
   const int64_t first = std::min<int64_t>(2, nb1 - nb0) * kcs;
   for (int64_t i = 0; i < first; ++i) dequant(nb0, i, wbuf);
@@ -174,13 +207,17 @@ bool use_amx() {
 #endif
 }
 
+template <typename F>
 void check_packed(const Tensor& qweight, const Tensor& scales) {
-  check(qweight.device().is_cpu() && qweight.scalar_type() == at::kByte && qweight.dim() == 4 &&
-            qweight.size(2) == 16 && qweight.size(3) == 16 && qweight.is_contiguous(),
-        "qweight must be contiguous uint8 [N/16, K/32, 16, 16]");
-  check(scales.scalar_type() == at::kHalf && scales.dim() == 4 && scales.size(0) == qweight.size(0) &&
-            scales.size(1) == qweight.size(1) && scales.size(2) == 2 && scales.size(3) == 16 && scales.is_contiguous(),
-        "scales must be contiguous float16 [N/16, K/32, 2, 16] matching qweight");
+  constexpr bool q4 = std::is_same_v<F, Q4>;
+  check(qweight.device().is_cpu() && qweight.scalar_type() == (q4 ? at::kByte : at::kChar) && qweight.dim() == 4 &&
+            qweight.size(2) == 16 && qweight.size(3) == F::kRowBytes && qweight.is_contiguous(),
+        q4 ? "qweight must be contiguous uint8 [N/16, K/32, 16, 16]" : "qweight must be contiguous int8 [N/16, K/32, 16, 32]");
+  check(scales.scalar_type() == at::kHalf && scales.dim() == (q4 ? 4 : 3) && scales.size(0) == qweight.size(0) &&
+            scales.size(1) == qweight.size(1) && scales.size(-1) == 16 && (!q4 || scales.size(2) == 2) &&
+            scales.is_contiguous(),
+        q4 ? "scales must be contiguous float16 [N/16, K/32, 2, 16] matching qweight"
+           : "scales must be contiguous float16 [N/16, K/32, 16] matching qweight");
 }
 
 // 64-byte aligned scratch of n elements of T.
@@ -204,18 +241,19 @@ void nblock_portable(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w,
     }
 }
 
-Tensor q4_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales, const std::optional<Tensor>& bias,
-                 bool allow_amx) {
-  check_packed(qweight, scales);
+template <typename F>
+Tensor quant_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales, const std::optional<Tensor>& bias,
+                    bool allow_amx) {
+  check_packed<F>(qweight, scales);
   check(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2, "x must be bf16 [M, K]");
   const int64_t nbs = qweight.size(0), kcs = qweight.size(1), n = nbs * kCols, k = kcs * kGroup, m = x.size(0);
-  TORCH_CHECK(x.size(1) == k, "kvfleet_cpu.q4: x has ", x.size(1), " inputs, the weight ", k);
+  TORCH_CHECK(x.size(1) == k, "kvfleet_cpu.", F::kName, ": x has ", x.size(1), " inputs, the weight ", k);
   if (bias) check(bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 && bias->size(0) == n, "bias must be bf16 [N]");
   Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
   const Tensor xc = x.contiguous();
   const uint16_t* xd = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
-  const uint8_t* qd = qweight.data_ptr<uint8_t>();
+  const auto* qd = static_cast<const typename F::Q*>(qweight.data_ptr());
   const c10::Half* sd = scales.data_ptr<c10::Half>();
   const uint16_t* bd = bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr<c10::BFloat16>()) : nullptr;
   uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
@@ -235,7 +273,7 @@ Tensor q4_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales, c
       Scratch<uint16_t> w(2 * 2 * kcs * 512);
       Scratch<float> c(2 * mblocks * 16 * kCols);
       configure_tiles();
-      nblocks_amx(acts, mblocks, kcs, qd, sd, 2 * p0, std::min(2 * p1, nbs), w.data, c.data,
+      nblocks_amx<F>(acts, mblocks, kcs, qd, sd, 2 * p0, std::min(2 * p1, nbs), w.data, c.data,
                   [&](int64_t nb, const float* cb) {
                     store_block_avx512(cb, m, bd ? bd + nb * kCols : nullptr, od + nb * kCols, n);
                   });
@@ -249,7 +287,7 @@ Tensor q4_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales, c
     std::vector<float> c(m * kCols);
     for (int64_t nb = nb0; nb < nb1; ++nb) {
       for (int64_t kc = 0; kc < kcs; ++kc)
-        dequant_chunk_portable(qd + (nb * kcs + kc) * kChunkBytes, sd + (nb * kcs + kc) * 32, w.data + kc * 512);
+        F::dequant_portable(qd + (nb * kcs + kc) * F::kChunkBytes, sd + (nb * kcs + kc) * F::kScales, w.data + kc * 512);
       nblock_portable(xd, m, k, w.data, c.data());
       for (int64_t r = 0; r < m; ++r)
         for (int64_t j = 0; j < kCols; ++j) {
@@ -261,16 +299,18 @@ Tensor q4_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales, c
   return out;
 }
 
-Tensor q4_dequant(const Tensor& qweight, const Tensor& scales) {
-  check_packed(qweight, scales);
+template <typename F>
+Tensor quant_dequant(const Tensor& qweight, const Tensor& scales) {
+  check_packed<F>(qweight, scales);
   const int64_t nbs = qweight.size(0), kcs = qweight.size(1), k = kcs * kGroup;
   Tensor out = at::empty({nbs * kCols, k}, qweight.options().dtype(at::kBFloat16));
   uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  const auto* qd = static_cast<const typename F::Q*>(qweight.data_ptr());
   std::vector<uint16_t> tile(512);
   for (int64_t nb = 0; nb < nbs; ++nb)
     for (int64_t kc = 0; kc < kcs; ++kc) {
-      dequant_chunk_portable(qweight.data_ptr<uint8_t>() + (nb * kcs + kc) * kChunkBytes,
-                             scales.data_ptr<c10::Half>() + (nb * kcs + kc) * 32, tile.data());
+      F::dequant_portable(qd + (nb * kcs + kc) * F::kChunkBytes, scales.data_ptr<c10::Half>() + (nb * kcs + kc) * F::kScales,
+                          tile.data());
       for (int64_t pr = 0; pr < 16; ++pr)
         for (int64_t j = 0; j < kCols; ++j)
           for (int64_t par = 0; par < 2; ++par)
@@ -279,12 +319,16 @@ Tensor q4_dequant(const Tensor& qweight, const Tensor& scales) {
   return out;
 }
 
-bool q4_amx() { return use_amx(); }
+bool quant_amx() { return use_amx(); }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
-  m.def("q4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias=None, bool allow_amx=True) -> Tensor", &q4_linear);
-  m.def("q4_dequant(Tensor qweight, Tensor scales) -> Tensor", &q4_dequant);
-  m.def("q4_amx() -> bool", &q4_amx);
+  m.def("q4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias=None, bool allow_amx=True) -> Tensor",
+        &quant_linear<Q4>);
+  m.def("q8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias=None, bool allow_amx=True) -> Tensor",
+        &quant_linear<Q8>);
+  m.def("q4_dequant(Tensor qweight, Tensor scales) -> Tensor", &quant_dequant<Q4>);
+  m.def("q8_dequant(Tensor qweight, Tensor scales) -> Tensor", &quant_dequant<Q8>);
+  m.def("quant_amx() -> bool", &quant_amx);
 }

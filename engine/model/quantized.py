@@ -18,25 +18,23 @@ GROUP = 32
 COLS = 16
 
 
-def find_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(q uint8 [N, K], s float16 [N, K/32], m float16 [N, K/32]) with s * q + m == weight exactly, else None."""
+def _groups(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight as [N, K/32, 32] if it is a float32 matrix of whole 16-row blocks and 32-input groups."""
     if weight.dtype != torch.float32 or weight.dim() != 2:
         return None
     n, k = weight.shape
     if k % GROUP or n % COLS or n == 0:
         return None
-    g = weight.view(n, k // GROUP, GROUP)
-    lo, hi = g.amin(-1), g.amax(-1)
-    m = lo.half()
-    if not torch.equal(m.float(), lo):  # the group minimum is m itself (q = 0 is always used)
-        return None
-    s = ((hi - lo) / 15).half()
+    return weight.view(n, k // GROUP, GROUP)
+
+
+def _exact_scales(scale: torch.Tensor, fit) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per group, the float16 `scale` or one of its two neighbours for which fit(scale as float32 [.., 1])
+    -> (q, exact per group) reproduces the group exactly: (q, scale) once every group is, else None."""
     best_q, best_s, ok = None, None, None
-    # the float16 s nearest (max - min) / 15, or one of its neighbours, reproduces the group exactly
-    for cand in (s, torch.nextafter(s, torch.full_like(s, float("inf"))), torch.nextafter(s, torch.zeros_like(s))):
-        sf = cand.float()[..., None]
-        q = torch.round((g - lo[..., None]) / torch.where(sf > 0, sf, 1.0)).clamp_(0, 15)
-        exact = ((q * sf + lo[..., None]) == g).all(-1)
+    for cand in (scale, torch.nextafter(scale, torch.full_like(scale, float("inf"))),
+                 torch.nextafter(scale, torch.zeros_like(scale))):
+        q, exact = fit(cand.float()[..., None])
         if best_q is None:
             best_q, best_s, ok = q, cand.clone(), exact
         else:
@@ -45,8 +43,26 @@ def find_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
             best_s = torch.where(take, cand, best_s)
             ok = ok | exact
         if bool(ok.all()):
-            return best_q.view(n, k).to(torch.uint8), best_s, m
+            return best_q, best_s
     return None
+
+
+def find_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(q uint8 [N, K], s float16 [N, K/32], m float16 [N, K/32]) with s * q + m == weight exactly, else None."""
+    g = _groups(weight)
+    if g is None:
+        return None
+    lo, hi = g.amin(-1), g.amax(-1)
+    m = lo.half()
+    if not torch.equal(m.float(), lo):  # the group minimum is m itself (q = 0 is always used)
+        return None
+
+    def fit(sf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = torch.round((g - lo[..., None]) / torch.where(sf > 0, sf, 1.0)).clamp_(0, 15)
+        return q, ((q * sf + lo[..., None]) == g).all(-1)
+
+    found = _exact_scales(((hi - lo) / 15).half(), fit)  # s nearest (max - min) / 15, or a neighbour
+    return None if found is None else (found[0].view(weight.shape).to(torch.uint8), found[1], m)
 
 
 def pack_q4(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,29 +87,16 @@ def dequant_reference(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> torc
 
 def find_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(q int8 [N, K], d float16 [N, K/32]) with d * q == weight exactly, else None."""
-    if weight.dtype != torch.float32 or weight.dim() != 2:
+    g = _groups(weight)
+    if g is None:
         return None
-    n, k = weight.shape
-    if k % GROUP or n % COLS or n == 0:
-        return None
-    g = weight.view(n, k // GROUP, GROUP)
-    amax = g.abs().amax(-1)
-    d = (amax / 127).half()  # the largest magnitude is +-127 d (Q8_0's rounding), or a neighbour's d
-    best_q, best_d, ok = None, None, None
-    for cand in (d, torch.nextafter(d, torch.full_like(d, float("inf"))), torch.nextafter(d, torch.zeros_like(d))):
-        df = cand.float()[..., None]
+
+    def fit(df: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q = torch.round(g / torch.where(df > 0, df, 1.0)).clamp_(-128, 127)
-        exact = ((q * df) == g).all(-1)
-        if best_q is None:
-            best_q, best_d, ok = q, cand.clone(), exact
-        else:
-            take = exact & ~ok
-            best_q = torch.where(take[..., None], q, best_q)
-            best_d = torch.where(take, cand, best_d)
-            ok = ok | exact
-        if bool(ok.all()):
-            return best_q.view(n, k).to(torch.int8), best_d
-    return None
+        return q, ((q * df) == g).all(-1)
+
+    found = _exact_scales((g.abs().amax(-1) / 127).half(), fit)  # the largest magnitude is 127 d (Q8_0's rounding)
+    return None if found is None else (found[0].view(weight.shape).to(torch.int8), found[1])
 
 
 def pack_q8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -363,11 +363,11 @@ class LlamaForCausalLM(nn.Module):
         """Copy (HF name, tensor) pairs in, fusing q/k/v and gate/up; every parameter must be filled."""
         params = dict(self.named_parameters())
         filled: set[str] = set()
-        # float32 checkpoint values of a bf16 CPU model: look for exact 4-bit groups (prepack_weights packs them)
+        cfg = self.config
+        # float32 checkpoint values of a bf16 CPU model: look for exact 4/8-bit groups (prepack_weights packs them)
         capture_q4 = can_prepack(self.embed_tokens.weight.dtype, self.embed_tokens.weight.device)
         self._q4_parts, self._q8_lm_head = {}, None
-        lm_head_name = "embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
-        cfg = self.config
+        lm_head_name = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         fused = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
                  "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),

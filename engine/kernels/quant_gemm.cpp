@@ -2,9 +2,10 @@
 //   Q4 (Q4_1, and Q4_0 groups spanning all 16 levels): w = s * q + m, q in 0..15, float16 s and m per 32 inputs
 //   Q8 (Q8_0): w = d * q, q in -128..127, float16 d per 32 inputs
 //
-//   q4_linear(x, qweight, scales, bias?, allow_amx=True) -> out
-//   q8_linear(x, qweight, scales, bias?, allow_amx=True) -> out
-//       out[M, N] = x[M, K] @ dequant(qweight)^T (+ bias), bf16; allow_amx=False: the portable loops
+//   q4_linear(x, qweight, scales, bias?, allow_amx=True, float_out=False) -> out
+//   q8_linear(x, qweight, scales, bias?, allow_amx=True, float_out=False) -> out
+//       out[M, N] = x[M, K] @ dequant(qweight)^T (+ bias), bf16 (float_out: the float32 sums, unrounded);
+//       allow_amx=False: the portable loops
 //   q4_dequant(qweight, scales) -> w, q8_dequant(...)   the bf16 weight [N, K] the kernel multiplies with
 //   quant_amx() -> bool                                 whether the *_linear ops run on AMX tiles here
 //
@@ -188,14 +189,18 @@ void nblocks_amx(const ActTiles& a, int64_t mblocks, int64_t kcs, const typename
   }
 }
 
-// out[r, 0:16] = bf16(c[r] + bias) for rows [0, m), rounding to nearest even.
-void store_block_avx512(const float* c, int64_t m, const uint16_t* bias, uint16_t* out, int64_t n) {
+// out[r, 0:16] = c[r] + bias for rows [0, m): rounded to bf16 (nearest even), or kept in float32.
+void store_block_avx512(const float* c, int64_t m, const uint16_t* bias, void* out, int64_t n, bool float_out) {
   const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
                               _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias))), 16))
                         : _mm512_setzero_ps();
-  for (int64_t r = 0; r < m; ++r)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * n),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c + r * kCols), b)));
+  for (int64_t r = 0; r < m; ++r) {
+    const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + r * kCols), b);
+    if (float_out)
+      _mm512_storeu_ps(static_cast<float*>(out) + r * n, v);
+    else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + r * n), (__m256i)_mm512_cvtneps_pbh(v));
+  }
 }
 #endif
 
@@ -243,20 +248,21 @@ void nblock_portable(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w,
 
 template <typename F>
 Tensor quant_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales, const std::optional<Tensor>& bias,
-                    bool allow_amx) {
+                    bool allow_amx, bool float_out) {
   check_packed<F>(qweight, scales);
   check(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2, "x must be bf16 [M, K]");
   const int64_t nbs = qweight.size(0), kcs = qweight.size(1), n = nbs * kCols, k = kcs * kGroup, m = x.size(0);
   TORCH_CHECK(x.size(1) == k, "kvfleet_cpu.", F::kName, ": x has ", x.size(1), " inputs, the weight ", k);
   if (bias) check(bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 && bias->size(0) == n, "bias must be bf16 [N]");
-  Tensor out = at::empty({m, n}, x.options());
+  Tensor out = at::empty({m, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (m == 0) return out;
   const Tensor xc = x.contiguous();
   const uint16_t* xd = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
   const auto* qd = static_cast<const typename F::Q*>(qweight.data_ptr());
   const c10::Half* sd = scales.data_ptr<c10::Half>();
   const uint16_t* bd = bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr<c10::BFloat16>()) : nullptr;
-  uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  char* od = static_cast<char*>(out.data_ptr());
+  const int64_t osize = out.element_size();
 #ifdef KVFLEET_AMX
   if (allow_amx && use_amx()) {
     const int64_t full = m / 16, mblocks = (m + 15) / 16;
@@ -275,7 +281,7 @@ Tensor quant_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales
       configure_tiles();
       nblocks_amx<F>(acts, mblocks, kcs, qd, sd, 2 * p0, std::min(2 * p1, nbs), w.data, c.data,
                   [&](int64_t nb, const float* cb) {
-                    store_block_avx512(cb, m, bd ? bd + nb * kCols : nullptr, od + nb * kCols, n);
+                    store_block_avx512(cb, m, bd ? bd + nb * kCols : nullptr, od + nb * kCols * osize, n, float_out);
                   });
       _tile_release();
     });
@@ -292,7 +298,11 @@ Tensor quant_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales
       for (int64_t r = 0; r < m; ++r)
         for (int64_t j = 0; j < kCols; ++j) {
           const int64_t col = nb * kCols + j;
-          od[r * n + col] = round_bf16(c[r * kCols + j] + (bd ? bf16_to_float(bd[col]) : 0.f));
+          const float v = c[r * kCols + j] + (bd ? bf16_to_float(bd[col]) : 0.f);
+          if (float_out)
+            reinterpret_cast<float*>(od)[r * n + col] = v;
+          else
+            reinterpret_cast<uint16_t*>(od)[r * n + col] = round_bf16(v);
         }
     }
   });
@@ -324,9 +334,11 @@ bool quant_amx() { return use_amx(); }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
-  m.def("q4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias=None, bool allow_amx=True) -> Tensor",
+  m.def("q4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias=None, bool allow_amx=True, "
+        "bool float_out=False) -> Tensor",
         &quant_linear<Q4>);
-  m.def("q8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias=None, bool allow_amx=True) -> Tensor",
+  m.def("q8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias=None, bool allow_amx=True, "
+        "bool float_out=False) -> Tensor",
         &quant_linear<Q8>);
   m.def("q4_dequant(Tensor qweight, Tensor scales) -> Tensor", &quant_dequant<Q4>);
   m.def("q8_dequant(Tensor qweight, Tensor scales) -> Tensor", &quant_dequant<Q8>);

@@ -306,7 +306,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             h = self.norm(residual + h)
         if self._lm_head_q8 is not None and h.shape[0] <= Q8_HEAD_MAX_ROWS:
-            return torch.ops.kvfleet_cpu.q8_linear(h, self._lm_head_q8[0], self._lm_head_q8[1]).float()
+            # float32 logits straight from the float32 sums: bf16 logits (spacing 0.125 at 16-32) tie close tokens
+            return torch.ops.kvfleet_cpu.q8_linear(h, self._lm_head_q8[0], self._lm_head_q8[1], None, True, True)
         if self._lm_head_packed is not None:
             return torch.ops.mkldnn._linear_pointwise(h, self._lm_head_packed, None, "none", [], "").float()
         return F.linear(h, self.lm_head_weight).float()

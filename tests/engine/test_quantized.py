@@ -186,3 +186,19 @@ def test_smollm2_head_runs_8bit_on_the_same_bf16_weights():
     model = LLM("smollm2", dtype="bfloat16", num_blocks=64).engine.model
     assert model.q8_lm_head
     assert torch.equal(OPS.q8_dequant(*model._lm_head_q8), model.lm_head_weight)
+
+
+@pytest.mark.parametrize("amx", [True, False] if AMX else [False])
+def test_float_out_returns_the_unrounded_sums(amx):
+    """The output head asks for float32 logits: bf16 ones (spacing 0.125 at 16-32) tie close tokens."""
+    w = q8_0_tensor(32, 128, seed=9)
+    qweight, scales = pack_q8(*find_q8(w))
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(9)).bfloat16()
+    full = OPS.q8_linear(x, qweight, scales, None, amx, True)
+    assert full.dtype == torch.float32
+    assert torch.equal(full.bfloat16(), OPS.q8_linear(x, qweight, scales, None, amx))
+    want = x.double() @ w.bfloat16().double().T
+    assert (full.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    q4w = q4_1_tensor(32, 128, seed=9)
+    packed = pack_q4(*find_q4(q4w))
+    assert torch.equal(OPS.q4_linear(x, *packed, None, amx, True).bfloat16(), OPS.q4_linear(x, *packed, None, amx))

@@ -124,16 +124,18 @@ def test_linear_with_q4_equals_the_bf16_linear():
     assert torch.allclose(lin(x).double(), plain, rtol=2 ** -7, atol=1e-3 * plain.abs().max().item())
 
 
-@pytest.mark.skipif(not AMX, reason="the model uses the 4-bit kernel only where AMX runs it")
 def test_smollm2_projections_run_4bit_on_the_same_bf16_weights():
+    """Every projection is packed from the GGUF's exact Q4_1 groups; where AMX runs the kernel, every
+    step beyond a few rows multiplies through them (elsewhere the packed copies stay unused)."""
     from engine.llm import LLM
 
-    llm = LLM("smollm2", dtype="bfloat16", num_blocks=64)
-    model = llm.engine.model
-    assert model.q4_projections == 4 * model.config.num_layers  # qkv, o, gate_up, down: all Q4_1 in the GGUF
-    for name, module in model.named_modules():
-        if isinstance(module, Linear):
-            assert torch.equal(OPS.q4_dequant(*module.q4), module.weight), name
+    model = LLM("smollm2", dtype="bfloat16", num_blocks=64).engine.model
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * model.config.num_layers  # qkv, o, gate_up, down
+    for name, module in linears:
+        assert module.q4_packed is not None, name
+        assert torch.equal(OPS.q4_dequant(*module.q4_packed), module.weight), name
+    assert model.q4_projections == (len(linears) if AMX else 0)
 
 
 # ---- 8-bit (Q8_0) --------------------------------------------------------------------------------
@@ -179,13 +181,13 @@ def test_q8_linear_bad_packing_is_a_clear_error():
         OPS.q8_linear(torch.zeros(1, 64, dtype=torch.bfloat16), qweight, scales.float())
 
 
-@pytest.mark.skipif(not AMX, reason="the model uses the 8-bit head only where AMX runs it")
 def test_smollm2_head_runs_8bit_on_the_same_bf16_weights():
     from engine.llm import LLM
 
     model = LLM("smollm2", dtype="bfloat16", num_blocks=64).engine.model
-    assert model.q8_lm_head
-    assert torch.equal(OPS.q8_dequant(*model._lm_head_q8), model.lm_head_weight)
+    assert model._lm_head_q8_packed is not None  # the GGUF's Q8_0 embedding, recovered exactly
+    assert torch.equal(OPS.q8_dequant(*model._lm_head_q8_packed), model.lm_head_weight)
+    assert model.q8_lm_head == AMX
 
 
 @pytest.mark.parametrize("amx", [True, False] if AMX else [False])

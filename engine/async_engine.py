@@ -1,12 +1,14 @@
-"""The engine for the server: steps run in a background thread, requests are asyncio iterators.
+"""The engine for the server: steps run in a background thread, requests are asyncio streams.
 
-`generate()` validates the request on the caller's thread (so a request that can never run raises
-before anything is yielded), hands it to the engine thread and yields a RequestOutput after every step
-that produced tokens for it. Closing or cancelling the iterator aborts the request; aborts and new
-requests are applied by the engine thread before its next step, so an abort takes effect within one
-step. After each step the thread drains the KV cache events and passes them, with the step's outputs,
-to the event loop in one call; the loop keeps a mirror of the cached block hashes, so a new KV event
-subscriber gets a snapshot and a sequence number consistent with the events that follow.
+`add_request()` validates the request on the caller's thread (engine/admission.py) and raises a typed
+error (engine/errors.py) at once if it can never run or the replica is full; otherwise the request is
+queued for the engine thread and a `RequestStream` is returned, which yields a RequestDelta (only what is
+new) after every step that produced something for it, merging deltas that piled up while its consumer
+was busy. Closing the stream before the request finished aborts it; aborts and new requests are applied
+by the engine thread before its next step, so an abort takes effect within one step. After each step the
+thread drains the KV cache events and passes them, with the step's deltas, to the event loop in one
+call; the loop keeps a mirror of the cached block hashes, so a new KV event subscriber gets a snapshot
+and a sequence number consistent with the events that follow.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ import asyncio
 import dataclasses
 import logging
 import threading
-from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 
 from engine.args import EngineArgs
+from engine.errors import EngineDeadError, QueueFullError
 from engine.kv.events import KVEvent
 from engine.llm_engine import EngineStats, LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -29,25 +31,62 @@ logger = logging.getLogger(__name__)
 KV_SUBSCRIBER_QUEUE = 65536  # a subscriber this far behind loses events (it sees a seq gap and resyncs)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (shut down or crashed); no request can run."""
+class RequestStream:
+    """One request's deltas in order (`async for`); `aclose()` before the end aborts the request."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str):
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestDelta:
+        if self.finished:
+            raise StopAsyncIteration
+        delta = self._take(await self._queue.get())
+        while not delta.finished and not self._queue.empty():  # the consumer lagged: one merged delta
+            delta.merge(self._take(self._queue.get_nowait()))
+        if delta.finished:
+            self._end(abort=False)
+        return delta
+
+    async def aclose(self) -> None:
+        self._end(abort=True)
+
+    def put(self, item: RequestDelta | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def _take(self, item: RequestDelta | BaseException) -> RequestDelta:
+        if isinstance(item, BaseException):
+            self._end(abort=False)
+            raise item
+        return item
+
+    def _end(self, abort: bool) -> None:
+        if not self.finished:
+            self.finished = True
+            self._engine._forget(self.request_id, abort)
 
 
 class AsyncLLMEngine:
-    def __init__(self, args: EngineArgs, engine: LLMEngine | None = None):
+    def __init__(self, args: EngineArgs, engine: LLMEngine | None = None, max_queued_requests: int | None = None):
+        """max_queued_requests: beyond max_num_seqs running plus this many, add_request raises QueueFullError."""
         self.args = args
         self.engine = engine or LLMEngine(args)
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
-        self.max_model_len = self.engine.max_model_len
-        self.block_size = self.engine.block_size
+        self.limits = self.engine.limits
         self.hash_seed = self.engine.hash_seed
+        self.max_requests = None if max_queued_requests is None else args.max_num_seqs + max_queued_requests
         self._cv = threading.Condition()
         self._commands: list[tuple] = []  # ("add", seq) | ("abort", request_id), applied by the engine thread
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queues: dict[str, asyncio.Queue] = {}  # request id -> its outputs (loop thread only)
+        self._streams: dict[str, RequestStream] = {}  # running requests (loop thread only)
         self._subscribers: set[asyncio.Queue] = set()
         self._cached: dict[int, None] = {}  # mirror of the prefix cache's hashes, in insertion order
         self._last_event_seq = 0
@@ -68,7 +107,7 @@ class AsyncLLMEngine:
         self._thread.start()
 
     async def shutdown(self) -> None:
-        """Abort whatever runs (its iterators end with finish_reason "abort") and stop the engine thread."""
+        """Abort whatever runs (its streams end with finish_reason "abort") and stop the engine thread."""
         with self._cv:
             self._stopping = True
             self._cv.notify()
@@ -84,44 +123,35 @@ class AsyncLLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    async def generate(self, prompt_token_ids: Seq[int], params: SamplingParams, request_id: str,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
+                    cache_salt: str | None = None, arrival_time: float | None = None) -> RequestStream:
+        """Validate and queue a request (raises InvalidRequestError, QueueFullError, EngineDeadError)."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine is not running: {self.dead}")
         if self._thread is None:
             raise EngineDeadError("the engine is not started; await start() first")
-        if request_id in self._queues:
+        if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already running")
-        seq = self.engine.new_sequence(request_id, prompt_token_ids, params, cache_salt)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
+        if self.max_requests is not None and len(self._streams) >= self.max_requests:
+            raise QueueFullError(f"this replica is at capacity ({len(self._streams)} requests in flight, at most "
+                                 f"{self.max_requests}); retry shortly or on another replica")
+        seq = self.engine.new_sequence(request_id, prompt_token_ids, params, cache_salt, arrival_time)
+        stream = self._streams[request_id] = RequestStream(self, request_id)
         self._send(("add", seq))
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                # several steps may have completed meanwhile: the newest output is cumulative
-                while not item.finished and not queue.empty():
-                    nxt = queue.get_nowait()
-                    if isinstance(nxt, BaseException):
-                        finished = True
-                        raise nxt
-                    item = nxt
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if self._queues.get(request_id) is queue:
-                del self._queues[request_id]
-            if not finished:
-                self._send(("abort", request_id))
+        return stream
+
+    @property
+    def num_requests(self) -> int:
+        """Requests added and not yet finished or closed."""
+        return len(self._streams)
+
+    def _forget(self, request_id: str, abort: bool) -> None:
+        self._streams.pop(request_id, None)
+        if abort:
+            self._send(("abort", request_id))
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request; its iterator ends with finish_reason "abort" after the engine's next step."""
+        """Abort a request; its stream ends with finish_reason "abort" after the engine's next step."""
         self._send(("abort", request_id))
 
     def _send(self, command: tuple) -> None:
@@ -156,7 +186,7 @@ class AsyncLLMEngine:
                         self._cv.wait()
                     commands, self._commands = self._commands, []
                     stopping = self._stopping
-                outputs: list[RequestOutput] = []
+                outputs: list[RequestDelta] = []
                 errors: list[tuple[str, BaseException]] = []
                 for kind, arg in commands:
                     if kind == "add":
@@ -192,15 +222,15 @@ class AsyncLLMEngine:
 
     # ---- on the event loop -------------------------------------------------------------------
 
-    def _dispatch(self, outputs: list[RequestOutput], errors, events: list[KVEvent]) -> None:
+    def _dispatch(self, outputs: list[RequestDelta], errors, events: list[KVEvent]) -> None:
         for out in outputs:
-            q = self._queues.get(out.request_id)
-            if q is not None:
-                q.put_nowait(out)
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
         for rid, err in errors:
-            q = self._queues.get(rid)
-            if q is not None:
-                q.put_nowait(err)
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.put(err)
         for ev in events:
             if ev.kind == "stored":
                 self._cached.update(dict.fromkeys(ev.block_hashes))
@@ -218,5 +248,5 @@ class AsyncLLMEngine:
         self.kv_events_published += len(events)
 
     def _fail_all(self, err: BaseException) -> None:
-        for q in self._queues.values():
-            q.put_nowait(err)
+        for stream in self._streams.values():
+            stream.put(err)

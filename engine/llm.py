@@ -1,7 +1,8 @@
 """Offline batch generation: `LLM("smollm2").generate(prompts, params)` and `.chat(messages, params)`.
 
 Prompts are strings, token id lists, or {"prompt_token_ids": [...]} dicts; results come back in the
-order of the prompts. Everything runs through the same LLMEngine the server uses.
+order of the prompts, each accumulated from the engine's per-step deltas once it finished. Everything
+runs through the same LLMEngine the server uses.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import RequestDelta, RequestOutput
 from engine.sampling_params import SamplingParams
 
 PromptLike = str | Sequence[int] | Mapping
@@ -59,19 +60,21 @@ class LLM:
             params = [params or SamplingParams()] * len(token_lists)
         if len(params) != len(token_lists):
             raise ValueError(f"got {len(params)} SamplingParams for {len(token_lists)} prompts")
-        ids = []
+        ids: list[str] = []
+        deltas: dict[str, list[RequestDelta]] = {}
         try:
             for tokens, p in zip(token_lists, params, strict=True):
                 rid = f"llm-{next(self._ids)}"
                 self.engine.add_request(rid, tokens, p)
                 ids.append(rid)
-            done: dict[str, RequestOutput] = {}
-            while len(done) < len(ids):
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
+                deltas[rid] = []
+            left = len(ids)
+            while left:
+                for d in self.engine.step():
+                    deltas[d.request_id].append(d)
+                    left -= d.finished
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        return [done[rid] for rid in ids]
+        return [RequestOutput.from_deltas(tokens, deltas[rid]) for rid, tokens in zip(ids, token_lists, strict=True)]

@@ -1,9 +1,10 @@
 """The engine loop: schedule → run the model → sample → update the sequences.
 
 `LLMEngine(EngineArgs)` loads the model, sizes the KV cache and owns the scheduler. `add_request`
-queues a prompt; every `step()` runs one batch and returns a RequestOutput (cumulative text and tokens)
-for each request that produced tokens or finished. A request with n > 1 runs as one sequence until its
-prompt is prefilled, then forks into n sequences that share the prompt's blocks.
+validates a prompt (engine/admission.py, once) and queues it; every `step()` runs one batch and returns a
+RequestDelta (only the new token ids, text and logprobs) for each request that produced tokens or
+finished. A request with n > 1 runs as one sequence until its prompt is prefilled, then forks into n
+sequences that share the prompt's blocks.
 """
 
 from __future__ import annotations
@@ -16,20 +17,22 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.args import EngineArgs, EngineArgsError
+from engine.admission import EngineLimits, admit
+from engine.args import EngineArgs
 from engine.attention import get_attention_backend
 from engine.config import CacheConfig, SchedulerConfig
 from engine.cpu_cores import parse_cpu_list, pin_process
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import ConfigError
 from engine.kv.events import KVEvent
 from engine.kv.manager import KVCacheManager
 from engine.model.llama import ModelConfig
 from engine.model.loader import load_hf_config, load_model, resolve_dtype
 from engine.model.registry import resolve_model
 from engine.model_runner import ModelRunner, num_blocks_for_memory
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from engine.sampler import Sampler, check_token_ids
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.outputs import CompletionDelta, RequestDelta, RequestMetrics
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.stop import StopChecker
@@ -61,13 +64,12 @@ class EngineStats:
 class _Request:
     """What the engine tracks for one request across its n completions."""
 
-    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, seq: Sequence):
-        self.request_id = request_id
-        self.prompt = prompt
-        self.params = params
+    def __init__(self, seq: Sequence):
+        self.request_id = seq.request_id
+        self.prompt = list(seq.token_ids)
+        self.params = seq.params
         self.seqs: list[Sequence] = [seq]  # by completion index, n of them after the fork
         self.checkers: dict[int, StopChecker] = {}
-        self.logprobs: dict[int, list[TokenLogprob]] = {}
         self.metrics = RequestMetrics(arrival_time=seq.arrival_time)
         self.aborted = False
 
@@ -87,7 +89,7 @@ class LLMEngine:
         self.device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                                    else ("cpu" if args.device == "auto" else args.device))
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise EngineArgsError("--device", "cuda was asked for but no CUDA device is available")
+            raise ConfigError("--device", "--device: cuda was asked for but no CUDA device is available")
         self.source = resolve_model(args.model)
         self.model_name = args.model_name
         self.dtype = resolve_dtype(args.dtype, self.device)
@@ -95,10 +97,10 @@ class LLMEngine:
         self.max_model_len = args.max_model_len or config.max_position_embeddings
         rope_type = config.rope_parameters.get("rope_type", config.rope_parameters.get("type", "default"))
         if self.max_model_len > config.max_position_embeddings and rope_type == "default":
-            raise EngineArgsError("--max-model-len", f"{self.max_model_len} exceeds the model's context length "
+            raise ConfigError("--max-model-len", f"--max-model-len: {self.max_model_len} exceeds the model's context length "
                                                      f"({config.max_position_embeddings})")
         if config.sliding_window and self.max_model_len > config.sliding_window:
-            raise EngineArgsError("--max-model-len", f"{self.max_model_len} exceeds the model's sliding attention "
+            raise ConfigError("--max-model-len", f"--max-model-len: {self.max_model_len} exceeds the model's sliding attention "
                                                      f"window ({config.sliding_window}), which is not implemented; "
                                                      f"use --max-model-len {config.sliding_window} or less")
         self.model, self.hf_config = model or load_model(self.source, self.dtype, self.device, self.max_model_len)
@@ -111,6 +113,8 @@ class LLMEngine:
         self.kv = KVCacheManager(CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching, args.hash_seed))
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs,
                                                    self.max_model_len), self.kv)
+        self.limits = EngineLimits(min(self.config.vocab_size, self.tokenizer.vocab_size), self.max_model_len,
+                                   args.max_num_seqs, args.block_size, num_blocks)
         backend = get_attention_backend(args.attention_backend, self.device, self.dtype)
         if backend.name == "cpu" and self.dtype in (torch.bfloat16, torch.float32):
             self.model.enable_cpu_kernels()  # the fused kernels serve this model: the layers' glue runs through them too
@@ -135,52 +139,43 @@ class LLMEngine:
                 gib = 0.9 * free / (1 << 30)
         n = num_blocks_for_memory(self.model.config, self.dtype, self.args.block_size, gib)
         if n < 1:
-            raise EngineArgsError("--kv-cache-memory", f"{gib} GiB holds no KV block of {self.args.block_size} tokens")
+            raise ConfigError("--kv-cache-memory", f"--kv-cache-memory: {gib} GiB holds no KV block of {self.args.block_size} tokens")
         return n
 
     # ---- requests ------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams | None = None,
                     cache_salt: str | None = None, arrival_time: float | None = None) -> None:
-        """Queue a request; raises RequestTooLongError / SamplingParamsError / ValueError if it can never run."""
+        """Validate and queue a request; raises InvalidRequestError (engine/errors.py) if it can never run."""
         self.add_sequence(self.new_sequence(request_id, prompt_token_ids, params, cache_salt, arrival_time))
 
     def new_sequence(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams | None = None,
                      cache_salt: str | None = None, arrival_time: float | None = None) -> Sequence:
         """Validate a request without touching engine state (safe from any thread); its first sequence."""
-        params = params or SamplingParams()
-        prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise ValueError("the prompt must contain at least one token")
-        bad = next((t for t in prompt if not 0 <= t < self.config.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {self.config.vocab_size})")
-        check_token_ids(params, self.config.vocab_size)
-        if params.n > self.args.max_num_seqs:
-            raise SamplingParamsError("n", f"n ({params.n}) exceeds max_num_seqs ({self.args.max_num_seqs})")
-        seq = Sequence(request_id, prompt, params, cache_salt, arrival_time=arrival_time)
-        self.scheduler.check_fits(seq)
-        return seq
+        prompt, params = admit(prompt_token_ids, params or SamplingParams(), self.limits)
+        return Sequence(request_id, prompt, params, cache_salt, arrival_time=arrival_time)
 
     def add_sequence(self, seq: Sequence) -> None:
         """Queue a sequence made by new_sequence (engine thread only)."""
         if seq.request_id in self.requests:
             raise ValueError(f"request_id {seq.request_id!r} is already running")
         self.scheduler.add(seq)
-        req = self.requests[seq.request_id] = _Request(seq.request_id, list(seq.token_ids), seq.params, seq)
+        req = self.requests[seq.request_id] = _Request(seq)
         self._track(req, seq)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request in any state and free its blocks; its final output (finish_reason "abort")."""
+    def abort_request(self, request_id: str) -> RequestDelta | None:
+        """Stop a request in any state and free its blocks; its last delta (finish_reason "abort")."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
         self.scheduler.abort(request_id)
         req.aborted = True
         req.metrics.finished_time = time.monotonic()
-        return self._output(req)
+        ended = [CompletionDelta(s.index, finish_reason="abort") for s in req.seqs
+                 if req.checkers[s.index].finish_reason is None]
+        return self._delta(req, ended)
 
-    def abort_all(self) -> list[RequestOutput]:
+    def abort_all(self) -> list[RequestDelta]:
         return [out for rid in list(self.requests) if (out := self.abort_request(rid)) is not None]
 
     def has_unfinished_requests(self) -> bool:
@@ -192,7 +187,7 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestDelta]:
         out = self.scheduler.schedule()
         logits, seqs = self.runner.execute(out.scheduled, out.blocks_to_copy)
         self.scheduler.on_step_done(out)
@@ -218,9 +213,9 @@ class LLMEngine:
             return logits, seqs
         return logits[torch.tensor(rows, device=logits.device)], seqs + extra_seqs
 
-    def _update(self, seqs: list[Sequence], sampled) -> list[RequestOutput]:
+    def _update(self, seqs: list[Sequence], sampled) -> list[RequestDelta]:
         now = time.monotonic()
-        touched: dict[str, _Request] = {}
+        news: dict[str, tuple[_Request, list[CompletionDelta]]] = {}
         for seq, tok, lp in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
             if seq.is_finished:
                 continue
@@ -231,19 +226,19 @@ class LLMEngine:
                 req.metrics.first_token_time = now
                 req.metrics.first_scheduled_time = seq.first_scheduled_time
                 self.prompt_tokens_total += len(req.prompt)
-            if lp is not None:
-                req.logprobs[seq.index].append(lp)
             res = req.checkers[seq.index].update(seq)
             if res.finish_reason is not None:
                 self.scheduler.finish(seq, _FINISH_STATUS[res.finish_reason])
-            touched[req.request_id] = req
+            delta = CompletionDelta(seq.index, res.text, [tok], None if lp is None else [lp], res.finish_reason,
+                                    res.stop_reason)
+            news.setdefault(req.request_id, (req, []))[1].append(delta)
         outputs = []
-        for req in touched.values():
+        for req, deltas in news.values():
             req.metrics.last_token_time = now
             if req.finished:
                 req.metrics.finished_time = now
                 del self.requests[req.request_id]
-            outputs.append(self._output(req))
+            outputs.append(self._delta(req, deltas))
         return outputs
 
     # ---- helpers -------------------------------------------------------------------------
@@ -252,20 +247,10 @@ class LLMEngine:
         p = seq.params
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt, p.skip_special_tokens)
         req.checkers[seq.index] = StopChecker(p, self.eos_token_ids, self.max_model_len, detok)
-        if p.logprobs is not None:
-            req.logprobs[seq.index] = []  # children fork before the first token: nothing to share
 
-    def _output(self, req: _Request) -> RequestOutput:
-        comps = []
-        for seq in req.seqs:
-            checker = req.checkers[seq.index]
-            reason = checker.finish_reason or ("abort" if req.aborted else None)
-            comps.append(CompletionOutput(
-                index=seq.index, text=checker.text, token_ids=seq.output_token_ids,
-                logprobs=list(req.logprobs[seq.index]) if seq.index in req.logprobs else None,
-                finish_reason=reason, stop_reason=checker.stop_reason))
-        return RequestOutput(req.request_id, req.prompt, comps, finished=req.finished,
-                             num_cached_tokens=req.seqs[0].num_cached_tokens, metrics=req.metrics)
+    def _delta(self, req: _Request, deltas: list[CompletionDelta]) -> RequestDelta:
+        return RequestDelta(req.request_id, deltas, req.finished, len(req.prompt), req.seqs[0].num_cached_tokens,
+                            req.metrics)
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.kv.drain_events()

@@ -8,8 +8,8 @@ Interface (used by the engine loop):
 
 `logits` is `[len(seqs), vocab]` (float32, any device), row i belonging to `seqs[i]`, whose `token_ids`
 must not yet contain the token being sampled. `eos_token_id` is an int, several ints, or None. The call
-never modifies `logits` or the sequences. Call `check_token_ids(params, vocab_size)` when a request is
-admitted so that out-of-vocabulary `logit_bias` / `stop_token_ids` are a clear error at the edge.
+never modifies `logits` or the sequences. Requests are admitted by
+engine/admission.py, which refuses out-of-vocabulary `logit_bias` / `stop_token_ids` with a clear error.
 The two stages are also usable alone: `process_logits` (bias, min_tokens, penalties) and `warp_logits`
 (temperature, top-k, top-p, min-p; -inf marks an excluded token).
 
@@ -42,7 +42,7 @@ import torch
 
 from engine.kernels import cpu_ops
 from engine.outputs import TokenLogprob
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
 _MASK64 = (1 << 64) - 1
@@ -54,18 +54,6 @@ _FIRST_CANDIDATES = 128  # top-p / min-p look for their kept set among this many
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
-
-
-def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    """Raise SamplingParamsError if logit_bias or stop_token_ids name a token outside the vocabulary."""
-    for tok, _ in params.logit_bias:
-        if tok >= vocab_size:
-            raise SamplingParamsError("logit_bias", f"logit_bias token id {tok} is outside the vocabulary "
-                                                    f"(size {vocab_size})")
-    for tok in params.stop_token_ids:
-        if not 0 <= tok < vocab_size:
-            raise SamplingParamsError("stop_token_ids", f"stop_token_ids entry {tok} is outside the vocabulary "
-                                                        f"(size {vocab_size})")
 
 
 def seeded_uniform(seed: int, index: int, position: int) -> float:

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.errors import InvalidRequestError
 
-class SamplingParamsError(ValueError):
+
+class SamplingParamsError(InvalidRequestError):
     """A sampling parameter is out of range; `param` names the field."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,7 @@ from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.kv.manager import KVCacheManager
-from engine.sampling_params import SamplingParamsError
 from engine.sequence import Sequence, SequenceStatus
-
-
-class RequestTooLongError(ValueError):
-    """The request can never be scheduled: too long for max_model_len or for the whole KV cache."""
 
 
 @dataclass
@@ -59,36 +54,10 @@ class Scheduler:
     # ---- admission -------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence; RequestTooLongError if it could never run."""
-        self.check_fits(seq)
-        if seq.params.n > self.config.max_num_seqs:
-            raise SamplingParamsError("n", f"n ({seq.params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
+        """Queue a new sequence, already admitted (engine/admission.py: it fits max_model_len and the cache)."""
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         self._by_request.setdefault(seq.request_id, []).append(seq)
-
-    def check_fits(self, seq: Sequence) -> None:
-        if seq.num_tokens == 0:
-            raise ValueError("the prompt must contain at least one token")
-        limit = self.config.max_model_len
-        max_tokens = seq.params.max_tokens
-        remaining = max_tokens if max_tokens is not None else 1
-        total = seq.num_tokens + remaining
-        if total > limit:
-            if max_tokens is None:
-                raise RequestTooLongError(
-                    f"the prompt has {seq.num_tokens} tokens; max_model_len is {limit}, which leaves no room "
-                    f"for output")
-            raise RequestTooLongError(
-                f"prompt ({seq.num_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
-                f"max_model_len ({limit})")
-        # The last sampled token never needs KV slots.
-        longest = (seq.num_tokens + max_tokens if max_tokens is not None else limit) - 1
-        blocks = -(-longest // self.kv.block_size)
-        if blocks > self.kv.num_blocks:
-            raise RequestTooLongError(
-                f"the request needs up to {longest} KV slots ({blocks} blocks of {self.kv.block_size}) "
-                f"but the KV cache holds only {self.kv.num_blocks} blocks")
 
     # ---- one step --------------------------------------------------------------------------
 

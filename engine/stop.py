@@ -5,7 +5,7 @@ Interface (used by the engine loop, one StopChecker per sequence):
     checker = StopChecker(seq.params, eos_token_ids, max_model_len, detokenizer)   # detokenizer may be None
     seq.append_token(tok)
     res = checker.update(seq)        # StopResult(text, finish_reason, stop_reason)
-    # res.text: new text safe to stream now; checker.text: all of it so far (what the client has seen)
+    # res.text: new text safe to stream now; checker.text: all of it so far (joined on demand)
     # res.finish_reason: None (go on) | "stop" | "length"; res.stop_reason: the stop string or token id
 
 `update` looks at the tokens appended since its last call (normally one), in order:
@@ -52,9 +52,14 @@ class StopChecker:
         self._stops = params.stop if detokenizer is not None else ()
         self._num_seen = 0  # output tokens already looked at
         self._held = ""  # text produced but not yet shown: it could be the start of a stop string
-        self.text = ""  # everything shown so far
+        self._shown: list[str] = []  # every piece of text shown so far
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+
+    @property
+    def text(self) -> str:
+        """Everything shown so far (joined on demand: the engine loop only uses each step's new text)."""
+        return "".join(self._shown)
 
     @property
     def finished(self) -> bool:
@@ -74,7 +79,7 @@ class StopChecker:
                 break
             shown.append(self._release())
         new = "".join(shown)
-        self.text += new
+        self._shown.append(new)
         return StopResult(new, self.finish_reason, self.stop_reason)
 
     def _step(self, tok: int, num_tokens: int) -> str | None:

@@ -19,11 +19,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.metrics import EngineMetrics
 from engine.server.chat import create_chat_completion
 from engine.server.completions import create_completion
 from engine.server.errors import error_response, install_error_handlers
 from engine.server.kv_events import kv_events
+from engine.server.metrics import EngineMetrics
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.serving import ServerConfig, ServerState
 
@@ -90,7 +90,7 @@ def build_app(config: ServerConfig, engine=None, engine_factory: Callable[[], ob
             eng = engine if engine is not None else await asyncio.to_thread(engine_factory)
             await eng.start()
             state.engine = eng
-            logger.info("engine ready: model %s, max_model_len %s", config.model_name, eng.max_model_len)
+            logger.info("engine ready: model %s, max_model_len %s", config.model_name, eng.limits.max_model_len)
         except Exception as e:  # report it on /ready and let main() decide to exit
             logger.exception("engine failed to start")
             state.load_error = f"{type(e).__name__}: {e}"
@@ -144,10 +144,10 @@ def build_app(config: ServerConfig, engine=None, engine_factory: Callable[[], ob
 
     @app.get("/v1/models")
     async def models() -> dict:
-        eng = state.engine
+        eng = state.engine_or_503()  # 503 + Retry-After until a chat request could succeed
         data = [{"id": name, "object": "model", "created": state.created, "owned_by": "kvfleet",
-                 "root": config.model_name, "parent": None,
-                 "max_model_len": getattr(eng, "max_model_len", None)} for name in config.served_model_names]
+                 "root": config.model_name, "parent": None, "max_model_len": eng.limits.max_model_len}
+                for name in config.served_model_names]
         return {"object": "list", "data": data}
 
     @app.post("/v1/chat/completions")

@@ -1,19 +1,23 @@
 """OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` for every failure.
 
-`APIError` is raised by handlers; the exception handlers installed by `install_error_handlers`
-turn it, FastAPI's request validation errors (its default is a 422 with a different shape),
-Starlette's 404/405 and anything unexpected into that body. Unexpected exceptions are logged
-and answered with a 500 in the same shape; handlers are written so that bad input never gets there.
+`APIError` is raised by handlers; `engine_error` turns the engine's typed errors (engine/errors.py) into
+one through the table below; the exception handlers installed by `install_error_handlers` turn it,
+FastAPI's request validation errors (its default is a 422 with a different shape), Starlette's 404/405
+and anything unexpected into that body. Unexpected exceptions are logged and answered with a 500 in the
+same shape; handlers are written so that bad input never gets there.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 
 logger = logging.getLogger("kvfleet.server")
 
@@ -47,6 +51,27 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param, code)
+
+
+# engine error -> (HTTP status, OpenAI code, headers); the first matching row wins
+ENGINE_ERRORS: tuple[tuple[type[BaseException], int, str | None, dict[str, str] | None], ...] = (
+    (InvalidRequestError, 400, None, None),  # code: the error's own (invalid_value, context_length_exceeded)
+    (QueueFullError, 429, "engine_overloaded", {"Retry-After": "1"}),
+    (EngineDeadError, 503, "engine_dead", None),
+)
+
+
+def engine_error(e: BaseException, params: Mapping[str, str] | None = None) -> APIError:
+    """The HTTP error for an exception out of the engine. params: engine field -> wire field
+    ("prompt" -> "messages" for chat, "max_tokens" -> "max_completion_tokens" where that was sent)."""
+    for kind, status, code, headers in ENGINE_ERRORS:
+        if isinstance(e, kind):
+            param = getattr(e, "param", None)
+            if param is not None and params:
+                param = params.get(param, param)
+            return APIError(status, str(e), param, code or getattr(e, "code", None), headers)
+    logger.error("engine error", exc_info=e)
+    return APIError(500, f"internal engine error: {type(e).__name__}", None, "internal_error")
 
 
 _SCALAR_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "json-or-python"}

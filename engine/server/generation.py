@@ -1,9 +1,11 @@
 """Running requests on the engine for the HTTP handlers: metrics, abort on exit, fan-in of batches.
 
-`run` wraps `engine.generate`: it observes TTFT / inter-token / e2e / queue time, and whenever the
-consumer stops early (client gone, drain timeout, error) it aborts the request on the engine so its
-blocks are freed within one scheduler step. `merge` runs several requests (a batch of completion
-prompts) concurrently and yields (prompt index, output) as they come.
+`start` adds a request through the engine's one admission edge (`EngineClient.add_request`, which raises
+a typed error at once for a request that can never run) and wraps its delta stream in `Tracked`: it
+observes TTFT / inter-token / e2e / queue time, and whenever the consumer stops early (client gone, drain
+timeout, error) it aborts the request on the engine so its blocks are freed within one scheduler step.
+`merge` runs several requests (a batch of completion prompts) concurrently and yields (prompt index,
+delta) as they come.
 """
 
 from __future__ import annotations
@@ -11,14 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 
 import anyio
 
-from engine.async_engine import EngineDeadError
-from engine.metrics import EngineMetrics
-from engine.outputs import RequestOutput
-from engine.server.errors import APIError
+from engine.client import DeltaStream, EngineClient
+from engine.outputs import RequestDelta
+from engine.sampling_params import SamplingParams
+from engine.server.metrics import EngineMetrics
 
 logger = logging.getLogger("kvfleet.server")
 
@@ -55,93 +56,71 @@ class Inflight:
         return True
 
 
-async def run(engine, prompt_ids: list[int], params, request_id: str, cache_salt: str | None,
-              metrics: EngineMetrics, inflight: Inflight, arrival: float | None = None) -> AsyncIterator[RequestOutput]:
-    """engine.generate with metrics; aborts the request unless it finished (always use aclosing).
-    arrival: time.monotonic() when the HTTP request came in (TTFT and e2e count from there)."""
-    timer = metrics.timer(arrival)
-    finished = False
-    inflight.add(request_id)
-    try:
-        prev_steps = 0
-        async with aclosing(engine.generate(prompt_ids, params, request_id, cache_salt=cache_salt)) as gen:
-            async for out in gen:
-                steps = max((len(o.token_ids) for o in out.outputs), default=0)
-                timer.on_output(steps - prev_steps, out)
-                prev_steps = steps
-                if out.finished:
-                    finished = True
-                    timer.finish(out.outputs[0].finish_reason if out.outputs else None)
-                yield out
-                if finished:
-                    return
-    finally:
-        inflight.discard(request_id)
-        if not finished:
-            timer.finish("abort")
-            with anyio.CancelScope(shield=True):
-                try:
-                    await engine.abort(request_id)
-                except Exception:  # already gone: nothing to free
-                    logger.debug("abort of %s after it ended", request_id, exc_info=True)
+class Tracked:
+    """A request's delta stream with metrics, counted in flight from the start until it ends or is closed;
+    closing it early (client gone, drain timeout, error) aborts the request on the engine."""
 
+    def __init__(self, stream: DeltaStream, metrics: EngineMetrics, inflight: Inflight, arrival: float | None = None):
+        self.request_id = stream.request_id
+        self._stream = stream
+        self._timer = metrics.timer(arrival)
+        self._inflight = inflight
+        self._reason: str | None = None  # the first completion's finish reason, once known
+        inflight.add(self.request_id)
 
-async def prime(gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-    """Start `gen` now so the engine's up-front validation runs before a stream's headers go out:
-    a request that can never run raises here (a proper 400) instead of inside the stream."""
-    first = asyncio.ensure_future(gen.__anext__())
-    for _ in range(3):  # generate() validates synchronously, before its first real await
-        if first.done():
-            break
-        await asyncio.sleep(0)
-    if first.done() and first.exception() is not None:
-        await gen.aclose()
-        raise first.exception()
-    return _chain(first, gen)
+    def __aiter__(self) -> Tracked:
+        return self
 
-
-async def _chain(first: asyncio.Future, gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-    try:
+    async def __anext__(self) -> RequestDelta:
         try:
-            item = await first
-        except StopAsyncIteration:
-            return
-        yield item
-        async for item in gen:
-            yield item
-    finally:
-        if not first.done():
-            first.cancel()
-        with anyio.CancelScope(shield=True):
-            await asyncio.wait([first])
-            await gen.aclose()
+            delta = await self._stream.__anext__()
+        except BaseException:
+            await self.aclose()
+            raise
+        self._timer.on_output(max((len(o.token_ids) for o in delta.outputs), default=0), delta)
+        for o in delta.outputs:
+            if o.index == 0 and o.finish_reason is not None:
+                self._reason = o.finish_reason
+        if delta.finished:
+            self._end()
+        return delta
+
+    async def aclose(self) -> None:
+        if self._end():
+            with anyio.CancelScope(shield=True):
+                await self._stream.aclose()
+
+    def _end(self) -> bool:
+        """Count the request out (once); whether this call did."""
+        if self.request_id not in self._inflight.ids:
+            return False
+        self._inflight.discard(self.request_id)
+        self._timer.finish(self._reason or "abort")
+        return True
 
 
-def engine_error(e: BaseException) -> APIError:
-    """The HTTP error for an exception out of the engine: 400 for requests it refuses, else 503."""
-    if isinstance(e, ValueError):
-        return APIError(400, str(e), getattr(e, "param", None) or getattr(e, "field", None), "invalid_value")
-    if isinstance(e, EngineDeadError):
-        return APIError(503, f"the engine is not running: {e}", None, "engine_dead")
-    logger.error("engine error", exc_info=e)
-    return APIError(500, f"internal engine error: {type(e).__name__}", None, "internal_error")
+def start(engine: EngineClient, prompt_ids: list[int], params: SamplingParams, request_id: str,
+          cache_salt: str | None, metrics: EngineMetrics, inflight: Inflight, arrival: float | None) -> Tracked:
+    """Add the request to the engine; its typed error at once if it can never run (no byte sent yet)."""
+    return Tracked(engine.add_request(request_id, prompt_ids, params, cache_salt, arrival), metrics, inflight, arrival)
 
 
-async def merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several output streams; closes all of them when the consumer stops."""
+async def merge(gens: list[Tracked]) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """Interleave several delta streams; closes all of them when the consumer stops (or one fails)."""
     if len(gens) == 1:
-        async with aclosing(gens[0]) as g:
-            async for out in g:
+        try:
+            async for out in gens[0]:
                 yield 0, out
+        finally:
+            await gens[0].aclose()
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def pump(i: int, g: AsyncIterator[RequestOutput]) -> None:
+    async def pump(i: int, g: Tracked) -> None:
         try:
-            async with aclosing(g) as gg:
-                async for out in gg:
-                    await queue.put((i, out))
+            async for out in g:
+                await queue.put((i, out))
             await queue.put((i, done))
         except asyncio.CancelledError:
             raise
@@ -164,3 +143,33 @@ async def merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple
             t.cancel()
         with anyio.CancelScope(shield=True):
             await asyncio.gather(*tasks, return_exceptions=True)
+            for g in gens:
+                await g.aclose()
+
+
+class ClosingBody:
+    """A response body whose `aclose` also closes the request streams behind it, even when the body never
+    started (a generator closed before its first step runs no `finally`): no request outlives its response."""
+
+    def __init__(self, body: AsyncIterator[bytes], streams: list[Tracked]):
+        self._body = body
+        self._streams = streams
+
+    def __aiter__(self) -> ClosingBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        return await self._body.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._body.aclose()  # type: ignore[attr-defined]
+        finally:
+            await close_all(self._streams)
+
+
+async def close_all(streams: list[Tracked]) -> None:
+    """Close every stream (a no-op for those that ended), shielded from the caller's cancellation."""
+    with anyio.CancelScope(shield=True):
+        for s in streams:
+            await s.aclose()

@@ -68,7 +68,7 @@ async def _stream(state: ServerState, engine, snapshot, last_seq: int, queue: as
     iid = state.config.instance_id
     getter: asyncio.Future | None = None  # one pending queue.get(), never cancelled mid-item
     try:
-        yield ndjson({"type": "snapshot", "instance_id": iid, "seq": last_seq, "block_size": engine.block_size,
+        yield ndjson({"type": "snapshot", "instance_id": iid, "seq": last_seq, "block_size": engine.limits.block_size,
                       "hash_seed": engine.hash_seed, "block_hashes": [hex_hash(h) for h in snapshot]})
         sent = last_seq
         next_beat = time.monotonic() + HEARTBEAT_S

@@ -91,6 +91,7 @@ def _names(value) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     from engine.args import EngineArgs
+    from engine.errors import ConfigError
     from engine.model.registry import resolve_model
 
     parser = argparse.ArgumentParser(prog="kvfleet engine", description="Start one kvfleet engine replica.")
@@ -103,15 +104,16 @@ def main(argv: list[str] | None = None) -> int:
         config = ServerConfig(
             served_model_names=tuple(_names(ns.served_model_name) or [ns.model]),
             instance_id=ns.instance_id or f"{socket.gethostname()}:{ns.port}",
-            internal_token=ns.internal_token, drain_timeout=ns.drain_timeout, max_body_bytes=ns.max_body_bytes,
-            max_queued_requests=ns.max_queued_requests)
+            internal_token=ns.internal_token, drain_timeout=ns.drain_timeout, max_body_bytes=ns.max_body_bytes)
+        if ns.max_queued_requests is not None and ns.max_queued_requests < 0:
+            raise ConfigError("--max-queued-requests", f"--max-queued-requests must be >= 0, got {ns.max_queued_requests}")
     except ValueError as e:
         parser.error(str(e))
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def make_engine():
         from engine.async_engine import AsyncLLMEngine
-        return AsyncLLMEngine(engine_args)
+        return AsyncLLMEngine(engine_args, max_queued_requests=ns.max_queued_requests)
 
     server: DrainingServer | None = None
     app = build_app(config, engine_factory=make_engine, on_load_error=lambda msg: server and server.fail(msg),

@@ -1,13 +1,16 @@
 """OpenAI wire format for /v1/chat/completions and /v1/completions, plus vLLM's extra fields.
 
 Request models are strict (no "5" for an int, no true for a number, no NaN) and validate ranges, so
-bad input is rejected at the edge with a 400 that names the field. Responses are plain dicts built
+bad input is rejected at the edge with a 400 that names the field. OpenAI fields this server does not
+implement (tools, tool_choice, response_format, functions, function_call, audio) are refused with a
+400 naming the field unless their value asks for nothing (no tools, "none", {"type": "text"}), so an agent
+never gets plain text where it asked for a tool call or JSON. Other unknown fields are ignored. Responses are plain dicts built
 by the handlers (chat.py, completions.py); only requests need models.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -21,6 +24,11 @@ MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+_NO_OPS: dict[str, tuple] = {  # values of unimplemented fields that ask for the default behaviour
+    "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
+    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}), "audio": (None,),
+}
 
 
 class TextPart(BaseModel):
@@ -81,6 +89,22 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    # OpenAI fields not implemented here: accepted only with values that ask for nothing
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None  # means nothing without tools
+    response_format: Any = None
+    audio: Any = None
+
+    @field_validator("tools", "tool_choice", "functions", "function_call", "response_format", "audio")
+    @classmethod
+    def _not_implemented(cls, v, info: ValidationInfo):
+        if v in _NO_OPS[info.field_name]:
+            return v
+        raise ValueError(f"{info.field_name} is not supported by this server (tool calling, structured outputs and "
+                         f"audio are not implemented); send the request without it")
 
     @field_validator("stop")
     @classmethod
@@ -103,7 +127,7 @@ class _SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, logit_bias: tuple) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, logit_bias: tuple) -> SamplingParams:
         """SamplingParams for this request (raises SamplingParamsError naming the field)."""
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,

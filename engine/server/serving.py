@@ -1,21 +1,28 @@
-"""What chat and completions share: model check, prompt limits, sampling params, usage, logprobs text.
+"""What chat and completions share: model check, sampling params, and `respond` (add the requests
+through the engine's one admission edge, then stream or collect their deltas through the formatter).
 
-Every check here raises `APIError` with the offending field, so handlers never reach the engine
-with a request the engine would refuse.
+Field checks here raise `APIError` naming the field; whatever the engine refuses comes back as a typed
+error that `engine_error` maps (one table, engine/server/errors.py), before any byte is sent.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from engine.outputs import RequestOutput, TokenLogprob
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from engine.client import EngineClient
+from engine.errors import ConfigError
 from engine.sampling_params import SamplingParams, SamplingParamsError
-from engine.server.errors import APIError, bad_request, error_body
-from engine.server.generation import Inflight, engine_error
+from engine.server.errors import APIError, bad_request, engine_error
+from engine.server.formatter import Format, Reply
+from engine.server.generation import ClosingBody, Inflight, Tracked, close_all, merge, start
 from engine.server.protocol import _SamplingRequest
-from engine.server.streaming import sse
+from engine.server.streaming import ClientGone, sse_response, watch_disconnect
 
 
 @dataclass(frozen=True)
@@ -25,17 +32,14 @@ class ServerConfig:
     internal_token: str | None = None
     drain_timeout: float = 30.0
     max_body_bytes: int = 4 * 1024 * 1024
-    max_queued_requests: int | None = None  # beyond max_num_seqs running + this many, new requests get 429
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
-            raise ValueError("served_model_names must hold at least one non-empty name")
+            raise ConfigError("--served-model-name", "--served-model-name must hold at least one non-empty name")
         if self.drain_timeout < 0:
-            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+            raise ConfigError("--drain-timeout", f"--drain-timeout must be >= 0, got {self.drain_timeout}")
         if self.max_body_bytes < 1024:
-            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        if self.max_queued_requests is not None and self.max_queued_requests < 0:
-            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+            raise ConfigError("--max-body-bytes", f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
 
     @property
     def model_name(self) -> str:
@@ -45,7 +49,7 @@ class ServerConfig:
 class ServerState:
     """Mutable per-process state: the engine once loaded, draining flag, in-flight requests."""
 
-    def __init__(self, config: ServerConfig, engine=None):
+    def __init__(self, config: ServerConfig, engine: EngineClient | None = None):
         self.config = config
         self.engine = engine
         self.load_error: str | None = None
@@ -57,7 +61,7 @@ class ServerState:
 
     @property
     def engine_dead(self) -> bool:
-        return self.engine is not None and getattr(self.engine, "dead", None) is not None
+        return self.engine is not None and self.engine.dead is not None
 
     @property
     def ready(self) -> bool:
@@ -69,7 +73,7 @@ class ServerState:
         raise APIError(404, f"The model `{model}` does not exist; this server serves "
                             f"{list(self.config.served_model_names)}", "model", "model_not_found")
 
-    def engine_or_503(self):
+    def engine_or_503(self) -> EngineClient:
         if self.draining:
             raise APIError(503, "server is shutting down; retry on another replica", None, "draining",
                            {"Retry-After": "1", "Connection": "close"})
@@ -80,17 +84,6 @@ class ServerState:
             raise APIError(503, msg, None, "not_ready", {"Retry-After": "5"})
         return self.engine
 
-    def admit(self, engine, num_requests: int = 1) -> None:
-        """429 when the replica already holds as many requests as it runs plus --max-queued-requests."""
-        limit = self.config.max_queued_requests
-        if limit is None:
-            return
-        capacity = int(getattr(getattr(engine, "args", None), "max_num_seqs", 0)) + limit
-        if len(self.inflight) + num_requests > capacity:
-            raise APIError(429, f"this replica is at capacity ({len(self.inflight)} requests in flight, at most "
-                                f"{capacity}); retry shortly or on another replica", None, "engine_overloaded",
-                           {"Retry-After": "1"})
-
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
@@ -98,117 +91,58 @@ class ServerState:
         return text
 
 
-def logit_bias(req: _SamplingRequest, vocab_size: int) -> tuple[tuple[int, float], ...]:
+def logit_bias(req: _SamplingRequest) -> tuple[tuple[int, float], ...]:
+    """The wire's {"token id": bias} as pairs (ranges are checked by SamplingParams and admission)."""
     out = []
     for key, bias in (req.logit_bias or {}).items():
         try:
-            tok = int(key)
+            out.append((int(key), float(bias)))
         except ValueError:
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
-        if not 0 <= tok < vocab_size:
-            raise bad_request(f"logit_bias token id {tok} is outside the vocabulary [0, {vocab_size})", "logit_bias")
-        if not -100.0 <= bias <= 100.0:
-            raise bad_request(f"logit_bias values must be in [-100, 100], got {bias}", "logit_bias")
-        out.append((tok, float(bias)))
     return tuple(out)
 
 
-def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param)
-
-
-def kv_capacity(engine) -> int:
-    """Tokens the whole KV cache holds (a single request can never use more)."""
-    stats = engine.stats()
-    return int(getattr(stats, "num_total_blocks", 0)) * int(getattr(stats, "block_size", 0))
-
-
-def max_tokens_for(requested: int | None, prompt_len: int, max_model_len: int, kv_tokens: int, param: str,
-                   prompt_param: str) -> int:
-    """The output budget: the requested one, or all that is left of the context (and of the KV cache);
-    400 naming the field when the request could never fit."""
-    if prompt_len == 0:
-        raise bad_request("the prompt is empty", prompt_param)
-    left = max_model_len - prompt_len
-    if left < 1:
-        raise bad_request(f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-                          f"{prompt_len} tokens (no room for output). Shorten the prompt.",
-                          prompt_param, "context_length_exceeded")
-    kv_left = kv_tokens - prompt_len if kv_tokens else left
-    if requested is not None and requested > left:
-        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                          f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
-                          f"completion). Reduce the prompt or {param}.", param, "context_length_exceeded")
-    budget = min(left, kv_left) if requested is None else requested
-    if budget > kv_left or budget < 1:
-        raise bad_request(f"the request needs {prompt_len + max(budget, 1)} tokens of KV cache but this replica "
-                          f"holds only {kv_tokens}; reduce the prompt or {param}",
-                          param if requested is not None else prompt_param, "context_length_exceeded")
-    return budget
-
-
-def build_params(req: _SamplingRequest, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
-    if req.stop_token_ids:
-        check_token_ids(req.stop_token_ids, vocab_size, "stop_token_ids")
+def build_params(req: _SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     try:
-        return req.sampling_params(max_tokens, logprobs, logit_bias(req, vocab_size))
+        return req.sampling_params(max_tokens, logprobs, logit_bias(req))
     except SamplingParamsError as e:
         raise bad_request(str(e), e.param) from None
 
 
-def completed(out: RequestOutput | None) -> bool:
-    """Finished on its own (stop/length), not aborted by a drain deadline or shutdown."""
-    return out is not None and out.finished and all(o.finish_reason != "abort" for o in out.outputs)
-
-
-def usage(outs: list[RequestOutput]) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    cached = sum(o.num_cached_tokens for o in outs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def chat_logprobs(state: ServerState, lps: list[TokenLogprob]) -> list[dict]:
-    out = []
-    for lp in lps:
-        tok = state.token_text(lp.token_id)
-        out.append({"token": tok, "logprob": _finite(lp.logprob), "bytes": list(tok.encode()),
-                    "top_logprobs": [{"token": (t := state.token_text(i)), "logprob": _finite(v),
-                                      "bytes": list(t.encode())} for i, v in lp.top]})
-    return out
-
-
-def completion_logprobs(state: ServerState, lps: list[TokenLogprob], text_offset: int) -> dict:
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for lp in lps:
-        tok = state.token_text(lp.token_id)
-        tokens.append(tok)
-        token_lps.append(_finite(lp.logprob))
-        top = {state.token_text(i): _finite(v) for i, v in lp.top} or {tok: _finite(lp.logprob)}
-        tops.append(top)
-        offsets.append(text_offset)
-        text_offset += len(tok)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def _finite(x: float) -> float:
-    """JSON has no -inf: clamp like vLLM does."""
-    return max(float(x), -9999.0)
-
-
-def stream_error(e: BaseException) -> str:
-    """The SSE error event that ends a stream the engine failed."""
-    err = engine_error(e)
-    return sse(error_body(err.status, err.message, err.param, err.code))
-
-
-def stream_end(base: dict, finals: list[RequestOutput | None], include_usage: bool) -> str | None:
-    """The last event before [DONE]: an 'aborted' error if a completion was cut short, else the usage chunk."""
-    if not all(completed(f) for f in finals):
-        return sse(error_body(503, "the request was aborted before it finished", None, "aborted"))
-    if include_usage:
-        return sse({**base, "choices": [], "usage": usage(finals)})
-    return None
+async def respond(state: ServerState, request: Request, req: _SamplingRequest, fmt: Format, model: str, rid: str,
+                  prompts: list[list[int]], params: list[SamplingParams], wire: Mapping[str, str], arrival: float,
+                  echo: Callable[[], list[str]] | None = None) -> Response:
+    """Add one request per prompt (all or none: a refused one closes those already added, before any byte
+    is sent), then stream their deltas as SSE or answer with the whole body. echo: the prompts' texts,
+    asked for once the engine has admitted them (so only valid token ids are decoded)."""
+    engine = state.engine_or_503()
+    metrics = request.app.state.metrics
+    streams: list[Tracked] = []
+    try:
+        for k, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
+            names = wire if len(prompts) == 1 else {**wire, "prompt": f"prompt[{k}]"}
+            try:
+                streams.append(start(engine, ids, sp, rid if len(prompts) == 1 else f"{rid}-{k}", req.cache_salt,
+                                     metrics, state.inflight, arrival))
+            except Exception as e:
+                raise engine_error(e, names) from None
+    except BaseException:
+        await close_all(streams)
+        raise
+    reply = Reply(fmt, rid, model, int(time.time()), req.n, params[0].logprobs is not None, echo and echo())
+    headers = {"X-Request-Id": rid}
+    if req.stream:
+        continuous = req.include_usage() and req.stream_options.continuous_usage_stats
+        body = reply.stream(merge(streams), len(prompts), req.include_usage(), continuous)
+        return sse_response(ClosingBody(body, streams), headers)
+    try:
+        return JSONResponse(await watch_disconnect(request, reply.collect(merge(streams), len(prompts))),
+                            headers=headers)
+    except ClientGone:
+        return Response(status_code=499)
+    except APIError:
+        raise
+    except Exception as e:  # the engine died or failed the request
+        raise engine_error(e) from None
+    finally:
+        await close_all(streams)

@@ -1,4 +1,4 @@
-"""AsyncLLMEngine on a tiny random Llama: concurrency, aborts, errors before the first output, KV events."""
+"""AsyncLLMEngine on a tiny random Llama: concurrency, deltas, aborts, errors at add_request, KV events."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from engine.args import EngineArgs
-from engine.async_engine import AsyncLLMEngine, EngineDeadError
+from engine.async_engine import AsyncLLMEngine
+from engine.errors import EngineDeadError, QueueFullError, RequestTooLongError
 from engine.llm_engine import LLMEngine
 from engine.model.loader import load_model
 from engine.model.registry import resolve_model
 from engine.sampling_params import SamplingParams, SamplingParamsError
-from engine.scheduler import RequestTooLongError
 from tests.engine._tiny_llama import make_tiny_llama
 
 PROMPTS = [[(i * 131 + j * 17) % 30000 + 5 for j in range(10 + 9 * i)] for i in range(8)]
@@ -27,11 +27,11 @@ def tiny(tmp_path_factory):
     return path, load_model(resolve_model(path), torch.float32, "cpu", 1024)
 
 
-def _engine(tiny, **kw) -> AsyncLLMEngine:
+def _engine(tiny, max_queued_requests=None, **kw) -> AsyncLLMEngine:
     path, loaded = tiny
     args = EngineArgs(**{**dict(model=path, dtype="float32", num_blocks=64, max_num_seqs=8, max_model_len=1024,
                                 num_threads=1), **kw})
-    return AsyncLLMEngine(args, LLMEngine(args, loaded))
+    return AsyncLLMEngine(args, LLMEngine(args, loaded), max_queued_requests=max_queued_requests)
 
 
 def run(coro):
@@ -39,7 +39,7 @@ def run(coro):
 
 
 async def _collect(eng, prompt, params, rid):
-    outs = [out async for out in eng.generate(prompt, params, rid)]
+    outs = [out async for out in eng.add_request(rid, prompt, params)]
     return outs
 
 
@@ -48,11 +48,10 @@ def test_concurrent_requests_match_the_offline_engine(tiny):
     offline = LLMEngine(EngineArgs(model=path, dtype="float32", num_blocks=64, num_threads=1), loaded)
     for i, p in enumerate(PROMPTS):
         offline.add_request(str(i), p, GREEDY)
-    want = {}
+    want = {str(i): [] for i in range(len(PROMPTS))}
     while offline.has_unfinished_requests():
         for out in offline.step():
-            if out.finished:
-                want[out.request_id] = out.outputs[0].token_ids
+            want[out.request_id] += out.outputs[0].token_ids
 
     async def main():
         eng = _engine(tiny)
@@ -66,9 +65,8 @@ def test_concurrent_requests_match_the_offline_engine(tiny):
     results, eng = run(main())
     for i, outs in enumerate(results):
         assert outs[-1].finished and all(not o.finished for o in outs[:-1])
-        counts = [len(o.outputs[0].token_ids) for o in outs]
-        assert counts == sorted(counts) and counts[-1] == 12
-        assert outs[-1].outputs[0].token_ids == want[str(i)]
+        assert all(o.outputs[0].token_ids for o in outs)  # every delta brings news
+        assert [t for o in outs for t in o.outputs[0].token_ids] == want[str(i)] and len(want[str(i)]) == 12
     stats = eng.stats()
     assert stats.generation_tokens_total == 12 * len(PROMPTS) and stats.num_running == 0
 
@@ -78,10 +76,10 @@ def test_closing_the_iterator_aborts_within_a_step(tiny):
         eng = _engine(tiny)
         await eng.start()
         try:
-            gen = eng.generate(PROMPTS[3], SamplingParams(max_tokens=900, ignore_eos=True), "long")
+            gen = eng.add_request("long", PROMPTS[3], SamplingParams(max_tokens=900, ignore_eos=True))
             seen = 0
             async for out in gen:
-                seen = len(out.outputs[0].token_ids)
+                seen += len(out.outputs[0].token_ids)
                 if seen >= 2:
                     break
             await gen.aclose()
@@ -103,7 +101,7 @@ def test_explicit_abort_ends_the_stream_with_abort(tiny):
         await eng.start()
         try:
             outs = []
-            async for out in eng.generate(PROMPTS[0], SamplingParams(max_tokens=900, ignore_eos=True), "x"):
+            async for out in eng.add_request("x", PROMPTS[0], SamplingParams(max_tokens=900, ignore_eos=True)):
                 outs.append(out)
                 if len(outs) == 1:
                     await eng.abort("x")
@@ -115,23 +113,23 @@ def test_explicit_abort_ends_the_stream_with_abort(tiny):
     run(main())
 
 
-def test_bad_requests_raise_before_the_first_output(tiny):
+def test_bad_requests_raise_at_add_request(tiny):
     async def main():
         eng = _engine(tiny, num_blocks=8)
         await eng.start()
         try:
             with pytest.raises(RequestTooLongError):
-                await eng.generate([5] * 100, SamplingParams(max_tokens=200), "a").__anext__()
+                eng.add_request("a", [5] * 100, SamplingParams(max_tokens=200))
             with pytest.raises(SamplingParamsError) as e:
-                await eng.generate([5], SamplingParams(n=9), "b").__anext__()
-            assert e.value.param == "n"
+                eng.add_request("b", [5], SamplingParams(n=9))
+            assert e.value.param == "n" and eng.num_requests == 0
             assert eng.stats().num_waiting == 0
             outs = await _collect(eng, [5, 6, 7], GREEDY, "ok")  # the engine still serves
             assert outs[-1].finished
         finally:
             await eng.shutdown()
         with pytest.raises(EngineDeadError):
-            await eng.generate([5], GREEDY, "late").__anext__()
+            eng.add_request("late", [5], GREEDY)
 
     run(main())
 
@@ -140,7 +138,7 @@ def test_shutdown_ends_running_streams(tiny):
     async def main():
         eng = _engine(tiny)
         await eng.start()
-        gen = eng.generate(PROMPTS[1], SamplingParams(max_tokens=900, ignore_eos=True), "s")
+        gen = eng.add_request("s", PROMPTS[1], SamplingParams(max_tokens=900, ignore_eos=True))
         first = await gen.__anext__()
         assert not first.finished
         await eng.shutdown()
@@ -173,6 +171,49 @@ def test_kv_event_subscribers_get_a_consistent_snapshot_then_the_stream(tiny):
             assert out[-1].num_cached_tokens == 32
             assert q.empty()  # unsubscribed
             assert eng.stats().kv_events_published == seq1 + q2.qsize()
+        finally:
+            await eng.shutdown()
+
+    run(main())
+
+
+def test_a_lagging_consumer_gets_the_missed_deltas_merged(tiny):
+    async def main():
+        eng = _engine(tiny)
+        await eng.start()
+        try:
+            stream = eng.add_request("lag", PROMPTS[2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                                       logprobs=1))
+            first = await stream.__anext__()
+            deadline = time.monotonic() + 30
+            while eng.stats().num_running and time.monotonic() < deadline:  # let the rest pile up
+                await asyncio.sleep(0.01)
+            rest = [d async for d in stream]
+            assert len(rest) == 1 and rest[0].finished  # eleven steps, one merged delta
+            merged = rest[0].outputs[0]
+            assert len(first.outputs[0].token_ids) + len(merged.token_ids) == 12
+            assert [lp.token_id for lp in merged.logprobs] == merged.token_ids
+            assert merged.finish_reason == "length"
+        finally:
+            await eng.shutdown()
+
+    run(main())
+
+
+def test_a_full_replica_refuses_at_add_request_and_takes_requests_again_after(tiny):
+    async def main():
+        eng = _engine(tiny, max_queued_requests=1, max_num_seqs=2, max_num_batched_tokens=64)
+        await eng.start()
+        try:
+            long = SamplingParams(max_tokens=900, ignore_eos=True)
+            streams = [eng.add_request(str(i), PROMPTS[0], long) for i in range(3)]
+            with pytest.raises(QueueFullError, match="at most 3"):
+                eng.add_request("over", PROMPTS[0], long)
+            await streams[0].aclose()  # a closed stream frees its place at once
+            streams.append(eng.add_request("again", PROMPTS[0], long))
+            for s in streams:
+                await s.aclose()
+            assert eng.num_requests == 0
         finally:
             await eng.shutdown()
 

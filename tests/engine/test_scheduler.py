@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from engine.sampling_params import SamplingParams, SamplingParamsError
-from engine.scheduler import RequestTooLongError
-from engine.sequence import Sequence, SequenceStatus
+from engine.errors import InvalidRequestError, RequestTooLongError
+from engine.sampling_params import SamplingParamsError
+from engine.sequence import SequenceStatus
 from tests.engine.test_scheduler_harness import VOCAB, FakeEngine
 
 
@@ -190,13 +190,13 @@ def test_abort_of_a_forked_request_frees_all_children():
 
 def test_rejects_requests_that_can_never_fit():
     eng = FakeEngine(num_blocks=8, block_size=4, max_model_len=64, max_num_seqs=4)
-    with pytest.raises(RequestTooLongError, match=r"prompt \(60 tokens\) \+ max_tokens \(5\) = 65 exceeds max_model_len \(64\)"):
+    with pytest.raises(RequestTooLongError, match=r"maximum context length is 64 tokens. However, you requested 65 tokens"):
         eng.add("a", [1] * 60, max_tokens=5)
     with pytest.raises(RequestTooLongError, match=r"needs up to 40 KV slots \(10 blocks of 4\).*only 8 blocks"):
         eng.add("b", [1] * 30, max_tokens=11)
     with pytest.raises(RequestTooLongError, match="no room for output"):
-        eng.sched.add(Sequence("c", [1] * 64, SamplingParams(max_tokens=None)))
-    with pytest.raises(ValueError, match="at least one token"):
+        eng.add("c", [1] * 64, max_tokens=None)
+    with pytest.raises(InvalidRequestError, match="at least one token"):
         eng.add("d", [], max_tokens=1)
     with pytest.raises(SamplingParamsError, match="max_num_seqs") as exc:
         eng.add("e", [1], max_tokens=1, n=5)

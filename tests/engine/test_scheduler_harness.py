@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from engine.admission import EngineLimits, admit
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv.manager import KVCacheManager
 from engine.sampling_params import SamplingParams
@@ -26,14 +27,17 @@ class FakeEngine:
         self.sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                                max_model_len=max_model_len), self.kv)
         self.bs = block_size
+        self.limits = EngineLimits(VOCAB, max_model_len, max_num_seqs, block_size, num_blocks)
         self.cache: dict[int, list[int | None]] = {b: [None] * block_size for b in range(num_blocks)}
         self.seqs: list[Sequence] = []  # every sequence ever seen, children included
         self.forked: set[str] = set()
         self.outputs: list[SchedulerOutput] = []
 
-    def add(self, request_id: str, prompt: list[int], max_tokens: int = 8, n: int = 1,
+    def add(self, request_id: str, prompt: list[int], max_tokens: int | None = 8, n: int = 1,
             cache_salt: str | None = None) -> Sequence:
-        seq = Sequence(request_id, prompt, SamplingParams(max_tokens=max_tokens, n=n), cache_salt)
+        """Admit (engine/admission.py, as the engine does) and queue a request."""
+        prompt, params = admit(prompt, SamplingParams(max_tokens=max_tokens, n=n), self.limits)
+        seq = Sequence(request_id, prompt, params, cache_salt)
         self.sched.add(seq)
         self.seqs.append(seq)
         return seq

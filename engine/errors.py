@@ -1,0 +1,47 @@
+"""Every error the engine raises at its edges, typed, so that one table (engine/server/errors.py) maps
+each to an HTTP status and an OpenAI error type, and the CLI can name the flag.
+
+    ConfigError            a setting is invalid; `field` names it (a dataclass field or a CLI flag)
+    InvalidRequestError    a request can never run; `param` names the request field to blame, `code` is
+      RequestTooLongError  OpenAI's error code ("context_length_exceeded" for a request too long)
+      SamplingParamsError  (engine/sampling_params.py: a sampling parameter is out of range)
+    QueueFullError         the replica already holds all the requests it takes; retry shortly or elsewhere
+    EngineDeadError        the engine loop is not running (not started, shut down or crashed)
+
+Pure: imports nothing.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; `field` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+class InvalidRequestError(ValueError):
+    """The request can never run as asked. `param` is the engine-level field ("prompt", "max_tokens",
+    "n", "logit_bias", ...); the HTTP edge renames it to the wire field where they differ."""
+
+    code = "invalid_value"
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class RequestTooLongError(InvalidRequestError):
+    """Prompt + output do not fit max_model_len or the whole KV cache."""
+
+    code = "context_length_exceeded"
+
+
+class QueueFullError(RuntimeError):
+    """The replica holds as many requests as it runs plus its queue limit."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (shut down or crashed) or never started; no request can run."""

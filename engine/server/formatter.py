@@ -1,0 +1,204 @@
+"""One OpenAI formatter for chat and completions: request deltas → SSE chunks, or one response body.
+
+    fmt = ChatFormat(token_text)  |  CompletionFormat(token_text)
+    reply = Reply(fmt, request_id, model, created, n, want_logprobs, echo)
+    body_iter = reply.stream(outs, num_prompts, include_usage, continuous_usage)   # SSE bytes, ends with [DONE]
+    body = await reply.collect(outs, num_prompts)                                     # or APIError 503 if aborted
+
+`outs` yields (prompt index k, RequestDelta); choice k * n + i is completion i of prompt k. Each delta's
+new text and logprobs are sent as they are (streaming) or appended to the choice (whole response): no
+output is copied per step. The two formats differ only in the shape of a choice and of its logprobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from engine.outputs import RequestDelta, TokenLogprob
+from engine.server.errors import APIError, engine_error, error_body
+from engine.server.streaming import SSE_DONE, sse
+
+TokenText = Callable[[int], str]
+
+
+class ChatFormat:
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, token_text: TokenText):
+        self.token_text = token_text
+
+    def opening(self, n: int) -> list[dict]:
+        """Chunk choices sent before any token: the role (OpenAI sends it first too)."""
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(n)]
+
+    def logprobs(self, lps: list[TokenLogprob], text_offset: int) -> dict:
+        out = []
+        for lp in lps:
+            tok = self.token_text(lp.token_id)
+            out.append({"token": tok, "logprob": _finite(lp.logprob), "bytes": list(tok.encode()),
+                        "top_logprobs": [{"token": (t := self.token_text(i)), "logprob": _finite(v),
+                                          "bytes": list(t.encode())} for i, v in lp.top]})
+        return {"content": out}
+
+    def chunk_choice(self, index: int, text: str, lp: dict | None, finish: str | None, stop) -> dict:
+        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": finish,
+                "stop_reason": stop}
+
+    def full_choice(self, index: int, text: str, lp: dict | None, finish: str | None, stop) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                "finish_reason": finish, "stop_reason": stop}
+
+
+class CompletionFormat:
+    object = "text_completion"
+    chunk_object = "text_completion"
+
+    def __init__(self, token_text: TokenText):
+        self.token_text = token_text
+
+    def opening(self, n: int) -> list[dict]:
+        return []
+
+    def logprobs(self, lps: list[TokenLogprob], text_offset: int) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for lp in lps:
+            tok = self.token_text(lp.token_id)
+            tokens.append(tok)
+            token_lps.append(_finite(lp.logprob))
+            tops.append({self.token_text(i): _finite(v) for i, v in lp.top} or {tok: _finite(lp.logprob)})
+            offsets.append(text_offset)
+            text_offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chunk_choice(self, index: int, text: str, lp: dict | None, finish: str | None, stop) -> dict:
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": stop}
+
+    full_choice = chunk_choice
+
+
+Format = ChatFormat | CompletionFormat
+
+
+@dataclass
+class _Choice:
+    prefix: str = ""  # echoed prompt text, sent before the first generated text
+    pieces: list[str] = field(default_factory=list)  # whole responses only
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # whole responses only
+    offset: int = 0  # characters sent so far (completions' text_offset)
+    opened: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class _Usage:
+    """Token counts per prompt, from the deltas."""
+
+    def __init__(self, num_prompts: int):
+        self.prompt = [0] * num_prompts
+        self.cached = [0] * num_prompts
+        self.completion = [0] * num_prompts
+        self.finished = [False] * num_prompts
+
+    def add(self, k: int, d: RequestDelta) -> None:
+        self.prompt[k] = d.num_prompt_tokens
+        self.cached[k] = d.num_cached_tokens
+        self.completion[k] += sum(len(o.token_ids) for o in d.outputs)
+        self.finished[k] = d.finished
+
+    def body(self, ks: range | list[int]) -> dict:
+        prompt, completion = sum(self.prompt[k] for k in ks), sum(self.completion[k] for k in ks)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached[k] for k in ks)}}
+
+
+class Reply:
+    def __init__(self, fmt: Format, request_id: str, model: str, created: int, n: int, want_logprobs: bool,
+                 echo: list[str] | None = None):
+        self.fmt = fmt
+        self.id = request_id
+        self.model = model
+        self.created = created
+        self.n = n
+        self.want_logprobs = want_logprobs
+        self.echo = echo
+        self.choices: dict[int, _Choice] = {}
+
+    def _choice(self, k: int, i: int) -> _Choice:
+        c = self.choices.get(k * self.n + i)
+        if c is None:
+            c = self.choices[k * self.n + i] = _Choice(prefix=self.echo[k] if self.echo else "")
+        return c
+
+    def _completed(self, usage: _Usage) -> bool:
+        """Every request finished on its own (stop/length), none aborted by a drain deadline or shutdown."""
+        return all(usage.finished) and all(c.finish_reason != "abort" for c in self.choices.values())
+
+    async def stream(self, outs: AsyncIterator[tuple[int, RequestDelta]], num_prompts: int, include_usage: bool,
+                     continuous_usage: bool) -> AsyncIterator[bytes]:
+        base = {"id": self.id, "object": self.fmt.chunk_object, "created": self.created, "model": self.model}
+        usage = _Usage(num_prompts)
+        try:
+            async with aclosing(outs) as g:
+                if opening := self.fmt.opening(self.n):
+                    for choice in opening:
+                        yield sse({**base, "choices": [choice]})
+                async for k, d in g:
+                    usage.add(k, d)
+                    for o in d.outputs:
+                        idx = k * self.n + o.index
+                        c = self._choice(k, o.index)
+                        text = o.text if c.opened else c.prefix + o.text
+                        c.opened = True
+                        lp = self.fmt.logprobs(o.logprobs, c.offset) if self.want_logprobs and o.logprobs else None
+                        c.offset += len(o.text)
+                        if o.finish_reason is not None:
+                            c.finish_reason = o.finish_reason
+                        if not text and lp is None and o.finish_reason is None:
+                            continue
+                        chunk = {**base, "choices": [self.fmt.chunk_choice(idx, text, lp, o.finish_reason,
+                                                                           o.stop_reason)]}
+                        if continuous_usage:
+                            chunk["usage"] = usage.body([k])
+                        yield sse(chunk)
+        except Exception as e:
+            err = engine_error(e)
+            yield sse(error_body(err.status, err.message, err.param, err.code))
+        else:
+            if not self._completed(usage):
+                yield sse(error_body(503, "the request was aborted before it finished", None, "aborted"))
+            elif include_usage:
+                yield sse({**base, "choices": [], "usage": usage.body(range(num_prompts))})
+        yield SSE_DONE
+
+    async def collect(self, outs: AsyncIterator[tuple[int, RequestDelta]], num_prompts: int) -> dict:
+        """The whole response body; APIError if the engine failed or a request was aborted."""
+        usage = _Usage(num_prompts)
+        async with aclosing(outs) as g:
+            async for k, d in g:
+                usage.add(k, d)
+                for o in d.outputs:
+                    c = self._choice(k, o.index)
+                    c.pieces.append(o.text)
+                    if o.logprobs:
+                        c.logprobs.extend(o.logprobs)
+                    if o.finish_reason is not None:
+                        c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
+        if not self._completed(usage):
+            raise APIError(503, "the request was aborted before it finished (server shutting down)", None, "aborted")
+        choices = []
+        for idx in sorted(self.choices):
+            c = self.choices[idx]
+            lp = self.fmt.logprobs(c.logprobs, len(c.prefix)) if self.want_logprobs else None
+            choices.append(self.fmt.full_choice(idx, c.prefix + "".join(c.pieces), lp, c.finish_reason,
+                                                c.stop_reason))
+        return {"id": self.id, "object": self.fmt.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage.body(range(num_prompts)), "system_fingerprint": None}
+
+
+def _finite(x: float) -> float:
+    """JSON has no -inf: clamp like vLLM does."""
+    return max(float(x), -9999.0)

@@ -88,7 +88,7 @@ class _Choice:
     prefix: str = ""  # echoed prompt text, sent before the first generated text
     pieces: list[str] = field(default_factory=list)  # whole responses only
     logprobs: list[TokenLogprob] = field(default_factory=list)  # whole responses only
-    offset: int = 0  # characters sent so far (completions' text_offset)
+    offset: int = 0  # text_offset of the next token: the prefix and the tokens' texts so far (completions)
     opened: bool = False
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -130,7 +130,8 @@ class Reply:
     def _choice(self, k: int, i: int) -> _Choice:
         c = self.choices.get(k * self.n + i)
         if c is None:
-            c = self.choices[k * self.n + i] = _Choice(prefix=self.echo[k] if self.echo else "")
+            prefix = self.echo[k] if self.echo else ""
+            c = self.choices[k * self.n + i] = _Choice(prefix=prefix, offset=len(prefix))
         return c
 
     def _completed(self, usage: _Usage) -> bool:
@@ -153,8 +154,10 @@ class Reply:
                         c = self._choice(k, o.index)
                         text = o.text if c.opened else c.prefix + o.text
                         c.opened = True
-                        lp = self.fmt.logprobs(o.logprobs, c.offset) if self.want_logprobs and o.logprobs else None
-                        c.offset += len(o.text)
+                        lp = None
+                        if self.want_logprobs and o.logprobs:
+                            lp = self.fmt.logprobs(o.logprobs, c.offset)
+                            c.offset += sum(len(self.fmt.token_text(t.token_id)) for t in o.logprobs)
                         if o.finish_reason is not None:
                             c.finish_reason = o.finish_reason
                         if not text and lp is None and o.finish_reason is None:

@@ -5,21 +5,31 @@ from __future__ import annotations
 import random
 
 from router.config import ScoringConfig
-from router.policy import (
-    HashRing,
-    ReplicaView,
-    RouteRequest,
-    choose_by_cache,
-    choose_least_load,
-    choose_round_robin,
-    choose_session,
-    effective_loads,
-    is_overloaded,
-)
+from router.policies import POLICIES, HashRing, ReplicaView, RouteRequest
+from router.policies.load import effective_loads, is_overloaded
 
 CFG = ScoringConfig(kv_token_cost=0.5, waiting_cost_tokens=256, running_cost_tokens=32, overload_waiting=8,
                     overload_kv_usage=0.95)
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
+KV, APPROX, SESSION = POLICIES["kv"], POLICIES["approx-prefix"], POLICIES["session"]
+LEAST_LOAD, ROUND_ROBIN = POLICIES["least-load"], POLICIES["round-robin"]
+NO_RING = HashRing([])
+
+
+def choose_by_cache(views, req, cfg, ring=NO_RING, tiebreak=0):
+    return KV.choose(views, req, cfg, ring, tiebreak)
+
+
+def choose_session(views, req, cfg, ring, tiebreak=0):
+    return SESSION.choose(views, req, cfg, ring, tiebreak)
+
+
+def choose_least_load(views, req, cfg, tiebreak=0):
+    return LEAST_LOAD.choose(views, req, cfg, NO_RING, tiebreak)
+
+
+def choose_round_robin(views, req, cfg, turn):
+    return ROUND_ROBIN.choose(views, req, cfg, NO_RING, turn)
 
 
 def test_hot_idle_replica_is_chosen():

@@ -8,15 +8,10 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from router.config import RouterConfig, RouterConfigError, ScoringConfig
-from router.replicas import (
-    CLOSED,
-    HALF_OPEN,
-    OPEN,
-    CircuitBreaker,
-    EngineLoad,
-    ReplicaState,
-    parse_engine_metrics,
-)
+from router.replicas import CircuitBreaker, EngineLoad, ReplicaState, parse_engine_metrics
+from router.states import CircuitState
+
+CLOSED, OPEN, HALF_OPEN = CircuitState.CLOSED, CircuitState.OPEN, CircuitState.HALF_OPEN
 
 
 def test_circuit_breaker_transitions():

@@ -20,9 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=d["host"].default)
     p.add_argument("--port", type=int, default=d["port"].default)
     p.add_argument("--policy", default=d["policy"].default, choices=list(POLICIES),
-                   help="kv: prefix-cache hits from the engines' KV events against load (default); approx-prefix: "
-                   "hits guessed from where earlier prompts went; session: consistent hashing on the session "
-                   "key; least-load; round-robin")
+                   help="how each request picks a replica (default kv: the prefix-cache hit predicted from the "
+                   "engines' KV events, weighed against load; the others are described in the README)")
     p.add_argument("--model", default=d["model"].default,
                    help="model whose tokenizer and chat template the engines use (for prefix matching)")
     p.add_argument("--discovery", default=None, choices=DISCOVERY_KINDS,
@@ -49,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--approx-max-blocks", type=int, default=d["approx_max_blocks"].default)
     p.add_argument("--breaker-failures", type=int, default=d["breaker_failures"].default)
     p.add_argument("--breaker-open", type=float, default=d["breaker_open_s"].default, dest="breaker_open_s")
-    p.add_argument("--max-attempts", type=int, default=d["max_attempts"].default)
+    p.add_argument("--max-attempts", type=int, default=d["max_attempts"].default,
+                   help="attempts per request, each on another replica, while none has sent a byte (connection "
+                   "errors, 502/503/504, 429 queue full)")
     p.add_argument("--request-timeout", type=float, default=d["request_timeout_s"].default, dest="request_timeout_s")
     p.add_argument("--internal-token", default=os.environ.get("KVFLEET_INTERNAL_TOKEN"),
                    help="bearer token for the engines' KV event endpoint (env KVFLEET_INTERNAL_TOKEN)")

@@ -25,7 +25,7 @@ import time
 import httpx
 
 from engine.cpu_cores import core_slices, format_cpu_list
-from router.config import POLICIES
+from router.policies import POLICIES
 
 _PR_SET_PDEATHSIG = 1
 
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="router port")
     p.add_argument("--engine-port", type=int, default=8001, help="first engine port (then +1 per replica)")
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--policy", default="kv", choices=POLICIES)
+    p.add_argument("--policy", default="kv", choices=list(POLICIES))
     p.add_argument("--threads-per-engine", type=int, default=None,
                    help="torch threads per engine (default: the usable cores split evenly)")
     p.add_argument("--pin-cores", action=argparse.BooleanOptionalAction, default=True,

@@ -149,7 +149,9 @@ class FakeEngine:
         status = int(hdr.get("x-fake-status", self.ns.fail_status or 200))
         self.stats["requests"] += 1
         if status != 200:
-            await _json(send, status, {"error": {"message": f"fake failure {status}", "type": "fake", "code": status}})
+            retry_after = [(b"retry-after", b"1")] if status in (429, 503) else []  # as the engine sends them
+            await _json(send, status, {"error": {"message": f"fake failure {status}", "type": "fake", "code": status}},
+                        retry_after)
             return
         req = json.loads(body)
         prompt = req.get("prompt")

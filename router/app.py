@@ -21,13 +21,15 @@ from router.errors import json_error, send_bytes, send_json
 from router.fleet import Fleet
 from router.metrics import RouterMetrics
 from router.prepare import CHAT_PATH, COMPLETIONS_PATH, prepare_request
-from router.proxy import Proxy
+from router.proxy import Attempts, Proxy
 from router.tokens import PromptTokenizer
 
 log = logging.getLogger("kvfleet.router")
+access_log = logging.getLogger("kvfleet.router.access")
 
 _PROXIED = (CHAT_PATH, COMPLETIONS_PATH)
 _GET_PATHS = ("/v1/models", "/health", "/ready", "/metrics")
+_UNLOGGED = ("/health", "/ready", "/metrics")  # probes and scrapes stay out of the access log
 
 
 class RouterApp:
@@ -37,7 +39,7 @@ class RouterApp:
         self.fleet = Fleet(cfg, self.metrics)
         self.metrics.attach(self.fleet)
         self.tokenizer = tokenizer
-        self.need_tokens = cfg.policy in ("kv", "approx-prefix")
+        self.need_tokens = self.fleet.policy.needs.prompt_tokens
         self.proxy: Proxy | None = None
         self.session: aiohttp.ClientSession | None = None
         self._discovery_task: asyncio.Task | None = None
@@ -54,7 +56,7 @@ class RouterApp:
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, ttl_dns_cache=10),
             timeout=aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout_s, sock_read=cfg.request_timeout_s),
             auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
-        self.proxy = Proxy(self.fleet, self.metrics, self.session, cfg.max_attempts)
+        self.proxy = Proxy(self.metrics, self.session, cfg.max_attempts)
         await self.fleet.start()
         discovery = make_discovery(cfg)
         self._discovery_task = asyncio.create_task(discovery.run(self.fleet.set_replicas))
@@ -93,12 +95,33 @@ class RouterApp:
                 return
 
     async def _http(self, scope, receive, send) -> None:
+        if not self.cfg.access_log or scope["path"] in _UNLOGGED:
+            await self._serve(scope, receive, send, Attempts())
+            return
+        t0 = time.perf_counter()
+        status = "-"  # the client went away before a response started
+
+        async def send_logged(msg) -> None:
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = str(msg["status"])
+            await send(msg)
+
+        attempts = Attempts()
+        try:
+            await self._serve(scope, receive, send_logged, attempts)
+        finally:
+            access_log.info("%s %s %s replica=%s latency_ms=%.1f cached_tokens=%d retries=%d", scope["method"],
+                            scope["path"], status, attempts.replica or "-", (time.perf_counter() - t0) * 1000,
+                            attempts.predicted_cached_tokens, attempts.retries)
+
+    async def _serve(self, scope, receive, send, attempts: Attempts) -> None:
         path, method = scope["path"], scope["method"]
         if path in _PROXIED:
             if method != "POST":
                 await send_json(send, 405, json_error(f"{path} takes POST", code=405))
                 return
-            await self._completion(scope, receive, send, path)
+            await self._completion(scope, receive, send, path, attempts)
             return
         if path in _GET_PATHS:
             if method not in ("GET", "HEAD"):
@@ -145,7 +168,7 @@ class RouterApp:
             if not msg.get("more_body"):
                 return b"".join(chunks)
 
-    async def _completion(self, scope, receive, send, path: str) -> None:
+    async def _completion(self, scope, receive, send, path: str, attempts: Attempts) -> None:
         try:
             body = await self._read_body(receive)
         except ValueError as e:
@@ -168,15 +191,15 @@ class RouterApp:
         prepared_s = time.perf_counter() - t0
         metrics = self.metrics
 
-        def decide(p, tried):
+        def lease(p, tried):
             t = time.perf_counter()
-            d = self.fleet.route(p, tried)
+            ls = self.fleet.lease(p, tried)
             metrics.decision_seconds.observe(time.perf_counter() - t + (prepared_s if not tried else 0.0))
-            if d is not None:
-                metrics.decisions.labels(metrics.policy, d.reason).inc()
-            return d
+            if ls is not None:
+                metrics.decisions.labels(metrics.policy, ls.reason).inc()
+            return ls
 
-        work = asyncio.ensure_future(self.proxy.forward(send, path, body, headers, prep, decide))
+        work = asyncio.ensure_future(self.proxy.forward(send, path, body, headers, prep, lease, attempts))
         disconnect = asyncio.ensure_future(_wait_disconnect(receive))
         await asyncio.wait((work, disconnect), return_when=asyncio.FIRST_COMPLETED)
         if not work.done():  # the client went away: cancelling closes the upstream stream, the engine aborts

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from engine.kv.hashing import DEFAULT_HASH_SEED
+from router.policies import POLICIES
 
-POLICIES = ("kv", "approx-prefix", "session", "least-load", "round-robin")
 DISCOVERY_KINDS = ("static", "dns", "k8s")
 
 
@@ -57,7 +57,7 @@ class ScoringConfig:
 class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    policy: str = "kv"
+    policy: str = "kv"  # a name in router.policies.POLICIES
     model: str | None = "smollm2"  # tokenizer for prefix matching (same as the engines')
     discovery: str = "static"
     replicas: tuple[str, ...] = ()  # static discovery
@@ -84,6 +84,7 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     internal_token: str | None = None
     max_body_bytes: int = 16 * 1024 * 1024
+    access_log: bool = False  # one INFO line per proxied request
     scoring: ScoringConfig = dataclasses.field(default_factory=ScoringConfig)
 
     def __post_init__(self) -> None:

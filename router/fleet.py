@@ -1,5 +1,6 @@
 """The fleet as this router sees it: the replicas from discovery, their background checks (/ready, /metrics,
-KV events), both prefix indexes, and `route()` - the per-request decision (no I/O on that path)."""
+KV events), both prefix indexes, and `lease()` - the per-request decision (no I/O on that path), handed to
+the proxy as a Lease."""
 
 from __future__ import annotations
 
@@ -13,19 +14,13 @@ import httpx
 from router.approx_index import ApproxPrefixIndex
 from router.config import RouterConfig
 from router.kv_events import KVEventSubscriber
+from router.lease import Lease
 from router.metrics import RouterMetrics
-from router.policy import (
-    Decision,
-    HashRing,
-    RouteRequest,
-    choose_by_cache,
-    choose_least_load,
-    choose_round_robin,
-    choose_session,
-)
+from router.policies import POLICIES, Decision, HashRing, IndexKind, RouteRequest
 from router.prefix_index import PrefixIndex
 from router.prepare import PreparedRequest
 from router.replicas import CircuitBreaker, ReplicaState, parse_engine_metrics
+from router.states import CircuitState, KVEventsState
 
 log = logging.getLogger("kvfleet.router.fleet")
 
@@ -35,11 +30,12 @@ class Fleet:
         self.cfg = cfg
         self.metrics = metrics
         self.clock = clock
+        self.policy = POLICIES[cfg.policy]
         self.replicas: dict[str, ReplicaState] = {}
         self.index = PrefixIndex()
         self.approx = ApproxPrefixIndex(cfg.approx_max_blocks)
         self.ring = HashRing([], cfg.scoring.session_vnodes)
-        self._rr = 0
+        self._turn = 0  # advanced once per decision: rotates ties (and round-robin)
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self._client: httpx.AsyncClient | None = None
         self.changed = asyncio.Event()  # set whenever readiness or membership changes (tests, `kvfleet up`)
@@ -71,9 +67,9 @@ class Fleet:
         cfg = self.cfg
         st = self.replicas[url] = ReplicaState(url, CircuitBreaker(cfg.breaker_failures, cfg.breaker_open_s))
         tasks = [asyncio.create_task(self._health_loop(st)), asyncio.create_task(self._scrape_loop(st))]
-        if cfg.policy == "kv":
+        if self.policy.needs.kv_events:
             sub = KVEventSubscriber(url, self.index, self._client, cfg.kv_heartbeat_timeout_s, cfg.internal_token,
-                                    on_status=lambda s, st=st: setattr(st, "kv_events", s),
+                                    on_status=lambda s, st=st: setattr(st, "kv_events", KVEventsState(s)),
                                     on_resync=lambda reason, u=url: self.metrics.kv_resyncs.labels(u, reason).inc())
             tasks.append(asyncio.create_task(sub.run()))
         self._tasks[url] = tasks
@@ -105,7 +101,7 @@ class Fleet:
             if ready != st.ready:
                 log.info("replica %s is %s", st.url, "ready" if ready else "NOT ready")
                 st.ready = ready
-                if ready and st.breaker.state(self.clock()) != "closed":
+                if ready and st.breaker.state(self.clock()) is not CircuitState.CLOSED:
                     st.breaker.on_success()  # it came back: give it traffic again at once
                 self._notify()
             await asyncio.sleep(self.cfg.health_interval_s)
@@ -132,20 +128,19 @@ class Fleet:
         """Per replica, the prompt tokens its prefix cache holds (exact index, or approximate fallback)."""
         if prep.token_ids is None or not urls:
             return {}
-        cfg = self.cfg
+        cfg, needs = self.cfg, self.policy.needs
         out: dict[str, int] = {}
-        if cfg.policy == "approx-prefix":
-            approx_urls = urls
-        else:
-            approx_urls = [u for u in urls if self.replicas[u].kv_events == "unavailable"]
-            groups: dict[tuple[int, int], list[str]] = {}
-            for u in urls:
-                params = self.index.params.get(u)
-                if params is not None and self.replicas[u].kv_events == "live":
-                    groups.setdefault(params, []).append(u)
-            for (bs, seed), members in groups.items():
-                for u, n in self.index.matched_blocks(prep.block_hashes(bs, seed), members).items():
-                    out[u] = n * bs
+        approx_urls: list[str] = []
+        groups: dict[tuple[int, int], list[str]] = {}
+        for u in urls:
+            kind = needs.index_for(self.replicas[u].kv_events)
+            if kind is IndexKind.APPROX:
+                approx_urls.append(u)
+            elif kind is IndexKind.EXACT and (params := self.index.params.get(u)) is not None:
+                groups.setdefault(params, []).append(u)
+        for (bs, seed), members in groups.items():
+            for u, n in self.index.matched_blocks(prep.block_hashes(bs, seed), members).items():
+                out[u] = n * bs
         if approx_urls:
             hashes = prep.block_hashes(cfg.block_size, cfg.hash_seed)
             for u, n in self.approx.matched_blocks(hashes, approx_urls).items():
@@ -155,23 +150,20 @@ class Fleet:
     def route(self, prep: PreparedRequest, excluded: set[str] | frozenset[str] = frozenset()) -> Decision | None:
         cfg, now = self.cfg, self.clock()
         urls = list(self.replicas)
-        cached = self.predict_cached(prep, urls) if cfg.policy in ("kv", "approx-prefix") else {}
+        cached = self.predict_cached(prep, urls)
         views = [self.replicas[u].view(now, cfg.scrape_stale_s, cached.get(u, 0), u in excluded) for u in urls]
-        req = RouteRequest(prep.num_prompt_tokens, prep.session_key)
-        self._rr += 1
-        turn = self._rr - 1  # rotates ties (and round-robin)
-        if cfg.policy in ("kv", "approx-prefix"):
-            return choose_by_cache(views, req, cfg.scoring, self.ring, turn)
-        if cfg.policy == "session":
-            return choose_session(views, req, cfg.scoring, self.ring, turn)
-        if cfg.policy == "least-load":
-            return choose_least_load(views, req, cfg.scoring, turn)
-        return choose_round_robin(views, req, cfg.scoring, turn)
+        self._turn += 1
+        return self.policy.choose(views, RouteRequest(prep.num_prompt_tokens, prep.session_key), cfg.scoring,
+                                  self.ring, self._turn - 1)
 
-    def record_routed(self, url: str, prep: PreparedRequest) -> None:
-        """Remember where the request went, for the approximate index."""
-        st = self.replicas.get(url)
-        if prep.token_ids is None or st is None:
-            return
-        if self.cfg.policy == "approx-prefix" or (self.cfg.policy == "kv" and st.kv_events == "unavailable"):
-            self.approx.record(url, prep.block_hashes(self.cfg.block_size, self.cfg.hash_seed))
+    def lease(self, prep: PreparedRequest, excluded: set[str] | frozenset[str] = frozenset()) -> Lease | None:
+        """Route the request and dispatch it to the chosen replica; None when no routable replica is left."""
+        decision = self.route(prep, excluded)
+        if decision is None:
+            return None
+        cfg, st, now = self.cfg, self.replicas[decision.url], self.clock()
+        ticket = st.on_dispatch(max(prep.num_prompt_tokens - decision.predicted_cached_tokens, 0), now)
+        st.breaker.on_attempt(now)
+        if prep.token_ids is not None and self.policy.needs.index_for(st.kv_events) is IndexKind.APPROX:
+            self.approx.record(st.url, prep.block_hashes(cfg.block_size, cfg.hash_seed))  # where it went
+        return Lease(decision, st, ticket, self.clock)

@@ -7,7 +7,8 @@ import logging
 import os
 import sys
 
-from router.config import DISCOVERY_KINDS, POLICIES, RouterConfig, RouterConfigError, ScoringConfig
+from router.config import DISCOVERY_KINDS, RouterConfig, RouterConfigError, ScoringConfig
+from router.policies import POLICIES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,7 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "its prompt, weighed against load.")
     p.add_argument("--host", default=d["host"].default)
     p.add_argument("--port", type=int, default=d["port"].default)
-    p.add_argument("--policy", default=d["policy"].default, choices=POLICIES)
+    p.add_argument("--policy", default=d["policy"].default, choices=list(POLICIES),
+                   help="how each request picks a replica (default kv: the prefix-cache hit predicted from the "
+                   "engines' KV events, weighed against load; the others are described in the README)")
     p.add_argument("--model", default=d["model"].default,
                    help="model whose tokenizer and chat template the engines use (for prefix matching)")
     p.add_argument("--discovery", default=None, choices=DISCOVERY_KINDS,
@@ -45,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--approx-max-blocks", type=int, default=d["approx_max_blocks"].default)
     p.add_argument("--breaker-failures", type=int, default=d["breaker_failures"].default)
     p.add_argument("--breaker-open", type=float, default=d["breaker_open_s"].default, dest="breaker_open_s")
-    p.add_argument("--max-attempts", type=int, default=d["max_attempts"].default)
+    p.add_argument("--max-attempts", type=int, default=d["max_attempts"].default,
+                   help="attempts per request, each on another replica, while none has sent a byte (connection "
+                   "errors, 502/503/504, 429 queue full)")
     p.add_argument("--request-timeout", type=float, default=d["request_timeout_s"].default, dest="request_timeout_s")
     p.add_argument("--internal-token", default=os.environ.get("KVFLEET_INTERNAL_TOKEN"),
                    help="bearer token for the engines' KV event endpoint (env KVFLEET_INTERNAL_TOKEN)")
@@ -58,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overload-waiting", type=int, default=s.overload_waiting)
     p.add_argument("--overload-kv-usage", type=float, default=s.overload_kv_usage)
     p.add_argument("--log-level", default="info")
+    p.add_argument("--access-log", action="store_true",
+                   help="log one INFO line per proxied request: method, path, status, replica, latency, "
+                   "predicted cached tokens, retries")
     return p
 
 
@@ -77,7 +85,16 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         kv_heartbeat_timeout_s=ns.kv_heartbeat_timeout_s, block_size=ns.block_size,
         hash_seed=ns.hash_seed, approx_max_blocks=ns.approx_max_blocks, breaker_failures=ns.breaker_failures,
         breaker_open_s=ns.breaker_open_s, max_attempts=ns.max_attempts, request_timeout_s=ns.request_timeout_s,
-        internal_token=ns.internal_token, scoring=scoring)
+        internal_token=ns.internal_token, access_log=ns.access_log, scoring=scoring)
+
+
+def configure_logging(level: str) -> None:
+    """Root logging at `level`; httpx/httpcore (health checks, scrapes: two lines per replica per second at
+    INFO) only from WARNING up, unless `level` is debug."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         flag = e.field[:-2] if e.field.endswith("_s") else e.field
         print(f"kvfleet router: error: --{flag.replace('_', '-')}: {e.msg}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(ns.log_level)
     import uvicorn
 
     from router.app import RouterApp

@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from router.replicas import CIRCUIT_STATES
+from router.states import CircuitState, KVEventsState
 
 _DECISION_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1)
 _TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384)
@@ -92,12 +92,12 @@ class _FleetCollector:
         n_ready = n_routable = 0
         for url, st in list(self.fleet.replicas.items()):
             state = st.breaker.state(now)
-            for s in CIRCUIT_STATES:
+            for s in CircuitState:
                 circuit.add_metric([url, s], 1.0 if s == state else 0.0)
             ready.add_metric([url], 1.0 if st.ready else 0.0)
             inflight.add_metric([url], st.inflight)
             blocks.add_metric([url], self.fleet.index.num_blocks(url))
-            kv_live.add_metric([url], 1.0 if st.kv_events == "live" else 0.0)
+            kv_live.add_metric([url], 1.0 if st.kv_events is KVEventsState.LIVE else 0.0)
             n_ready += st.ready
             n_routable += st.routable(now)
         count.add_metric(["known"], len(self.fleet.replicas))

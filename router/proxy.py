@@ -1,12 +1,16 @@
-"""Streaming passthrough to the chosen replica (aiohttp), with retry-before-first-byte and clean failure.
+"""Streaming passthrough to the leased replica (aiohttp), with retry-before-first-byte and clean failure.
 
 - A request whose attempt fails before the replica sent any body byte (connection refused/reset, 502/503/504)
-  is retried on another replica, up to `max_attempts` in all. Non-streamed responses are buffered, so they
-  can be retried until the replica finished them.
+  or that the replica refuses with 429 (queue full) is retried on another replica, up to `max_attempts` in
+  all. Non-streamed responses are buffered, so they can be retried until the replica finished them. When
+  every attempt failed and at least one replica answered 429, the client gets that 429 (its OpenAI error
+  body and `Retry-After`): the fleet is full, so try again later; otherwise a 503.
 - Streamed responses start once the replica sent its first body chunk; from then on bytes pass straight
   through. A replica that dies mid-stream ends the client's stream with an SSE error event and `[DONE]`.
 - The caller cancels the task when the client disconnects; closing the upstream response closes its
   connection, and the engine aborts the request.
+- The proxy sees replicas only through the fleet's leases (router/lease.py): it reports each attempt's
+  verdict, the lease keeps the replica's in-flight count and circuit breaker.
 """
 
 from __future__ import annotations
@@ -14,11 +18,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import aiohttp
 
 from router.errors import json_error, send_json
+from router.lease import Lease
 from router.prepare import PreparedRequest
+from router.states import StrEnum
 
 log = logging.getLogger("kvfleet.router.proxy")
 
@@ -59,98 +68,139 @@ def _usage_from_sse(chunk: bytes) -> dict | None:
     return None
 
 
+class End(StrEnum):
+    """How one attempt ended (values label the retries metric)."""
+
+    DONE = "done"  # the response went to the client
+    MID_STREAM = "mid-stream"  # the replica failed after the first byte
+    CONNECT = "connect"  # no connection
+    STATUS = "status"  # 502 / 504
+    READ = "read"  # the replica failed before the first byte
+    UNAVAILABLE = "unavailable"  # 503: draining or loading
+    QUEUE_FULL = "queue-full"  # 429: the replica's queue is full
+
+
+_REFUSALS = (End.UNAVAILABLE, End.QUEUE_FULL)
+
+
+class _Result(NamedTuple):
+    end: End
+    detail: str  # the status label when DONE, else what went wrong
+    refusal: tuple[list, bytes] | None = None  # a 429's raw headers and body, to hand on if all replicas refuse
+
+
+@dataclass(slots=True)
+class Attempts:
+    """What the proxy did for one request, for the access log (filled in as it goes)."""
+
+    replica: str | None = None  # the replica of the last attempt
+    predicted_cached_tokens: int = 0
+    retries: int = 0
+
+
 class Proxy:
     """The data path. It uses aiohttp rather than httpx: on this path aiohttp's C parser costs ~0.4 ms per
     streamed request against ~1.2 ms for httpx (measured against loadtest/fake_engine.py), which decides
     whether one router process can pass 1,000 streamed requests/s."""
 
-    def __init__(self, fleet, metrics, session: aiohttp.ClientSession, max_attempts: int):
-        self.fleet = fleet
+    def __init__(self, metrics, session: aiohttp.ClientSession, max_attempts: int):
         self.metrics = metrics
         self.session = session
         self.max_attempts = max_attempts
 
-    async def forward(self, send, path: str, body: bytes, headers, prep: PreparedRequest, decide) -> str:
-        """Proxy one completion request; returns its final status label for the metrics."""
-        fleet, metrics = self.fleet, self.metrics
+    async def forward(self, send, path: str, body: bytes, headers, prep: PreparedRequest,
+                      lease: Callable[[PreparedRequest, set[str]], Lease | None], attempts: Attempts) -> None:
+        """Proxy one completion request, on replicas leased by `lease(prep, replicas already tried)`."""
+        metrics = self.metrics
         tried: set[str] = set()
         last_error = "no ready replica"
+        refusal: tuple[str, list, bytes] | None = None
         fwd_headers = forward_headers(headers)
         for attempt in range(self.max_attempts):
-            decision = decide(prep, tried)
-            if decision is None:
+            ls = lease(prep, tried)
+            if ls is None:
                 break
-            url = decision.url
-            st = fleet.replicas[url]
+            url = ls.url
             tried.add(url)
-            ticket = st.on_dispatch(max(prep.num_prompt_tokens - decision.predicted_cached_tokens, 0), fleet.clock())
-            st.breaker.on_attempt(fleet.clock())
-            fleet.record_routed(url, prep)
-            kind = "aborted"
+            attempts.replica, attempts.predicted_cached_tokens, attempts.retries = \
+                url, ls.predicted_cached_tokens, attempt
             try:
-                kind, detail = await self._attempt(send, url, path, body, fwd_headers, prep, decision)
+                result = await self._attempt(send, url, path, body, fwd_headers, prep, ls.predicted_cached_tokens)
+                if result.end is End.DONE:
+                    ls.succeeded()
+                elif result.end in _REFUSALS:
+                    ls.refused()
+                else:
+                    ls.failed()
             finally:
-                st.on_done(ticket)
-                if kind == "aborted":  # the client went away (cancelled) or could not be written to
-                    st.breaker.on_abandoned()
-            if kind == "done":
-                st.breaker.on_success()
-                metrics.requests.labels(url, metrics.policy, detail).inc()
-                return detail
-            if kind == "mid-stream":
-                st.breaker.on_failure(fleet.clock())
+                ls.release()  # without a verdict (client gone, or it could not be written to): abandoned
+            if result.end is End.DONE:
+                metrics.requests.labels(url, metrics.policy, result.detail).inc()
+                return
+            if result.end is End.MID_STREAM:
                 metrics.requests.labels(url, metrics.policy, "error").inc()
-                return "error"
-            # failed before the first byte: retry elsewhere
-            if kind != "unavailable":
-                st.breaker.on_failure(fleet.clock())
-            last_error = f"{url}: {detail}"
+                return
+            # failed or refused before the first byte: retry elsewhere
+            if result.refusal is not None:
+                refusal = (url, *result.refusal)
+            last_error = f"{url}: {result.detail}"
             metrics.requests.labels(url, metrics.policy, "retried").inc()
             if attempt + 1 < self.max_attempts:
-                metrics.retries.labels(kind).inc()
+                metrics.retries.labels(result.end).inc()
+        if refusal is not None:  # the fleet is full: hand on a replica's 429, Retry-After included
+            url, raw_headers, data = refusal
+            out = response_headers(raw_headers, url, len(data))
+            if not any(k.lower() == b"retry-after" for k, _ in out):
+                out.append((b"retry-after", b"1"))
+            metrics.requests.labels("none", metrics.policy, "429").inc()
+            await send({"type": "http.response.start", "status": 429, "headers": out})
+            await send({"type": "http.response.body", "body": data})
+            return
         metrics.requests.labels("none", metrics.policy, "error").inc()
         await send_json(send, 503, json_error(f"no replica could serve the request ({last_error})",
                                               "service_unavailable", 503))
-        return "error"
 
-    async def _attempt(self, send, url: str, path: str, body: bytes, fwd_headers, prep, decision):
+    async def _attempt(self, send, url: str, path: str, body: bytes, fwd_headers, prep: PreparedRequest,
+                       predicted: int) -> _Result:
         metrics = self.metrics
         try:
             resp = await self.session.post(url + path, data=body, headers=fwd_headers)
         except _UPSTREAM_ERRORS as e:
             metrics.upstream_failures.labels(url, "connect").inc()
-            return "connect", _describe(e)
+            return _Result(End.CONNECT, _describe(e))
         ok = False
         try:
             status = resp.status
-            if status in RETRY_STATUSES:
-                await resp.read()
+            if status in RETRY_STATUSES or status == 429:
+                data = await resp.read()
                 ok = True
-                return ("unavailable" if status == 503 else "status"), f"HTTP {status}"
+                if status == 429:
+                    return _Result(End.QUEUE_FULL, "HTTP 429", (list(resp.raw_headers), data))
+                return _Result(End.UNAVAILABLE if status == 503 else End.STATUS, f"HTTP {status}")
             if not (prep.stream and status == 200):
                 try:
                     data = await resp.read()
                 except _UPSTREAM_ERRORS as e:
                     metrics.upstream_failures.labels(url, "before-first-byte").inc()
-                    return "read", _describe(e)
+                    return _Result(End.READ, _describe(e))
                 if status == 200 and b'"usage"' in data:
                     try:
-                        metrics.observe_usage(url, decision.predicted_cached_tokens, json.loads(data).get("usage"))
+                        metrics.observe_usage(url, predicted, json.loads(data).get("usage"))
                     except ValueError:
                         pass
                 await send({"type": "http.response.start", "status": status,
                             "headers": response_headers(resp.raw_headers, url, len(data))})
                 await send({"type": "http.response.body", "body": data})
                 ok = True
-                return "done", str(status)
+                return _Result(End.DONE, str(status))
             chunks = resp.content.iter_any()
             try:
                 first = await anext(chunks, b"")
             except _UPSTREAM_ERRORS as e:
                 metrics.upstream_failures.labels(url, "before-first-byte").inc()
-                return "read", _describe(e)
+                return _Result(End.READ, _describe(e))
             if not first:
-                return "read", "empty response"
+                return _Result(End.READ, "empty response")
             await send({"type": "http.response.start", "status": 200,
                         "headers": response_headers(resp.raw_headers, url, None)})
             await send({"type": "http.response.body", "body": first, "more_body": True})
@@ -161,7 +211,7 @@ class Proxy:
                         usage = _usage_from_sse(chunk)
                         if usage is not None and usage.get("prompt_tokens") is not None:
                             saw_usage = True
-                            metrics.observe_usage(url, decision.predicted_cached_tokens, usage)
+                            metrics.observe_usage(url, predicted, usage)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except _UPSTREAM_ERRORS as e:
                 metrics.upstream_failures.labels(url, "mid-stream").inc()
@@ -169,10 +219,10 @@ class Proxy:
                 await send({"type": "http.response.body", "more_body": False,
                             "body": sse_error_event(f"replica {url} failed mid-stream ({_describe(e)}); "
                                                     "the response is incomplete")})
-                return "mid-stream", _describe(e)
+                return _Result(End.MID_STREAM, _describe(e))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             ok = True
-            return "done", "200"
+            return _Result(End.DONE, "200")
         finally:
             if ok:
                 resp.release()

@@ -7,10 +7,8 @@ import math
 import re
 from dataclasses import dataclass
 
-from router.policy import ReplicaView
-
-CLOSED, OPEN, HALF_OPEN = "closed", "open", "half-open"
-CIRCUIT_STATES = (CLOSED, OPEN, HALF_OPEN)
+from router.policies import ReplicaView
+from router.states import CircuitState, KVEventsState
 
 
 class CircuitBreaker:
@@ -20,23 +18,23 @@ class CircuitBreaker:
     def __init__(self, failure_threshold: int, open_s: float):
         self.failure_threshold = failure_threshold
         self.open_s = open_s
-        self._state = CLOSED
+        self._state = CircuitState.CLOSED
         self.failures = 0
         self.opened_at = -math.inf
         self.probing = False
 
-    def state(self, now: float) -> str:
-        if self._state == OPEN and now - self.opened_at >= self.open_s:
-            return HALF_OPEN
+    def state(self, now: float) -> CircuitState:
+        if self._state is CircuitState.OPEN and now - self.opened_at >= self.open_s:
+            return CircuitState.HALF_OPEN
         return self._state
 
     def can_try(self, now: float) -> bool:
         s = self.state(now)
-        return s == CLOSED or (s == HALF_OPEN and not self.probing)
+        return s is CircuitState.CLOSED or (s is CircuitState.HALF_OPEN and not self.probing)
 
     def on_attempt(self, now: float) -> None:
-        if self.state(now) == HALF_OPEN:
-            self._state = HALF_OPEN
+        if self.state(now) is CircuitState.HALF_OPEN:
+            self._state = CircuitState.HALF_OPEN
             self.probing = True
 
     def on_abandoned(self) -> None:
@@ -44,20 +42,20 @@ class CircuitBreaker:
         self.probing = False
 
     def on_success(self) -> None:
-        self._state, self.failures, self.probing = CLOSED, 0, False
+        self._state, self.failures, self.probing = CircuitState.CLOSED, 0, False
 
     def on_failure(self, now: float) -> None:
-        if self.state(now) == HALF_OPEN:
+        if self.state(now) is CircuitState.HALF_OPEN:
             self._open(now)
             return
-        if self._state == OPEN:
+        if self._state is CircuitState.OPEN:
             return
         self.failures += 1
         if self.failures >= self.failure_threshold:
             self._open(now)
 
     def _open(self, now: float) -> None:
-        self._state, self.opened_at, self.probing = OPEN, now, False
+        self._state, self.opened_at, self.probing = CircuitState.OPEN, now, False
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +143,7 @@ class ReplicaState:
         self.covered_until: float = -math.inf  # requests dispatched up to here are in the scrape
         self.tickets: set[Ticket] = set()
         self.finished = 0  # covered by the last scrape, finished after it
-        self.kv_events = "connecting"  # connecting | live | unavailable (no KV event endpoint)
+        self.kv_events = KVEventsState.CONNECTING
 
     @property
     def inflight(self) -> int:

@@ -4,6 +4,7 @@ retries before the first byte, mid-stream failure, client disconnect, errors, KV
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -111,6 +112,56 @@ def test_all_replicas_failing_gives_a_clear_503(procs):
     wait_for(lambda: httpx.get(r.url + "/ready").status_code == 503, what="router not ready")
     resp = httpx.post(r.url + "/v1/chat/completions", json=CHAT, timeout=10)
     assert resp.status_code == 503 and "no ready replica" in resp.json()["error"]["message"]
+
+
+def test_queue_full_429_is_retried_elsewhere_and_handed_on_when_every_replica_refuses(procs):
+    full, good = fake_engine(procs, "full", "--fail-status", "429"), fake_engine(procs, "good")
+    r = router(procs, [full.url, good.url], "--breaker-failures", "2", policy="round-robin")
+    for p in (full, good, r):
+        p.wait_ready()
+    with httpx.Client(base_url=r.url, timeout=10) as c:
+        for _ in range(6):
+            resp = c.post("/v1/chat/completions", json=CHAT)
+            assert resp.status_code == 200 and resp.headers["x-kvfleet-replica"] == good.url
+        m = c.get("/metrics").text
+    refused = httpx.get(full.url + "/fake/stats").json()["requests"]
+    # round-robin offers `full` first on at least 5 of the 6 requests; a 429 is not a failure, so its circuit
+    # stays closed (two failures would have opened it after 2)
+    assert refused >= 5
+    assert metric(m, "kvfleet_router_retries_total", reason="queue-full") == refused
+    assert metric(m, "kvfleet_router_circuit_state", replica=full.url, state="closed") == 1
+    # every replica refuses: the client gets the engine's 429, Retry-After included, not a 502/503
+    full2 = fake_engine(procs, "full2", "--fail-status", "429")
+    r2 = router(procs, [full.url, full2.url], policy="least-load")
+    full2.wait_ready()
+    r2.wait_ready()
+    resp = httpx.post(r2.url + "/v1/chat/completions", json=CHAT, timeout=10)
+    assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
+    assert resp.json()["error"] == {"message": "fake failure 429", "type": "fake", "code": 429}
+    assert httpx.get(full2.url + "/fake/stats").json()["requests"] == 1  # each replica tried once
+    assert metric(httpx.get(r2.url + "/metrics").text, "kvfleet_router_requests_total", replica="none",
+                  status="429") == 1
+
+
+def test_access_log_has_one_line_per_request_and_scrapes_stay_quiet(procs):
+    a = fake_engine(procs, "a")
+    logged = router(procs, [a.url], "--log-level", "info", "--access-log", policy="least-load")
+    quiet = router(procs, [a.url], "--log-level", "info", policy="least-load")
+    for p in (a, logged, quiet):
+        p.wait_ready()
+    for r in (logged, quiet):
+        assert httpx.post(r.url + "/v1/chat/completions", json=CHAT, timeout=10).status_code == 200
+        httpx.get(r.url + "/metrics")
+    time.sleep(1.0)  # five rounds of health checks and scrapes (every 0.2 s)
+    lines = [ln for ln in logged.tail(100_000).splitlines() if "kvfleet.router.access" in ln]
+    assert len(lines) == 1, lines
+    assert re.search(rf"INFO kvfleet.router.access: POST /v1/chat/completions 200 replica={a.url} "
+                     r"latency_ms=\d+\.\d cached_tokens=0 retries=0$", lines[0]), lines[0]
+    for r in (logged, quiet):
+        log = r.tail(100_000)
+        assert f"INFO kvfleet.router.fleet: replica joined: {a.url}" in log  # it does log at INFO
+        assert "HTTP Request:" not in log and " httpx:" not in log  # no line per health check or scrape
+    assert "kvfleet.router.access" not in quiet.tail(100_000)
 
 
 def test_replica_dying_mid_stream_ends_with_an_error_event(pair):

@@ -8,15 +8,10 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from router.config import RouterConfig, RouterConfigError, ScoringConfig
-from router.replicas import (
-    CLOSED,
-    HALF_OPEN,
-    OPEN,
-    CircuitBreaker,
-    EngineLoad,
-    ReplicaState,
-    parse_engine_metrics,
-)
+from router.replicas import CircuitBreaker, EngineLoad, ReplicaState, parse_engine_metrics
+from router.states import CircuitState
+
+CLOSED, OPEN, HALF_OPEN = CircuitState.CLOSED, CircuitState.OPEN, CircuitState.HALF_OPEN
 
 
 def test_circuit_breaker_transitions():
@@ -126,4 +121,8 @@ def test_cli_errors_name_the_flag(capsys):
     cfg = config_from_args(build_parser().parse_args(["--dns-name", "engine.ns.svc", "--policy", "session"]))
     assert (cfg.discovery, cfg.dns_name, cfg.policy) == ("dns", "engine.ns.svc", "session")
     cfg = config_from_args(build_parser().parse_args(["--replicas", "http://a:1/, http://b:2", "--model", ""]))
-    assert cfg.replicas == ("http://a:1", "http://b:2") and cfg.model is None
+    assert cfg.replicas == ("http://a:1", "http://b:2") and cfg.model is None and cfg.access_log is False
+    assert config_from_args(build_parser().parse_args(["--replicas", "http://a:1", "--access-log"])).access_log
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--policy", "fastest"])
+    assert "(choose from 'kv', 'approx-prefix', 'session', 'least-load', 'round-robin')" in capsys.readouterr().err

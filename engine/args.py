@@ -11,8 +11,8 @@ import argparse
 import os
 from dataclasses import dataclass, fields
 
+from contract.hashing import DEFAULT_HASH_SEED
 from engine.cpu_cores import format_cpu_list, parse_cpu_list
-from engine.kv.hashing import DEFAULT_HASH_SEED
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 BACKEND_CHOICES = ("auto", "torch", "cpu", "triton")

@@ -18,9 +18,10 @@ import torch
 
 from engine.args import EngineArgs, EngineArgsError
 from engine.attention import get_attention_backend
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import SchedulerConfig
 from engine.cpu_cores import parse_cpu_list, pin_process
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kv.config import CacheConfig
 from engine.kv.events import KVEvent
 from engine.kv.manager import KVCacheManager
 from engine.model.llama import ModelConfig

@@ -4,7 +4,7 @@ overhead benchmark.
 It speaks the same wire formats (OpenAI chat/completions with SSE streaming and `usage` incl.
 `prompt_tokens_details.cached_tokens`, `/ready`, `/health`, `/metrics` with vLLM names, NDJSON KV events) and
 keeps a real prefix cache index for `/v1/completions` requests whose prompt is a list of token ids (chained
-block hashes from engine/kv/hashing.py), so KV-aware routing can be tested without a model. Behaviour per
+block hashes from contract/hashing.py), so KV-aware routing can be tested without a model. Behaviour per
 request comes from headers: `x-fake-delay-ms` (before the first byte), `x-fake-chunks`, `x-fake-chunk-delay-ms`,
 `x-fake-break-after` (drop the connection after N chunks), `x-fake-status` (answer with this status).
 Per process: `--fail-status` (every completion answers it), `--no-kv-events` (404, like a third-party engine).
@@ -22,7 +22,7 @@ import json
 import sys
 import time
 
-from engine.kv.hashing import DEFAULT_HASH_SEED, hash_blocks
+from contract.hashing import DEFAULT_HASH_SEED, hash_blocks
 
 
 class FakeEngine:

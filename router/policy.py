@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import xxhash
 
+from contract.cacheable import cacheable_tokens
 from router.config import ScoringConfig
 
 
@@ -188,7 +189,7 @@ def choose_round_robin(views: Sequence[ReplicaView], req: RouteRequest, cfg: Sco
 
 def _decision(views, loads, req, cfg, i: int, reason: str) -> Decision:
     v = views[i]
-    predicted = min(v.cached_tokens, max(req.num_prompt_tokens - 1, 0))
+    predicted = min(v.cached_tokens, cacheable_tokens(req.num_prompt_tokens))
     return Decision(v.url, reason, predicted, cost(v, loads[i], req, cfg))
 
 

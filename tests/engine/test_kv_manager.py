@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import CacheConfig
-from engine.kv.hashing import hash_blocks
+from contract.hashing import hash_blocks
+from engine.kv.config import CacheConfig
 from engine.kv.manager import KVCacheManager
 from engine.sequence import Sequence
 

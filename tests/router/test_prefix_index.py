@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv.hashing import DEFAULT_HASH_SEED, hash_blocks
+from contract.cacheable import cacheable_blocks
+from contract.hashing import DEFAULT_HASH_SEED, hash_blocks
 from router.approx_index import ApproxPrefixIndex
 from router.kv_events import EventApplier, KVEventError
-from router.prefix_index import PrefixIndex, cacheable_blocks, request_block_hashes
+from router.prefix_index import PrefixIndex, request_block_hashes
 
 A, B = "http://a:1", "http://b:1"
 BS = 4

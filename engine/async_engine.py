@@ -18,8 +18,8 @@ import threading
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 
+from contract.kv_events import KVEvent
 from engine.args import EngineArgs
-from engine.kv.events import KVEvent
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 from contract.cacheable import cacheable_blocks
 from contract.hashing import hash_block
+from contract.kv_events import KVEvent
 from engine.kv.block_pool import BlockPool, KVCacheBlock
 from engine.kv.config import CacheConfig
-from engine.kv.events import KVEvent, KVEventLog
+from engine.kv.events import KVEventLog
 from engine.sequence import Sequence
 
 

@@ -10,6 +10,7 @@ from contextlib import aclosing
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from contract.messages import chat_messages
 from engine.outputs import RequestOutput
 from engine.server import serving
 from engine.server.errors import APIError, bad_request
@@ -25,7 +26,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     model = state.check_model(req.model)
     engine = state.engine_or_503()
     tok = engine.tokenizer
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+    messages = chat_messages([m.model_dump() for m in req.messages])
     try:
         prompt_ids = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
     except TokenizerError as e:

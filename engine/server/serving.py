@@ -10,9 +10,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from contract.errors import error_body, error_type
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams, SamplingParamsError
-from engine.server.errors import APIError, bad_request, error_body
+from engine.server.errors import APIError, bad_request
 from engine.server.generation import Inflight, engine_error
 from engine.server.protocol import _SamplingRequest
 from engine.server.streaming import sse
@@ -202,13 +203,13 @@ def _finite(x: float) -> float:
 def stream_error(e: BaseException) -> str:
     """The SSE error event that ends a stream the engine failed."""
     err = engine_error(e)
-    return sse(error_body(err.status, err.message, err.param, err.code))
+    return sse(error_body(err.message, error_type(err.status), err.param, err.code))
 
 
 def stream_end(base: dict, finals: list[RequestOutput | None], include_usage: bool) -> str | None:
     """The last event before [DONE]: an 'aborted' error if a completion was cut short, else the usage chunk."""
     if not all(completed(f) for f in finals):
-        return sse(error_body(503, "the request was aborted before it finished", None, "aborted"))
+        return sse(error_body("the request was aborted before it finished", error_type(503), None, "aborted"))
     if include_usage:
         return sse({**base, "choices": [], "usage": usage(finals)})
     return None

@@ -1,8 +1,9 @@
 """Every engine setting, as one frozen dataclass validated at the edge (CLI or code).
 
 `add_cli_args(parser)` adds the engine flags to an argparse parser (the server adds its own next to
-them); `EngineArgs.from_cli(namespace)` builds and validates. A bad value raises EngineArgsError, a
-ValueError whose `flag` names the command-line flag (e.g. "--max-num-seqs").
+them); `EngineArgs.from_cli(namespace)` builds and validates. A bad value raises ConfigError
+(engine/errors.py), a ValueError whose `field` is the command-line flag (e.g. "--max-num-seqs") and whose
+message starts with it.
 """
 
 from __future__ import annotations
@@ -11,20 +12,13 @@ import argparse
 import os
 from dataclasses import dataclass, fields
 
+from contract.hashing import DEFAULT_HASH_SEED
 from engine.cpu_cores import format_cpu_list, parse_cpu_list
-from engine.kv.hashing import DEFAULT_HASH_SEED
+from engine.errors import ConfigError
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 BACKEND_CHOICES = ("auto", "torch", "cpu", "triton")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
-
-
-class EngineArgsError(ValueError):
-    """An engine setting is invalid; `flag` names the command-line flag."""
-
-    def __init__(self, flag: str, message: str):
-        super().__init__(f"{flag}: {message}")
-        self.flag = flag
 
 
 @dataclass(frozen=True)
@@ -133,7 +127,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _check(ok: bool, flag: str, message: str) -> None:
     if not ok:
-        raise EngineArgsError(flag, message)
+        raise ConfigError(flag, f"{flag}: {message}")
 
 
 def _int(flag: str, value: object, minimum: int) -> None:
@@ -145,7 +139,7 @@ def _cpu_cores(text: object) -> None:
     try:
         cores = parse_cpu_list(text)
     except ValueError as e:
-        raise EngineArgsError("--cpu-cores", str(e)) from None
+        raise ConfigError("--cpu-cores", f"--cpu-cores: {e}") from None
     usable = os.sched_getaffinity(0)
     outside = set(cores) - usable
     _check(not outside, "--cpu-cores", f"{text!r} names core(s) {format_cpu_list(outside)} that this process may "

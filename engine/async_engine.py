@@ -19,9 +19,9 @@ import logging
 import threading
 from collections.abc import Sequence as Seq
 
+from contract.kv_events import KVEvent
 from engine.args import EngineArgs
 from engine.errors import EngineDeadError, QueueFullError
-from engine.kv.events import KVEvent
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams

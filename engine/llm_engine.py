@@ -17,14 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
+from contract.kv_events import KVEvent
 from engine.admission import EngineLimits, admit
 from engine.args import EngineArgs
 from engine.attention import get_attention_backend
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import SchedulerConfig
 from engine.cpu_cores import parse_cpu_list, pin_process
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ConfigError
-from engine.kv.events import KVEvent
+from engine.kv.config import CacheConfig
 from engine.kv.manager import KVCacheManager
 from engine.model.llama import ModelConfig
 from engine.model.loader import load_hf_config, load_model, resolve_dtype

@@ -16,6 +16,7 @@ import tempfile
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 
+from contract.messages import MessageError, chat_messages
 from engine.model.registry import ModelSource, resolve_model
 
 _lock = threading.Lock()
@@ -58,7 +59,10 @@ class Tokenizer:
         """The chat template applied to messages, as text."""
         if not self.chat_template:
             raise TokenizerError("this model's tokenizer has no chat template; use a completion prompt instead")
-        msgs = _check_messages(messages)
+        try:
+            msgs = chat_messages(messages)
+        except MessageError as e:
+            raise TokenizerError(str(e)) from None
         try:
             return self.hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # jinja errors: report them as a bad request, not a crash
@@ -70,29 +74,6 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.source.path if self.source else '?'}, vocab={self.vocab_size}, eos={self.eos_token_id})"
-
-
-def _check_messages(messages: Sequence[Mapping]) -> list[dict]:
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise TokenizerError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-            raise TokenizerError(f"messages[{i}] must be an object with a string 'role'")
-        content = m.get("content")
-        if isinstance(content, list):  # OpenAI content parts: keep the text parts
-            parts = []
-            for j, p in enumerate(content):
-                if not isinstance(p, Mapping) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                    raise TokenizerError(f"messages[{i}].content[{j}] must be a text part {{'type': 'text', 'text': ...}}")
-                parts.append(p["text"])
-            content = "".join(parts)
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise TokenizerError(f"messages[{i}].content must be a string or a list of text parts")
-        out.append({**m, "content": content})
-    return out
 
 
 def load_tokenizer(model: str | ModelSource) -> Tokenizer:

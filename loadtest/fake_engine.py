@@ -4,7 +4,7 @@ overhead benchmark.
 It speaks the same wire formats (OpenAI chat/completions with SSE streaming and `usage` incl.
 `prompt_tokens_details.cached_tokens`, `/ready`, `/health`, `/metrics` with vLLM names, NDJSON KV events) and
 keeps a real prefix cache index for `/v1/completions` requests whose prompt is a list of token ids (chained
-block hashes from engine/kv/hashing.py), so KV-aware routing can be tested without a model. Behaviour per
+block hashes from contract/hashing.py), so KV-aware routing can be tested without a model. Behaviour per
 request comes from headers: `x-fake-delay-ms` (before the first byte), `x-fake-chunks`, `x-fake-chunk-delay-ms`,
 `x-fake-break-after` (drop the connection after N chunks), `x-fake-status` (answer with this status).
 Per process: `--fail-status` (every completion answers it), `--no-kv-events` (404, like a third-party engine).
@@ -22,7 +22,10 @@ import json
 import sys
 import time
 
-from engine.kv.hashing import DEFAULT_HASH_SEED, hash_blocks
+from contract.cacheable import cacheable_blocks
+from contract.hashing import DEFAULT_HASH_SEED, hash_blocks
+from contract.kv_events import Heartbeat, KVEvent, KVEventKind, Snapshot
+from contract.kv_wire import encode_line
 
 
 class FakeEngine:
@@ -37,9 +40,9 @@ class FakeEngine:
         self.ready = True
 
     # -- KV cache ------------------------------------------------------------------------------------------
-    def _publish(self, event: dict) -> None:
+    def _publish(self, kind: KVEventKind, block_hashes: tuple[int, ...] = ()) -> None:
         self.seq += 1
-        event = {**event, "instance_id": self.ns.instance_id, "seq": self.seq}
+        event = KVEvent(self.seq, kind, block_hashes)
         for q in self.subscribers:
             q.put_nowait(event)
 
@@ -50,7 +53,7 @@ class FakeEngine:
         bs = self.block_size
         hashes = hash_blocks(tokens, bs, salt, DEFAULT_HASH_SEED)
         hit = 0
-        for h in hashes[: (len(tokens) - 1) // bs]:
+        for h in hashes[: cacheable_blocks(len(tokens), bs)]:
             if h not in self.cached:
                 break
             hit += 1
@@ -60,7 +63,7 @@ class FakeEngine:
         if new:
             self.cached.update(new)
             if not self.ns.no_kv_events:
-                self._publish({"type": "stored", "block_hashes": [f"{h:032x}" for h in new], "parent_hash": None})
+                self._publish(KVEventKind.STORED, tuple(new))
         return hit * bs
 
     # -- ASGI ----------------------------------------------------------------------------------------------
@@ -96,7 +99,7 @@ class FakeEngine:
             await _json(send, 200, {"seq": self.seq})
         elif path == "/fake/clear":
             self.cached.clear()
-            self._publish({"type": "cleared"})
+            self._publish(KVEventKind.CLEARED)
             await _json(send, 200, {"seq": self.seq})
         elif path == "/fake/ready":
             self.ready = scope["query_string"] != b"0"
@@ -120,18 +123,17 @@ class FakeEngine:
         self.subscribers.append(q)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/x-ndjson")]})
-        snap = {"type": "snapshot", "instance_id": self.ns.instance_id, "seq": self.seq,
-                "block_size": self.block_size, "hash_seed": DEFAULT_HASH_SEED,
-                "block_hashes": [f"{h:032x}" for h in self.cached]}
+        iid = self.ns.instance_id
+        snap = Snapshot(self.seq, self.block_size, DEFAULT_HASH_SEED, tuple(self.cached))
         disconnected = asyncio.ensure_future(_wait_disconnect(receive))
         try:
-            await send({"type": "http.response.body", "body": _line(snap), "more_body": True})
+            await send({"type": "http.response.body", "body": encode_line(iid, snap), "more_body": True})
             while not disconnected.done():
                 try:
                     ev = await asyncio.wait_for(q.get(), self.ns.heartbeat_s)
                 except asyncio.TimeoutError:
-                    ev = {"type": "heartbeat", "instance_id": self.ns.instance_id, "seq": self.seq}
-                await send({"type": "http.response.body", "body": _line(ev), "more_body": True})
+                    ev = Heartbeat(self.seq)
+                await send({"type": "http.response.body", "body": encode_line(iid, ev), "more_body": True})
         except OSError:
             pass
         finally:
@@ -218,10 +220,6 @@ async def _wait_disconnect(receive):
     while True:
         if (await receive())["type"] == "http.disconnect":
             return
-
-
-def _line(obj) -> bytes:
-    return json.dumps(obj).encode() + b"\n"
 
 
 async def _send(send, status, body: bytes, ctype: bytes, headers=()):

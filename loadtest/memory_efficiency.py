@@ -23,7 +23,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import SchedulerConfig
+from engine.kv.config import CacheConfig
 from engine.kv.manager import KVCacheManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler

@@ -15,9 +15,10 @@ import time
 
 import aiohttp
 
+from contract.errors import error_body, error_type
 from router.config import RouterConfig
 from router.discovery import make_discovery
-from router.errors import json_error, send_bytes, send_json
+from router.errors import send_bytes, send_json
 from router.fleet import Fleet
 from router.metrics import RouterMetrics
 from router.prepare import CHAT_PATH, COMPLETIONS_PATH, prepare_request
@@ -119,13 +120,13 @@ class RouterApp:
         path, method = scope["path"], scope["method"]
         if path in _PROXIED:
             if method != "POST":
-                await send_json(send, 405, json_error(f"{path} takes POST", code=405))
+                await send_json(send, 405, error_body(f"{path} takes POST", error_type(405)))
                 return
             await self._completion(scope, receive, send, path, attempts)
             return
         if path in _GET_PATHS:
             if method not in ("GET", "HEAD"):
-                await send_json(send, 405, json_error(f"{path} takes GET", code=405))
+                await send_json(send, 405, error_body(f"{path} takes GET", error_type(405)))
             elif path == "/health":
                 await send_json(send, 200, {"status": "ok"})
             elif path == "/ready":
@@ -137,7 +138,7 @@ class RouterApp:
             else:
                 await self._models(send)
             return
-        await send_json(send, 404, json_error(f"no route for {method} {path}", code=404))
+        await send_json(send, 404, error_body(f"no route for {method} {path}", error_type(404)))
 
     async def _models(self, send) -> None:
         for url in self.fleet.ready_urls():
@@ -149,7 +150,8 @@ class RouterApp:
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 continue
         if not self.cfg.model:
-            await send_json(send, 503, json_error("no ready replica to list models", code=503))
+            await send_json(send, 503, error_body("no ready replica to list models", error_type(503), None,
+                                                  "no_ready_replica"))
             return
         await send_json(send, 200, {"object": "list", "data": [
             {"id": self.cfg.model, "object": "model", "created": 0, "owned_by": "kvfleet"}]})
@@ -172,17 +174,19 @@ class RouterApp:
         try:
             body = await self._read_body(receive)
         except ValueError as e:
-            await send_json(send, 413, json_error(str(e), code=413))
+            await send_json(send, 413, error_body(str(e), error_type(413), None, "request_too_large"))
             return
         if body is None:
             return
         try:
             obj = json.loads(body)
         except ValueError as e:
-            await send_json(send, 400, json_error(f"request body is not valid JSON: {e}"))
+            await send_json(send, 400, error_body(f"request body is not valid JSON: {e}", error_type(400), None,
+                                                  "invalid_value"))
             return
         if not isinstance(obj, dict):
-            await send_json(send, 400, json_error("request body must be a JSON object"))
+            await send_json(send, 400, error_body("request body must be a JSON object", error_type(400), None,
+                                                  "invalid_value"))
             return
         headers = scope["headers"]
         t0 = time.perf_counter()

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from engine.kv.hashing import DEFAULT_HASH_SEED
+from contract.hashing import DEFAULT_HASH_SEED
 from router.policies import POLICIES
 
 DISCOVERY_KINDS = ("static", "dns", "k8s")

@@ -1,8 +1,8 @@
 """KV event subscriber: keeps the exact prefix index in step with one replica's prefix cache.
 
-Wire format (NDJSON at GET /v1/kv/events): a `snapshot` first, then `stored` / `removed` / `cleared` events
-with consecutive sequence numbers, and a `heartbeat` carrying the last sequence number every ~2 s. A gap in
-the sequence, a heartbeat that says events were missed, a malformed line, silence past the heartbeat timeout
+The lines at GET /v1/kv/events are decoded by contract/kv_wire.py: a snapshot first, then events with
+consecutive sequence numbers, and a heartbeat carrying the last sequence number every ~2 s. A gap in the
+sequence, a heartbeat that says events were missed, a malformed line, silence past the heartbeat timeout
 or a dropped connection all lead to the same recovery: forget the replica's blocks and reconnect for a fresh
 snapshot. A replica without the endpoint (404/405/501: e.g. a third-party engine) is marked `unavailable`, and
 the router falls back to its approximate index for it.
@@ -11,74 +11,42 @@ the router falls back to its approximate index for it.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 import httpx
 
+from contract.kv_events import Heartbeat, KVEventKind, KVMessage, Snapshot, follows
+from contract.kv_wire import KVWireError, decode_line
 from router.prefix_index import PrefixIndex
 
 log = logging.getLogger("kvfleet.router.kv_events")
 
 
-class KVEventError(ValueError):
-    """A malformed KV event line."""
-
-
-def _hashes(event: dict, field: str = "block_hashes") -> list[int]:
-    raw = event.get(field)
-    if not isinstance(raw, list):
-        raise KVEventError(f"{event.get('type')} event without a {field} list")
-    try:
-        return [int(h, 16) for h in raw]
-    except (TypeError, ValueError) as e:
-        raise KVEventError(f"{field} must be hex strings: {e}") from e
-
-
-def _int(event: dict, field: str) -> int:
-    value = event.get(field)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise KVEventError(f"{event.get('type')} event: {field} must be an integer, got {value!r}")
-    return value
-
-
 class EventApplier:
-    """Applies one replica's decoded events to the index; pure (no I/O). `apply` returns False when the
+    """Applies one replica's decoded messages to the index; pure (no I/O). `apply` returns False when the
     stream can no longer be trusted (gap, event before the snapshot) and a resync is needed."""
 
     def __init__(self, replica: str, index: PrefixIndex):
         self.replica = replica
         self.index = index
         self.last_seq: int | None = None
-        self.instance_id: str | None = None
 
-    def apply(self, event: dict) -> bool:
-        if not isinstance(event, dict):
-            raise KVEventError("a KV event must be a JSON object")
-        kind = event.get("type")
-        seq = _int(event, "seq")
-        if kind == "snapshot":
-            block_size, seed = _int(event, "block_size"), _int(event, "hash_seed")
-            if block_size < 1:
-                raise KVEventError(f"snapshot block_size must be >= 1, got {block_size}")
-            self.index.reset(self.replica, _hashes(event), block_size, seed)
-            self.last_seq, self.instance_id = seq, event.get("instance_id")
+    def apply(self, message: KVMessage) -> bool:
+        if isinstance(message, Snapshot):
+            self.index.reset(self.replica, message.block_hashes, message.block_size, message.hash_seed)
+            self.last_seq = message.seq
             return True
-        if self.last_seq is None:
+        if self.last_seq is None or not follows(self.last_seq, message):
             return False
-        if kind == "heartbeat":
-            return seq == self.last_seq
-        if seq != self.last_seq + 1:
-            return False
-        if kind == "stored":
-            self.index.store(self.replica, _hashes(event))
-        elif kind == "removed":
-            self.index.remove(self.replica, _hashes(event))
-        elif kind == "cleared":
-            self.index.clear(self.replica)
+        if isinstance(message, Heartbeat):
+            return True
+        if message.kind is KVEventKind.STORED:
+            self.index.store(self.replica, message.block_hashes)
+        elif message.kind is KVEventKind.REMOVED:
+            self.index.remove(self.replica, message.block_hashes)
         else:
-            raise KVEventError(f"unknown KV event type {kind!r}")
-        self.last_seq = seq
+            self.index.clear(self.replica)
+        self.last_seq = message.seq
         return True
 
 
@@ -141,16 +109,16 @@ class KVEventSubscriber:
                 async for line in resp.aiter_lines():
                     if not line.strip():
                         continue
-                    event = json.loads(line)
-                    if not applier.apply(event):
-                        return "heartbeat-gap" if event.get("type") == "heartbeat" else "gap"
-                    if event.get("type") == "snapshot":
+                    message = decode_line(line).message
+                    if not applier.apply(message):
+                        return "heartbeat-gap" if isinstance(message, Heartbeat) else "gap"
+                    if isinstance(message, Snapshot):
                         self._set_status("live")
                 return "closed"
         except httpx.ReadTimeout:
             return "heartbeat-timeout"
         except httpx.HTTPError as e:
             return f"connection: {type(e).__name__}"
-        except (KVEventError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        except KVWireError as e:
             log.warning("KV events of %s: bad event (%s)", self.url, e)
             return "bad-event"

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from engine.kv.hashing import hash_blocks
+from contract.cacheable import cacheable_blocks
+from contract.hashing import hash_blocks
 
 
 class PrefixIndex:
@@ -91,11 +92,6 @@ def leading_matches(block_hashes: Sequence[int], replicas: set[str],
     for r in remaining:
         out[r] = matched
     return out
-
-
-def cacheable_blocks(num_tokens: int, block_size: int) -> int:
-    """How many leading full blocks of a prompt a prefix hit can cover: never its last token."""
-    return max(num_tokens - 1, 0) // block_size
 
 
 def request_block_hashes(token_ids: Sequence[int], block_size: int, hash_seed: int,

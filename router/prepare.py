@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from contract.messages import chat_messages
 from router.prefix_index import request_block_hashes
-from router.tokens import PromptTokenizer, engine_messages
+from router.tokens import PromptTokenizer
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -45,9 +46,9 @@ def prompt_token_ids(path: str, body: Mapping, tokenizer: PromptTokenizer | None
     """The prompt's token ids exactly as the engine will see them, or None when unknown."""
     try:
         if path == CHAT_PATH:
-            messages = engine_messages(body.get("messages"))
-            if tokenizer is None or messages is None:
+            if tokenizer is None:
                 return None
+            messages = chat_messages(body.get("messages"))
             add_generation_prompt = body.get("add_generation_prompt", True)
             return tokenizer.chat(messages, add_generation_prompt is not False)
         prompt = body.get("prompt")
@@ -58,7 +59,7 @@ def prompt_token_ids(path: str, body: Mapping, tokenizer: PromptTokenizer | None
             return list(prompt)  # token ids need no tokenizer
         if isinstance(prompt, str) and tokenizer is not None:
             return tokenizer.completion(prompt)
-    except (ValueError, TypeError, KeyError):  # TokenizerError is a ValueError
+    except (ValueError, TypeError, KeyError):  # MessageError and TokenizerError are ValueErrors
         return None
     return None
 

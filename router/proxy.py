@@ -24,7 +24,8 @@ from typing import NamedTuple
 
 import aiohttp
 
-from router.errors import json_error, send_json
+from contract.errors import error_body, error_type
+from router.errors import send_json
 from router.lease import Lease
 from router.prepare import PreparedRequest
 from router.states import StrEnum
@@ -50,8 +51,8 @@ def response_headers(raw_headers, replica: str, body_len: int | None) -> list[tu
     return out
 
 
-def sse_error_event(message: str, code: int = 502) -> bytes:
-    err = {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
+def sse_error_event(message: str) -> bytes:
+    err = error_body(message, error_type(502), None, "upstream_failed")
     return b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
 
 
@@ -157,8 +158,8 @@ class Proxy:
             await send({"type": "http.response.body", "body": data})
             return
         metrics.requests.labels("none", metrics.policy, "error").inc()
-        await send_json(send, 503, json_error(f"no replica could serve the request ({last_error})",
-                                              "service_unavailable", 503))
+        await send_json(send, 503, error_body(f"no replica could serve the request ({last_error})",
+                                              error_type(503), None, "no_replica_available"))
 
     async def _attempt(self, send, url: str, path: str, body: bytes, fwd_headers, prep: PreparedRequest,
                        predicted: int) -> _Result:

@@ -1,5 +1,5 @@
 """The router's view of prompt tokens: exactly the engine's (same tokenizer, chat template and message
-normalisation as engine/server/chat.py and completions.py), computed cheaply for long conversations.
+normalisation, contract/messages.py), computed cheaply for long conversations.
 
 Hugging Face fast tokenizers cut the text at added tokens (`<|im_start|>`, `<|im_end|>`, ...) before
 anything else and encode the pieces between them independently. A chat-templated conversation is therefore
@@ -25,30 +25,6 @@ _SELF_CHECK = [
      {"role": "user", "content": "  spaces  and émojis 🙂 and <b>tags</b>\n\n"}],
     [{"role": "user", "content": ""}],
 ]
-
-
-def engine_messages(messages) -> list[dict] | None:
-    """Messages as the engine's chat endpoint hands them to the template: role, text content, name."""
-    if not isinstance(messages, list) or not messages:
-        return None
-    out = []
-    for m in messages:
-        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-            return None
-        content = m.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(p, Mapping) and isinstance(p.get("text"), str) for p in content):
-                return None
-            content = "".join(p["text"] for p in content)
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            return None
-        msg = {"role": m["role"], "content": content}
-        if m.get("name"):
-            msg["name"] = m["name"]
-        out.append(msg)
-    return out
 
 
 class PromptTokenizer:

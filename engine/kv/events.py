@@ -10,18 +10,8 @@ and asks for a new snapshot.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Literal
 
-KVEventKind = Literal["stored", "removed", "cleared"]
-
-
-@dataclass(frozen=True)
-class KVEvent:
-    seq: int
-    kind: KVEventKind
-    block_hashes: list[int] = field(default_factory=list)
-    parent_hash: int | None = None  # for "stored": the hash the first stored block chains on
+from contract.kv_events import KVEvent, KVEventKind
 
 
 class KVEventLog:
@@ -35,14 +25,14 @@ class KVEventLog:
 
     def stored(self, block_hashes: list[int], parent_hash: int | None) -> None:
         if block_hashes:
-            self._record("stored", block_hashes, parent_hash)
+            self._record(KVEventKind.STORED, block_hashes, parent_hash)
 
     def removed(self, block_hashes: list[int]) -> None:
         if block_hashes:
-            self._record("removed", block_hashes, None)
+            self._record(KVEventKind.REMOVED, block_hashes, None)
 
     def cleared(self) -> None:
-        self._record("cleared", [], None)
+        self._record(KVEventKind.CLEARED, [], None)
 
     def drain_events(self) -> list[KVEvent]:
         """Every pending event, oldest first; the log is empty afterwards."""
@@ -56,7 +46,7 @@ class KVEventLog:
 
     def _record(self, kind: KVEventKind, block_hashes: list[int], parent_hash: int | None) -> None:
         self.last_seq += 1
-        self._pending.append(KVEvent(self.last_seq, kind, list(block_hashes), parent_hash))
+        self._pending.append(KVEvent(self.last_seq, kind, tuple(block_hashes), parent_hash))
         if len(self._pending) > self._max_pending:
             self._pending.popleft()
             self.num_dropped += 1

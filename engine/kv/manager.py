@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import CacheConfig
+from contract.cacheable import cacheable_blocks
+from contract.hashing import hash_block
+from contract.kv_events import KVEvent
 from engine.kv.block_pool import BlockPool, KVCacheBlock
-from engine.kv.events import KVEvent, KVEventLog
-from engine.kv.hashing import hash_block
+from engine.kv.config import CacheConfig
+from engine.kv.events import KVEventLog
 from engine.sequence import Sequence
 
 
@@ -57,7 +59,7 @@ class KVCacheManager:
         if not self.enable_caching or seq.block_table:
             return [], 0
         self._extend_hashes(seq, seq.num_tokens)
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        max_blocks = cacheable_blocks(seq.num_tokens, self.block_size)
         bs = self.block_size
         blocks: list[KVCacheBlock] = []
         for i in range(max_blocks):

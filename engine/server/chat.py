@@ -8,6 +8,7 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import Response
 
+from contract.messages import chat_messages
 from engine.server import serving
 from engine.server.errors import bad_request
 from engine.server.formatter import ChatFormat
@@ -20,7 +21,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     arrival = time.monotonic()
     model = state.check_model(req.model)
     engine = state.engine_or_503()
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+    messages = chat_messages([m.model_dump() for m in req.messages])
     try:
         prompt_ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
     except TokenizerError as e:

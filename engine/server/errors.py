@@ -1,4 +1,4 @@
-"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` for every failure.
+"""OpenAI-style errors (the body is contract/errors.py's) for every failure.
 
 `APIError` is raised by handlers; `engine_error` turns the engine's typed errors (engine/errors.py) into
 one through the table below; the exception handlers installed by `install_error_handlers` turn it,
@@ -17,15 +17,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from contract.errors import error_body, error_type
 from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 
 logger = logging.getLogger("kvfleet.server")
 
-_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-    405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
-    429: "rate_limit_error", 503: "service_unavailable", 500: "internal_error",
-}
+logger = logging.getLogger("kvfleet.server")
 
 
 class APIError(Exception):
@@ -39,14 +36,9 @@ class APIError(Exception):
         self.headers = headers
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
-
-
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+    return JSONResponse(error_body(message, error_type(status), param, code), status_code=status, headers=headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

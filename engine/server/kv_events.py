@@ -1,16 +1,9 @@
 """GET /v1/kv/events: the prefix cache's content as NDJSON, for routers to mirror.
 
-Wire format (one JSON object per line; hashes are 32-char lowercase hex):
-
-    {"type":"snapshot","instance_id":I,"seq":S,"block_size":B,"hash_seed":H,"block_hashes":[...]}
-    {"type":"stored","instance_id":I,"seq":S,"block_hashes":[...],"parent_hash":hex|null}
-    {"type":"removed","instance_id":I,"seq":S,"block_hashes":[...]}
-    {"type":"cleared","instance_id":I,"seq":S}
-    {"type":"heartbeat","instance_id":I,"seq":S}        every 2 s; S = newest seq sent
-
-The snapshot holds every cached hash as of `seq`; events follow with seq+1, seq+2, ... A subscriber
-that sees a gap (an event seq other than last+1) reconnects for a new snapshot. When an internal
-token is configured the endpoint needs `Authorization: Bearer <token>`.
+The lines are encoded by contract/kv_wire.py: a snapshot of every cached hash as of `seq`, then the
+events seq+1, seq+2, ..., and a heartbeat with the newest seq sent every 2 s. A subscriber that sees a
+gap reconnects for a new snapshot. When an internal token is configured the endpoint needs
+`Authorization: Bearer <token>`.
 """
 
 from __future__ import annotations
@@ -23,25 +16,13 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from contract.kv_events import Heartbeat, Snapshot
+from contract.kv_wire import encode_line
 from engine.server.errors import APIError
 from engine.server.serving import ServerState
-from engine.server.streaming import DisconnectAwareStreamingResponse, ndjson
+from engine.server.streaming import DisconnectAwareStreamingResponse
 
 HEARTBEAT_S = 2.0
-
-
-def hex_hash(h: int) -> str:
-    return f"{h:032x}"
-
-
-def event_line(instance_id: str, ev) -> dict:
-    out = {"type": ev.kind, "instance_id": instance_id, "seq": ev.seq}
-    if ev.kind == "stored":
-        out["block_hashes"] = [hex_hash(h) for h in ev.block_hashes]
-        out["parent_hash"] = None if ev.parent_hash is None else hex_hash(ev.parent_hash)
-    elif ev.kind == "removed":
-        out["block_hashes"] = [hex_hash(h) for h in ev.block_hashes]
-    return out
 
 
 def check_internal_token(state: ServerState, request: Request) -> None:
@@ -68,14 +49,13 @@ async def _stream(state: ServerState, engine, snapshot, last_seq: int, queue: as
     iid = state.config.instance_id
     getter: asyncio.Future | None = None  # one pending queue.get(), never cancelled mid-item
     try:
-        yield ndjson({"type": "snapshot", "instance_id": iid, "seq": last_seq, "block_size": engine.limits.block_size,
-                      "hash_seed": engine.hash_seed, "block_hashes": [hex_hash(h) for h in snapshot]})
+        yield encode_line(iid, Snapshot(last_seq, engine.limits.block_size, engine.hash_seed, tuple(snapshot)))
         sent = last_seq
         next_beat = time.monotonic() + HEARTBEAT_S
         while not state.closing:
             timeout = next_beat - time.monotonic()
             if timeout <= 0:
-                yield ndjson({"type": "heartbeat", "instance_id": iid, "seq": sent})
+                yield encode_line(iid, Heartbeat(sent))
                 next_beat = time.monotonic() + HEARTBEAT_S
                 continue
             if getter is None:
@@ -91,7 +71,7 @@ async def _stream(state: ServerState, engine, snapshot, last_seq: int, queue: as
             for ev in events:
                 if ev.seq > sent:  # older ones are part of the snapshot
                     sent = ev.seq
-                    lines.append(ndjson(event_line(iid, ev)))
+                    lines.append(encode_line(iid, ev))
             if lines:
                 yield b"".join(lines)
     finally:

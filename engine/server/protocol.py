@@ -49,11 +49,6 @@ class ChatMessage(BaseModel):
             raise ValueError(f"a {self.role} message needs 'content'")
         return self
 
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
-
 
 class StreamOptions(BaseModel):
     model_config = _STRICT

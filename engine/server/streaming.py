@@ -30,10 +30,6 @@ def sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
-def ndjson(obj: dict) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
-
-
 class ClientGone(Exception):
     """The client disconnected before the response was complete."""
 

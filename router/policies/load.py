@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from contract.cacheable import cacheable_tokens
 from router.policies.base import Decision, Reason, ReplicaView, RouteRequest
 
 if TYPE_CHECKING:
@@ -110,5 +111,5 @@ def least_load(views: Sequence[ReplicaView], loads: list[Load], idx: list[int], 
 def decision(views: Sequence[ReplicaView], loads: list[Load], req: RouteRequest, cfg: ScoringConfig, i: int,
              reason: Reason) -> Decision:
     v = views[i]
-    predicted = min(v.cached_tokens, max(req.num_prompt_tokens - 1, 0))
+    predicted = min(v.cached_tokens, cacheable_tokens(req.num_prompt_tokens))
     return Decision(v.url, reason, predicted, cost(v, loads[i], req, cfg))

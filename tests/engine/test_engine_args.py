@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from engine.args import EngineArgs, EngineArgsError, add_cli_args
+from engine.args import EngineArgs, add_cli_args
+from engine.errors import ConfigError
 
 
 def _parse(*argv: str) -> EngineArgs:
@@ -54,16 +55,16 @@ def test_defaults_and_cli_round_trip():
     ("cpu_cores", "8191", "--cpu-cores"),  # valid syntax, but not a core this process may use
 ])
 def test_bad_values_name_the_flag(field, value, flag):
-    with pytest.raises(EngineArgsError) as e:
+    with pytest.raises(ConfigError) as e:
         EngineArgs(**{field: value})
-    assert e.value.flag == flag and str(e.value).startswith(flag)
+    assert e.value.field == flag and str(e.value).startswith(flag)
 
 
 def test_cpu_cores_must_be_usable():
     usable = sorted(os.sched_getaffinity(0))
     assert _parse("--cpu-cores", str(usable[0])).cpu_cores == str(usable[0])
     assert _parse().cpu_cores is None
-    with pytest.raises(EngineArgsError, match=rf"--cpu-cores: '{usable[0]},8191' names core\(s\) 8191 that"):
+    with pytest.raises(ConfigError, match=rf"--cpu-cores: '{usable[0]},8191' names core\(s\) 8191 that"):
         _parse("--cpu-cores", f"{usable[0]},8191")
 
 

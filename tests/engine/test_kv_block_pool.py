@@ -50,7 +50,7 @@ def test_lazy_eviction_lru_order_and_events():
     pool = BlockPool(4, events=events)
     a = pool.get_new_blocks(4)
     pool.cache_blocks(a[:3], [10, 11, 12], [(1,), (2,), (3,)], None)
-    assert events.drain_events()[0].block_hashes == [10, 11, 12]
+    assert events.drain_events()[0].block_hashes == (10, 11, 12)
     # free tail-first, as the manager does: chain end first
     pool.free_blocks(reversed(a))
     # block 3 has no hash: it goes to the head (nothing can reuse it); the chain's tail next
@@ -62,7 +62,7 @@ def test_lazy_eviction_lru_order_and_events():
     assert [b.block_id for b in got] == [3, 2]
     assert pool.num_evictions == 1 and 12 not in pool.cached and got[1].block_hash is None
     (ev,) = events.drain_events()
-    assert (ev.kind, ev.block_hashes) == ("removed", [12])
+    assert (ev.kind, ev.block_hashes) == ("removed", (12,))
     # a cache hit revives a free block from the middle of the queue
     pool.touch([a[1]])
     assert pool.free_queue.block_ids() == [0] and a[1].ref_cnt == 1
@@ -80,7 +80,7 @@ def test_duplicate_hash_keeps_first_block_and_events_come_in_runs():
     assert pool.cached[21] is first[0] and dup[1].block_hash is None
     evs = events.drain_events()
     assert [(e.seq, e.kind, e.block_hashes, e.parent_hash) for e in evs] == [
-        (1, "stored", [21], 20), (2, "stored", [20], None), (3, "stored", [22], 21)]
+        (1, "stored", (21,), 20), (2, "stored", (20,), None), (3, "stored", (22,), 21)]
 
 
 def test_reset_prefix_cache_only_when_idle():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import CacheConfig
-from engine.kv.hashing import hash_blocks
+from contract.hashing import hash_blocks
+from engine.kv.config import CacheConfig
 from engine.kv.manager import KVCacheManager
 from engine.sequence import Sequence
 
@@ -64,7 +64,7 @@ def test_block_hashes_match_the_router_hashing_and_stored_events():
     assert a.block_hashes == expected and len(expected) == 3
     evs = kv.drain_events()
     assert [(e.seq, e.kind, e.block_hashes, e.parent_hash) for e in evs] == [
-        (1, "stored", expected[:1], None), (2, "stored", expected[1:], expected[0])]
+        (1, "stored", tuple(expected[:1]), None), (2, "stored", tuple(expected[1:]), expected[0])]
     assert sorted(kv.snapshot()) == sorted(expected) and kv.last_event_seq == 2
 
 
@@ -111,7 +111,7 @@ def test_exact_eviction_order_after_tail_first_free():
     assert b.block_table == [2, 3, 4, 5, 1]
     assert kv.evictions == 1
     removed = [e for e in kv.drain_events() if e.kind == "removed"]
-    assert [e.block_hashes for e in removed] == [[a.block_hashes[1]]]
+    assert [e.block_hashes for e in removed] == [(a.block_hashes[1],)]
     a2 = Sequence("a2", list(range(1, 10)))
     blocks, hit = kv.get_computed_blocks(a2)
     assert hit == 4 and [blk.block_id for blk in blocks] == [0]  # only the chain head survived

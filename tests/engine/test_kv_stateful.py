@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.config import CacheConfig
-from engine.kv.hashing import hash_blocks
+from contract.hashing import hash_blocks
+from engine.kv.config import CacheConfig
 from engine.kv.manager import KVCacheManager
 from engine.sequence import Sequence
 

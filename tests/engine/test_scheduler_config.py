@@ -6,8 +6,10 @@ import dataclasses
 
 import pytest
 
-from engine.config import CacheConfig, ConfigError, SchedulerConfig
-from engine.kv.hashing import DEFAULT_HASH_SEED
+from contract.hashing import DEFAULT_HASH_SEED
+from engine.config import SchedulerConfig
+from engine.errors import ConfigError
+from engine.kv.config import CacheConfig
 
 
 def test_defaults_and_positional_order():

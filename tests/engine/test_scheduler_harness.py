@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections import Counter
 
 from engine.admission import EngineLimits, admit
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import SchedulerConfig
+from engine.kv.config import CacheConfig
 from engine.kv.manager import KVCacheManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from router.prepare import prepare_request
-from router.tokens import PromptTokenizer, engine_messages
+from router.tokens import PromptTokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.model
@@ -52,17 +52,6 @@ def test_piece_cache_is_bounded(tok):
     for i in range(200):
         pt.encode_text(f"<|im_start|>user\nmessage number {i} " * 3)
     assert pt._cached_chars <= 2000
-
-
-def test_engine_message_normalisation():
-    assert engine_messages([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-                            {"role": "assistant", "content": None, "refusal": None, "tool_calls": None},
-                            {"role": "user", "content": "c", "name": "bob"}]) == [
-        {"role": "user", "content": "ab"}, {"role": "assistant", "content": ""},
-        {"role": "user", "content": "c", "name": "bob"}]
-    assert engine_messages([]) is None
-    assert engine_messages([{"content": "no role"}]) is None
-    assert engine_messages("hi") is None
 
 
 def test_prepare_request(tok):

@@ -1,0 +1,37 @@
+"""The paged KV cache's configuration: frozen, validated once (a bad value raises ConfigError naming it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from contract.hashing import DEFAULT_HASH_SEED
+from engine.config import check, check_int
+
+MAX_BLOCK_SIZE = 256
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: `num_blocks` blocks of `block_size` token slots each (per layer)."""
+
+    block_size: int = 16
+    num_blocks: int = 1024
+    enable_prefix_caching: bool = True
+    hash_seed: int = DEFAULT_HASH_SEED
+    max_pending_kv_events: int = 65536  # undrained events beyond this drop the oldest (a seq gap)
+
+    def __post_init__(self) -> None:
+        check_int("block_size", self.block_size, 1)
+        check(self.block_size <= MAX_BLOCK_SIZE and self.block_size & (self.block_size - 1) == 0,
+              "block_size", f"block_size must be a power of two between 1 and {MAX_BLOCK_SIZE}, "
+              f"got {self.block_size}")
+        check_int("num_blocks", self.num_blocks, 1)
+        check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",
+              f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        check_int("hash_seed", self.hash_seed, 0)
+        check(self.hash_seed < 2**64, "hash_seed", f"hash_seed must fit in 64 bits, got {self.hash_seed}")
+        check_int("max_pending_kv_events", self.max_pending_kv_events, 1)
+
+    @property
+    def num_slots(self) -> int:
+        return self.block_size * self.num_blocks

@@ -1,0 +1,135 @@
+"""Import layering, read from the source (ast): contract/ sits under engine/ and router/, which do not import
+each other, and the folders inside engine/ import each other one way only.
+
+Every import counts, including those inside functions.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("contract", "engine", "router", "deploy")
+CONTRACT_THIRD_PARTY = {"xxhash", "numpy"}
+# The router loads the engines' own tokenizer (one tokenizer path): engine.tokenizer resolves model names
+# through engine.model.registry, so it cannot move to contract/ (stdlib only) as it is.
+ROUTER_MAY_IMPORT = {"engine.tokenizer"}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute names of every module path imports (relative imports resolved)."""
+    mod = _module_name(path)
+    package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            prefix = ".".join(base + ([node.module] if node.module else []))
+            out.add(prefix)
+            out.update(f"{prefix}.{a.name}" for a in node.names)  # `from pkg import module`
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p) for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+GRAPH = _graph()
+
+
+def _top(name: str) -> str:
+    return name.split(".")[0]
+
+
+def _offending(package: str, forbidden: set[str], allowed: set[str] = frozenset()) -> list[str]:
+    return sorted(f"{mod} imports {name}" for mod, names in GRAPH.items() if _top(mod) == package
+                  for name in names if _top(name) in forbidden and name not in allowed
+                  and not any(name.startswith(a + ".") for a in allowed))
+
+
+def test_every_package_was_read():
+    assert {_top(m) for m in GRAPH} == set(PACKAGES)
+
+
+def test_contract_imports_neither_engine_nor_router_and_only_the_stdlib():
+    assert _offending("contract", {"engine", "router", "deploy", "loadtest"}) == []
+    third_party = {_top(n) for m, names in GRAPH.items() if _top(m) == "contract" for n in names
+                   if _top(n) not in sys.stdlib_module_names and _top(n) != "contract"}
+    assert third_party <= CONTRACT_THIRD_PARTY
+
+
+def test_router_does_not_import_the_engine():
+    assert _offending("router", {"engine"}, ROUTER_MAY_IMPORT) == []
+
+
+def test_engine_does_not_import_the_router():
+    assert _offending("engine", {"router", "deploy"}) == []
+
+
+def _engine_unit(name: str) -> str | None:
+    """engine.kv.manager -> engine.kv (a folder); engine.sequence -> engine.sequence (a module at the top)."""
+    parts = name.split(".")
+    if parts[0] != "engine" or len(parts) < 2:
+        return None
+    return ".".join(parts[:2])
+
+
+def _engine_folder_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for mod, names in GRAPH.items():
+        src = _engine_unit(mod)
+        if src is None:
+            continue
+        targets = {u for u in map(_engine_unit, names) if u is not None and u != src and u in _UNITS}
+        graph.setdefault(src, set()).update(targets)
+    return graph
+
+
+_UNITS = {u for u in map(_engine_unit, GRAPH) if u is not None}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_engine_folders_import_each_other_one_way_only():
+    graph = _engine_folder_graph()
+    assert {"engine.kv", "engine.server", "engine.model"} <= set(graph)
+    assert _cycle(graph) is None
+
+
+@pytest.mark.parametrize("graph, cycle", [
+    ({"a": {"b"}, "b": {"c"}, "c": set()}, None),
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
+])
+def test_cycle_finder(graph, cycle):
+    assert _cycle(graph) == cycle

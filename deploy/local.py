@@ -128,7 +128,7 @@ def _check(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
 def engine_argv(ns: argparse.Namespace, py: str, i: int, threads: int, cores: tuple[int, ...] | None) -> list[str]:
     """Replica i's command line (before the flags after --); threads and cores only for the real engine."""
-    base = [py, "-m", ns.engine_module] if ns.engine_module else [py, "-m", "engine.cli", "engine"]
+    base = [py, "-m", ns.engine_module] if ns.engine_module else [py, "-m", "kvfleet", "engine"]
     argv = [*base, "--model", ns.model, "--host", ns.host, "--port", str(ns.engine_port + i),
             "--instance-id", f"replica-{i}"]
     if not ns.engine_module:
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             children.append(Child(f"engine-{i}", [*argv_i, *extra], url, os.path.join(log_dir, f"engine-{i}.log")))
             engines.append(url)
         router_url = f"http://{ns.host}:{ns.port}"
-        children.append(Child("router", [py, "-m", "engine.cli", "router", "--host", ns.host, "--port", str(ns.port),
+        children.append(Child("router", [py, "-m", "kvfleet", "router", "--host", ns.host, "--port", str(ns.port),
                                          "--policy", ns.policy, "--model", ns.model, "--replicas", ",".join(engines),
                                          "--log-level", "warning"],
                               router_url, os.path.join(log_dir, "router.log")))

@@ -18,29 +18,36 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import aiohttp
 import httpx
 
+from loadtest.peers import peers_dir, vllm_model_dir, vllm_python
 from loadtest.workload import MODES, ChatRequest, generate_trace
 
-VLLM_MODEL_DIRS = {"float32": "/tmp/peers/smollm2-hf", "bfloat16": "/tmp/peers/smollm2-hf-bf16"}
+VLLM_DTYPES = ("float32", "bfloat16")
 
 
-def vllm_cmd(dtype: str = "bfloat16", threads_bind: str | None = "0-1") -> str:
-    """vLLM-CPU as ../shared/peers/README.md starts it; bf16 on both cores is its best setting here."""
+def vllm_cmd(dtype: str = "bfloat16", threads_bind: str | None = "0-1", peers: Path | None = None,
+             max_model_len: int = 2048) -> str:
+    """vLLM-CPU as ../shared/peers/README.md starts it (from `peers`, see loadtest/peers.py); bf16 on both
+    cores is its best setting here."""
+    peers = peers or peers_dir()
     bind = f"VLLM_CPU_OMP_THREADS_BIND={threads_bind} " if threads_bind else ""
-    return (f"HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=4 {bind}/tmp/peers/vllm-venv/bin/python -m "
-            f"vllm.entrypoints.openai.api_server --model {VLLM_MODEL_DIRS[dtype]} --served-model-name smollm2 "
-            f"--host 127.0.0.1 --port 8200 --dtype {dtype} --max-model-len 2048")
+    return (f"HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=4 {bind}{shlex.quote(str(vllm_python(peers)))} -m "
+            f"vllm.entrypoints.openai.api_server --model {shlex.quote(str(vllm_model_dir(peers, dtype)))} "
+            f"--served-model-name smollm2 --host 127.0.0.1 --port 8200 --dtype {dtype} --max-model-len {max_model_len}")
 
 
-KVFLEET_CMD = f"{sys.executable} -m engine.cli engine --model smollm2 --host 127.0.0.1 --port 8001 --max-model-len 2048"
+KVFLEET_CMD = f"{sys.executable} -m kvfleet engine --model smollm2 --host 127.0.0.1 --port 8001 --max-model-len 2048"
 
 
 @dataclass
@@ -225,7 +232,7 @@ async def amain(a: argparse.Namespace) -> list[LevelResult]:
         starts.setdefault("kvfleet", KVFLEET_CMD + (" " + a.kvfleet_args if a.kvfleet_args else ""))
     if a.with_vllm:
         targets.setdefault("vllm", "http://127.0.0.1:8200")
-        starts.setdefault("vllm", vllm_cmd(a.vllm_dtype, a.vllm_threads_bind or None))
+        starts.setdefault("vllm", vllm_cmd(a.vllm_dtype, a.vllm_threads_bind or None, Path(a.peers_dir)))
     if not targets:
         raise SystemExit("give at least one --target NAME=URL (or --with-kvfleet / --with-vllm)")
     sizes = {c: max(a.num_requests, a.min_waves * c) for c in a.concurrency}
@@ -237,7 +244,8 @@ async def amain(a: argparse.Namespace) -> list[LevelResult]:
     for rnd in range(1, a.rounds + 1):  # targets alternate: A B A B ..., so a slow spell hits both
         for name, url in targets.items():
             label = name if a.rounds == 1 else f"{name}#{rnd}"
-            proc = start_server(starts[name], f"/tmp/http_bench_{name}.log") if name in starts else None
+            log = os.path.join(tempfile.gettempdir(), f"http_bench_{name}.log")
+            proc = start_server(starts[name], log) if name in starts else None
             try:
                 await wait_ready(url, a.start_timeout, proc)
                 for c in a.concurrency:
@@ -267,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--with-kvfleet", action="store_true", help="start `kvfleet engine` on :8001 for its turn")
     ap.add_argument("--kvfleet-args", default="", help="extra flags for the started kvfleet engine")
     ap.add_argument("--with-vllm", action="store_true", help="start vLLM-CPU (peers README) on :8200 for its turn")
-    ap.add_argument("--vllm-dtype", choices=tuple(VLLM_MODEL_DIRS), default="bfloat16")
+    ap.add_argument("--vllm-dtype", choices=VLLM_DTYPES, default="bfloat16")
+    ap.add_argument("--peers-dir", default=str(peers_dir()),
+                    help="where vLLM's venv and the converted model are (env KVFLEET_PEERS_DIR; default: .peers/)")
     ap.add_argument("--vllm-threads-bind", default="0-1",
                     help="VLLM_CPU_OMP_THREADS_BIND for the started vLLM ('' = its default: one core)")
     ap.add_argument("--model", default="smollm2")

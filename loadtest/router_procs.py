@@ -59,7 +59,7 @@ def start_engine(ns, log_dir: str, name: str, num_blocks: int, index: int = 0) -
     if ns.engine_module:
         argv = [PY, "-m", ns.engine_module, "--port", str(port), "--instance-id", name, "--model", ns.model]
     else:
-        argv = [PY, "-m", "engine.cli", "engine", "--model", ns.model, "--port", str(port), "--instance-id", name,
+        argv = [PY, "-m", "kvfleet", "engine", "--model", ns.model, "--port", str(port), "--instance-id", name,
                 "--num-blocks", str(num_blocks), "--log-level", "warning"]
         pin = getattr(ns, "pin_cores", False)
         threads = ns.threads_per_engine or (1 if pin else None)

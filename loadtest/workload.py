@@ -26,9 +26,11 @@ import math
 import random
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from loadtest.peers import mooncake_trace
 
 MODES = ("single", "shared_system", "multi_turn")
-MOONCAKE_PATH = "/work/shared/traces/mooncake_conversation_trace.jsonl"
 
 _WORDS = (
     "the of and to in is was for on are as with his they at be this from have or by one had not but what "
@@ -129,7 +131,7 @@ def generate_trace(num_requests: int, seed: int = 0, mode: str = "single", *, me
     return out
 
 
-def read_mooncake(path: str = MOONCAKE_PATH, limit: int | None = None, *, token_scale: float = 1 / 16,
+def read_mooncake(path: str | Path | None = None, limit: int | None = None, *, token_scale: float = 1 / 16,
                   block_tokens: int = 512, max_prompt_tokens: int = 1536, max_output_tokens: int = 256,
                   time_scale: float = 1.0, seed: int = 0) -> list[ChatRequest]:
     """Chat requests from the Mooncake trace: arrival times (ms) scaled by time_scale, lengths by
@@ -137,7 +139,7 @@ def read_mooncake(path: str = MOONCAKE_PATH, limit: int | None = None, *, token_
     trace's prefix reuse carries over; each request's text after its last block id is unique."""
     out: list[ChatRequest] = []
     words_per_block = max(1, round(block_tokens * token_scale))
-    with open(path, encoding="utf-8") as f:
+    with open(path or mooncake_trace(), encoding="utf-8") as f:
         for i, line in enumerate(f):
             if limit is not None and i >= limit:
                 break
@@ -162,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mode", choices=(*MODES, "mooncake"), default="single")
-    ap.add_argument("--mooncake-path", default=MOONCAKE_PATH)
+    ap.add_argument("--mooncake-path", default=str(mooncake_trace()),
+                    help="the Mooncake trace (env KVFLEET_MOONCAKE_TRACE; default: ../shared/traces/...)")
     a = ap.parse_args(argv)
     if a.mode == "mooncake":
         trace = read_mooncake(a.mooncake_path, a.num_requests, seed=a.seed)

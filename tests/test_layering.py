@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("contract", "engine", "router", "deploy")
+PACKAGES = ("contract", "engine", "router", "deploy", "kvfleet")
 CONTRACT_THIRD_PARTY = {"xxhash", "numpy"}
 # The router loads the engines' own tokenizer (one tokenizer path): engine.tokenizer resolves model names
 # through engine.model.registry, so it cannot move to contract/ (stdlib only) as it is.

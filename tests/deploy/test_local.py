@@ -70,7 +70,7 @@ def alive(pid: int) -> bool:
 
 def start_up(tmp_path, *args: str) -> tuple[subprocess.Popen, int]:
     base = free_ports(3)
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "up", "--port", str(base), "--engine-port",
+    proc = subprocess.Popen([sys.executable, "-m", "kvfleet", "up", "--port", str(base), "--engine-port",
                              str(base + 1), "--log-dir", str(tmp_path), *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -133,7 +133,7 @@ def test_engine_argv_pins_only_the_real_engine():
     ns = build_parser().parse_args(["--engine-port", "9001"])
     assert ns.pin_cores and not build_parser().parse_args(["--no-pin-cores"]).pin_cores
     argv = engine_argv(ns, "py", 1, 2, (2, 3))
-    assert argv == ["py", "-m", "engine.cli", "engine", "--model", "smollm2", "--host", "127.0.0.1", "--port", "9002",
+    assert argv == ["py", "-m", "kvfleet", "engine", "--model", "smollm2", "--host", "127.0.0.1", "--port", "9002",
                     "--instance-id", "replica-1", "--num-threads", "2", "--log-level", "warning", "--cpu-cores", "2-3"]
     assert "--cpu-cores" not in engine_argv(ns, "py", 0, 1, None)
     fake = build_parser().parse_args(["--engine-module", "loadtest.fake_engine"])

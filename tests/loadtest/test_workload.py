@@ -7,7 +7,8 @@ import statistics
 
 import pytest
 
-from loadtest.workload import MOONCAKE_PATH, generate_trace, read_mooncake
+from loadtest.peers import mooncake_trace
+from loadtest.workload import generate_trace, read_mooncake
 
 
 def test_same_seed_same_trace_other_seed_other_trace():
@@ -63,7 +64,7 @@ def test_bad_arguments():
 
 
 def test_mooncake_prefix_reuse_carries_over():
-    trace = read_mooncake(MOONCAKE_PATH, limit=200, token_scale=1 / 16)
+    trace = read_mooncake(mooncake_trace(), limit=200, token_scale=1 / 16)
     assert len(trace) == 200
     assert all(r.approx_prompt_tokens <= 1536 and r.max_tokens >= 1 for r in trace)
     assert [r.arrival_s for r in trace] == sorted(r.arrival_s for r in trace)

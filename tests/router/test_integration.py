@@ -35,7 +35,7 @@ TOKEN = ["--internal-token", "it-secret"]  # the KV event streams need it: the r
 
 
 def engine_proc(procs, port: int, name: str):
-    return procs(["-m", "engine.cli", "engine", "--model", "smollm2", "--port", str(port), "--instance-id", name,
+    return procs(["-m", "kvfleet", "engine", "--model", "smollm2", "--port", str(port), "--instance-id", name,
                   "--num-threads", "1", "--num-blocks", "512", "--max-num-seqs", "8", "--log-level", "warning",
                   *TOKEN], f"http://127.0.0.1:{port}", f"{name}-{port}")
 

@@ -74,7 +74,7 @@ def start_engine(tmp_dir: str, *flags: str, env: dict | None = None, wait_ready:
                  timeout: float = 600) -> EngineServer:
     port = free_port()
     log_path = os.path.join(tmp_dir, f"engine-{port}.log")
-    cmd = [sys.executable, "-m", "engine.cli", "engine", "--model", "smollm2", "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "kvfleet", "engine", "--model", "smollm2", "--host", "127.0.0.1",
            "--port", str(port), "--instance-id", f"test-{port}", *flags]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
     with open(log_path, "w") as log:

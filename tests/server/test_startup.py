@@ -10,13 +10,13 @@ from tests.server.conftest import ROOT, start_engine
 
 
 def test_bad_flag_names_it():
-    r = subprocess.run([sys.executable, "-m", "engine.cli", "engine", "--max-num-seqs", "0"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "kvfleet", "engine", "--max-num-seqs", "0"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--max-num-seqs" in r.stderr
 
 
 def test_missing_model_path_fails_before_serving():
-    r = subprocess.run([sys.executable, "-m", "engine.cli", "engine", "--model", "/no/such/model"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "kvfleet", "engine", "--model", "/no/such/model"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "/no/such/model" in r.stderr
 

@@ -25,6 +25,3 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[argv[0]][0])
     return int(module.main(argv[1:]) or 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

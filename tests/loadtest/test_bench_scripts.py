@@ -62,3 +62,23 @@ def test_cpu_kernels_bench_rejects_bad_flags(capsys):
         with pytest.raises(SystemExit):
             cpu_kernels_bench.main(argv)
         assert flag in capsys.readouterr().err
+
+
+def test_long_stream_windows_and_pooling():
+    from loadtest.long_stream import StreamResult, pooled, summarize
+
+    times = [0.010 * (k + 1) + (0.005 * (k - 100) if k > 100 else 0.0) for k in range(300)]  # 10 ms, then 15 ms
+    r = summarize("a", 0.01, times, (10, 60), 100)
+    assert r.tokens == 300 and r.ttft_ms == 10.0
+    assert round(r.early_ms, 6) == 10.0 and round(r.late_ms, 6) == 15.0 and round(r.growth, 6) == 1.5
+    both = pooled([StreamResult("a#1", 300, 10, 20, 5), StreamResult("a#2", 300, 20, 30, 7)])
+    assert both == {"a": StreamResult("a", 300, 15, 25, 6)}
+
+
+def test_long_stream_rejects_overlapping_windows():
+    from loadtest import long_stream
+
+    with pytest.raises(SystemExit):
+        long_stream.main(["--target", "a=http://127.0.0.1:1", "--tokens", "2000", "--window", "1024"])
+    with pytest.raises(SystemExit):
+        long_stream.main(["--target", "a=http://127.0.0.1:1", "--rounds", "0"])

@@ -47,7 +47,7 @@ def vllm_cmd(dtype: str = "bfloat16", threads_bind: str | None = "0-1", peers: P
             f"--served-model-name smollm2 --host 127.0.0.1 --port 8200 --dtype {dtype} --max-model-len {max_model_len}")
 
 
-KVFLEET_CMD = f"{sys.executable} -m kvfleet engine --model smollm2 --host 127.0.0.1 --port 8001 --max-model-len 2048"
+KVFLEET_CMD = f"{sys.executable} -m kvfleet engine --model smollm2 --host 127.0.0.1 --port 8001"
 
 
 @dataclass
@@ -224,17 +224,40 @@ def print_pooled_ratios(results: list[LevelResult], names: list[str]) -> None:
                   f"[{', '.join(f'x{x:.2f}' for x in per_round)}]")
 
 
-async def amain(a: argparse.Namespace) -> list[LevelResult]:
+def add_target_args(ap: argparse.ArgumentParser) -> None:
+    """The flags that say which servers to measure (shared by the HTTP benchmarks)."""
+    ap.add_argument("--target", action="append", default=[], metavar="NAME=URL")
+    ap.add_argument("--start", action="append", default=[], metavar="NAME=CMD",
+                    help="shell command that starts NAME's server for its turn (stopped afterwards)")
+    ap.add_argument("--with-kvfleet", action="store_true", help="start `kvfleet engine` on :8001 for its turn")
+    ap.add_argument("--kvfleet-args", default="", help="extra flags for the started kvfleet engine")
+    ap.add_argument("--with-vllm", action="store_true", help="start vLLM-CPU (peers README) on :8200 for its turn")
+    ap.add_argument("--vllm-dtype", choices=VLLM_DTYPES, default="bfloat16")
+    ap.add_argument("--vllm-threads-bind", default="0-1",
+                    help="VLLM_CPU_OMP_THREADS_BIND for the started vLLM ('' = its default: one core)")
+    ap.add_argument("--peers-dir", default=str(peers_dir()),
+                    help="where vLLM's venv and the converted model are (env KVFLEET_PEERS_DIR; default: .peers/)")
+    ap.add_argument("--model", default="smollm2")
+
+
+def resolve_targets(a: argparse.Namespace, max_model_len: int = 2048) -> tuple[dict[str, str], dict[str, str]]:
+    """(name -> URL, name -> command starting it for its turn) from add_target_args' flags."""
     targets = dict(t.split("=", 1) for t in a.target)
     starts = dict(s.split("=", 1) for s in a.start)
     if a.with_kvfleet:
         targets.setdefault("kvfleet", "http://127.0.0.1:8001")
-        starts.setdefault("kvfleet", KVFLEET_CMD + (" " + a.kvfleet_args if a.kvfleet_args else ""))
+        starts.setdefault("kvfleet", f"{KVFLEET_CMD} --max-model-len {max_model_len}"
+                                     + (" " + a.kvfleet_args if a.kvfleet_args else ""))
     if a.with_vllm:
         targets.setdefault("vllm", "http://127.0.0.1:8200")
-        starts.setdefault("vllm", vllm_cmd(a.vllm_dtype, a.vllm_threads_bind or None, Path(a.peers_dir)))
+        starts.setdefault("vllm", vllm_cmd(a.vllm_dtype, a.vllm_threads_bind or None, Path(a.peers_dir), max_model_len))
     if not targets:
         raise SystemExit("give at least one --target NAME=URL (or --with-kvfleet / --with-vllm)")
+    return targets, starts
+
+
+async def amain(a: argparse.Namespace) -> list[LevelResult]:
+    targets, starts = resolve_targets(a)
     sizes = {c: max(a.num_requests, a.min_waves * c) for c in a.concurrency}
     trace = generate_trace(max(sizes.values()), a.seed, a.mode, max_output_tokens=a.max_output_tokens,
                            min_output_tokens=min(a.min_output_tokens, a.max_output_tokens))
@@ -269,18 +292,7 @@ async def amain(a: argparse.Namespace) -> list[LevelResult]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", action="append", default=[], metavar="NAME=URL")
-    ap.add_argument("--start", action="append", default=[], metavar="NAME=CMD",
-                    help="shell command that starts NAME's server for its turn (stopped afterwards)")
-    ap.add_argument("--with-kvfleet", action="store_true", help="start `kvfleet engine` on :8001 for its turn")
-    ap.add_argument("--kvfleet-args", default="", help="extra flags for the started kvfleet engine")
-    ap.add_argument("--with-vllm", action="store_true", help="start vLLM-CPU (peers README) on :8200 for its turn")
-    ap.add_argument("--vllm-dtype", choices=VLLM_DTYPES, default="bfloat16")
-    ap.add_argument("--peers-dir", default=str(peers_dir()),
-                    help="where vLLM's venv and the converted model are (env KVFLEET_PEERS_DIR; default: .peers/)")
-    ap.add_argument("--vllm-threads-bind", default="0-1",
-                    help="VLLM_CPU_OMP_THREADS_BIND for the started vLLM ('' = its default: one core)")
-    ap.add_argument("--model", default="smollm2")
+    add_target_args(ap)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--num-requests", type=int, default=64, help="requests per concurrency level (at least)")
     ap.add_argument("--min-waves", type=int, default=2,

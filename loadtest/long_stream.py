@@ -24,12 +24,10 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import aiohttp
 
-from loadtest.http_bench import KVFLEET_CMD, start_server, stop_server, vllm_cmd, wait_ready
-from loadtest.peers import peers_dir
+from loadtest.http_bench import add_target_args, resolve_targets, start_server, stop_server, wait_ready
 
 PROMPT = "Tell me a very long story about a lighthouse keeper, the sea, the ships and the town."
 
@@ -101,18 +99,7 @@ def pooled(results: list[StreamResult]) -> dict[str, StreamResult]:
 
 
 async def amain(a: argparse.Namespace) -> list[StreamResult]:
-    targets = dict(t.split("=", 1) for t in a.target)
-    starts = dict(s.split("=", 1) for s in a.start)
-    max_len = a.tokens + 256
-    if a.with_kvfleet:
-        targets.setdefault("kvfleet", "http://127.0.0.1:8001")
-        starts.setdefault("kvfleet", KVFLEET_CMD.replace("--max-model-len 2048", f"--max-model-len {max_len}")
-                          + (" " + a.kvfleet_args if a.kvfleet_args else ""))
-    if a.with_vllm:
-        targets.setdefault("vllm", "http://127.0.0.1:8200")
-        starts.setdefault("vllm", vllm_cmd(a.vllm_dtype, a.vllm_threads_bind or None, Path(a.peers_dir), max_len))
-    if not targets:
-        raise SystemExit("give at least one --target NAME=URL (or --with-kvfleet / --with-vllm)")
+    targets, starts = resolve_targets(a, a.tokens + 256)
     early = (a.early_start, a.early_start + a.window)
     results = []
     for rnd in range(1, a.rounds + 1):
@@ -148,16 +135,7 @@ async def amain(a: argparse.Namespace) -> list[StreamResult]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", action="append", default=[], metavar="NAME=URL")
-    ap.add_argument("--start", action="append", default=[], metavar="NAME=CMD",
-                    help="shell command that starts NAME's server for its turn (stopped afterwards)")
-    ap.add_argument("--with-kvfleet", action="store_true", help="start `kvfleet engine` on :8001 for its turn")
-    ap.add_argument("--kvfleet-args", default="", help="extra flags for the started kvfleet engine")
-    ap.add_argument("--with-vllm", action="store_true", help="start vLLM-CPU (peers README) on :8200 for its turn")
-    ap.add_argument("--vllm-dtype", choices=("float32", "bfloat16"), default="bfloat16")
-    ap.add_argument("--vllm-threads-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND ('' = vLLM's default)")
-    ap.add_argument("--peers-dir", default=str(peers_dir()), help="vLLM's venv and model (env KVFLEET_PEERS_DIR)")
-    ap.add_argument("--model", default="smollm2")
+    add_target_args(ap)
     ap.add_argument("--tokens", type=int, default=3072, help="output tokens of the stream")
     ap.add_argument("--early-start", type=int, default=64, help="first token of the early window")
     ap.add_argument("--window", type=int, default=1024, help="tokens in the early and the late window")

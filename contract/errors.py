@@ -4,6 +4,9 @@
 
 `code` is a short string naming the error (`"invalid_value"`, `"draining"`, ...) or null, as OpenAI and vLLM
 send it; the HTTP status goes in the status line, never in the body. `error_type` maps a status to `type`.
+
+`ConfigError` is the one error for a bad setting, in every process (engine, server, router): `field` names
+the setting (a dataclass field or a command-line flag), so a CLI can point at it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,14 @@ ERROR_TYPES: Mapping[int, str] = MappingProxyType({
     405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
     429: "rate_limit_error", 500: "internal_error", 502: "upstream_error", 503: "service_unavailable",
 })
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; `field` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 def error_type(status: int) -> str:

@@ -12,9 +12,10 @@ import argparse
 import os
 from dataclasses import dataclass, fields
 
+from contract.errors import ConfigError
 from contract.hashing import DEFAULT_HASH_SEED
 from engine.cpu_cores import format_cpu_list, parse_cpu_list
-from engine.errors import ConfigError
+from engine.kv.config import BLOCK_SIZES, valid_block_size
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 BACKEND_CHOICES = ("auto", "torch", "cpu", "triton")
@@ -48,9 +49,7 @@ class EngineArgs:
         _choice("--dtype", self.dtype, DTYPE_CHOICES)
         _choice("--device", self.device, DEVICE_CHOICES)
         _choice("--attention-backend", self.attention_backend, BACKEND_CHOICES)
-        _int("--block-size", self.block_size, 1)
-        _check(self.block_size <= 256 and self.block_size & (self.block_size - 1) == 0, "--block-size",
-               f"must be a power of two between 1 and 256, got {self.block_size}")
+        _check(valid_block_size(self.block_size), "--block-size", f"must be {BLOCK_SIZES}, got {self.block_size!r}")
         if self.kv_cache_memory is not None:
             _check(isinstance(self.kv_cache_memory, (int, float)) and not isinstance(self.kv_cache_memory, bool)
                    and 0 < self.kv_cache_memory <= 4096, "--kv-cache-memory",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import ConfigError
+from contract.errors import ConfigError
 
 
 @dataclass(frozen=True)

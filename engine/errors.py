@@ -1,25 +1,16 @@
 """Every error the engine raises at its edges, typed, so that one table (engine/server/errors.py) maps
 each to an HTTP status and an OpenAI error type, and the CLI can name the flag.
 
-    ConfigError            a setting is invalid; `field` names it (a dataclass field or a CLI flag)
     InvalidRequestError    a request can never run; `param` names the request field to blame, `code` is
       RequestTooLongError  OpenAI's error code ("context_length_exceeded" for a request too long)
       SamplingParamsError  (engine/sampling_params.py: a sampling parameter is out of range)
     QueueFullError         the replica already holds all the requests it takes; retry shortly or elsewhere
     EngineDeadError        the engine loop is not running (not started, shut down or crashed)
 
-Pure: imports nothing.
+A bad setting raises contract.errors.ConfigError, the same in engine, server and router. Pure: imports nothing.
 """
 
 from __future__ import annotations
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; `field` names it."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
 
 
 class InvalidRequestError(ValueError):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from contract.errors import ConfigError
 from contract.kv_events import KVEvent
 from engine.admission import EngineLimits, admit
 from engine.args import EngineArgs
@@ -24,7 +25,6 @@ from engine.attention import get_attention_backend
 from engine.config import SchedulerConfig
 from engine.cpu_cores import parse_cpu_list, pin_process
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import ConfigError
 from engine.kv.config import CacheConfig
 from engine.kv.manager import KVCacheManager
 from engine.model.llama import ModelConfig

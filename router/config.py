@@ -6,19 +6,11 @@ import dataclasses
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from contract.errors import ConfigError
 from contract.hashing import DEFAULT_HASH_SEED
 from router.policies import POLICIES
 
 DISCOVERY_KINDS = ("static", "dns", "k8s")
-
-
-class RouterConfigError(ValueError):
-    """A bad router setting; `field` names the option."""
-
-    def __init__(self, field: str, msg: str):
-        super().__init__(f"{field}: {msg}")
-        self.field = field
-        self.msg = msg
 
 
 @dataclass(frozen=True)
@@ -42,15 +34,15 @@ class ScoringConfig:
     def validate(self) -> None:
         for name in ("kv_token_cost", "waiting_cost_tokens", "running_cost_tokens"):
             if not getattr(self, name) >= 0:
-                raise RouterConfigError(name, f"must be >= 0, got {getattr(self, name)}")
+                raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
         if self.overload_waiting < 1:
-            raise RouterConfigError("overload_waiting", f"must be >= 1, got {self.overload_waiting}")
+            raise ConfigError("overload_waiting", f"must be >= 1, got {self.overload_waiting}")
         if not 0 < self.overload_kv_usage <= 1:
-            raise RouterConfigError("overload_kv_usage", f"must be in (0, 1], got {self.overload_kv_usage}")
+            raise ConfigError("overload_kv_usage", f"must be in (0, 1], got {self.overload_kv_usage}")
         if not self.session_load_factor > 1:
-            raise RouterConfigError("session_load_factor", f"must be > 1, got {self.session_load_factor}")
+            raise ConfigError("session_load_factor", f"must be > 1, got {self.session_load_factor}")
         if self.session_vnodes < 1:
-            raise RouterConfigError("session_vnodes", f"must be >= 1, got {self.session_vnodes}")
+            raise ConfigError("session_vnodes", f"must be >= 1, got {self.session_vnodes}")
 
 
 @dataclass(frozen=True)
@@ -92,35 +84,35 @@ class RouterConfig:
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
-            raise RouterConfigError("policy", f"must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+            raise ConfigError("policy", f"must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.discovery not in DISCOVERY_KINDS:
-            raise RouterConfigError("discovery", f"must be one of {', '.join(DISCOVERY_KINDS)}, got {self.discovery!r}")
+            raise ConfigError("discovery", f"must be one of {', '.join(DISCOVERY_KINDS)}, got {self.discovery!r}")
         if not 0 <= self.port <= 65535:
-            raise RouterConfigError("port", f"must be in 0..65535, got {self.port}")
+            raise ConfigError("port", f"must be in 0..65535, got {self.port}")
         if self.scheme not in ("http", "https"):
-            raise RouterConfigError("scheme", f"must be http or https, got {self.scheme!r}")
+            raise ConfigError("scheme", f"must be http or https, got {self.scheme!r}")
         for url in self.replicas:
             check_replica_url(url)
         if self.discovery == "static" and not self.replicas:
-            raise RouterConfigError("replicas", "static discovery needs at least one replica URL")
+            raise ConfigError("replicas", "static discovery needs at least one replica URL")
         if self.discovery == "dns" and not self.dns_name:
-            raise RouterConfigError("dns_name", "dns discovery needs the headless Service name")
+            raise ConfigError("dns_name", "dns discovery needs the headless Service name")
         if self.discovery == "k8s" and not self.k8s_service:
-            raise RouterConfigError("k8s_service", "k8s discovery needs the Service name")
+            raise ConfigError("k8s_service", "k8s discovery needs the Service name")
         if not 0 < self.dns_port <= 65535:
-            raise RouterConfigError("dns_port", f"must be in 1..65535, got {self.dns_port}")
+            raise ConfigError("dns_port", f"must be in 1..65535, got {self.dns_port}")
         positive = ("dns_interval_s", "k8s_resync_s", "health_interval_s", "scrape_interval_s", "scrape_stale_s",
                     "kv_heartbeat_timeout_s", "breaker_open_s", "connect_timeout_s", "request_timeout_s")
         for name in positive:
             if not getattr(self, name) > 0:
-                raise RouterConfigError(name, f"must be > 0, got {getattr(self, name)}")
+                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
         if self.scrape_stale_s < self.scrape_interval_s:
-            raise RouterConfigError("scrape_stale_s", "must be >= scrape_interval_s")
+            raise ConfigError("scrape_stale_s", "must be >= scrape_interval_s")
         for name in ("block_size", "approx_max_blocks", "breaker_failures", "max_attempts", "max_body_bytes"):
             if getattr(self, name) < 1:
-                raise RouterConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.hash_seed < 2**64:
-            raise RouterConfigError("hash_seed", "must be in 0 .. 2**64-1")
+            raise ConfigError("hash_seed", "must be in 0 .. 2**64-1")
         self.scoring.validate()
 
 
@@ -128,11 +120,11 @@ def check_replica_url(url: str) -> str:
     """A replica base URL such as http://10.0.0.7:8000 (no path, query or fragment)."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise RouterConfigError("replicas", f"not an http(s) base URL: {url!r}")
+        raise ConfigError("replicas", f"not an http(s) base URL: {url!r}")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise RouterConfigError("replicas", f"a replica URL has no path/query: {url!r}")
+        raise ConfigError("replicas", f"a replica URL has no path/query: {url!r}")
     try:
         parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError as exc:
-        raise RouterConfigError("replicas", f"bad port in {url!r}") from exc
+        raise ConfigError("replicas", f"bad port in {url!r}") from exc
     return url.rstrip("/")

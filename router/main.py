@@ -7,7 +7,8 @@ import logging
 import os
 import sys
 
-from router.config import DISCOVERY_KINDS, RouterConfig, RouterConfigError, ScoringConfig
+from contract.errors import ConfigError
+from router.config import DISCOVERY_KINDS, RouterConfig, ScoringConfig
 from router.policies import POLICIES
 
 
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(ns)
-    except RouterConfigError as e:
+    except ConfigError as e:
         flag = e.field[:-2] if e.field.endswith("_s") else e.field
         print(f"kvfleet router: error: --{flag.replace('_', '-')}: {e.msg}", file=sys.stderr)
         return 2

@@ -8,6 +8,13 @@ from contract.hashing import DEFAULT_HASH_SEED
 from engine.config import check, check_int
 
 MAX_BLOCK_SIZE = 256
+BLOCK_SIZES = f"a power of two between 1 and {MAX_BLOCK_SIZE}"
+
+
+def valid_block_size(value: object) -> bool:
+    """The one rule for a KV block size (the engine's --block-size is checked with it too)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_BLOCK_SIZE \
+        and value & (value - 1) == 0
 
 
 @dataclass(frozen=True)
@@ -21,10 +28,7 @@ class CacheConfig:
     max_pending_kv_events: int = 65536  # undrained events beyond this drop the oldest (a seq gap)
 
     def __post_init__(self) -> None:
-        check_int("block_size", self.block_size, 1)
-        check(self.block_size <= MAX_BLOCK_SIZE and self.block_size & (self.block_size - 1) == 0,
-              "block_size", f"block_size must be a power of two between 1 and {MAX_BLOCK_SIZE}, "
-              f"got {self.block_size}")
+        check(valid_block_size(self.block_size), "block_size", f"block_size must be {BLOCK_SIZES}, got {self.block_size!r}")
         check_int("num_blocks", self.num_blocks, 1)
         check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",
               f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")

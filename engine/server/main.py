@@ -90,8 +90,8 @@ def _names(value) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from contract.errors import ConfigError
     from engine.args import EngineArgs
-    from engine.errors import ConfigError
     from engine.model.registry import resolve_model
 
     parser = argparse.ArgumentParser(prog="kvfleet engine", description="Start one kvfleet engine replica.")

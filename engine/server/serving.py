@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from contract.errors import ConfigError
 from engine.client import EngineClient
-from engine.errors import ConfigError
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.server.errors import APIError, bad_request, engine_error
 from engine.server.formatter import Format, Reply

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
+from contract.errors import ConfigError
 from engine.args import EngineArgs, add_cli_args
-from engine.errors import ConfigError
 
 
 def _parse(*argv: str) -> EngineArgs:

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
+from contract.errors import ConfigError
 from contract.hashing import DEFAULT_HASH_SEED
 from engine.config import SchedulerConfig
-from engine.errors import ConfigError
 from engine.kv.config import CacheConfig
 
 
@@ -26,10 +26,10 @@ def test_defaults_and_positional_order():
 
 
 @pytest.mark.parametrize("kwargs, field, text", [
-    ({"block_size": 0}, "block_size", "block_size must be >= 1, got 0"),
+    ({"block_size": 0}, "block_size", "block_size must be a power of two between 1 and 256, got 0"),
     ({"block_size": 12}, "block_size", "power of two"),
     ({"block_size": 512}, "block_size", "power of two"),
-    ({"block_size": 16.0}, "block_size", "must be an integer"),
+    ({"block_size": 16.0}, "block_size", "power of two between 1 and 256, got 16.0"),
     ({"num_blocks": 0}, "num_blocks", "num_blocks must be >= 1"),
     ({"num_blocks": True}, "num_blocks", "must be an integer"),
     ({"enable_prefix_caching": "yes"}, "enable_prefix_caching", "must be a bool"),

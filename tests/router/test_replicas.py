@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from router.config import RouterConfig, RouterConfigError, ScoringConfig
+from contract.errors import ConfigError
+from router.config import RouterConfig, ScoringConfig
 from router.replicas import CircuitBreaker, EngineLoad, ReplicaState, parse_engine_metrics
 from router.states import CircuitState
 
@@ -102,7 +103,7 @@ def test_config_validation_names_the_field():
         (dict(replicas=("http://a:1",), scoring=ScoringConfig(session_load_factor=1.0)), "session_load_factor"),
     ]
     for kwargs, field in cases:
-        with pytest.raises(RouterConfigError) as e:
+        with pytest.raises(ConfigError) as e:
             RouterConfig(**kwargs)
         assert e.value.field == field, kwargs
     cfg = RouterConfig(replicas=("http://127.0.0.1:8001", "http://[::1]:8002"))

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(ns)
     except ConfigError as e:
         flag = e.field[:-2] if e.field.endswith("_s") else e.field
-        print(f"kvfleet router: error: --{flag.replace('_', '-')}: {e.msg}", file=sys.stderr)
+        print(f"kvfleet router: error: --{flag.replace('_', '-')}: {e}", file=sys.stderr)
         return 2
     configure_logging(ns.log_level)
     import uvicorn

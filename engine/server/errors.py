@@ -58,10 +58,9 @@ def engine_error(e: BaseException, params: Mapping[str, str] | None = None) -> A
     ("prompt" -> "messages" for chat, "max_tokens" -> "max_completion_tokens" where that was sent)."""
     for kind, status, code, headers in ENGINE_ERRORS:
         if isinstance(e, kind):
-            param = getattr(e, "param", None)
-            if param is not None and params:
-                param = params.get(param, param)
-            return APIError(status, str(e), param, code or getattr(e, "code", None), headers)
+            if isinstance(e, InvalidRequestError):
+                return APIError(status, str(e), (params or {}).get(e.param, e.param), e.code, headers)
+            return APIError(status, str(e), None, code, headers)
     logger.error("engine error", exc_info=e)
     return APIError(500, f"internal engine error: {type(e).__name__}", None, "internal_error")
 

@@ -240,6 +240,36 @@ def add_target_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="smollm2")
 
 
+class Turn:
+    """One target's turn: `async with` starts its server (if it has a start command), waits until it is
+    ready, and stops it afterwards; `name` is the target, with `#round` when there are several rounds."""
+
+    def __init__(self, name: str, cmd: str | None, url: str, timeout: float, log: str):
+        self.name, self._cmd, self._url, self._timeout, self._log = name, cmd, url, timeout, log
+        self._proc: subprocess.Popen | None = None
+
+    async def __aenter__(self) -> Turn:
+        self._proc = start_server(self._cmd, self._log) if self._cmd else None
+        try:
+            await wait_ready(self._url, self._timeout, self._proc)
+        except BaseException:
+            await self.__aexit__()
+            raise
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self._proc is not None:
+            stop_server(self._proc)
+
+
+def turns(targets: dict[str, str], starts: dict[str, str], rounds: int, timeout: float,
+          log_prefix: str) -> list[tuple[Turn, str]]:
+    """Every target's turns, alternating (A B A B ...) so a slow spell of the machine hits each one."""
+    return [(Turn(name if rounds == 1 else f"{name}#{rnd}", starts.get(name), url, timeout,
+                  os.path.join(tempfile.gettempdir(), f"{log_prefix}_{name}.log")), url)
+            for rnd in range(1, rounds + 1) for name, url in targets.items()]
+
+
 def resolve_targets(a: argparse.Namespace, max_model_len: int = 2048) -> tuple[dict[str, str], dict[str, str]]:
     """(name -> URL, name -> command starting it for its turn) from add_target_args' flags."""
     targets = dict(t.split("=", 1) for t in a.target)
@@ -264,21 +294,13 @@ async def amain(a: argparse.Namespace) -> list[LevelResult]:
     print(f"trace: mode {a.mode}, seed {a.seed}; requests per level "
           f"{', '.join(f'c={c}: {n}' for c, n in sizes.items())} (the first n of one trace)", flush=True)
     results = []
-    for rnd in range(1, a.rounds + 1):  # targets alternate: A B A B ..., so a slow spell hits both
-        for name, url in targets.items():
-            label = name if a.rounds == 1 else f"{name}#{rnd}"
-            log = os.path.join(tempfile.gettempdir(), f"http_bench_{name}.log")
-            proc = start_server(starts[name], log) if name in starts else None
-            try:
-                await wait_ready(url, a.start_timeout, proc)
-                for c in a.concurrency:
-                    r = await run_level(url, a.model, trace[:sizes[c]], c, label, a.temperature, a.request_timeout)
-                    results.append(r)
-                    print_table([r])
-                    sys.stdout.flush()
-            finally:
-                if proc is not None:
-                    stop_server(proc)
+    for turn, url in turns(targets, starts, a.rounds, a.start_timeout, "http_bench"):
+        async with turn:
+            for c in a.concurrency:
+                r = await run_level(url, a.model, trace[:sizes[c]], c, turn.name, a.temperature, a.request_timeout)
+                results.append(r)
+                print_table([r])
+                sys.stdout.flush()
     print()
     print_table(results)
     if a.rounds == 1:

@@ -19,15 +19,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
 import aiohttp
 
-from loadtest.http_bench import add_target_args, resolve_targets, start_server, stop_server, wait_ready
+from loadtest.http_bench import add_target_args, resolve_targets, turns
 
 PROMPT = "Tell me a very long story about a lighthouse keeper, the sea, the ships and the town."
 
@@ -102,21 +100,13 @@ async def amain(a: argparse.Namespace) -> list[StreamResult]:
     targets, starts = resolve_targets(a, a.tokens + 256)
     early = (a.early_start, a.early_start + a.window)
     results = []
-    for rnd in range(1, a.rounds + 1):
-        for name, url in targets.items():
-            label = name if a.rounds == 1 else f"{name}#{rnd}"
-            log = os.path.join(tempfile.gettempdir(), f"long_stream_{name}.log")
-            proc = start_server(starts[name], log) if name in starts else None
-            try:
-                await wait_ready(url, a.start_timeout, proc)
-                await stream_times(url, a.model, 16, a.request_timeout)  # warm-up
-                ttft, times = await stream_times(url, a.model, a.tokens, a.request_timeout)
-                results.append(summarize(label, ttft, times, early, a.window))
-                print_results(results[-1:], early, a.window)
-                sys.stdout.flush()
-            finally:
-                if proc is not None:
-                    stop_server(proc)
+    for turn, url in turns(targets, starts, a.rounds, a.start_timeout, "long_stream"):
+        async with turn:
+            await stream_times(url, a.model, 16, a.request_timeout)  # warm-up
+            ttft, times = await stream_times(url, a.model, a.tokens, a.request_timeout)
+            results.append(summarize(turn.name, ttft, times, early, a.window))
+            print_results(results[-1:], early, a.window)
+            sys.stdout.flush()
     print()
     print_results(results, early, a.window)
     if a.rounds > 1:

@@ -11,7 +11,6 @@ delta) as they come.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
 
 import anyio
@@ -20,8 +19,6 @@ from engine.client import DeltaStream, EngineClient
 from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams
 from engine.server.metrics import EngineMetrics
-
-logger = logging.getLogger("kvfleet.server")
 
 
 class Inflight:

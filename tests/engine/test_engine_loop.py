@@ -179,3 +179,43 @@ def test_dtype_auto_follows_cpu_flags(monkeypatch):
     assert resolve_dtype("float16", "cpu") is torch.float16
     with pytest.raises(ValueError, match="--dtype"):
         resolve_dtype("int8", "cpu")
+
+
+def test_steps_yield_only_what_is_new(tiny, tiny_loaded):
+    """Each step's delta holds one new token per running completion (its text, its logprob) and a finish
+    reason once; concatenated they are the whole completion the offline LLM returns."""
+    llm = _llm(tiny, tiny_loaded)
+    params = SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=10, ignore_eos=True, logprobs=2)
+    whole = llm.generate([PROMPT], params)[0]
+    eng = llm.engine
+    eng.add_request("d", PROMPT, params)
+    deltas = []
+    while eng.has_unfinished_requests():
+        deltas += eng.step()
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    for d in deltas:
+        assert all(len(o.token_ids) == 1 and [lp.token_id for lp in o.logprobs] == o.token_ids for o in d.outputs)
+        assert d.num_prompt_tokens == len(PROMPT)
+    for c in whole.outputs:
+        mine = [o for d in deltas for o in d.outputs if o.index == c.index]
+        assert [t for o in mine for t in o.token_ids] == c.token_ids and len(c.token_ids) == 10
+        assert "".join(o.text for o in mine) == c.text
+        assert [lp.logprob for o in mine for lp in o.logprobs] == [lp.logprob for lp in c.logprobs]
+        assert [o.finish_reason for o in mine] == [None] * 9 + ["length"]
+
+
+def test_a_stop_string_across_tokens_ends_the_delta_stream_at_the_string(tiny, tiny_loaded):
+    llm = _llm(tiny, tiny_loaded)
+    free = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    stop = free.text[3:7]
+    for keep in (False, True):
+        eng = llm.engine
+        eng.add_request(f"s{keep}", PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                           stop=[stop], include_stop_str_in_output=keep))
+        deltas = []
+        while eng.has_unfinished_requests():
+            deltas += eng.step()
+        text = "".join(o.text for d in deltas for o in d.outputs)
+        cut = free.text.index(stop) + (len(stop) if keep else 0)
+        assert text == free.text[:cut]
+        assert deltas[-1].outputs[0].finish_reason == "stop" and deltas[-1].outputs[0].stop_reason == stop

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (torch.ops.kvfleet_cpu) against plain PyTorch, and the `cpu` attention backend.
+"""The fused CPU kernels (engine.kernels.cpu_ops) against plain PyTorch, and the `cpu` attention backend.
 
 The kernels must build wherever the test suite runs (a C++ compiler is part of the supported setup);
 KVFLEET_CPU_KERNELS=torch turns them off and skips these tests.
@@ -17,6 +17,7 @@ from engine.attention import get_attention_backend
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels import cpu_ops
+from engine.model import cpu_layers, cpu_linear
 from engine.model.llama import apply_rope
 from tests.engine.attention_cases import assert_close, check_write_kv, make_batch, reference_attention
 
@@ -24,7 +25,7 @@ if os.environ.get(cpu_ops.ENV) == "torch":
     pytest.skip("fused CPU kernels turned off", allow_module_level=True)
 
 assert cpu_ops.load(), f"the fused CPU kernels must build here: {cpu_ops.unavailable_reason()}"
-OPS = torch.ops.kvfleet_cpu
+OPS = cpu_ops.ops()
 BACKEND = CpuAttentionBackend()
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -172,9 +173,9 @@ def test_bf16_engine_with_kernels_is_as_accurate_as_the_torch_path():
                                  ("torch", "bfloat16", "torch")):
         llm = LLM("smollm2", dtype=dtype, attention_backend=backend, num_blocks=256, max_num_batched_tokens=128)
         assert llm.engine.runner.backend.name == backend
-        assert llm.engine.model.cpu_kernels == (backend == "cpu")
+        assert cpu_layers.uses_cpu_kernels(llm.engine.model) == (backend == "cpu")
         # the fused bf16 run multiplies through the GGUF's 4-bit weights where AMX runs the kernel
-        assert llm.engine.model.q4_projections == (120 if backend == "cpu" and OPS.quant_amx() else 0)
+        assert cpu_linear.q4_projections(llm.engine.model) == (120 if backend == "cpu" and OPS.quant_amx() else 0)
         runs[name] = [r.outputs[0] for r in llm.generate(prompts, params)]
     err, matched = {}, {}
     for name in ("cpu", "torch"):
@@ -212,6 +213,6 @@ def test_cpu_backend_asked_for_with_other_dtypes_still_generates(tmp_path, dtype
     from tests.engine._tiny_llama import make_tiny_llama
 
     llm = LLM(make_tiny_llama(str(tmp_path / "m")), dtype=dtype, attention_backend="cpu", num_blocks=64)
-    assert llm.engine.model.cpu_kernels == (dtype == "float32")
+    assert cpu_layers.uses_cpu_kernels(llm.engine.model) == (dtype == "float32")
     out = llm.generate([[5, 6, 7, 8] * 5, [9, 10]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in out] == [6, 6]

@@ -1,211 +1,22 @@
-// kvfleet CPU kernels: the per-layer glue of a decoder step fused into single calls (what vLLM's _C ops
-// do on CPUs), registered as torch.ops.kvfleet_cpu.*. Every op reads bf16 or float32 tensors, computes in
-// float32 and rounds once per output element. Parallel loops use ATen's thread pool (torch's OpenMP
-// threads), so they share the cores that matmuls use instead of oversubscribing them.
+// kvfleet CPU kernels for paged attention, added to the torch.ops.kvfleet_cpu library (layer_ops.cpp).
 //
-//   rms_norm(x, w, eps) -> out                       out = x / rms(x) * w, per row
-//   add_rms_norm_(x, residual, w, eps)               residual = x + residual; x = rms_norm(residual)
-//   rotary_(qkv, positions, cos_sin, n_rot_heads)    rotate the first n_rot_heads heads of each row
 //   write_kv(key, value, k_cache, v_cache, slots)    store each token's K/V heads at its cache slot
-//   silu_and_mul(x) -> out                           silu(x[:, :I]) * x[:, I:]
-//   argmax_rows(x) -> indices                        torch.argmax(x, -1) for float32 rows, vectorized
 //   paged_decode_(out, q, k_cache, v_cache, tables, seq_lens, scale)
 //       one query token per sequence over its paged context, grouped-query heads share K/V reads; for
 //       bf16 with head_dim 64 the scores run on AMX tiles where the CPU has them; the next cache block
-//       is prefetched while one is read (blocks sit anywhere, out of the hardware prefetchers' sight)
+//       is prefetched while one is read (blocks sit anywhere, out of the hardware prefetchers' sight).
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-#include "amx.h"
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
+#include "cpu_common.h"
+
 namespace {
 
-using at::Tensor;
-
-inline void to_f32(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-
-inline void to_f32(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) d[i] = uint32_t(s[i]) << 16;
-}
-
-#ifdef __AVX512F__
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-#endif
-
-inline void from_f32(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-
-inline void from_f32(const float* src, c10::BFloat16* dst, int64_t n) {
-  // round to nearest even, NaN stays NaN (what c10::BFloat16's constructor does)
-  const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
-  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t b = s[i];
-    uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
-    d[i] = ((b & 0x7FFFFFFFu) > 0x7F800000u) ? uint16_t(0x7FC0) : uint16_t(rounded);
-  }
-}
-
-void check(bool ok, const char* msg) { TORCH_CHECK(ok, "kvfleet_cpu: ", msg); }
-
-void check_float(const Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), "kvfleet_cpu: ", name, " must be a CPU tensor");
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat, "kvfleet_cpu: ", name,
-              " must be bfloat16 or float32, got ", t.scalar_type());
-}
-
-// Runs f(scalar) with a value of the tensor's element type (bf16 or float32).
-template <typename F>
-void dispatch(at::ScalarType t, F&& f) {
-  if (t == at::kBFloat16) {
-    f(c10::BFloat16{});
-  } else {
-    f(float{});
-  }
-}
-
-// exp(x) to about 1 ulp from arithmetic alone, so loops calling it vectorize (std::exp does not without
-// -ffast-math): 2^n * e^r with n = round(x / ln 2), |r| <= ln(2) / 2, e^r by its Taylor series to r^7;
-// 0 below e^-70 (negligible next to the softmax maximum's 1, and it keeps denormals out).
-inline float fast_exp(float x) {
-  const bool tiny = x < -70.f;  // 0 below e^-70: no denormal products downstream (they are slow on x86)
-  x = std::min(std::max(x, -70.f), 88.f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
-  float p = 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (int32_t(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return tiny ? 0.f : p * scale;
-}
-
-// ---- RMSNorm -------------------------------------------------------------------------------------
-
-template <typename T>
-void rms_row(const T* x, const float* w, T* out, float* buf, int64_t n, double eps) {
-  to_f32(x, buf, n);
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < n; ++i) ss += buf[i] * buf[i];
-  const float inv = 1.f / std::sqrt(ss / float(n) + float(eps));
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) buf[i] = buf[i] * inv * w[i];
-  from_f32(buf, out, n);
-}
-
-Tensor rms_norm(const Tensor& x, const Tensor& w, double eps) {
-  check_float(x, "x");
-  check(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, hidden] with contiguous rows");
-  check(w.dim() == 1 && w.size(0) == x.size(1), "w must be [hidden]");
-  const Tensor wf = w.scalar_type() == at::kFloat && w.is_contiguous() ? w : w.to(at::kFloat).contiguous();
-  Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
-  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0);
-  dispatch(x.scalar_type(), [&](auto tag) {
-    using scalar_t = decltype(tag);
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const float* wp = wf.data_ptr<float>();
-    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-      std::vector<float> buf(n);
-      for (int64_t r = b; r < e; ++r) rms_row(xp + r * xs, wp, op + r * n, buf.data(), n, eps);
-    });
-  });
-  return out;
-}
-
-void add_rms_norm_(Tensor& x, Tensor& residual, const Tensor& w, double eps) {
-  check_float(x, "x");
-  check(x.is_contiguous() && residual.is_contiguous() && x.dim() == 2 && residual.sizes() == x.sizes() &&
-            residual.scalar_type() == x.scalar_type(),
-        "x and residual must be contiguous [rows, hidden] tensors of one dtype");
-  check(w.dim() == 1 && w.size(0) == x.size(1), "w must be [hidden]");
-  const Tensor wf = w.scalar_type() == at::kFloat && w.is_contiguous() ? w : w.to(at::kFloat).contiguous();
-  const int64_t rows = x.size(0), n = x.size(1);
-  dispatch(x.scalar_type(), [&](auto tag) {
-    using scalar_t = decltype(tag);
-    scalar_t* xp = x.data_ptr<scalar_t>();
-    scalar_t* rp = residual.data_ptr<scalar_t>();
-    const float* wp = wf.data_ptr<float>();
-    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-      std::vector<float> a(n), c(n);
-      for (int64_t r = b; r < e; ++r) {
-        to_f32(xp + r * n, a.data(), n);
-        to_f32(rp + r * n, c.data(), n);
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) a[i] += c[i];
-        from_f32(a.data(), rp + r * n, n);  // the residual stream, rounded like an add in this dtype
-        rms_row(rp + r * n, wp, xp + r * n, a.data(), n, eps);
-      }
-    });
-  });
-}
-
-// ---- rotary embedding (rotate-half / NeoX layout) -------------------------------------------------
-
-void rotary_(Tensor& qkv, const Tensor& positions, const Tensor& cos_sin, int64_t n_rot_heads, int64_t head_dim) {
-  check_float(qkv, "qkv");
-  check(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [tokens, heads * head_dim] with contiguous rows");
-  check(qkv.size(1) >= n_rot_heads * head_dim && head_dim % 2 == 0, "qkv rows are shorter than the rotated heads");
-  check(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == qkv.size(0),
-        "positions must be int64 [tokens]");
-  check(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous() && cos_sin.dim() == 2 &&
-            cos_sin.size(1) == head_dim,
-        "cos_sin must be float32 [max_len, head_dim] (cos halves, then sin halves)");
-  const int64_t tokens = qkv.size(0), rs = qkv.stride(0), half = head_dim / 2, max_len = cos_sin.size(0);
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t)
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_len, "kvfleet_cpu: position ", pos[t], " outside the rotary table");
-  const float* cs = cos_sin.data_ptr<float>();
-  dispatch(qkv.scalar_type(), [&](auto tag) {
-    using scalar_t = decltype(tag);
-    scalar_t* base = qkv.data_ptr<scalar_t>();
-    at::parallel_for(0, tokens, 32, [&](int64_t b, int64_t e) {
-      std::vector<float> x(head_dim), y(head_dim);
-      for (int64_t t = b; t < e; ++t) {
-        const float* c = cs + pos[t] * head_dim;
-        const float* s = c + half;
-        for (int64_t h = 0; h < n_rot_heads; ++h) {
-          scalar_t* p = base + t * rs + h * head_dim;
-          to_f32(p, x.data(), head_dim);
-#pragma omp simd
-          for (int64_t i = 0; i < half; ++i) {
-            y[i] = x[i] * c[i] - x[i + half] * s[i];
-            y[i + half] = x[i + half] * c[i] + x[i] * s[i];
-          }
-          from_f32(y.data(), p, head_dim);
-        }
-      }
-    });
-  });
-}
+using namespace kvfleet_cpu;
 
 // ---- KV write ------------------------------------------------------------------------------------
 
@@ -243,31 +54,6 @@ void write_kv(const Tensor& key, const Tensor& value, Tensor& k_cache, Tensor& v
     std::memcpy(kd + sp[t] * bytes, kp + t * key.stride(0) * es, bytes);
     std::memcpy(vd + sp[t] * bytes, vp + t * value.stride(0) * es, bytes);
   }
-}
-
-// ---- SiLU and multiply ---------------------------------------------------------------------------
-
-Tensor silu_and_mul(const Tensor& x) {
-  check_float(x, "x");
-  check(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "x must be [rows, 2 * intermediate]");
-  const int64_t rows = x.size(0), n = x.size(1) / 2, xs = x.stride(0);
-  Tensor out = at::empty({rows, n}, x.options());
-  dispatch(x.scalar_type(), [&](auto tag) {
-    using scalar_t = decltype(tag);
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / n), [&](int64_t b, int64_t e) {
-      std::vector<float> g(n), u(n);
-      for (int64_t r = b; r < e; ++r) {
-        to_f32(xp + r * xs, g.data(), n);
-        to_f32(xp + r * xs + n, u.data(), n);
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) g[i] = g[i] / (1.f + fast_exp(-g[i])) * u[i];
-        from_f32(g.data(), op + r * n, n);
-      }
-    });
-  });
-  return out;
 }
 
 // ---- paged decode attention ----------------------------------------------------------------------
@@ -550,48 +336,10 @@ void paged_decode_(Tensor& out, const Tensor& q, const Tensor& k_cache, const Te
   });
 }
 
-// ---- greedy sampling -----------------------------------------------------------------------------
-
-// torch.argmax(x, -1) for float32 rows, same answer (the first maximum; the first NaN if any), but
-// vectorized: one max pass, one search pass, rows in parallel.
-Tensor argmax_rows(const Tensor& x) {
-  check(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0,
-        "x must be float32 [rows, n] with contiguous rows and n > 0");
-  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0);
-  Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
-  const float* xp = x.data_ptr<float>();
-  int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / n), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const float* v = xp + r * xs;
-      float m = -INFINITY;
-      int nan = 0;
-#pragma omp simd reduction(max : m) reduction(| : nan)
-      for (int64_t i = 0; i < n; ++i) {
-        m = v[i] > m ? v[i] : m;
-        nan |= v[i] != v[i];
-      }
-      int64_t at = 0;
-      if (nan) {
-        while (v[at] == v[at]) ++at;
-      } else {
-        while (at < n - 1 && v[at] != m) ++at;
-      }
-      op[r] = at;
-    }
-  });
-  return out;
-}
-
 }  // namespace
 
-TORCH_LIBRARY(kvfleet_cpu, m) {
-  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
-  m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor w, float eps) -> ()", &add_rms_norm_);
-  m.def("rotary_(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, int n_rot_heads, int head_dim) -> ()", &rotary_);
+TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()", &write_kv);
-  m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
-  m.def("argmax_rows(Tensor x) -> Tensor", &argmax_rows);
   m.def("paged_decode_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> ()",
         &paged_decode_);

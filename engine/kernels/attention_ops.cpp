@@ -5,9 +5,13 @@
 //       one query token per sequence over its paged context, grouped-query heads share K/V reads; for
 //       bf16 with head_dim 64 the scores run on AMX tiles where the CPU has them; the next cache block
 //       is prefetched while one is read (blocks sit anywhere, out of the hardware prefetchers' sight).
+//       Sequences run in parallel; when there are fewer sequences than threads, a long context is split
+//       into runs of blocks on several threads (flash-decoding): each part keeps its own float32 maximum,
+//       sum and weighted sum of V, and the parts are merged by rescaling to the common maximum.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -58,8 +62,9 @@ void write_kv(const Tensor& key, const Tensor& value, Tensor& k_cache, Tensor& v
 
 // ---- paged decode attention ----------------------------------------------------------------------
 
-// softmax numerators in place over each of `rows` rows of `len` scores; their sums in sum[rows]
-inline void softmax_rows(float* sc, int64_t rows, int64_t len, float* sum) {
+// softmax numerators in place over each of `rows` rows of `len` scores; their maxima in mx[rows], their
+// sums in sum[rows]
+inline void softmax_rows(float* sc, int64_t rows, int64_t len, float* mx, float* sum) {
   for (int64_t r = 0; r < rows; ++r) {
     float* sj = sc + r * len;
     float m = -INFINITY;
@@ -71,6 +76,7 @@ inline void softmax_rows(float* sc, int64_t rows, int64_t len, float* sum) {
       sj[t] = fast_exp(sj[t] - m);
       total += sj[t];
     }
+    mx[r] = m;
     sum[r] = total;
   }
 }
@@ -185,18 +191,25 @@ void scores_amx(const c10::BFloat16* q, const c10::BFloat16* kc, const int32_t* 
 }
 #endif
 
-// The decode of one sequence with head_dim D (a multiple of 16) and G query heads per kv head: scores per
-// kv head (AMX tiles where `amx`, else AVX-512), softmax, then the weighted sum of V with the G
-// accumulators in registers while the V rows stream by.
+// The attention of every query head over one run of a sequence's keys (all of them, or one part of a split
+// context): per head the maximum score, the sum of exp(score - maximum) and the unnormalised weighted sum
+// of V rows (acc [q_heads * head_dim]), all float32.
+struct Partial {
+  float* acc;
+  float* max;
+  float* sum;
+};
+
+// The partial of a run of `len` keys (blocks from `table`) with head_dim D (a multiple of 16) and G query
+// heads per kv head: scores per kv head (AMX tiles where `amx`, else AVX-512), softmax, then the weighted
+// sum of V with the G accumulators in registers while the V rows stream by.
 template <int D, int G, typename T>
-void decode_seq_avx512(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t len, int64_t bs,
-                       int64_t hkv, float scale, T* out, std::vector<float>& work, bool amx) {
+void decode_part_avx512(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t len, int64_t bs,
+                        int64_t hkv, float scale, Partial part, std::vector<float>& work, bool amx) {
   constexpr int V = D / 16;
   const int64_t hq = hkv * G, row_elems = hkv * D;
-  work.resize(hq * len + hq + hq * D);
+  work.resize(hq * len);
   float* sc = work.data();
-  float* sum = sc + hq * len;
-  float* res = sum + hq;
   bool scored = false;
 #ifdef KVFLEET_AMX
   if constexpr (D == 64 && std::is_same_v<T, c10::BFloat16>) {
@@ -207,7 +220,7 @@ void decode_seq_avx512(const T* q, const T* kc, const T* vc, const int32_t* tabl
   }
 #endif
   for (int64_t h = 0; h < hkv && !scored; ++h) scores_avx512<D, G>(q, kc, table, len, bs, hkv, h, scale, sc + h * G * len);
-  softmax_rows(sc, hq, len, sum);
+  softmax_rows(sc, hq, len, part.max, part.sum);
   for (int64_t h = 0; h < hkv; ++h) {
     __m512 acc[G][V];
     for (int j = 0; j < G; ++j)
@@ -221,36 +234,33 @@ void decode_seq_avx512(const T* q, const T* kc, const T* vc, const int32_t* tabl
         for (int v = 0; v < V; ++v) acc[j][v] = _mm512_fmadd_ps(w, x[v], acc[j][v]);
       }
     });
-    for (int j = 0; j < G; ++j) {
-      const __m512 inv = _mm512_set1_ps(1.f / sum[h * G + j]);
-      for (int v = 0; v < V; ++v) _mm512_storeu_ps(res + (h * G + j) * D + v * 16, _mm512_mul_ps(acc[j][v], inv));
-    }
+    for (int j = 0; j < G; ++j)
+      for (int v = 0; v < V; ++v) _mm512_storeu_ps(part.acc + (h * G + j) * D + v * 16, acc[j][v]);
   }
-  from_f32(res, out, hq * D);
 }
 #endif
 
-// The portable decode of one sequence, every head: K and V rows of all kv heads sit together in a block
-// ([block_size, kv_heads, d]), so each block is read front to back once for K and once for V.
+// The partial of a run of keys, every head, vectorized above where the shape has a specialization, else
+// portable: K and V rows of all kv heads sit together in a block ([block_size, kv_heads, d]), so each block
+// is read front to back once for K and once for V.
 template <typename T>
-void decode_seq(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t len, int64_t bs, int64_t hkv,
-                int64_t g, int64_t d, float scale, T* out, std::vector<float>& work, bool amx) {
+void decode_part(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t len, int64_t bs, int64_t hkv,
+                 int64_t g, int64_t d, float scale, Partial part, std::vector<float>& work, bool amx) {
 #ifdef __AVX512F__
-  if (d == 64 && g == 3) return decode_seq_avx512<64, 3>(q, kc, vc, table, len, bs, hkv, scale, out, work, amx);
-  if (d == 64 && g == 4) return decode_seq_avx512<64, 4>(q, kc, vc, table, len, bs, hkv, scale, out, work, amx);
-  if (d == 64 && g == 1) return decode_seq_avx512<64, 1>(q, kc, vc, table, len, bs, hkv, scale, out, work, amx);
-  if (d == 128 && g == 1) return decode_seq_avx512<128, 1>(q, kc, vc, table, len, bs, hkv, scale, out, work, amx);
-  if (d == 128 && g == 2) return decode_seq_avx512<128, 2>(q, kc, vc, table, len, bs, hkv, scale, out, work, amx);
-  if (d == 128 && g == 4) return decode_seq_avx512<128, 4>(q, kc, vc, table, len, bs, hkv, scale, out, work, amx);
+  if (d == 64 && g == 3) return decode_part_avx512<64, 3>(q, kc, vc, table, len, bs, hkv, scale, part, work, amx);
+  if (d == 64 && g == 4) return decode_part_avx512<64, 4>(q, kc, vc, table, len, bs, hkv, scale, part, work, amx);
+  if (d == 64 && g == 1) return decode_part_avx512<64, 1>(q, kc, vc, table, len, bs, hkv, scale, part, work, amx);
+  if (d == 128 && g == 1) return decode_part_avx512<128, 1>(q, kc, vc, table, len, bs, hkv, scale, part, work, amx);
+  if (d == 128 && g == 2) return decode_part_avx512<128, 2>(q, kc, vc, table, len, bs, hkv, scale, part, work, amx);
+  if (d == 128 && g == 4) return decode_part_avx512<128, 4>(q, kc, vc, table, len, bs, hkv, scale, part, work, amx);
 #endif
   const int64_t hq = hkv * g, row_elems = hkv * d;
-  // work: q (hq*d) | scores (hq*len) | one K/V row (hkv*d) | accumulators (hq*d) | sums (hq)
-  work.resize(hq * d + hq * len + row_elems + hq * d + hq);
+  // work: q (hq*d) | scores (hq*len) | one K/V row (hkv*d)
+  work.resize(hq * d + hq * len + row_elems);
   float* qf = work.data();
   float* sc = qf + hq * d;
   float* row = sc + hq * len;
-  float* acc = row + row_elems;
-  float* sum = acc + hq * d;
+  float* acc = part.acc;
   to_f32(q, qf, hq * d);
   for (int64_t i = 0; i < hq * d; ++i) qf[i] *= scale;
   for_each_token(kc, table, len, bs, row_elems, 0, row_elems, [&](const T* r, int64_t t) {  // scores
@@ -264,7 +274,7 @@ void decode_seq(const T* q, const T* kc, const T* vc, const int32_t* table, int6
       sc[hj * len + t] = s;
     }
   });
-  softmax_rows(sc, hq, len, sum);
+  softmax_rows(sc, hq, len, part.max, part.sum);
   std::fill(acc, acc + hq * d, 0.f);
   for_each_token(vc, table, len, bs, row_elems, 0, row_elems, [&](const T* r, int64_t t) {  // weighted sum of V
     to_f32(r, row, row_elems);
@@ -276,11 +286,51 @@ void decode_seq(const T* q, const T* kc, const T* vc, const int32_t* table, int6
       for (int64_t i = 0; i < d; ++i) aj[i] += p * vr[i];
     }
   });
+}
+
+// out = the parts merged: each rescaled from its own maximum to the common one (a factor of exactly 1 for
+// a single part, so an unsplit sequence is acc / sum as before), divided by the rescaled sum of the sums.
+template <typename T>
+void merge_parts(const Partial* parts, int64_t n, int64_t hq, int64_t d, T* out, float* res) {
   for (int64_t hj = 0; hj < hq; ++hj) {
-    const float inv = 1.f / sum[hj];
-    for (int64_t i = 0; i < d; ++i) acc[hj * d + i] *= inv;
+    float m = parts[0].max[hj];
+    for (int64_t p = 1; p < n; ++p) m = std::max(m, parts[p].max[hj]);
+    float total = 0.f;
+    float* r = res + hj * d;
+    std::fill(r, r + d, 0.f);
+    for (int64_t p = 0; p < n; ++p) {
+      const float w = std::exp(parts[p].max[hj] - m);
+      total += parts[p].sum[hj] * w;
+      const float* a = parts[p].acc + hj * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) r[i] += a[i] * w;
+    }
+    const float inv = 1.f / total;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) r[i] *= inv;
   }
-  from_f32(acc, out, hq * d);
+  from_f32(res, out, hq * d);
+}
+
+// A run of blocks [first, last) of sequence `seq`, one unit of parallel work; `parts` runs make up the sequence.
+struct Run {
+  int64_t seq, first, last, parts;
+};
+
+constexpr int64_t kMinPartTokens = 256;  // a split part reads at least this many keys (per-part cost stays small)
+
+// Every sequence whole while there are at least as many sequences as threads; otherwise each long one split
+// into up to ceil(threads / seqs) runs of whole blocks, so that one sequence's context is read by every core.
+std::vector<Run> plan_runs(const int32_t* lens, int64_t b, int64_t bs) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t want = b < threads ? (threads + b - 1) / b : 1;
+  std::vector<Run> runs;
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t nblk = (lens[i] + bs - 1) / bs;
+    const int64_t parts = std::max<int64_t>(1, std::min(want, int64_t(lens[i]) / kMinPartTokens));
+    for (int64_t p = 0; p < parts; ++p) runs.push_back({i, nblk * p / parts, nblk * (p + 1) / parts, parts});
+  }
+  return runs;
 }
 
 void paged_decode_(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
@@ -322,17 +372,38 @@ void paged_decode_(Tensor& out, const Tensor& q, const Tensor& k_cache, const Te
 #else
     const bool amx = false;
 #endif
-    at::parallel_for(0, b, 1, [&](int64_t s, int64_t e) {
-      std::vector<float> work;
+    const std::vector<Run> runs = plan_runs(lp, b, bs);
+    const int64_t n = int64_t(runs.size()), stride = hq * d + 2 * hq;
+    std::unique_ptr<float[]> partials(new float[n * stride]);
+    auto partial = [&](int64_t r) {
+      float* base = partials.get() + r * stride;
+      return Partial{base, base + hq * d, base + hq * d + hq};
+    };
+    at::parallel_for(0, n, 1, [&](int64_t s, int64_t e) {
+      std::vector<float> work, res(hq * d);
 #ifdef KVFLEET_AMX
       if (amx) kvfleet_amx::configure_tiles();
 #endif
-      for (int64_t i = s; i < e; ++i)
-        decode_seq(qp + i * qs, kp, vp, tp + i * mb, lp[i], bs, hkv, g, d, float(scale), op + i * hq * d, work, amx);
+      for (int64_t r = s; r < e; ++r) {
+        const Run& run = runs[r];
+        const int64_t len = std::min<int64_t>(lp[run.seq], run.last * bs) - run.first * bs;
+        const Partial part = partial(r);
+        decode_part(qp + run.seq * qs, kp, vp, tp + run.seq * mb + run.first, len, bs, hkv, g, d, float(scale), part,
+                    work, amx);
+        if (run.parts == 1) merge_parts(&part, 1, hq, d, op + run.seq * hq * d, res.data());
+      }
 #ifdef KVFLEET_AMX
       if (amx) _tile_release();
 #endif
     });
+    std::vector<float> res(hq * d);
+    std::vector<Partial> parts;
+    for (int64_t r = 0; r < n; r += runs[r].parts) {  // the split sequences, their runs side by side
+      if (runs[r].parts == 1) continue;
+      parts.clear();
+      for (int64_t p = 0; p < runs[r].parts; ++p) parts.push_back(partial(r + p));
+      merge_parts(parts.data(), runs[r].parts, hq, d, op + runs[r].seq * hq * d, res.data());
+    }
   });
 }
 

@@ -62,21 +62,60 @@ def test_mixed_batch_matches_reference(dtype):
     assert_close(BACKEND.forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale), reference_attention(b), dtype)
 
 
-def test_decode_reads_q_with_row_stride_and_ignores_unused_cache():
-    """q as a view of a fused qkv row (the model's layout); NaN outside the sequences' slots is never read."""
-    b = make_batch([(1, 40), (1, 3)], 16, 3, 3, 64, torch.bfloat16, seed=5, extra_blocks=4)
+def _check_strided_q_and_nan_poison(seq_lens: list[int], block_size: int = 16) -> None:
+    b = make_batch([(1, sl) for sl in seq_lens], block_size, 3, 3, 64, torch.bfloat16, seed=5, extra_blocks=4)
     used = {int(x) for row, sl in zip(b.meta.block_tables.tolist(), b.seq_lens, strict=True)
-            for x in row[: math.ceil(sl / 16)]}
+            for x in row[: math.ceil(sl / block_size)]}
     k, v = b.k_cache.clone(), b.v_cache.clone()
     for blk in range(k.shape[0]):
         if blk not in used:
             k[blk], v[blk] = float("nan"), float("nan")
     for row, sl in zip(b.meta.block_tables.tolist(), b.seq_lens, strict=True):  # past the end of the last block
-        k[row[(sl - 1) // 16], sl % 16 or 16:], v[row[(sl - 1) // 16], sl % 16 or 16:] = float("nan"), float("nan")
-    qkv = torch.randn(2, 15, 64).to(torch.bfloat16)
+        last, end = row[(sl - 1) // block_size], sl % block_size or block_size
+        k[last, end:], v[last, end:] = float("nan"), float("nan")
+    qkv = torch.randn(len(seq_lens), 15, 64).to(torch.bfloat16)
     qkv[:, :9] = b.q
     out = BACKEND.forward(qkv[:, :9], k, v, b.meta, b.scale)
     assert_close(out, reference_attention(b), torch.bfloat16)
+
+
+def test_decode_reads_q_with_row_stride_and_ignores_unused_cache():
+    """q as a view of a fused qkv row (the model's layout); NaN outside the sequences' slots is never read."""
+    _check_strided_q_and_nan_poison([40, 3])
+
+
+@pytest.fixture
+def threads(request):
+    """torch (ATen) threads for the test: the decode splits long contexts over them when sequences are fewer."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4], indirect=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,num_kv_heads,group,head_dim", [
+    (16, 3, 3, 64), (32, 3, 3, 64),  # SmolLM2's shape (AMX scores for bf16), blocks of 16 and 32
+    (16, 2, 2, 128),  # the other vectorized head_dim
+    (16, 2, 2, 48),  # the portable path
+])
+@pytest.mark.parametrize("seq_lens", [[3000], [1001], [1999, 2467], [2500, 7]])
+def test_long_decode_split_over_threads_matches_reference(threads, dtype, block_size, num_kv_heads, group, head_dim,
+                                                          seq_lens):
+    """Fewer sequences than threads: a long context is split into runs of blocks (flash-decoding) whose
+    partial softmax sums are merged; short ones (7 keys) stay whole next to them."""
+    b = make_batch([(1, sl) for sl in seq_lens], block_size, num_kv_heads, group, head_dim, dtype,
+                   seed=sum(seq_lens) + block_size + head_dim)
+    out = BACKEND.forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    assert_close(out, reference_attention(b), dtype)
+
+
+@pytest.mark.parametrize("threads", [2, 4], indirect=True)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_long_split_decode_reads_only_its_slots(threads, block_size):
+    _check_strided_q_and_nan_poison([2999, 1001], block_size)
+    _check_strided_q_and_nan_poison([1537], block_size)
 
 
 def test_decode_rejects_tables_that_do_not_fit():

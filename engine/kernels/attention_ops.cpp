@@ -288,11 +288,17 @@ void decode_part(const T* q, const T* kc, const T* vc, const int32_t* table, int
   });
 }
 
-// out = the parts merged: each rescaled from its own maximum to the common one (a factor of exactly 1 for
-// a single part, so an unsplit sequence is acc / sum as before), divided by the rescaled sum of the sums.
+// out = the parts merged: each rescaled from its own maximum to the common one, divided by the rescaled sum
+// of the sums; a single part (an unsplit sequence) is acc / sum.
 template <typename T>
 void merge_parts(const Partial* parts, int64_t n, int64_t hq, int64_t d, T* out, float* res) {
-  for (int64_t hj = 0; hj < hq; ++hj) {
+  for (int64_t hj = 0; hj < hq && n == 1; ++hj) {
+    const float inv = 1.f / parts[0].sum[hj];
+    const float* a = parts[0].acc + hj * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) res[hj * d + i] = a[i] * inv;
+  }
+  for (int64_t hj = 0; hj < hq && n > 1; ++hj) {
     float m = parts[0].max[hj];
     for (int64_t p = 1; p < n; ++p) m = std::max(m, parts[p].max[hj]);
     float total = 0.f;
@@ -313,8 +319,10 @@ void merge_parts(const Partial* parts, int64_t n, int64_t hq, int64_t d, T* out,
 }
 
 // A run of blocks [first, last) of sequence `seq`, one unit of parallel work; `parts` runs make up the sequence.
+// A run of a split sequence keeps its partial in slot `slot` until the merge; a whole one (slot -1) is
+// finished by its thread.
 struct Run {
-  int64_t seq, first, last, parts;
+  int64_t seq, first, last, parts, slot;
 };
 
 constexpr int64_t kMinPartTokens = 256;  // a split part reads at least this many keys (per-part cost stays small)
@@ -325,10 +333,13 @@ std::vector<Run> plan_runs(const int32_t* lens, int64_t b, int64_t bs) {
   const int64_t threads = at::get_num_threads();
   const int64_t want = b < threads ? (threads + b - 1) / b : 1;
   std::vector<Run> runs;
+  runs.reserve(b * want);
+  int64_t slots = 0;
   for (int64_t i = 0; i < b; ++i) {
     const int64_t nblk = (lens[i] + bs - 1) / bs;
     const int64_t parts = std::max<int64_t>(1, std::min(want, int64_t(lens[i]) / kMinPartTokens));
-    for (int64_t p = 0; p < parts; ++p) runs.push_back({i, nblk * p / parts, nblk * (p + 1) / parts, parts});
+    for (int64_t p = 0; p < parts; ++p)
+      runs.push_back({i, nblk * p / parts, nblk * (p + 1) / parts, parts, parts == 1 ? -1 : slots++});
   }
   return runs;
 }
@@ -374,23 +385,21 @@ void paged_decode_(Tensor& out, const Tensor& q, const Tensor& k_cache, const Te
 #endif
     const std::vector<Run> runs = plan_runs(lp, b, bs);
     const int64_t n = int64_t(runs.size()), stride = hq * d + 2 * hq;
-    std::unique_ptr<float[]> partials(new float[n * stride]);
-    auto partial = [&](int64_t r) {
-      float* base = partials.get() + r * stride;
-      return Partial{base, base + hq * d, base + hq * d + hq};
-    };
+    const int64_t slots = n - std::count_if(runs.begin(), runs.end(), [](const Run& r) { return r.slot < 0; });
+    std::unique_ptr<float[]> partials(new float[slots * stride]);  // none while every sequence stays whole
+    auto partial = [&](float* base) { return Partial{base, base + hq * d, base + hq * d + hq}; };
     at::parallel_for(0, n, 1, [&](int64_t s, int64_t e) {
-      std::vector<float> work, res(hq * d);
+      std::vector<float> work, res(hq * d), own(stride);
 #ifdef KVFLEET_AMX
       if (amx) kvfleet_amx::configure_tiles();
 #endif
       for (int64_t r = s; r < e; ++r) {
         const Run& run = runs[r];
         const int64_t len = std::min<int64_t>(lp[run.seq], run.last * bs) - run.first * bs;
-        const Partial part = partial(r);
+        const Partial part = partial(run.slot < 0 ? own.data() : partials.get() + run.slot * stride);
         decode_part(qp + run.seq * qs, kp, vp, tp + run.seq * mb + run.first, len, bs, hkv, g, d, float(scale), part,
                     work, amx);
-        if (run.parts == 1) merge_parts(&part, 1, hq, d, op + run.seq * hq * d, res.data());
+        if (run.slot < 0) merge_parts(&part, 1, hq, d, op + run.seq * hq * d, res.data());
       }
 #ifdef KVFLEET_AMX
       if (amx) _tile_release();
@@ -401,7 +410,7 @@ void paged_decode_(Tensor& out, const Tensor& q, const Tensor& k_cache, const Te
     for (int64_t r = 0; r < n; r += runs[r].parts) {  // the split sequences, their runs side by side
       if (runs[r].parts == 1) continue;
       parts.clear();
-      for (int64_t p = 0; p < runs[r].parts; ++p) parts.push_back(partial(r + p));
+      for (int64_t p = 0; p < runs[r].parts; ++p) parts.push_back(partial(partials.get() + runs[r + p].slot * stride));
       merge_parts(parts.data(), runs[r].parts, hq, d, op + runs[r].seq * hq * d, res.data());
     }
   });

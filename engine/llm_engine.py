@@ -27,6 +27,7 @@ from engine.cpu_cores import parse_cpu_list, pin_process
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv.config import CacheConfig
 from engine.kv.manager import KVCacheManager
+from engine.model.cpu_layers import use_cpu_kernels
 from engine.model.llama import ModelConfig
 from engine.model.loader import load_hf_config, load_model, resolve_dtype
 from engine.model.registry import resolve_model
@@ -118,12 +119,8 @@ class LLMEngine:
                                    args.max_num_seqs, args.block_size, num_blocks)
         backend = get_attention_backend(args.attention_backend, self.device, self.dtype)
         if backend.name == "cpu" and self.dtype in (torch.bfloat16, torch.float32):
-            self.model.enable_cpu_kernels()  # the fused kernels serve this model: the layers' glue runs through them too
+            use_cpu_kernels(self.model)  # the fused kernels serve this model: the layers' glue runs through them too
         self.runner = ModelRunner(self.model, backend, num_blocks, args.block_size, self.device)
-        if self.model.q4_projections or self.model.q8_lm_head:
-            logger.info("%d projections%s multiply through the checkpoint's packed 4-bit%s weights (AMX kernels, "
-                        "the same bf16 values)", self.model.q4_projections, " and the output head" if self.model.q8_lm_head
-                        else "", " / 8-bit" if self.model.q8_lm_head else "")
         self.sampler = Sampler(seed=args.seed)
         self.requests: dict[str, _Request] = {}
         self.prompt_tokens_total = 0

@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from engine.kernels import cpu_ops
+
 
 def int_list(text: str) -> list[int]:
     try:
@@ -43,7 +45,8 @@ def q4_layer_weights(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor
 def bench_projections(a: argparse.Namespace) -> int:
     from engine.model.quantized import dequant_reference, pack_q4
 
-    if not torch.ops.kvfleet_cpu.quant_amx():
+    ops = cpu_ops.ops()
+    if not ops.quant_amx():
         print("q4_linear runs its portable loops here (no AMX): nothing to compare", file=sys.stderr)
         return 1
     h, inter = a.hidden, a.intermediate
@@ -70,7 +73,7 @@ def bench_projections(a: argparse.Namespace) -> int:
             for layer in layers:
                 for x, ((qw, sc), packed) in zip(xs, layer, strict=True):
                     if which == "q4":
-                        torch.ops.kvfleet_cpu.q4_linear(x, qw, sc)
+                        ops.q4_linear(x, qw, sc)
                     else:
                         torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
             return (time.perf_counter() - t) * 1e3
@@ -104,11 +107,12 @@ def bench_attention(a: argparse.Namespace) -> int:
     lens = torch.full((b,), ctx, dtype=torch.int32)
     q = torch.randn(b, hkv * a.group, d, generator=gen).to(torch.bfloat16)
     out = torch.empty_like(q)
+    paged_decode_ = cpu_ops.ops().paged_decode_
 
     def step() -> float:
         t = time.perf_counter()
         for k, v in caches:
-            torch.ops.kvfleet_cpu.paged_decode_(out, q, k, v, tables, lens, d ** -0.5)
+            paged_decode_(out, q, k, v, tables, lens, d ** -0.5)
         return (time.perf_counter() - t) / len(caches)
 
     step()
@@ -150,8 +154,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--{bad[0].replace('_', '-')} must be >= 1")
     if a.what == "projections" and (a.hidden % 32 or a.intermediate % 32 or a.kv_dim % 16):
         ap.error("--hidden and --intermediate must be multiples of 32 and --kv-dim of 16 (4-bit groups of 32)")
-    from engine.kernels import cpu_ops
-
     if not cpu_ops.load():
         print(f"the CPU kernels are unavailable: {cpu_ops.unavailable_reason()}", file=sys.stderr)
         return 1

@@ -1,11 +1,13 @@
 """Decode-step speed of the engine with and without the fused CPU kernels, back to back.
 
-For each batch size, B requests with random 100-token prompts are prefilled, then the benchmark times
-`LLMEngine.step()` over decode-only steps and prints tokens/s and ms/step. Each mode runs in its own
+For each batch size, B requests with random prompts of --context tokens (default 100) are prefilled, then the
+benchmark times `LLMEngine.step()` over decode-only steps, each sequence's KV cache holding about --context
+tokens, and prints tokens/s and ms/step. Each mode runs in its own
 process (`KVFLEET_CPU_KERNELS=auto` and `=torch`), one after the other, so they share the machine's state
 as closely as two runs can; the ratio is fused / plain.
 
     python -m loadtest.decode_step --batch-sizes 1,16,64 --steps 40
+    python -m loadtest.decode_step --batch-sizes 1 --context 3000   # one long chat stream
 """
 
 from __future__ import annotations
@@ -19,16 +21,17 @@ import sys
 import time
 
 
-def measure(batch: int, steps: int, prompt_tokens: int, seed: int) -> dict:
+def measure(batch: int, steps: int, context: int, seed: int) -> dict:
     from engine.args import EngineArgs
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
-    eng = LLMEngine(EngineArgs(model="smollm2", dtype="bfloat16", num_blocks=4096, max_num_seqs=max(batch, 1)))
+    blocks = max(4096, batch * -(-(context + steps + 64) // 16))
+    eng = LLMEngine(EngineArgs(model="smollm2", dtype="bfloat16", num_blocks=blocks, max_num_seqs=max(batch, 1)))
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=steps + 64, ignore_eos=True, temperature=0)
     for i in range(batch):
-        eng.add_request(f"r{i}", [rng.randrange(1000, 40000) for _ in range(prompt_tokens)], params)
+        eng.add_request(f"r{i}", [rng.randrange(1000, 40000) for _ in range(context)], params)
     while eng.scheduler.num_waiting or any(s.num_computed_tokens < s.num_tokens - 1 for s in eng.scheduler.running):
         eng.step()
     for _ in range(5):
@@ -44,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-sizes", default="1,16,64")
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--prompt-tokens", type=int, default=100)
+    ap.add_argument("--context", type=int, default=100, help="prompt tokens per sequence: its KV length when timed")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -52,18 +55,19 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [int(x) for x in a.batch_sizes.split(",")]
     except ValueError:
         ap.error(f"--batch-sizes must be comma-separated integers, got {a.batch_sizes!r}")
-    if any(b < 1 for b in sizes) or a.steps < 1 or a.prompt_tokens < 1:
-        ap.error("--batch-sizes, --steps and --prompt-tokens must be >= 1")
+    if any(b < 1 for b in sizes) or a.steps < 1 or a.context < 1:
+        ap.error("--batch-sizes, --steps and --context must be >= 1")
     if a.child:
-        print(json.dumps([measure(b, a.steps, a.prompt_tokens, a.seed) for b in sizes]))
+        print(json.dumps([measure(b, a.steps, a.context, a.seed) for b in sizes]))
         return 0
     runs = {}
     for mode in ("auto", "torch"):
         env = {**os.environ, "KVFLEET_CPU_KERNELS": mode, "HF_HUB_OFFLINE": "1"}
         out = subprocess.run([sys.executable, "-m", "loadtest.decode_step", "--child", "--batch-sizes", a.batch_sizes,
-                              "--steps", str(a.steps), "--prompt-tokens", str(a.prompt_tokens), "--seed", str(a.seed)],
+                              "--steps", str(a.steps), "--context", str(a.context), "--seed", str(a.seed)],
                              env=env, capture_output=True, text=True, check=True)
         runs[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"context {a.context} tokens per sequence, {a.steps} decode steps")
     print(f"{'batch':>5}  {'fused kernels':>24}  {'plain PyTorch':>24}  ratio")
     for f, p in zip(runs["auto"], runs["torch"], strict=True):
         print(f"{f['batch']:>5}  {f['tok_s']:9.1f} tok/s {f['ms_per_step']:7.1f} ms  "

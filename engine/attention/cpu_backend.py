@@ -1,4 +1,4 @@
-"""Paged attention on CPUs with the fused C++ kernels (`engine/kernels/cpu_ops.cpp`).
+"""Paged attention on CPUs with the fused C++ kernels (`engine/kernels/attention_ops.cpp`).
 
 Decode tokens (one new token per sequence) are attended by one kernel call per layer that reads each
 sequence's K/V straight from its cache blocks (no gather into a padded copy, no mask); grouped-query
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from engine.attention.backend import check_forward, check_lens, check_write, host_lens, output_for
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.kernels import cpu_ops
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # what the kernels read; float16 takes the torch path
 # extends at most this big (query rows x context, and context) run in the kernel; larger ones in SDPA
@@ -51,6 +52,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def __init__(self) -> None:
         super().__init__()
+        ops = cpu_ops.ops()
+        self._write_kv, self._paged_decode_ = ops.write_kv, ops.paged_decode_
         self._plan_meta: AttentionMetadata | None = None
         self._plan: _Plan | None = None
         self._plan_key: tuple = ()
@@ -68,7 +71,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if k_cache.dtype not in KERNEL_DTYPES or key.dtype != k_cache.dtype or value.dtype != k_cache.dtype \
                 or key.stride(-1) != 1 or value.stride(-1) != 1:
             return super().write_kv(key, value, k_cache, v_cache, slot_mapping)
-        torch.ops.kvfleet_cpu.write_kv(key, value, k_cache, v_cache, slot_mapping.to(torch.long))
+        self._write_kv(key, value, k_cache, v_cache, slot_mapping.to(torch.long))
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -81,14 +84,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
             dst = out[rows]
             direct = dst.is_contiguous()
             res = dst if direct else torch.empty_like(dst, memory_format=torch.contiguous_format)
-            torch.ops.kvfleet_cpu.paged_decode_(res, q[rows], k_cache, v_cache, plan.decode_tables,
-                                                plan.decode_lens, scale)
+            self._paged_decode_(res, q[rows], k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale)
             if not direct:
                 dst.copy_(res)
         elif rows is not None:
             res = torch.empty((rows.numel(),) + tuple(q.shape[1:]), dtype=q.dtype)
-            torch.ops.kvfleet_cpu.paged_decode_(res, q.index_select(0, rows), k_cache, v_cache, plan.decode_tables,
-                                                plan.decode_lens, scale)
+            self._paged_decode_(res, q.index_select(0, rows), k_cache, v_cache, plan.decode_tables, plan.decode_lens,
+                                scale)
             out.index_copy_(0, rows, res)
         hkv, d = k_cache.shape[2], k_cache.shape[3]
         for e in plan.extends:

@@ -1,4 +1,4 @@
-// AMX tile helpers shared by the CPU kernels (cpu_ops.cpp, quant_gemm.cpp). KVFLEET_AMX is defined where the
+// AMX tile helpers shared by the CPU kernels (paged_scores.h, quant_gemm.cpp). KVFLEET_AMX is defined where the
 // compiler targets AMX-BF16 (-march=native on such a CPU); amx_permitted() asks Linux once per process for
 // the tile state (arch_prctl ARCH_REQ_XCOMP_PERM), and kernels fall back to AVX-512 or portable loops
 // where either says no.

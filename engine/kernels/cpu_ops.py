@@ -1,6 +1,8 @@
-"""Load the fused CPU kernels (`cpu_ops.cpp`) as `torch.ops.kvfleet_cpu`.
+"""The fused CPU kernels, one library `kvfleet_cpu_ops` built from SOURCES: the layer glue
+(`layer_ops.cpp`), paged attention (`attention_ops.cpp`) and the 4/8-bit matmuls (`quant_gemm.cpp`).
 
-The C++ source is compiled once per machine with the system's C++ compiler (through torch's extension
+Everyone reaches them through `ops()`, which loads them first (their ops register as torch.ops.kvfleet_cpu).
+The C++ sources are compiled once per machine with the system's C++ compiler (through torch's extension
 builder and ninja) into $KVFLEET_CACHE_DIR (default ~/.cache/kvfleet)/cpu_ops/<hash>, then loaded from there;
 concurrent engines starting together build it once (torch locks the build folder). Where no compiler is
 present or the build fails, `load()` says why once and returns False, and the engine keeps the plain
@@ -21,9 +23,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
-SOURCES = (SOURCE, Path(__file__).with_name("quant_gemm.cpp"))  # one library: cpu_ops.cpp defines it, quant_gemm.cpp adds to it
-HEADERS = (Path(__file__).with_name("amx.h"),)
+_HERE = Path(__file__).parent
+# one library: layer_ops.cpp defines it (TORCH_LIBRARY), the others add to it (TORCH_LIBRARY_FRAGMENT)
+SOURCES = tuple(_HERE / name for name in ("layer_ops.cpp", "attention_ops.cpp", "quant_gemm.cpp"))
+HEADERS = tuple(_HERE / name for name in ("cpu_common.h", "paged_scores.h", "amx.h"))
 ENV = "KVFLEET_CPU_KERNELS"  # "auto" (default) or "torch" (off)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17"]  # -fopenmp: ATen's parallel_for
 
@@ -38,7 +41,7 @@ def build_dir() -> Path:
 
 
 def load() -> bool:
-    """True once torch.ops.kvfleet_cpu is usable; False (with one logged reason) where it is not."""
+    """True once the kernels are usable; False (with one logged reason) where they are not."""
     with _lock:
         if "ok" in _state:
             return bool(_state["ok"])
@@ -47,6 +50,13 @@ def load() -> bool:
         if not ok:
             logger.warning("fused CPU kernels not used (%s): the engine runs plain PyTorch ops", why)
         return ok
+
+
+def ops():
+    """torch.ops.kvfleet_cpu, loaded (built first if need be); RuntimeError with the reason where unavailable."""
+    if not _state.get("ok") and not load():
+        raise RuntimeError(f"the fused CPU kernels are unavailable: {_state['why']}")
+    return torch.ops.kvfleet_cpu
 
 
 def loaded() -> bool:
@@ -80,7 +90,7 @@ def _load() -> tuple[bool, str]:
             torch.ops.load_library(str(so))
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a build error: keep the torch path
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return False, f"building {SOURCE.name} failed: {first[:300]}"
+        return False, f"building the CPU kernels failed: {first[:300]}"
     return True, ""
 
 

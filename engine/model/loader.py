@@ -17,6 +17,7 @@ from functools import cache
 
 import torch
 
+from engine.model.cpu_linear import QuantCapture, can_prepack, prepack
 from engine.model.llama import LlamaForCausalLM, ModelConfig, RotaryEmbedding, UnsupportedModelError
 from engine.model.registry import ModelNotFoundError, ModelSource
 
@@ -71,9 +72,12 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | s
     model = model.to_empty(device=device).to(dtype)
     with torch.device(device):  # cos/sin tables in float32, cast per token like HF
         model.rope = RotaryEmbedding(config, max_len, hf_config)
-    model.load_weights(_iter_safetensors(_materialize(source), device))
+    # bf16 on CPU: oneDNN pre-packed projections, and the exact 4/8-bit groups of the float32 checkpoint kept
+    capture = QuantCapture(config) if can_prepack(dtype, device) else None
+    model.load_weights(_iter_safetensors(_materialize(source), device), capture)
     model.eval().requires_grad_(False)
-    if model.prepack_weights():
+    if capture is not None:
+        prepack(model, capture)
         logger.info("projections pre-packed for oneDNN (bf16 on CPU)")
     return model, hf_config
 

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (torch.ops.kvfleet_cpu) against plain PyTorch, and the `cpu` attention backend.
+"""The fused CPU kernels (engine.kernels.cpu_ops) against plain PyTorch, and the `cpu` attention backend.
 
 The kernels must build wherever the test suite runs (a C++ compiler is part of the supported setup);
 KVFLEET_CPU_KERNELS=torch turns them off and skips these tests.
@@ -17,6 +17,7 @@ from engine.attention import get_attention_backend
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels import cpu_ops
+from engine.model import cpu_layers, cpu_linear
 from engine.model.llama import apply_rope
 from tests.engine.attention_cases import assert_close, check_write_kv, make_batch, reference_attention
 
@@ -24,7 +25,7 @@ if os.environ.get(cpu_ops.ENV) == "torch":
     pytest.skip("fused CPU kernels turned off", allow_module_level=True)
 
 assert cpu_ops.load(), f"the fused CPU kernels must build here: {cpu_ops.unavailable_reason()}"
-OPS = torch.ops.kvfleet_cpu
+OPS = cpu_ops.ops()
 BACKEND = CpuAttentionBackend()
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -61,21 +62,60 @@ def test_mixed_batch_matches_reference(dtype):
     assert_close(BACKEND.forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale), reference_attention(b), dtype)
 
 
-def test_decode_reads_q_with_row_stride_and_ignores_unused_cache():
-    """q as a view of a fused qkv row (the model's layout); NaN outside the sequences' slots is never read."""
-    b = make_batch([(1, 40), (1, 3)], 16, 3, 3, 64, torch.bfloat16, seed=5, extra_blocks=4)
+def _check_strided_q_and_nan_poison(seq_lens: list[int], block_size: int = 16) -> None:
+    b = make_batch([(1, sl) for sl in seq_lens], block_size, 3, 3, 64, torch.bfloat16, seed=5, extra_blocks=4)
     used = {int(x) for row, sl in zip(b.meta.block_tables.tolist(), b.seq_lens, strict=True)
-            for x in row[: math.ceil(sl / 16)]}
+            for x in row[: math.ceil(sl / block_size)]}
     k, v = b.k_cache.clone(), b.v_cache.clone()
     for blk in range(k.shape[0]):
         if blk not in used:
             k[blk], v[blk] = float("nan"), float("nan")
     for row, sl in zip(b.meta.block_tables.tolist(), b.seq_lens, strict=True):  # past the end of the last block
-        k[row[(sl - 1) // 16], sl % 16 or 16:], v[row[(sl - 1) // 16], sl % 16 or 16:] = float("nan"), float("nan")
-    qkv = torch.randn(2, 15, 64).to(torch.bfloat16)
+        last, end = row[(sl - 1) // block_size], sl % block_size or block_size
+        k[last, end:], v[last, end:] = float("nan"), float("nan")
+    qkv = torch.randn(len(seq_lens), 15, 64).to(torch.bfloat16)
     qkv[:, :9] = b.q
     out = BACKEND.forward(qkv[:, :9], k, v, b.meta, b.scale)
     assert_close(out, reference_attention(b), torch.bfloat16)
+
+
+def test_decode_reads_q_with_row_stride_and_ignores_unused_cache():
+    """q as a view of a fused qkv row (the model's layout); NaN outside the sequences' slots is never read."""
+    _check_strided_q_and_nan_poison([40, 3])
+
+
+@pytest.fixture
+def threads(request):
+    """torch (ATen) threads for the test: the decode splits long contexts over them when sequences are fewer."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4], indirect=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,num_kv_heads,group,head_dim", [
+    (16, 3, 3, 64), (32, 3, 3, 64),  # SmolLM2's shape (AMX scores for bf16), blocks of 16 and 32
+    (16, 2, 2, 128),  # the other vectorized head_dim
+    (16, 2, 2, 48),  # the portable path
+])
+@pytest.mark.parametrize("seq_lens", [[3000], [1001], [1999, 2467], [2500, 7]])
+def test_long_decode_split_over_threads_matches_reference(threads, dtype, block_size, num_kv_heads, group, head_dim,
+                                                          seq_lens):
+    """Fewer sequences than threads: a long context is split into runs of blocks (flash-decoding) whose
+    partial softmax sums are merged; short ones (7 keys) stay whole next to them."""
+    b = make_batch([(1, sl) for sl in seq_lens], block_size, num_kv_heads, group, head_dim, dtype,
+                   seed=sum(seq_lens) + block_size + head_dim)
+    out = BACKEND.forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    assert_close(out, reference_attention(b), dtype)
+
+
+@pytest.mark.parametrize("threads", [2, 4], indirect=True)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_long_split_decode_reads_only_its_slots(threads, block_size):
+    _check_strided_q_and_nan_poison([2999, 1001], block_size)
+    _check_strided_q_and_nan_poison([1537], block_size)
 
 
 def test_decode_rejects_tables_that_do_not_fit():
@@ -172,9 +212,9 @@ def test_bf16_engine_with_kernels_is_as_accurate_as_the_torch_path():
                                  ("torch", "bfloat16", "torch")):
         llm = LLM("smollm2", dtype=dtype, attention_backend=backend, num_blocks=256, max_num_batched_tokens=128)
         assert llm.engine.runner.backend.name == backend
-        assert llm.engine.model.cpu_kernels == (backend == "cpu")
+        assert cpu_layers.uses_cpu_kernels(llm.engine.model) == (backend == "cpu")
         # the fused bf16 run multiplies through the GGUF's 4-bit weights where AMX runs the kernel
-        assert llm.engine.model.q4_projections == (120 if backend == "cpu" and OPS.quant_amx() else 0)
+        assert cpu_linear.q4_projections(llm.engine.model) == (120 if backend == "cpu" and OPS.quant_amx() else 0)
         runs[name] = [r.outputs[0] for r in llm.generate(prompts, params)]
     err, matched = {}, {}
     for name in ("cpu", "torch"):
@@ -212,6 +252,6 @@ def test_cpu_backend_asked_for_with_other_dtypes_still_generates(tmp_path, dtype
     from tests.engine._tiny_llama import make_tiny_llama
 
     llm = LLM(make_tiny_llama(str(tmp_path / "m")), dtype=dtype, attention_backend="cpu", num_blocks=64)
-    assert llm.engine.model.cpu_kernels == (dtype == "float32")
+    assert cpu_layers.uses_cpu_kernels(llm.engine.model) == (dtype == "float32")
     out = llm.generate([[5, 6, 7, 8] * 5, [9, 10]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in out] == [6, 6]

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model import llama
-from engine.model.llama import Linear, exact_int4
+from engine.model.cpu_linear import INT4_MAX_ROWS, Int4Linear, exact_int4
 
 
 def _q4_weight(n: int = 64, k: int = 128, seed: int = 0) -> torch.Tensor:
@@ -22,19 +21,20 @@ def _q4_weight(n: int = 64, k: int = 128, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_path_reproduces_the_quantized_weight(dtype):
     w = _q4_weight().to(dtype)
-    lin = Linear(128, 64, bias=True).to(dtype)
+    plain = torch.nn.Linear(128, 64, bias=True).to(dtype)
     with torch.no_grad():
-        lin.weight.copy_(w)
-        lin.bias.copy_(torch.randn(64))
-    lin.int4 = exact_int4(lin.weight)
-    assert lin.int4 is not None
+        plain.weight.copy_(w)
+        plain.bias.copy_(torch.randn(64))
+    int4 = exact_int4(plain.weight)
+    assert int4 is not None
+    lin = Int4Linear(int4, plain)
     x = torch.randn(3, 128).to(dtype)
     want = torch.nn.functional.linear(x.float(), w.float(), lin.bias.float())
     got = lin(x).float()
     tol = 1e-4 if dtype == torch.float32 else 0.05 * want.abs().max().item()
     assert (got - want).abs().max().item() < tol
-    big = torch.randn(llama.INT4_MAX_ROWS + 1, 128).to(dtype)  # more rows: the regular path, same result
-    assert torch.allclose(lin(big).float(), torch.nn.functional.linear(big, lin.weight, lin.bias).float(),
+    big = torch.randn(INT4_MAX_ROWS + 1, 128).to(dtype)  # more rows: the regular path, same result
+    assert torch.allclose(lin(big).float(), torch.nn.functional.linear(big, plain.weight, plain.bias).float(),
                           atol=tol, rtol=0)
 
 

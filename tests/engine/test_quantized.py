@@ -10,14 +10,15 @@ import pytest
 import torch
 
 from engine.kernels import cpu_ops
-from engine.model.llama import Linear
+from engine.model import cpu_linear
+from engine.model.cpu_linear import OneDnnHead, OneDnnLinear, Q4Linear, Q8Head
 from engine.model.quantized import dequant_reference, dequant_reference_q8, find_q4, find_q8, pack_q4, pack_q8
 
 if os.environ.get(cpu_ops.ENV) == "torch":
     pytest.skip("fused CPU kernels turned off", allow_module_level=True)
 
 assert cpu_ops.load(), f"the fused CPU kernels must build here: {cpu_ops.unavailable_reason()}"
-OPS = torch.ops.kvfleet_cpu
+OPS = cpu_ops.ops()
 AMX = bool(OPS.quant_amx())
 
 
@@ -114,14 +115,14 @@ def test_q4_linear_bad_inputs_are_clear_errors():
 
 def test_linear_with_q4_equals_the_bf16_linear():
     w = q4_1_tensor(64, 128, seed=3)
-    lin = Linear(128, 64, bias=True).to(torch.bfloat16)
+    lin = torch.nn.Linear(128, 64, bias=True).to(torch.bfloat16)
     with torch.no_grad():
         lin.weight.copy_(w)
         lin.bias.copy_(torch.randn(64))
     x = torch.randn(7, 128).bfloat16()
     plain = lin(x).double()
-    lin.q4 = pack_q4(*find_q4(w))
-    assert torch.allclose(lin(x).double(), plain, rtol=2 ** -7, atol=1e-3 * plain.abs().max().item())
+    q4 = Q4Linear(lin, pack_q4(*find_q4(w)))
+    assert torch.allclose(q4(x).double(), plain, rtol=2 ** -7, atol=1e-3 * plain.abs().max().item())
 
 
 def test_smollm2_projections_run_4bit_on_the_same_bf16_weights():
@@ -130,12 +131,12 @@ def test_smollm2_projections_run_4bit_on_the_same_bf16_weights():
     from engine.llm import LLM
 
     model = LLM("smollm2", dtype="bfloat16", num_blocks=64).engine.model
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, (OneDnnLinear, Q4Linear))]
     assert len(linears) == 4 * model.config.num_layers  # qkv, o, gate_up, down
     for name, module in linears:
         assert module.q4_packed is not None, name
         assert torch.equal(OPS.q4_dequant(*module.q4_packed), module.weight), name
-    assert model.q4_projections == (len(linears) if AMX else 0)
+    assert cpu_linear.q4_projections(model) == (len(linears) if AMX else 0)
 
 
 # ---- 8-bit (Q8_0) --------------------------------------------------------------------------------
@@ -185,9 +186,11 @@ def test_smollm2_head_runs_8bit_on_the_same_bf16_weights():
     from engine.llm import LLM
 
     model = LLM("smollm2", dtype="bfloat16", num_blocks=64).engine.model
-    assert model._lm_head_q8_packed is not None  # the GGUF's Q8_0 embedding, recovered exactly
-    assert torch.equal(OPS.q8_dequant(*model._lm_head_q8_packed), model.lm_head_weight)
-    assert model.q8_lm_head == AMX
+    head = model.output_head
+    assert isinstance(head, Q8Head if AMX else OneDnnHead)
+    assert head.q8_packed is not None  # the GGUF's Q8_0 embedding, recovered exactly
+    assert torch.equal(OPS.q8_dequant(*head.q8_packed), model.lm_head_weight)
+    assert cpu_linear.q8_head(model) == AMX
 
 
 @pytest.mark.parametrize("amx", [True, False] if AMX else [False])

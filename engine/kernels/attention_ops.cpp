@@ -1,0 +1,319 @@
+// kvfleet CPU kernels for paged attention, added to the torch.ops.kvfleet_cpu library (layer_ops.cpp).
+//
+//   write_kv(key, value, k_cache, v_cache, slots)    store each token's K/V heads at its cache slot
+//   paged_decode_(out, q, k_cache, v_cache, tables, seq_lens, scale)
+//       one query token per sequence over its paged context, grouped-query heads share K/V reads; for
+//       bf16 with head_dim 64 the scores run on AMX tiles where the CPU has them; the next cache block
+//       is prefetched while one is read (blocks sit anywhere, out of the hardware prefetchers' sight).
+//       Sequences run in parallel; when there are fewer sequences than threads, a long context is split
+//       into runs of blocks on several threads (flash-decoding): each part keeps its own float32 maximum,
+//       sum and weighted sum of V, and the parts are merged by rescaling to the common maximum.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+#include "amx.h"
+#include "cpu_common.h"
+#include "paged_scores.h"
+
+namespace {
+
+using namespace kvfleet_cpu;
+
+// ---- KV write ------------------------------------------------------------------------------------
+
+void check_heads(const Tensor& t, const char* name, int64_t heads, int64_t d) {
+  TORCH_CHECK(t.dim() == 3 && t.size(1) == heads && t.size(2) == d && t.stride(2) == 1 && t.stride(1) == d,
+              "kvfleet_cpu: ", name, " must be [tokens, ", heads, ", ", d, "] with contiguous heads");
+}
+
+void write_kv(const Tensor& key, const Tensor& value, Tensor& k_cache, Tensor& v_cache, const Tensor& slots) {
+  check_float(key, "key");
+  check(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+        "caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
+  check(k_cache.scalar_type() == key.scalar_type() && v_cache.scalar_type() == key.scalar_type() &&
+            value.scalar_type() == key.scalar_type(),
+        "key, value and caches must have one dtype");
+  const int64_t hkv = k_cache.size(2), d = k_cache.size(3);
+  check_heads(key, "key", hkv, d);
+  check_heads(value, "value", hkv, d);
+  check(value.size(0) == key.size(0), "key and value must have the same number of tokens");
+  const int64_t n_slots = k_cache.size(0) * k_cache.size(1);
+  check(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == key.size(0),
+        "slot_mapping must be int64 [tokens]");
+  const Tensor sc = slots.contiguous();
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  const int64_t tokens = key.size(0), es = key.element_size();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(sp[t] < n_slots, "kvfleet_cpu: slot ", sp[t], " is outside the cache (", n_slots, " slots)");
+  const size_t bytes = hkv * d * es;
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  char* kd = static_cast<char*>(k_cache.data_ptr());
+  char* vd = static_cast<char*>(v_cache.data_ptr());
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (sp[t] < 0) continue;  // padding: not written
+    std::memcpy(kd + sp[t] * bytes, kp + t * key.stride(0) * es, bytes);
+    std::memcpy(vd + sp[t] * bytes, vp + t * value.stride(0) * es, bytes);
+  }
+}
+
+// ---- paged decode attention ----------------------------------------------------------------------
+
+// softmax numerators in place over each of `rows` rows of `len` scores; their maxima in mx[rows], their
+// sums in sum[rows]
+inline void softmax_rows(float* sc, int64_t rows, int64_t len, float* mx, float* sum) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sj = sc + r * len;
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 0; t < len; ++t) m = sj[t] > m ? sj[t] : m;
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < len; ++t) {
+      sj[t] = fast_exp(sj[t] - m);
+      total += sj[t];
+    }
+    mx[r] = m;
+    sum[r] = total;
+  }
+}
+
+
+// The attention of every query head over one run of a sequence's keys (all of them, or one part of a split
+// context): per head the maximum score, the sum of exp(score - maximum) and the unnormalised weighted sum
+// of V rows (acc [q_heads * head_dim]), all float32.
+struct Partial {
+  float* acc;
+  float* max;
+  float* sum;
+};
+
+#ifdef __AVX512F__
+// The partial of a run of `len` keys (blocks from `table`) with head_dim D (a multiple of 16) and G query
+// heads per kv head: scores per kv head (AMX tiles where `amx`, else AVX-512), softmax, then the weighted
+// sum of V with the G accumulators in registers while the V rows stream by.
+template <int D, int G, typename T>
+void decode_part_avx512(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t len, int64_t bs,
+                        int64_t hkv, float scale, Partial part, std::vector<float>& work, bool amx) {
+  constexpr int V = D / 16;
+  const int64_t hq = hkv * G, row_elems = hkv * D;
+  work.resize(hq * len);
+  float* sc = work.data();
+  bool scored = false;
+#ifdef KVFLEET_AMX
+  if constexpr (D == 64 && std::is_same_v<T, c10::BFloat16>) {
+    if (amx) {
+      scores_amx<G>(q, kc, table, len, bs, hkv, scale, sc);
+      scored = true;
+    }
+  }
+#endif
+  for (int64_t h = 0; h < hkv && !scored; ++h) scores_avx512<D, G>(q, kc, table, len, bs, hkv, h, scale, sc + h * G * len);
+  softmax_rows(sc, hq, len, part.max, part.sum);
+  for (int64_t h = 0; h < hkv; ++h) {
+    __m512 acc[G][V];
+    for (int j = 0; j < G; ++j)
+      for (int v = 0; v < V; ++v) acc[j][v] = _mm512_setzero_ps();
+    const float* p = sc + h * G * len;
+    for_each_token(vc, table, len, bs, row_elems, h * D, h == 0 ? row_elems : 0, [&](const T* row, int64_t t) {
+      __m512 x[V];
+      for (int v = 0; v < V; ++v) x[v] = load16(row + v * 16);
+      for (int j = 0; j < G; ++j) {
+        const __m512 w = _mm512_set1_ps(p[j * len + t]);
+        for (int v = 0; v < V; ++v) acc[j][v] = _mm512_fmadd_ps(w, x[v], acc[j][v]);
+      }
+    });
+    for (int j = 0; j < G; ++j)
+      for (int v = 0; v < V; ++v) _mm512_storeu_ps(part.acc + (h * G + j) * D + v * 16, acc[j][v]);
+  }
+}
+#endif
+
+// The partial of a run of keys, every head, vectorized above where the shape has a specialization, else
+// portable: K and V rows of all kv heads sit together in a block ([block_size, kv_heads, d]), so each block
+// is read front to back once for K and once for V.
+template <typename T>
+void decode_part(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t len, int64_t bs, int64_t hkv,
+                 int64_t g, int64_t d, float scale, Partial part, std::vector<float>& work, bool amx) {
+#ifdef __AVX512F__
+  if (d == 64 && g == 3) return decode_part_avx512<64, 3>(q, kc, vc, table, len, bs, hkv, scale, part, work, amx);
+  if (d == 64 && g == 4) return decode_part_avx512<64, 4>(q, kc, vc, table, len, bs, hkv, scale, part, work, amx);
+  if (d == 64 && g == 1) return decode_part_avx512<64, 1>(q, kc, vc, table, len, bs, hkv, scale, part, work, amx);
+  if (d == 128 && g == 1) return decode_part_avx512<128, 1>(q, kc, vc, table, len, bs, hkv, scale, part, work, amx);
+  if (d == 128 && g == 2) return decode_part_avx512<128, 2>(q, kc, vc, table, len, bs, hkv, scale, part, work, amx);
+  if (d == 128 && g == 4) return decode_part_avx512<128, 4>(q, kc, vc, table, len, bs, hkv, scale, part, work, amx);
+#endif
+  const int64_t hq = hkv * g, row_elems = hkv * d;
+  // work: q (hq*d) | scores (hq*len) | one K/V row (hkv*d)
+  work.resize(hq * d + hq * len + row_elems);
+  float* qf = work.data();
+  float* sc = qf + hq * d;
+  float* row = sc + hq * len;
+  float* acc = part.acc;
+  to_f32(q, qf, hq * d);
+  for (int64_t i = 0; i < hq * d; ++i) qf[i] *= scale;
+  for_each_token(kc, table, len, bs, row_elems, 0, row_elems, [&](const T* r, int64_t t) {  // scores
+    to_f32(r, row, row_elems);
+    for (int64_t hj = 0; hj < hq; ++hj) {
+      const float* qj = qf + hj * d;
+      const float* kr = row + (hj / g) * d;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t i = 0; i < d; ++i) s += qj[i] * kr[i];
+      sc[hj * len + t] = s;
+    }
+  });
+  softmax_rows(sc, hq, len, part.max, part.sum);
+  std::fill(acc, acc + hq * d, 0.f);
+  for_each_token(vc, table, len, bs, row_elems, 0, row_elems, [&](const T* r, int64_t t) {  // weighted sum of V
+    to_f32(r, row, row_elems);
+    for (int64_t hj = 0; hj < hq; ++hj) {
+      const float p = sc[hj * len + t];
+      const float* vr = row + (hj / g) * d;
+      float* aj = acc + hj * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) aj[i] += p * vr[i];
+    }
+  });
+}
+
+// out = the parts merged: each rescaled from its own maximum to the common one, divided by the rescaled sum
+// of the sums; a single part (an unsplit sequence) is acc / sum.
+template <typename T>
+void merge_parts(const Partial* parts, int64_t n, int64_t hq, int64_t d, T* out, float* res) {
+  for (int64_t hj = 0; hj < hq && n == 1; ++hj) {
+    const float inv = 1.f / parts[0].sum[hj];
+    const float* a = parts[0].acc + hj * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) res[hj * d + i] = a[i] * inv;
+  }
+  for (int64_t hj = 0; hj < hq && n > 1; ++hj) {
+    float m = parts[0].max[hj];
+    for (int64_t p = 1; p < n; ++p) m = std::max(m, parts[p].max[hj]);
+    float total = 0.f;
+    float* r = res + hj * d;
+    std::fill(r, r + d, 0.f);
+    for (int64_t p = 0; p < n; ++p) {
+      const float w = std::exp(parts[p].max[hj] - m);
+      total += parts[p].sum[hj] * w;
+      const float* a = parts[p].acc + hj * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) r[i] += a[i] * w;
+    }
+    const float inv = 1.f / total;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) r[i] *= inv;
+  }
+  from_f32(res, out, hq * d);
+}
+
+// A run of blocks [first, last) of sequence `seq`, one unit of parallel work; `parts` runs make up the sequence.
+// A run of a split sequence keeps its partial in slot `slot` until the merge; a whole one (slot -1) is
+// finished by its thread.
+struct Run {
+  int64_t seq, first, last, parts, slot;
+};
+
+constexpr int64_t kMinPartTokens = 256;  // a split part reads at least this many keys (per-part cost stays small)
+
+// Every sequence whole while there are at least as many sequences as threads; otherwise each long one split
+// into up to ceil(threads / seqs) runs of whole blocks, so that one sequence's context is read by every core.
+std::vector<Run> plan_runs(const int32_t* lens, int64_t b, int64_t bs) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t want = b < threads ? (threads + b - 1) / b : 1;
+  std::vector<Run> runs;
+  runs.reserve(b * want);
+  int64_t slots = 0;
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t nblk = (lens[i] + bs - 1) / bs;
+    const int64_t parts = std::max<int64_t>(1, std::min(want, int64_t(lens[i]) / kMinPartTokens));
+    for (int64_t p = 0; p < parts; ++p)
+      runs.push_back({i, nblk * p / parts, nblk * (p + 1) / parts, parts, parts == 1 ? -1 : slots++});
+  }
+  return runs;
+}
+
+void paged_decode_(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                   const Tensor& block_tables, const Tensor& seq_lens, double scale) {
+  check_float(q, "q");
+  check(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && out.is_contiguous() &&
+            out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+        "q must be [seqs, q_heads, head_dim] with contiguous heads, out a contiguous tensor like it");
+  check(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+            k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+        "caches must be contiguous [blocks, block_size, kv_heads, head_dim] of q's dtype");
+  check(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous() &&
+            block_tables.size(0) == q.size(0),
+        "block_tables must be contiguous int32 [seqs, max_blocks]");
+  check(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0),
+        "seq_lens must be int32 [seqs]");
+  const int64_t b = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t nb = k_cache.size(0), bs = k_cache.size(1), hkv = k_cache.size(2);
+  check(k_cache.size(3) == d && hkv > 0 && hq % hkv == 0, "q heads must be a multiple of the cache's kv heads");
+  const int64_t mb = block_tables.size(1), g = hq / hkv, qs = q.stride(0);
+  const int32_t* tp = block_tables.data_ptr<int32_t>();
+  const Tensor lens = seq_lens.contiguous();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  for (int64_t i = 0; i < b; ++i) {
+    TORCH_CHECK(lp[i] >= 1 && (lp[i] + bs - 1) / bs <= mb, "kvfleet_cpu: seq_len ", lp[i], " of sequence ", i,
+                " does not fit its block table (", mb, " blocks of ", bs, ")");
+    for (int64_t j = 0; j < (lp[i] + bs - 1) / bs; ++j)
+      TORCH_CHECK(tp[i * mb + j] >= 0 && tp[i * mb + j] < nb, "kvfleet_cpu: block id ", tp[i * mb + j],
+                  " outside the cache");
+  }
+  dispatch(q.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+#ifdef KVFLEET_AMX
+    const bool amx = std::is_same_v<scalar_t, c10::BFloat16> && d == 64 && bs % 16 == 0 && kvfleet_amx::amx_permitted();
+#else
+    const bool amx = false;
+#endif
+    const std::vector<Run> runs = plan_runs(lp, b, bs);
+    const int64_t n = int64_t(runs.size()), stride = hq * d + 2 * hq;
+    const int64_t slots = n - std::count_if(runs.begin(), runs.end(), [](const Run& r) { return r.slot < 0; });
+    std::unique_ptr<float[]> partials(new float[slots * stride]);  // none while every sequence stays whole
+    auto partial = [&](float* base) { return Partial{base, base + hq * d, base + hq * d + hq}; };
+    at::parallel_for(0, n, 1, [&](int64_t s, int64_t e) {
+      std::vector<float> work, res(hq * d), own(stride);
+#ifdef KVFLEET_AMX
+      if (amx) kvfleet_amx::configure_tiles();
+#endif
+      for (int64_t r = s; r < e; ++r) {
+        const Run& run = runs[r];
+        const int64_t len = std::min<int64_t>(lp[run.seq], run.last * bs) - run.first * bs;
+        const Partial part = partial(run.slot < 0 ? own.data() : partials.get() + run.slot * stride);
+        decode_part(qp + run.seq * qs, kp, vp, tp + run.seq * mb + run.first, len, bs, hkv, g, d, float(scale), part,
+                    work, amx);
+        if (run.slot < 0) merge_parts(&part, 1, hq, d, op + run.seq * hq * d, res.data());
+      }
+#ifdef KVFLEET_AMX
+      if (amx) _tile_release();
+#endif
+    });
+    std::vector<float> res(hq * d);
+    std::vector<Partial> parts;
+    for (int64_t r = 0; r < n; r += runs[r].parts) {  // the split sequences, their runs side by side
+      if (runs[r].parts == 1) continue;
+      parts.clear();
+      for (int64_t p = 0; p < runs[r].parts; ++p) parts.push_back(partial(partials.get() + runs[r + p].slot * stride));
+      merge_parts(parts.data(), runs[r].parts, hq, d, op + runs[r].seq * hq * d, res.data());
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
+  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()", &write_kv);
+  m.def("paged_decode_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> ()",
+        &paged_decode_);
+}

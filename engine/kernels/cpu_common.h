@@ -1,0 +1,92 @@
+// Helpers shared by the fused CPU kernels (layer_ops.cpp, attention_ops.cpp): float32 conversion of bf16 or
+// float32 rows, argument checks with kvfleet_cpu's error prefix, dtype dispatch and a vectorizable exp.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace kvfleet_cpu {
+
+using at::Tensor;
+
+inline void to_f32(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void to_f32(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) d[i] = uint32_t(s[i]) << 16;
+}
+
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+inline void from_f32(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void from_f32(const float* src, c10::BFloat16* dst, int64_t n) {
+  // round to nearest even, NaN stays NaN (what c10::BFloat16's constructor does)
+  const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
+  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t b = s[i];
+    uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+    d[i] = ((b & 0x7FFFFFFFu) > 0x7F800000u) ? uint16_t(0x7FC0) : uint16_t(rounded);
+  }
+}
+
+inline void check(bool ok, const char* msg) { TORCH_CHECK(ok, "kvfleet_cpu: ", msg); }
+
+inline void check_float(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "kvfleet_cpu: ", name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat, "kvfleet_cpu: ", name,
+              " must be bfloat16 or float32, got ", t.scalar_type());
+}
+
+// Runs f(scalar) with a value of the tensor's element type (bf16 or float32).
+template <typename F>
+void dispatch(at::ScalarType t, F&& f) {
+  if (t == at::kBFloat16) {
+    f(c10::BFloat16{});
+  } else {
+    f(float{});
+  }
+}
+
+// exp(x) to about 1 ulp from arithmetic alone, so loops calling it vectorize (std::exp does not without
+// -ffast-math): 2^n * e^r with n = round(x / ln 2), |r| <= ln(2) / 2, e^r by its Taylor series to r^7;
+// 0 below e^-70 (negligible next to the softmax maximum's 1, and it keeps denormals out).
+inline float fast_exp(float x) {
+  const bool tiny = x < -70.f;  // 0 below e^-70: no denormal products downstream (they are slow on x86)
+  x = std::min(std::max(x, -70.f), 88.f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return tiny ? 0.f : p * scale;
+}
+
+}  // namespace kvfleet_cpu

@@ -1,0 +1,126 @@
+// Reading a sequence's paged K/V and its attention scores, for attention_ops.cpp: prefetching the next cache
+// block, visiting a sequence's tokens through its block table, and the scores of one query token against
+// every key (AVX-512 with the group's queries in registers; AMX tiles for bf16 with head_dim 64).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "amx.h"
+#include "cpu_common.h"
+
+namespace kvfleet_cpu {
+
+// Asks for the first `span` elements of each of a cache block's bs rows to be in cache soon: blocks of a
+// sequence sit anywhere in the cache, so the hardware prefetchers cannot see the next one coming.
+template <typename T>
+inline void prefetch_block(const T* block, int64_t bs, int64_t row_elems, int64_t span) {
+  const char* p = reinterpret_cast<const char*>(block);
+  const int64_t bytes = span * int64_t(sizeof(T)), stride = row_elems * int64_t(sizeof(T));
+  for (int64_t o = 0; o < bs; ++o)
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + o * stride + line);
+}
+
+// Calls f(row, t) for the sequence's tokens t = 0 .. len-1 in order, row pointing at token t's entry in a
+// paged cache ([blocks, block_size, row_elems]) plus `offset` elements; blocks come from `table`. While f
+// runs over one block, the first `prefetch` elements of the next block's rows are prefetched (whole rows
+// on a sequence's first pass, so later passes over other heads find them in cache; 0 for none).
+template <typename T, typename F>
+inline void for_each_token(const T* cache, const int32_t* table, int64_t len, int64_t bs, int64_t row_elems,
+                           int64_t offset, int64_t prefetch, F&& f) {
+  const int64_t nblk = (len + bs - 1) / bs;
+  for (int64_t bi = 0; bi < nblk; ++bi) {
+    const T* block = cache + int64_t(table[bi]) * bs * row_elems;
+    if (prefetch && bi + 1 < nblk) prefetch_block(cache + int64_t(table[bi + 1]) * bs * row_elems, bs, row_elems, prefetch);
+    const int64_t n = std::min(bs, len - bi * bs);
+    for (int64_t o = 0; o < n; ++o) f(block + o * row_elems + offset, bi * bs + o);
+  }
+}
+
+#ifdef __AVX512F__
+// Scores of one sequence for kv head h with head_dim D (a multiple of 16) and G query heads per kv head:
+// dst[j * len + t] = scale * q_j . k_t. The G queries stay in registers while the rows stream by.
+template <int D, int G, typename T>
+void scores_avx512(const T* q, const T* kc, const int32_t* table, int64_t len, int64_t bs, int64_t hkv, int64_t h,
+                   float scale, float* dst) {
+  constexpr int V = D / 16;
+  __m512 qv[G][V];
+  for (int j = 0; j < G; ++j)
+    for (int v = 0; v < V; ++v) qv[j][v] = _mm512_mul_ps(load16(q + (h * G + j) * D + v * 16), _mm512_set1_ps(scale));
+  for_each_token(kc, table, len, bs, hkv * D, h * D, h == 0 ? hkv * D : 0, [&](const T* row, int64_t t) {
+    __m512 k[V];
+    for (int v = 0; v < V; ++v) k[v] = load16(row + v * 16);
+    for (int j = 0; j < G; ++j) {
+      __m512 a = _mm512_mul_ps(qv[j][0], k[0]);
+      for (int v = 1; v < V; ++v) a = _mm512_fmadd_ps(qv[j][v], k[v], a);
+      dst[j * len + t] = _mm512_reduce_add_ps(a);
+    }
+  });
+}
+
+#ifdef KVFLEET_AMX
+// The same scores for bf16, head_dim 64, block_size a multiple of 16, every kv head (up to 16 / G at a
+// time), on AMX tiles: each 16-key tile of a block is loaded straight from the cache as 16 x 32 halves per
+// kv head and multiplied with all the group's queries (the columns of two B tiles, dims 0-31 and 32-63);
+// the columns of the key's own head are kept. bf16 products, float32 sums, then scaled. Keys are read
+// once, in cache order, the next block prefetched. Tiles: 0-2 sums per head, 3, 4 queries, 5-7 keys.
+template <int G>
+void scores_amx(const c10::BFloat16* q, const c10::BFloat16* kc, const int32_t* table, int64_t len, int64_t bs,
+                int64_t hkv, float scale, float* sc) {
+  constexpr int D = 64, HG = std::min(3, 16 / G);  // kv heads per pass: one sum tile each, HG * G <= 16 columns
+  const uint16_t* k = reinterpret_cast<const uint16_t*>(kc);
+  const int64_t row_elems = hkv * D, stride = row_elems * 2, tiles = (len + 15) / 16;
+  auto keys = [&](int64_t tile) {  // the tile's first row; rows past len are read (inside the block), never used
+    const int64_t first = tile * 16;
+    return k + (int64_t(table[first / bs]) * bs + first % bs) * row_elems;
+  };
+  alignas(64) uint16_t qt[2][16][32];  // VNNI: [dims half][dim pair][query column][2]
+  alignas(64) float c[HG][16][16];
+  for (int64_t h0 = 0; h0 < hkv; h0 += HG) {
+    const int heads = int(std::min<int64_t>(HG, hkv - h0));
+    std::memset(qt, 0, sizeof(qt));
+    const uint16_t* qh = reinterpret_cast<const uint16_t*>(q) + h0 * G * D;
+    for (int j = 0; j < heads * G; ++j)
+      for (int d = 0; d < D; ++d) qt[d / 32][(d % 32) / 2][j * 2 + d % 2] = qh[j * D + d];
+    _tile_loadd(3, qt[0], 64);
+    _tile_loadd(4, qt[1], 64);
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      if (tile + 1 < tiles) prefetch_block(keys(tile + 1), 16, row_elems, row_elems);
+      const uint16_t* kt = keys(tile) + h0 * D;
+      _tile_zero(0);
+      _tile_loadd(5, kt, stride);
+      _tile_loadd(6, kt + 32, stride);
+      _tile_dpbf16ps(0, 5, 3);
+      _tile_dpbf16ps(0, 6, 4);
+      if (heads > 1) {
+        _tile_zero(1);
+        _tile_loadd(7, kt + D, stride);
+        _tile_dpbf16ps(1, 7, 3);
+        _tile_loadd(5, kt + D + 32, stride);
+        _tile_dpbf16ps(1, 5, 4);
+      }
+      if (heads > 2) {
+        _tile_zero(2);
+        _tile_loadd(6, kt + 2 * D, stride);
+        _tile_dpbf16ps(2, 6, 3);
+        _tile_loadd(7, kt + 2 * D + 32, stride);
+        _tile_dpbf16ps(2, 7, 4);
+      }
+      _tile_stored(0, c[0], 64);
+      if (heads > 1) _tile_stored(1, c[1], 64);
+      if (heads > 2) _tile_stored(2, c[2], 64);
+      const int64_t t0 = tile * 16, n = std::min<int64_t>(16, len - t0);
+      for (int hh = 0; hh < heads; ++hh)
+        for (int g = 0; g < G; ++g) {
+          const int col = hh * G + g;
+          float* dst = sc + ((h0 + hh) * G + g) * len + t0;
+          for (int64_t r = 0; r < n; ++r) dst[r] = c[hh][r][col] * scale;
+        }
+    }
+  }
+}
+#endif  // KVFLEET_AMX
+#endif  // __AVX512F__
+
+}  // namespace kvfleet_cpu

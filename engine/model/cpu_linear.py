@@ -1,0 +1,198 @@
+"""Faster projections for bf16 models on CPUs, swapped into the model once at load.
+
+`prepack` (the loader calls it for bf16 on CPU) replaces every nn.Linear projection of the decoder layers
+with `OneDnnLinear` (the weight pre-packed for oneDNN: no repacking per call) and the output head with
+`OneDnnHead`. Weights that are exactly 4-bit group-quantized (GGUF Q4_1 checkpoints) are wrapped in
+`Int4Linear`: torch's int4 kernel serves steps of up to INT4_MAX_ROWS rows (the fastest there; its bf16
+scales round the weights slightly differently). `QuantCapture` watches `load_weights` for exact 4/8-bit
+groups in the float32 checkpoint values and keeps their packed copies on the modules; once the fused
+kernels are in use and the CPU has AMX, `use_quant_kernels` swaps in `Q4Linear` / `Q8Head`, which multiply
+through them (engine/kernels/quant_gemm.cpp: a third of the bytes, exactly the bf16 weights).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from engine.kernels import cpu_ops
+from engine.model.llama import LlamaForCausalLM, ModelConfig
+from engine.model.quantized import find_q4, find_q8, pack_q4, pack_q8
+
+QUANT_ENV = "KVFLEET_QUANT_KERNELS"  # "off": keep the bf16 (oneDNN) matmuls even where the packed 4/8-bit kernels run
+Q8_HEAD_MAX_ROWS = 24  # the 8-bit head: 1.5x oneDNN at 1-16 rows, 1.06x at 24, parity at 32, 0.85x at 48 (AMX-bound)
+INT4_GROUP = 32
+INT4_MAX_ROWS = 4  # steps of up to this many rows: 1.6-1.9x oneDNN bf16 at 1 row, 1.4x q4_linear at 1-2, ~1.1x at 4
+
+Packed = tuple[torch.Tensor, torch.Tensor]
+
+
+def can_prepack(dtype: torch.dtype, device: torch.device | str) -> bool:
+    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def _onednn_pack(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+
+
+def exact_int4(weight: torch.Tensor) -> Packed | None:
+    """The weight as 4-bit values with a scale and zero per 32 inputs, if that reproduces it (up to the
+    rounding of the model dtype): true for checkpoints that were 4-bit quantized, false for float ones."""
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return None
+    w = weight.detach().float()
+    n, k = w.shape
+    if k % INT4_GROUP or n % 16:
+        return None
+    g = w.view(n, k // INT4_GROUP, INT4_GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    step = (hi - lo) / 15
+    q = torch.round((g - lo[..., None]) / torch.where(step > 0, step, 1.0)[..., None]).clamp_(0, 15)
+    err = (q * step[..., None] + lo[..., None] - g).abs()
+    if bool((err > 0.15 * step[..., None] + 1e-12).any()):
+        return None  # not 4-bit data (a float checkpoint; rounding to bf16 stays far below this): keep bf16
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(n, k).to(torch.int32), 1)
+    scales_zeros = torch.stack([step, lo + 8 * step], dim=-1).transpose(0, 1).contiguous().to(weight.dtype)
+    return packed, scales_zeros
+
+
+class QuantCapture:
+    """Observer for LlamaForCausalLM.load_weights: the exact 4-bit groups of each projection (per fused part)
+    and the exact 8-bit groups of the output weights, found in the float32 checkpoint values."""
+
+    def __init__(self, config: ModelConfig):
+        self.head_name = "embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        self.q4_parts: dict[str, dict[int, tuple | None]] = {}
+        self.q8_head: Packed | None = None
+
+    def __call__(self, name: str, start: int, tensor: torch.Tensor) -> None:
+        if name.endswith("_proj.weight"):
+            self.q4_parts.setdefault(name, {})[start] = find_q4(tensor)
+        if name == self.head_name:
+            self.q8_head = find_q8(tensor)
+
+    def q4_packed(self, name: str, shape: torch.Size) -> Packed | None:
+        """The packed 4-bit form of a (possibly fused) projection whose every part was recovered, else None."""
+        parts = self.q4_parts.get(name)
+        if not parts or any(p is None for p in parts.values()):
+            return None
+        ordered = [parts[start] for start in sorted(parts)]
+        q, s, m = (torch.cat([p[i] for p in ordered]) for i in range(3))
+        return pack_q4(q, s, m) if tuple(q.shape) == tuple(shape) else None
+
+
+class OneDnnLinear(nn.Module):
+    """A projection through its oneDNN pre-packed weight; q4_packed: its exact 4-bit copy, if any."""
+
+    def __init__(self, linear: nn.Module, q4_packed: Packed | None = None):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.packed = _onednn_pack(linear.weight)
+        self.q4_packed = q4_packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class Q4Linear(nn.Module):
+    """A projection through its packed 4-bit weight (q4_linear on AMX: the same bf16 values)."""
+
+    def __init__(self, linear: nn.Module, q4_packed: Packed):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.q4_packed = q4_packed
+        self._q4_linear = cpu_ops.ops().q4_linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._q4_linear(x, self.q4_packed[0], self.q4_packed[1], self.bias)
+
+
+class Int4Linear(nn.Module):
+    """Steps of up to INT4_MAX_ROWS rows through torch's int4 kernel; larger ones through `large`."""
+
+    def __init__(self, int4: Packed, large: nn.Module):
+        super().__init__()
+        self.weight, self.bias = large.weight, large.bias
+        self.int4, self.large = int4, large
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > INT4_MAX_ROWS:
+            return self.large(x)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4[0], INT4_GROUP, self.int4[1])
+        return out if self.bias is None else out + self.bias
+
+
+class OneDnnHead(nn.Module):
+    """Float32 logits through the oneDNN pre-packed output weights; q8_packed: their exact 8-bit copy, if any."""
+
+    def __init__(self, weight: torch.Tensor, q8_packed: Packed | None = None):
+        super().__init__()
+        self.packed = _onednn_pack(weight)
+        self.q8_packed = q8_packed
+
+    def forward(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(h, self.packed, None, "none", [], "").float()
+
+
+class Q8Head(nn.Module):
+    """Steps of up to Q8_HEAD_MAX_ROWS rows through the packed 8-bit output weights, float32 logits straight
+    from the float32 sums (bf16 logits, spacing 0.125 at 16-32, tie close tokens); larger ones through `large`."""
+
+    def __init__(self, q8_packed: Packed, large: nn.Module):
+        super().__init__()
+        self.q8_packed, self.large = q8_packed, large
+        self._q8_linear = cpu_ops.ops().q8_linear
+
+    def forward(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if h.shape[0] > Q8_HEAD_MAX_ROWS:
+            return self.large(h, weight)
+        return self._q8_linear(h, self.q8_packed[0], self.q8_packed[1], None, True, True)
+
+
+def swap_modules(model: nn.Module, cls: type[nn.Module], make: Callable[[str, nn.Module], nn.Module]) -> None:
+    """Replace every submodule of exactly type `cls` with make(its qualified name, it)."""
+    for name, module in list(model.named_modules()):
+        if type(module) is cls and name:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, make(name, module))
+
+
+def prepack(model: LlamaForCausalLM, capture: QuantCapture) -> None:
+    """The oneDNN (and, for exact 4-bit weights, int4) projections and output head; the exact 4/8-bit
+    copies that `capture` found are kept for use_quant_kernels."""
+
+    def packed(name: str, linear: nn.Module) -> nn.Module:
+        fast = OneDnnLinear(linear, capture.q4_packed(f"{name}.weight", linear.weight.shape))
+        int4 = exact_int4(linear.weight)
+        return fast if int4 is None else Int4Linear(int4, fast)
+
+    swap_modules(model.layers, nn.Linear, lambda name, linear: packed(f"layers.{name}", linear))
+    head = model.lm_head_weight
+    q8 = capture.q8_head
+    model.output_head = OneDnnHead(head, pack_q8(*q8) if q8 is not None and q8[0].shape == head.shape else None)
+
+
+def use_quant_kernels(model: LlamaForCausalLM) -> None:
+    """Where the CPU runs the AMX kernels (and KVFLEET_QUANT_KERNELS is not "off"), projections and the head
+    with exact 4/8-bit copies multiply through them."""
+    if not cpu_ops.ops().quant_amx() or os.environ.get(QUANT_ENV, "auto") == "off":
+        return
+    swap_modules(model, OneDnnLinear,
+                 lambda _, linear: linear if linear.q4_packed is None else Q4Linear(linear, linear.q4_packed))
+    head = model.output_head
+    if isinstance(head, OneDnnHead) and head.q8_packed is not None:
+        model.output_head = Q8Head(head.q8_packed, head)
+
+
+def q4_projections(model: nn.Module) -> int:
+    """How many projections multiply through their packed 4-bit weights."""
+    return sum(1 for m in model.modules() if isinstance(m, Q4Linear))
+
+
+def q8_head(model: LlamaForCausalLM) -> bool:
+    """Whether the logits come from the checkpoint's packed 8-bit output weights."""
+    return isinstance(model.output_head, Q8Head)

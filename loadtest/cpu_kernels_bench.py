@@ -68,7 +68,7 @@ def bench_projections(a: argparse.Namespace) -> int:
     for rows in a.rows:
         xs = [torch.randn(rows, k, generator=gen).to(torch.bfloat16) for _, k in shapes]
 
-        def step(which: str) -> float:
+        def step(which: str, xs: list[torch.Tensor] = xs) -> float:
             t = time.perf_counter()
             for layer in layers:
                 for x, ((qw, sc), packed) in zip(xs, layer, strict=True):

@@ -37,7 +37,6 @@ def test_decode_step_rejects_bad_flags(capsys):
 
 
 def test_cpu_kernels_bench_small_runs(capsys):
-    import torch
 
     from engine.kernels import cpu_ops
     from loadtest import cpu_kernels_bench

@@ -77,7 +77,9 @@ class FusedSiluAndMul(nn.Module):
 
 def use_cpu_kernels(model: LlamaForCausalLM) -> None:
     """Swap the fused CPU kernels into `model` (bf16 or float32 on CPU), and the packed 4/8-bit projections
-    where they run."""
+    where they run. Idempotent: engines sharing one loaded model (tests, benchmarks) each call it."""
+    if uses_cpu_kernels(model):
+        return
     swap_modules(model, RMSNorm, lambda _, norm: FusedRMSNorm(norm))
     swap_modules(model, QKRotary, lambda _, rotary: FusedQKRotary(rotary))
     swap_modules(model, SiluAndMul, lambda _, act: FusedSiluAndMul())

@@ -60,6 +60,9 @@ def test_bf16_load_packs_projections_and_the_cpu_backend_swaps_in_the_fused_laye
     assert _plain_types(fused) == {nn.Linear}
     assert cpu_layers.uses_cpu_kernels(fused)
     assert dict(fused.named_parameters()).keys() == dict(plain.named_parameters()).keys()
+    rope = fused.rope
+    cpu_layers.use_cpu_kernels(fused)  # a second engine on the same loaded model: nothing changes
+    assert fused.rope is rope and fused.layers[0].input_layernorm is layer.input_layernorm
 
 
 def test_float32_keeps_plain_projections_under_the_fused_glue(tmp_path):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 
 from contract.errors import ConfigError
 from contract.hashing import DEFAULT_HASH_SEED
+from engine.config import check, check_int
 from engine.cpu_cores import format_cpu_list, parse_cpu_list
 from engine.kv.config import BLOCK_SIZES, valid_block_size
 
@@ -55,20 +56,20 @@ class EngineArgs:
                    and 0 < self.kv_cache_memory <= 4096, "--kv-cache-memory",
                    f"must be a number of GiB in (0, 4096], got {self.kv_cache_memory!r}")
         if self.num_blocks is not None:
-            _int("--num-blocks", self.num_blocks, 1)
+            check_int("--num-blocks", self.num_blocks, 1)
         if self.max_model_len is not None:
-            _int("--max-model-len", self.max_model_len, 2)
-        _int("--max-num-seqs", self.max_num_seqs, 1)
-        _int("--max-num-batched-tokens", self.max_num_batched_tokens, 1)
+            check_int("--max-model-len", self.max_model_len, 2)
+        check_int("--max-num-seqs", self.max_num_seqs, 1)
+        check_int("--max-num-batched-tokens", self.max_num_batched_tokens, 1)
         _check(self.max_num_batched_tokens >= self.max_num_seqs, "--max-num-batched-tokens",
                f"must be at least --max-num-seqs ({self.max_num_seqs}) so every running sequence can decode "
                f"each step, got {self.max_num_batched_tokens}")
         _check(isinstance(self.enable_prefix_caching, bool), "--enable-prefix-caching", "must be a bool")
-        _int("--hash-seed", self.hash_seed, 0)
+        check_int("--hash-seed", self.hash_seed, 0)
         _check(self.hash_seed < 2**64, "--hash-seed", f"must fit in 64 bits, got {self.hash_seed}")
-        _int("--seed", self.seed, 0)
+        check_int("--seed", self.seed, 0)
         if self.num_threads is not None:
-            _int("--num-threads", self.num_threads, 1)
+            check_int("--num-threads", self.num_threads, 1)
         if self.cpu_cores is not None:
             _cpu_cores(self.cpu_cores)
 
@@ -125,13 +126,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _check(ok: bool, flag: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(flag, f"{flag}: {message}")
-
-
-def _int(flag: str, value: object, minimum: int) -> None:
-    _check(isinstance(value, int) and not isinstance(value, bool), flag, f"must be an integer, got {value!r}")
-    _check(value >= minimum, flag, f"must be >= {minimum}, got {value}")
+    check(ok, flag, f"{flag}: {message}")
 
 
 def _cpu_cores(text: object) -> None:

@@ -49,6 +49,23 @@ inline void from_f32(const float* src, c10::BFloat16* dst, int64_t n) {
   }
 }
 
+// Asks for the cache line at p to be brought into L1 (Level 1) or L2 (Level 2) soon. An asm statement, not
+// __builtin_prefetch: a C++ compiler may delete a loop whose only effect is __builtin_prefetch (it assumes
+// such a loop terminates and does nothing), and GCC 12 does, silently, for loops with run-time bounds.
+template <int Level>
+inline void prefetch_line(const void* p) {
+#if defined(__x86_64__)
+  static_assert(Level == 1 || Level == 2, "prefetch into L1 or L2");
+  if constexpr (Level == 1) {
+    asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+  } else {
+    asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+  }
+#else
+  __builtin_prefetch(p, 0, Level == 1 ? 3 : 2);
+#endif
+}
+
 inline void check(bool ok, const char* msg) { TORCH_CHECK(ok, "kvfleet_cpu: ", msg); }
 
 inline void check_float(const Tensor& t, const char* name) {

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 # one library: layer_ops.cpp defines it (TORCH_LIBRARY), the others add to it (TORCH_LIBRARY_FRAGMENT)
 SOURCES = tuple(_HERE / name for name in ("layer_ops.cpp", "attention_ops.cpp", "quant_gemm.cpp"))
-HEADERS = tuple(_HERE / name for name in ("cpu_common.h", "paged_scores.h", "amx.h"))
+HEADERS = tuple(_HERE / name for name in ("cpu_common.h", "onepass_decode.h", "paged_scores.h", "amx.h"))
 ENV = "KVFLEET_CPU_KERNELS"  # "auto" (default) or "torch" (off)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17"]  # -fopenmp: ATen's parallel_for
 
@@ -34,8 +34,22 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
+def cpu_identity() -> bytes:
+    """What -march=native compiles for: the CPU's model and feature flags (a build made on one CPU can hold
+    instructions another lacks, and ~/.cache may be shared between machines)."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            lines = f.read().split(b"\n\n", 1)[0].splitlines()
+        return b"\n".join(x for x in lines if x.startswith((b"vendor_id", b"model name", b"flags")))
+    except OSError:
+        import platform
+
+        return f"{platform.machine()} {platform.processor()}".encode()
+
+
 def build_dir() -> Path:
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(CFLAGS).encode() + torch.__version__.encode())
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(CFLAGS).encode()
+                            + torch.__version__.encode() + cpu_identity())
     root = Path(os.environ.get("KVFLEET_CACHE_DIR") or Path.home() / ".cache" / "kvfleet")
     return root / "cpu_ops" / digest.hexdigest()[:16]
 

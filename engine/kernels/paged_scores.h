@@ -19,7 +19,7 @@ inline void prefetch_block(const T* block, int64_t bs, int64_t row_elems, int64_
   const char* p = reinterpret_cast<const char*>(block);
   const int64_t bytes = span * int64_t(sizeof(T)), stride = row_elems * int64_t(sizeof(T));
   for (int64_t o = 0; o < bs; ++o)
-    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + o * stride + line);
+    for (int64_t line = 0; line < bytes; line += 64) prefetch_line<1>(p + o * stride + line);
 }
 
 // Calls f(row, t) for the sequence's tokens t = 0 .. len-1 in order, row pointing at token t's entry in a

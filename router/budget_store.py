@@ -45,6 +45,8 @@ class Rejection:
 
 
 class BudgetStore(Protocol):
+    lease_s: float  # a concurrency lease expires this long after admission (the request timeout)
+
     async def reserve(self, tenant: str, spec: BudgetSpec, amount: int,
                       now: float | None = None) -> Reservation | Rejection:
         """Admit `amount` tokens (and a concurrency lease) for `tenant`, atomically, or say why not.

@@ -46,11 +46,11 @@ class LimiterUnavailable(Exception):
 
 class Limiter:
     def __init__(self, store: BudgetStore, on_error: OnStoreError = OnStoreError.CLOSED, routers: int = 1,
-                 retry_s: float = 1.0, lease_s: float = 600.0, clock: Callable[[], float] = time.monotonic,
+                 retry_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
                  on_store_error: Callable[[StoreError], None] | None = None):
         self.store, self.on_error = store, OnStoreError(on_error)
         self.routers = max(1, routers)
-        self.retry_s, self.lease_s, self.clock = retry_s, lease_s, clock
+        self.retry_s, self.clock = retry_s, clock
         self.on_store_error = on_store_error
         self.healthy = True
         self.store_errors = 0
@@ -81,7 +81,7 @@ class Limiter:
         if self.on_error is OnStoreError.CLOSED:
             raise LimiterUnavailable("the rate-limit store is unavailable")
         if self._local is None:
-            self._local = InProcessStore(self.lease_s, self.clock)
+            self._local = InProcessStore(self.store.lease_s, self.clock)
         got = await self._local.reserve(tenant, spec.share(self.routers), amount, now)
         return dataclasses.replace(got, local=True) if isinstance(got, Reservation) else got
 

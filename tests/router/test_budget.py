@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ast
+import pathlib
+
 import pytest
 
+import router.budget
 from router.budget import CONCURRENCY_RETRY_S, Bucket, BudgetSpec, Denial, Leases, Quota, Reason, admit
 
 SPEC = BudgetSpec(600)
@@ -150,3 +154,10 @@ def test_token_denial_wins_over_concurrency_and_unlimited_takes_no_lease():
 def test_lease_add_replaces_the_same_id():
     assert Leases().add("a", 1.0).add("a", 2.0) == Leases((("a", 2.0),))
     assert len(Leases().add("a", 1.0).add("b", 2.0).remove("a")) == 1
+
+
+def test_the_arithmetic_is_pure():
+    tree = ast.parse(pathlib.Path(router.budget.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert imported <= {"__future__", "math", "dataclasses", "router.states"}

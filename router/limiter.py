@@ -10,7 +10,7 @@ While failing, the shared store is tried again at most every `retry_s` seconds, 
 succeeds returns to it (its budgets are authoritative) and drops the local state. A settle that fails is
 dropped, never raised: the tokens stay charged and the lease expires by itself. Each store error is counted
 (`store_errors`, and `on_store_error` if given, for Prometheus); the change healthy -> failing and back is
-logged once each. Nothing else is raised.
+logged once each. Nothing else is raised (but ValueError for a negative token count, a caller's bug).
 
     limiter = Limiter(RedisStore.from_url(url), OnStoreError.OPEN)
     got = await limiter.reserve(tenant, spec, amount)     # Reservation | Rejection, or LimiterUnavailable

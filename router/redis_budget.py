@@ -12,6 +12,9 @@ Keys (the `{tenant}` hash tag keeps a tenant's keys in one cluster slot):
 - `kvfleet:budget:{tenant}:leases`, a sorted set lease id -> expiry; leases with expiry <= now are removed
   before counting; the set expires `lease_s + ttl_margin_s` after its last lease was added;
 - `kvfleet:routers`, a sorted set router id -> heartbeat expiry (`heartbeat`, `live_routers`).
+
+A Redis restarted without persistence has lost these: every tenant starts again from a full bucket, and
+settling a reservation made before the restart refunds into that full bucket (capped) and frees no lease.
 """
 
 from __future__ import annotations

@@ -42,7 +42,11 @@ class Fleet:
 
     # -- membership ----------------------------------------------------------------------------------------
     async def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0), limits=httpx.Limits(max_keepalive_connections=64))
+        # the internal token goes with every check (/ready, /metrics, KV events): engines started with
+        # --require-internal-token answer 401 to anything else but /health and /ready
+        token = self.cfg.internal_token
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0), limits=httpx.Limits(max_keepalive_connections=64),
+                                         headers={"authorization": f"Bearer {token}"} if token else None)
 
     async def stop(self) -> None:
         for url in list(self.replicas):

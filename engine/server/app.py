@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from engine.server.auth import InternalTokenGuard
 from engine.server.chat import create_chat_completion
 from engine.server.completions import create_completion
 from engine.server.errors import error_response, install_error_handlers
@@ -123,6 +124,8 @@ def build_app(config: ServerConfig, engine=None, engine_factory: Callable[[], ob
     app.state.metrics = metrics
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    if config.require_internal_token:  # added last: the outermost layer, before the body is read
+        app.add_middleware(InternalTokenGuard, token=config.internal_token)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -9,7 +9,6 @@ gap reconnects for a new snapshot. When an internal token is configured the endp
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 from collections.abc import AsyncIterator
 
@@ -18,6 +17,7 @@ from starlette.responses import StreamingResponse
 
 from contract.kv_events import Heartbeat, Snapshot
 from contract.kv_wire import encode_line
+from engine.server.auth import TOKEN_CODE, token_matches
 from engine.server.errors import APIError
 from engine.server.serving import ServerState
 from engine.server.streaming import DisconnectAwareStreamingResponse
@@ -29,11 +29,9 @@ def check_internal_token(state: ServerState, request: Request) -> None:
     token = state.config.internal_token
     if not token:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-        raise APIError(401, "this endpoint needs `Authorization: Bearer <internal token>`", None,
-                       "invalid_internal_token", {"WWW-Authenticate": "Bearer"})
+    if not token_matches(request.headers.get("authorization"), token):
+        raise APIError(401, "this endpoint needs `Authorization: Bearer <internal token>`", None, TOKEN_CODE,
+                       {"WWW-Authenticate": "Bearer"})
 
 
 async def kv_events(state: ServerState, request: Request) -> StreamingResponse:

@@ -3,8 +3,8 @@
     kvfleet engine --model smollm2 --port 8001
 
 Engine flags (incl. --served-model-name) come from `EngineArgs.add_cli_args`; the server adds
---host, --port, --instance-id, --internal-token, --drain-timeout, --max-body-bytes,
---log-level and --access-log. The model loads after the server is up (/health answers, /ready
+--host, --port, --instance-id, --internal-token, --require-internal-token, --drain-timeout,
+--max-body-bytes, --log-level and --access-log. The model loads after the server is up (/health answers, /ready
 says 503 until it is loaded). SIGTERM (or Ctrl-C) drains: /ready turns 503, new requests get 503,
 running ones finish for up to --drain-timeout seconds, then the process exits 0; a second signal
 exits at once.
@@ -36,6 +36,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="this replica's id in KV events and metrics; default: HOSTNAME:PORT")
     g.add_argument("--internal-token", default=os.environ.get("KVFLEET_INTERNAL_TOKEN") or None,
                    help="bearer token required on /v1/kv/events (default: env KVFLEET_INTERNAL_TOKEN; none: open)")
+    g.add_argument("--require-internal-token", action="store_true",
+                   help="require the internal token on every endpoint except /health and /ready (401 without it), "
+                   "so that only routers reach this engine; needs --internal-token")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds running requests may take to finish after SIGTERM before they are aborted")
     g.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
@@ -104,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         config = ServerConfig(
             served_model_names=tuple(_names(ns.served_model_name) or [ns.model]),
             instance_id=ns.instance_id or f"{socket.gethostname()}:{ns.port}",
-            internal_token=ns.internal_token, drain_timeout=ns.drain_timeout, max_body_bytes=ns.max_body_bytes)
+            internal_token=ns.internal_token, require_internal_token=ns.require_internal_token,
+            drain_timeout=ns.drain_timeout, max_body_bytes=ns.max_body_bytes)
         if ns.max_queued_requests is not None and ns.max_queued_requests < 0:
             raise ConfigError("--max-queued-requests", f"--max-queued-requests must be >= 0, got {ns.max_queued_requests}")
     except ValueError as e:

@@ -30,12 +30,16 @@ class ServerConfig:
     served_model_names: tuple[str, ...]
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     internal_token: str | None = None
+    require_internal_token: bool = False  # on every endpoint but /health and /ready, not only /v1/kv/events
     drain_timeout: float = 30.0
     max_body_bytes: int = 4 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
             raise ConfigError("--served-model-name", "--served-model-name must hold at least one non-empty name")
+        if self.require_internal_token and not self.internal_token:
+            raise ConfigError("--require-internal-token", "--require-internal-token needs --internal-token "
+                                                          "(or env KVFLEET_INTERNAL_TOKEN)")
         if self.drain_timeout < 0:
             raise ConfigError("--drain-timeout", f"--drain-timeout must be >= 0, got {self.drain_timeout}")
         if self.max_body_bytes < 1024:

@@ -181,12 +181,14 @@ class FakeEngine:
                                         "usage": usage}, [(b"x-fake-instance", self.ns.instance_id.encode())])
                 self.stats["completed"] += 1
                 return
+            opts = req.get("stream_options") or {}
             await self.stream(receive, send, rid, chat, chunks, chunk_delay, break_after, usage,
-                              bool((req.get("stream_options") or {}).get("include_usage")))
+                              bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats")))
         finally:
             self.stats["running"] -= 1
 
-    async def stream(self, receive, send, rid, chat, chunks, chunk_delay, break_after, usage, include_usage):
+    async def stream(self, receive, send, rid, chat, chunks, chunk_delay, break_after, usage, include_usage,
+                     continuous=False):
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": rid, "object": obj, "created": int(time.time()), "model": self.ns.model}
         disconnected = asyncio.ensure_future(_wait_disconnect(receive))
@@ -205,8 +207,11 @@ class FakeEngine:
                 last = i == chunks - 1
                 choice = ({"index": 0, "delta": {"content": " tok"}, "finish_reason": "length" if last else None}
                           if chat else {"index": 0, "text": " tok", "finish_reason": "length" if last else None})
+                event = {**base, "choices": [choice]}
+                if continuous:  # usage so far in every chunk (vLLM's and kvfleet's continuous_usage_stats)
+                    event["usage"] = {**usage, "completion_tokens": i + 1, "total_tokens": usage["prompt_tokens"] + i + 1}
                 await send({"type": "http.response.body", "more_body": True,
-                            "body": b"data: " + json.dumps({**base, "choices": [choice]}).encode() + b"\n\n"})
+                            "body": b"data: " + json.dumps(event).encode() + b"\n\n"})
             tail = b""
             if include_usage:
                 tail = b"data: " + json.dumps({**base, "choices": [], "usage": usage}).encode() + b"\n\n"

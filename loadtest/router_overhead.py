@@ -37,10 +37,10 @@ def overhead_body(rng: random.Random, stream: bool) -> bytes:
     return json.dumps(body).encode()
 
 
-def latencies(url: str, n: int, stream: bool, seed: int = 0) -> list[float]:
+def latencies(url: str, n: int, stream: bool, seed: int = 0, extra_headers: dict | None = None) -> list[float]:
     out = []
     rng = random.Random(seed)
-    headers = {"content-type": "application/json"}
+    headers = {"content-type": "application/json", **(extra_headers or {})}
     with httpx.Client(timeout=30) as c:
         for _ in range(n):
             body = overhead_body(rng, stream)
@@ -55,7 +55,7 @@ def latencies(url: str, n: int, stream: bool, seed: int = 0) -> list[float]:
     return out
 
 
-def _client_proc(url: str, concurrency: int, duration: float, q) -> None:
+def _client_proc(url: str, concurrency: int, duration: float, q, extra_headers: dict | None = None) -> None:
     """One load-generator process: `concurrency` connections issuing streamed requests back to back
     (aiohttp: a cheap client, so the router, not the client, is what saturates)."""
     import aiohttp
@@ -65,7 +65,7 @@ def _client_proc(url: str, concurrency: int, duration: float, q) -> None:
         rng = random.Random(os.getpid())
         bodies = [overhead_body(rng, True) for _ in range(256)]
         deadline = time.perf_counter() + duration
-        headers = {"content-type": "application/json"}
+        headers = {"content-type": "application/json", **(extra_headers or {})}
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as s:
             async def loop():
                 nonlocal done, errors
@@ -85,11 +85,12 @@ def _client_proc(url: str, concurrency: int, duration: float, q) -> None:
     asyncio.run(main())
 
 
-def streamed_rps(url: str, ns) -> tuple[float, int]:
+def streamed_rps(url: str, ns, extra_headers: dict | None = None) -> tuple[float, int]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     per = max(1, ns.concurrency // ns.client_procs)
-    ps = [ctx.Process(target=_client_proc, args=(url, per, ns.duration, q)) for _ in range(ns.client_procs)]
+    ps = [ctx.Process(target=_client_proc, args=(url, per, ns.duration, q, extra_headers))
+          for _ in range(ns.client_procs)]
     t0 = time.perf_counter()
     for p in ps:
         p.start()

@@ -21,8 +21,9 @@ from router.discovery import make_discovery
 from router.errors import send_bytes, send_json
 from router.fleet import Fleet
 from router.metrics import RouterMetrics
-from router.prepare import CHAT_PATH, COMPLETIONS_PATH, prepare_request
+from router.prepare import CHAT_PATH, COMPLETIONS_PATH, prepare_request, prompt_token_counts
 from router.proxy import Attempts, Proxy
+from router.ratelimit import Admitted, RateLimiter, Refusal
 from router.tokens import PromptTokenizer
 
 log = logging.getLogger("kvfleet.router")
@@ -40,7 +41,10 @@ class RouterApp:
         self.fleet = Fleet(cfg, self.metrics)
         self.metrics.attach(self.fleet)
         self.tokenizer = tokenizer
-        self.need_tokens = self.fleet.policy.needs.prompt_tokens
+        # tenants and token budgets (a bad tenants file raises here, before the router serves)
+        self.ratelimit = (RateLimiter(cfg.ratelimit, self.metrics, self.fleet.load, cfg.request_timeout_s)
+                          if cfg.ratelimit.tenants_file else None)
+        self.need_tokens = self.fleet.policy.needs.prompt_tokens or self.ratelimit is not None
         self.proxy: Proxy | None = None
         self.session: aiohttp.ClientSession | None = None
         self._discovery_task: asyncio.Task | None = None
@@ -57,8 +61,11 @@ class RouterApp:
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, ttl_dns_cache=10),
             timeout=aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout_s, sock_read=cfg.request_timeout_s),
             auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
-        self.proxy = Proxy(self.metrics, self.session, cfg.max_attempts)
+        self.proxy = Proxy(self.metrics, self.session, cfg.max_attempts, cfg.internal_token,
+                           own_credentials=self.ratelimit is not None)
         await self.fleet.start()
+        if self.ratelimit is not None:
+            await self.ratelimit.start()
         discovery = make_discovery(cfg)
         self._discovery_task = asyncio.create_task(discovery.run(self.fleet.set_replicas))
 
@@ -68,6 +75,8 @@ class RouterApp:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._discovery_task
         await self.fleet.stop()
+        if self.ratelimit is not None:
+            await self.ratelimit.stop()
         if self.session is not None:
             await self.session.close()
 
@@ -189,9 +198,26 @@ class RouterApp:
                                                   "invalid_value"))
             return
         headers = scope["headers"]
+        tenant = None
+        if self.ratelimit is not None:
+            tenant = self.ratelimit.identify(headers)
+            if isinstance(tenant, Refusal):
+                await send_json(send, tenant.status, tenant.body, tenant.headers)
+                return
         t0 = time.perf_counter()
         hdr = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers if k in (b"x-session-id",)}
         prep = prepare_request(path, obj, hdr, self.tokenizer, self.need_tokens)
+        admitted: Admitted | None = None
+        extra: list[tuple[bytes, bytes]] = []
+        if tenant is not None:
+            got = await self.ratelimit.admit(tenant, path, obj, prompt_token_counts(path, obj, self.tokenizer, prep))
+            if isinstance(got, Refusal):
+                await send_json(send, got.status, got.body, got.headers)
+                return
+            admitted, body, extra = got, got.body, got.headers
+            prep.usage = got.usage
+            salt = obj.get("cache_salt")
+            prep.cache_salt = salt if isinstance(salt, str) and salt else None
         prepared_s = time.perf_counter() - t0
         metrics = self.metrics
 
@@ -203,7 +229,15 @@ class RouterApp:
                 metrics.decisions.labels(metrics.policy, ls.reason).inc()
             return ls
 
-        work = asyncio.ensure_future(self.proxy.forward(send, path, body, headers, prep, lease, attempts))
+        try:
+            await self._forward(send, receive, path, body, headers, prep, lease, attempts, extra)
+        finally:
+            if admitted is not None:  # however it ended: charge what was used, refund the rest
+                await asyncio.shield(self.ratelimit.settle(admitted, attempts.answered))
+
+    async def _forward(self, send, receive, path, body, headers, prep, lease, attempts, extra) -> None:
+        metrics = self.metrics
+        work = asyncio.ensure_future(self.proxy.forward(send, path, body, headers, prep, lease, attempts, extra))
         disconnect = asyncio.ensure_future(_wait_disconnect(receive))
         await asyncio.wait((work, disconnect), return_when=asyncio.FIRST_COMPLETED)
         if not work.done():  # the client went away: cancelling closes the upstream stream, the engine aborts

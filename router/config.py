@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 from contract.errors import ConfigError
 from contract.hashing import DEFAULT_HASH_SEED
 from router.policies import POLICIES
+from router.shedding import SheddingConfig
 
 DISCOVERY_KINDS = ("static", "dns", "k8s")
 
@@ -46,6 +47,26 @@ class ScoringConfig:
 
 
 @dataclass(frozen=True)
+class RateLimitConfig:
+    tenants_file: str | None = None  # None: no tenants, no keys, no budgets
+    redis_url: str | None = None  # None: budgets in this router's memory
+    on_store_error: str = "open"
+    heartbeat_s: float = 2.0  # routers count each other through Redis at this period
+    shedding: SheddingConfig = dataclasses.field(default_factory=SheddingConfig)
+
+    def validate(self) -> None:
+        if self.on_store_error not in ("open", "closed"):
+            raise ConfigError("ratelimit_on_store_error", f"must be open or closed, got {self.on_store_error!r}")
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError("redis_url", f"must be a redis://, rediss:// or unix:// URL, got {self.redis_url!r}")
+        if self.redis_url is not None and self.tenants_file is None:
+            raise ConfigError("redis_url", "needs --tenants (budgets are per tenant)")
+        if not self.heartbeat_s > 0:
+            raise ConfigError("heartbeat_s", f"must be > 0, got {self.heartbeat_s}")
+        self.shedding.validate()
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -78,6 +99,7 @@ class RouterConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     access_log: bool = False  # one INFO line per proxied request
     scoring: ScoringConfig = dataclasses.field(default_factory=ScoringConfig)
+    ratelimit: RateLimitConfig = dataclasses.field(default_factory=RateLimitConfig)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -114,6 +136,7 @@ class RouterConfig:
         if not 0 <= self.hash_seed < 2**64:
             raise ConfigError("hash_seed", "must be in 0 .. 2**64-1")
         self.scoring.validate()
+        self.ratelimit.validate()
 
 
 def check_replica_url(url: str) -> str:

@@ -128,6 +128,16 @@ class Fleet:
         now = self.clock()
         return [u for u, st in self.replicas.items() if st.routable(now)]
 
+    def load(self) -> tuple[float | None, float | None]:
+        """Mean KV usage and waiting requests per routable replica whose scraped load is fresh (None, None
+        when none is): the fleet's pressure, for load shedding."""
+        now = self.clock()
+        loads = [st.load for st in self.replicas.values()
+                 if st.routable(now) and st.load_known(now, self.cfg.scrape_stale_s) and st.load is not None]
+        if not loads:
+            return None, None
+        return sum(x.kv_usage for x in loads) / len(loads), sum(x.waiting for x in loads) / len(loads)
+
     def predict_cached(self, prep: PreparedRequest, urls: list[str]) -> dict[str, int]:
         """Per replica, the prompt tokens its prefix cache holds (exact index, or approximate fallback)."""
         if prep.token_ids is None or not urls:

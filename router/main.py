@@ -8,8 +8,9 @@ import os
 import sys
 
 from contract.errors import ConfigError
-from router.config import DISCOVERY_KINDS, RouterConfig, ScoringConfig
+from router.config import DISCOVERY_KINDS, RateLimitConfig, RouterConfig, ScoringConfig
 from router.policies import POLICIES
+from router.shedding import SheddingConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +64,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cost of one running request on a replica, in prefill-token equivalents")
     p.add_argument("--overload-waiting", type=int, default=s.overload_waiting)
     p.add_argument("--overload-kv-usage", type=float, default=s.overload_kv_usage)
+    sh = SheddingConfig()
+    g = p.add_argument_group("tenants and token budgets")
+    g.add_argument("--tenants", metavar="FILE", help="tenants YAML (API key hashes, tokens_per_minute, limits, "
+                   "priority, isolate_cache), reloaded when it changes; without it every request is admitted "
+                   "with no key (see README)")
+    g.add_argument("--redis-url", default=os.environ.get("KVFLEET_REDIS_URL"),
+                   help="redis://HOST:PORT/DB holding the budgets every router replica shares (env "
+                   "KVFLEET_REDIS_URL); without it, budgets live in this router's memory")
+    g.add_argument("--ratelimit-on-store-error", choices=("open", "closed"), default="open",
+                   help="when Redis fails: open = local limits (each tenant's budget divided by the routers last "
+                   "seen), closed = 503 (default open)")
+    g.add_argument("--shed-kv-high", type=float, default=sh.kv_high,
+                   help="fleet KV usage from which, with --shed-waiting-high waiting requests per replica, the "
+                   "expensive requests of the lowest-priority tenants get 503 + Retry-After")
+    g.add_argument("--shed-waiting-high", type=float, default=sh.waiting_high)
+    g.add_argument("--shed-min-cost-tokens", type=int, default=sh.min_cost_tokens,
+                   help="a request reserving at least this many tokens (prompt + n x max_tokens) is expensive")
     p.add_argument("--log-level", default="info")
     p.add_argument("--access-log", action="store_true",
                    help="log one INFO line per proxied request: method, path, status, replica, latency, "
@@ -86,7 +104,11 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         kv_heartbeat_timeout_s=ns.kv_heartbeat_timeout_s, block_size=ns.block_size,
         hash_seed=ns.hash_seed, approx_max_blocks=ns.approx_max_blocks, breaker_failures=ns.breaker_failures,
         breaker_open_s=ns.breaker_open_s, max_attempts=ns.max_attempts, request_timeout_s=ns.request_timeout_s,
-        internal_token=ns.internal_token, access_log=ns.access_log, scoring=scoring)
+        internal_token=ns.internal_token, access_log=ns.access_log, scoring=scoring,
+        ratelimit=RateLimitConfig(tenants_file=ns.tenants, redis_url=ns.redis_url or None,
+                                  on_store_error=ns.ratelimit_on_store_error,
+                                  shedding=SheddingConfig(kv_high=ns.shed_kv_high, waiting_high=ns.shed_waiting_high,
+                                                          min_cost_tokens=ns.shed_min_cost_tokens)))
 
 
 def configure_logging(level: str) -> None:
@@ -111,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from router.app import RouterApp
 
-    app = RouterApp(cfg)
+    try:
+        app = RouterApp(cfg)
+    except ConfigError as e:  # a bad tenants file: its message names the file and line
+        print(f"kvfleet router: error: {e}", file=sys.stderr)
+        return 2
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=ns.log_level.lower(), access_log=False,
                 lifespan="on", loop="uvloop", http="httptools", timeout_graceful_shutdown=5)
     return 0

@@ -6,7 +6,7 @@ fleet, so a replica that leaves the fleet leaves the metrics too.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from router.states import CircuitState, KVEventsState
@@ -46,7 +46,31 @@ class RouterMetrics:
                                          registry=r)
         self.kv_resyncs = Counter("kvfleet_router_kv_event_resyncs", "KV event stream resyncs by reason",
                                   ["replica", "reason"], registry=r)
+        # tenants and token budgets (router/ratelimit.py); labelled by tenant name, never by key
+        self.ratelimit_requests = Counter("kvfleet_router_ratelimit_requests", "Requests by tenant and admission "
+                                          "outcome (admitted, rejected_tokens, rejected_concurrency, too_large, "
+                                          "context_too_long, max_tokens_above_cap, shed, unavailable; tenant '-' "
+                                          "for unauthorized)", ["tenant", "outcome"], registry=r)
+        self.ratelimit_tokens = Counter("kvfleet_router_ratelimit_tokens", "Tokens reserved at admission, used "
+                                        "(charged at settlement) and refunded, by tenant", ["tenant", "kind"],
+                                        registry=r)
+        self.reserved_outstanding = Gauge("kvfleet_router_ratelimit_reserved_tokens", "Tokens reserved by "
+                                          "requests in flight, by tenant", ["tenant"], registry=r)
+        self.store_errors = Counter("kvfleet_router_ratelimit_store_errors", "Errors of the budget store "
+                                    "(Redis)", registry=r)
+        self.store_healthy = Gauge("kvfleet_router_ratelimit_store_healthy", "1 while the budget store answers",
+                                   registry=r)
+        self.store_healthy.set(1)
+        self.tenant_reloads = Counter("kvfleet_router_tenants_reloads", "Reloads of the tenants file by result "
+                                      "(ok, failed: the previous tenants stay)", ["result"], registry=r)
         self.fleet = None
+
+    def store_error(self, _e: Exception) -> None:
+        self.store_errors.inc()
+        self.store_healthy.set(0)
+
+    def tenants_reloaded(self, ok: bool) -> None:
+        self.tenant_reloads.labels("ok" if ok else "failed").inc()
 
     def attach(self, fleet) -> None:
         """Export the fleet's per-replica state at scrape time."""

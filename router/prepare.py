@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from contract.messages import chat_messages
 from router.prefix_index import request_block_hashes
 from router.tokens import PromptTokenizer
+from router.usage import StreamUsage
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -24,6 +25,7 @@ class PreparedRequest:
     cache_salt: str | None
     session_key: str | None
     stream: bool
+    usage: StreamUsage | None = None  # follows the usage of a tenant's request (router/ratelimit.py)
     _hashes: dict[tuple[int, int], list[int]] = field(default_factory=dict)
 
     @property
@@ -62,6 +64,20 @@ def prompt_token_ids(path: str, body: Mapping, tokenizer: PromptTokenizer | None
     except (ValueError, TypeError, KeyError):  # MessageError and TokenizerError are ValueErrors
         return None
     return None
+
+
+def prompt_token_counts(path: str, body: Mapping, tokenizer: PromptTokenizer | None,
+                        prep: PreparedRequest) -> list[int]:
+    """The token count of every prompt of the request (a completions request may carry several), for its
+    token reservation; 0 for a prompt that cannot be counted (the engine will refuse it)."""
+    prompt = body.get("prompt") if path == COMPLETIONS_PATH else None
+    if isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt):
+        counts = []
+        for p in prompt:
+            ids = prompt_token_ids(path, {"prompt": p}, tokenizer)
+            counts.append(len(ids) if ids is not None else 0)
+        return counts
+    return [prep.num_prompt_tokens]
 
 
 def session_key(body: Mapping, headers: Mapping[str, str]) -> str | None:

@@ -29,6 +29,7 @@ from router.errors import send_json
 from router.lease import Lease
 from router.prepare import PreparedRequest
 from router.states import StrEnum
+from router.tenants import strip_client_credentials
 
 log = logging.getLogger("kvfleet.router.proxy")
 
@@ -39,12 +40,23 @@ _DROP_RESPONSE = frozenset({b"connection", b"keep-alive", b"transfer-encoding", 
                             b"server"})
 
 
-def forward_headers(raw_headers) -> list[tuple[str, str]]:
-    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw_headers if k.lower() not in _HOP_BY_HOP]
+def forward_headers(raw_headers, internal_token: str | None = None, own_credentials: bool = False
+                    ) -> list[tuple[str, str]]:
+    """The client's headers for the replica, hop-by-hop ones dropped. With `own_credentials` (tenants on,
+    or an internal token set) the client's Authorization / api-key never go upstream; the router's internal
+    token does, where one is set."""
+    out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw_headers if k.lower() not in _HOP_BY_HOP]
+    if own_credentials or internal_token:
+        out = strip_client_credentials(out)
+    if internal_token:
+        out.append(("authorization", f"Bearer {internal_token}"))
+    return out
 
 
-def response_headers(raw_headers, replica: str, body_len: int | None) -> list[tuple[bytes, bytes]]:
+def response_headers(raw_headers, replica: str, body_len: int | None,
+                     extra: list[tuple[bytes, bytes]] = ()) -> list[tuple[bytes, bytes]]:
     out = [(k, v) for k, v in raw_headers if k.lower() not in _DROP_RESPONSE]
+    out.extend(extra)
     out.append((b"x-kvfleet-replica", replica.encode("latin-1")))
     if body_len is not None:
         out.append((b"content-length", str(body_len).encode()))
@@ -97,6 +109,7 @@ class Attempts:
     replica: str | None = None  # the replica of the last attempt
     predicted_cached_tokens: int = 0
     retries: int = 0
+    answered: bool = False  # a replica's response (status line) went to the client
 
 
 class Proxy:
@@ -104,19 +117,24 @@ class Proxy:
     streamed request against ~1.2 ms for httpx (measured against loadtest/fake_engine.py), which decides
     whether one router process can pass 1,000 streamed requests/s."""
 
-    def __init__(self, metrics, session: aiohttp.ClientSession, max_attempts: int):
+    def __init__(self, metrics, session: aiohttp.ClientSession, max_attempts: int, internal_token: str | None = None,
+                 own_credentials: bool = False):
         self.metrics = metrics
         self.session = session
         self.max_attempts = max_attempts
+        self.internal_token = internal_token
+        self.own_credentials = own_credentials
 
     async def forward(self, send, path: str, body: bytes, headers, prep: PreparedRequest,
-                      lease: Callable[[PreparedRequest, set[str]], Lease | None], attempts: Attempts) -> None:
-        """Proxy one completion request, on replicas leased by `lease(prep, replicas already tried)`."""
+                      lease: Callable[[PreparedRequest, set[str]], Lease | None], attempts: Attempts,
+                      extra_headers: list[tuple[bytes, bytes]] = ()) -> None:
+        """Proxy one completion request, on replicas leased by `lease(prep, replicas already tried)`;
+        `extra_headers` go on the response (the tenant's rate-limit headers)."""
         metrics = self.metrics
         tried: set[str] = set()
         last_error = "no ready replica"
         refusal: tuple[str, list, bytes] | None = None
-        fwd_headers = forward_headers(headers)
+        fwd_headers = forward_headers(headers, self.internal_token, self.own_credentials)
         for attempt in range(self.max_attempts):
             ls = lease(prep, tried)
             if ls is None:
@@ -126,7 +144,8 @@ class Proxy:
             attempts.replica, attempts.predicted_cached_tokens, attempts.retries = \
                 url, ls.predicted_cached_tokens, attempt
             try:
-                result = await self._attempt(send, url, path, body, fwd_headers, prep, ls.predicted_cached_tokens)
+                result = await self._attempt(send, url, path, body, fwd_headers, prep, ls.predicted_cached_tokens,
+                                             extra_headers, attempts)
                 if result.end is End.DONE:
                     ls.succeeded()
                 elif result.end in _REFUSALS:
@@ -150,7 +169,7 @@ class Proxy:
                 metrics.retries.labels(result.end).inc()
         if refusal is not None:  # the fleet is full: hand on a replica's 429, Retry-After included
             url, raw_headers, data = refusal
-            out = response_headers(raw_headers, url, len(data))
+            out = response_headers(raw_headers, url, len(data), extra_headers)
             if not any(k.lower() == b"retry-after" for k, _ in out):
                 out.append((b"retry-after", b"1"))
             metrics.requests.labels("none", metrics.policy, "429").inc()
@@ -159,10 +178,10 @@ class Proxy:
             return
         metrics.requests.labels("none", metrics.policy, "error").inc()
         await send_json(send, 503, error_body(f"no replica could serve the request ({last_error})",
-                                              error_type(503), None, "no_replica_available"))
+                                              error_type(503), None, "no_replica_available"), list(extra_headers))
 
     async def _attempt(self, send, url: str, path: str, body: bytes, fwd_headers, prep: PreparedRequest,
-                       predicted: int) -> _Result:
+                       predicted: int, extra_headers, attempts: Attempts) -> _Result:
         metrics = self.metrics
         try:
             resp = await self.session.post(url + path, data=body, headers=fwd_headers)
@@ -189,8 +208,11 @@ class Proxy:
                         metrics.observe_usage(url, predicted, json.loads(data).get("usage"))
                     except ValueError:
                         pass
+                    if prep.usage is not None:
+                        prep.usage.body(data)
+                attempts.answered = True
                 await send({"type": "http.response.start", "status": status,
-                            "headers": response_headers(resp.raw_headers, url, len(data))})
+                            "headers": response_headers(resp.raw_headers, url, len(data), extra_headers)})
                 await send({"type": "http.response.body", "body": data})
                 ok = True
                 return _Result(End.DONE, str(status))
@@ -202,17 +224,24 @@ class Proxy:
                 return _Result(End.READ, _describe(e))
             if not first:
                 return _Result(End.READ, "empty response")
+            usage = prep.usage
+            attempts.answered = True
             await send({"type": "http.response.start", "status": 200,
-                        "headers": response_headers(resp.raw_headers, url, None)})
-            await send({"type": "http.response.body", "body": first, "more_body": True})
+                        "headers": response_headers(resp.raw_headers, url, None, extra_headers)})
+            await send({"type": "http.response.body", "body": first if usage is None else usage.feed(first),
+                        "more_body": True})
             saw_usage = False
             try:
                 async for chunk in chunks:
                     if not saw_usage and b'"usage"' in chunk:
-                        usage = _usage_from_sse(chunk)
-                        if usage is not None and usage.get("prompt_tokens") is not None:
+                        got = _usage_from_sse(chunk)
+                        if got is not None and got.get("prompt_tokens") is not None:
                             saw_usage = True
-                            metrics.observe_usage(url, predicted, usage)
+                            metrics.observe_usage(url, predicted, got)
+                    if usage is not None:
+                        chunk = usage.feed(chunk)
+                        if not chunk:
+                            continue
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except _UPSTREAM_ERRORS as e:
                 metrics.upstream_failures.labels(url, "mid-stream").inc()
@@ -221,7 +250,8 @@ class Proxy:
                             "body": sse_error_event(f"replica {url} failed mid-stream ({_describe(e)}); "
                                                     "the response is incomplete")})
                 return _Result(End.MID_STREAM, _describe(e))
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": b"" if usage is None else usage.flush(),
+                        "more_body": False})
             ok = True
             return _Result(End.DONE, "200")
         finally:

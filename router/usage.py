@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+_DECODER = json.JSONDecoder()
+
 
 @dataclass(frozen=True)
 class UsageWanted:
@@ -81,6 +83,9 @@ class StreamUsage:
     def _event(self, event: bytes) -> bytes:
         if not event.startswith(b"data: {") or b'"usage"' not in event:
             return event + b"\n\n"
+        fast = self._usage_last(event)
+        if fast is not None:
+            return fast
         try:
             obj = json.loads(event[6:])
         except ValueError:
@@ -98,6 +103,27 @@ class StreamUsage:
         else:
             del obj["usage"]
         return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+    def _usage_last(self, event: bytes) -> bytes | None:
+        """The common layout, `{..."choices":[...non-empty],"usage":{...}}` (usage last, as kvfleet's engine
+        and vLLM write it), handled without parsing the chunk: the usage object is decoded alone and cut
+        out or nulled. None where the event looks otherwise (the caller parses it whole)."""
+        at = event.rfind(b',"usage":')
+        if at < 0 or b'"choices":[]' in event:
+            return None
+        start = at + len(b',"usage":')
+        try:
+            usage, end = _DECODER.raw_decode(event[start:].decode())
+        except (ValueError, UnicodeDecodeError):
+            return None
+        if event[start:].decode()[end:] != "}":
+            return None
+        self._seen(usage)
+        if self.wanted.continuous or usage is None:
+            return event + b"\n\n"
+        if self.wanted.include_usage:
+            return event[:start] + b"null}\n\n"
+        return event[:at] + b"}\n\n"
 
     def _seen(self, usage) -> None:
         total = total_tokens(usage)

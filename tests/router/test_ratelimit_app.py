@@ -39,10 +39,10 @@ def auth(key: str) -> dict:
 
 @pytest.fixture
 def fleet(procs, tmp_path):
-    engine = fake_engine(procs, "e1", "--chunks", "8").start().wait_ready()
+    engine = fake_engine(procs, "e1", "--chunks", "8").wait_ready()
     path = tmp_path / "tenants.yaml"
     path.write_text(TENANTS)
-    r = router(procs, [engine.url], "--tenants", str(path), policy="least-load").start().wait_ready()
+    r = router(procs, [engine.url], "--tenants", str(path), policy="least-load").wait_ready()
     return r, engine, path
 
 
@@ -222,7 +222,7 @@ def test_tenants_file_reloads_without_restart(fleet):
 def test_bad_tenants_file_stops_start_up_naming_the_line(procs, tmp_path):
     path = tmp_path / "tenants.yaml"
     path.write_text(f"tenants:\n  acme:\n    api_key_sha256: [{key_sha256('k')}]\n    tokens_per_minute: -5\n")
-    r = router(procs, ["http://127.0.0.1:9"], "--tenants", str(path)).start()
+    r = router(procs, ["http://127.0.0.1:9"], "--tenants", str(path))
     r.popen.wait(timeout=30)
     assert r.popen.returncode == 2
     assert f"{path}:4" in r.tail() and "tokens_per_minute" in r.tail()
@@ -231,14 +231,14 @@ def test_bad_tenants_file_stops_start_up_naming_the_line(procs, tmp_path):
 def test_redis_shared_budget_and_restart(procs, tmp_path, redis_server):
     """Two routers, one Redis: one budget. Redis killed: `closed` answers 503, `open` serves from local
     shares; restarted: shared budgets again, no crash."""
-    engine = fake_engine(procs, "e1", "--chunks", "8").start().wait_ready()
+    engine = fake_engine(procs, "e1", "--chunks", "8").wait_ready()
     path = tmp_path / "tenants.yaml"
     path.write_text(TENANTS)
     common = ["--tenants", str(path), "--redis-url", redis_server.url]
     r_open = router(procs, [engine.url], *common, "--ratelimit-on-store-error", "open",
-                    policy="least-load").start().wait_ready()
+                    policy="least-load").wait_ready()
     r_closed = router(procs, [engine.url], *common, "--ratelimit-on-store-error", "closed",
-                      policy="least-load").start().wait_ready()
+                      policy="least-load").wait_ready()
     body = {"prompt": PROMPT, "max_tokens": 40}  # 60 reserved, 28 used
     first = httpx.post(r_open.url + "/v1/completions", json=body, headers=auth(KEY_A))
     second = httpx.post(r_closed.url + "/v1/completions", json=body, headers=auth(KEY_A))
@@ -252,4 +252,4 @@ def test_redis_shared_budget_and_restart(procs, tmp_path, redis_server):
     redis_server.start()
     wait_for(lambda: httpx.post(r_closed.url + "/v1/completions", json=body,
                                 headers=auth(KEY_A)).status_code == 200, timeout=10, what="recovery")
-    assert r_open.popen.poll() is None and r_closed.popen.poll() is None
+    assert r_open.popen.poll() is None and r_closed.popen.poll() is None, r_open.tail() + r_closed.tail()

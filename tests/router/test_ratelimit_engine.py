@@ -55,7 +55,7 @@ def tenants_file(tmp_path):
 
 def limited_router(procs, engine, tenants_file, *extra):
     return router(procs, [engine.url], "--tenants", tenants_file, "--internal-token", TOKEN, "--access-log",
-                  "--log-level", "info", *extra, policy="kv", model="smollm2").start().wait_ready(timeout=120)
+                  "--log-level", "info", *extra, policy="kv", model="smollm2").wait_ready(timeout=120)
 
 
 def engine_requests(engine) -> float:

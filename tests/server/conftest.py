@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,16 +18,12 @@ import httpx
 import openai
 import pytest
 
+from deploy.ports import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # small max_num_seqs so a handful of requests queue up (num_requests_waiting > 0)
 API_FLAGS = ("--max-num-seqs", "4", "--num-blocks", "1024", "--max-model-len", "2048",
              "--dtype", "float32")  # float32: greedy text is robust to batch composition
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

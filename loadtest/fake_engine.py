@@ -110,8 +110,8 @@ class FakeEngine:
     def metrics(self) -> str:
         n = self.ns.model
         return (f'vllm:num_requests_running{{model_name="{n}"}} {self.stats["running"]}\n'
-                f'vllm:num_requests_waiting{{model_name="{n}"}} 0\n'
-                f'vllm:kv_cache_usage_perc{{model_name="{n}"}} 0.0\n'
+                f'vllm:num_requests_waiting{{model_name="{n}"}} {self.ns.waiting}\n'
+                f'vllm:kv_cache_usage_perc{{model_name="{n}"}} {self.ns.kv_usage}\n'
                 f'vllm:prefix_cache_queries_total{{model_name="{n}"}} {self.stats["prefix_queries"]}\n'
                 f'vllm:prefix_cache_hits_total{{model_name="{n}"}} {self.stats["prefix_hits"]}\n')
 
@@ -248,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat-s", type=float, default=2.0)
     p.add_argument("--fail-status", type=int, default=0, help="answer every completion with this status")
     p.add_argument("--no-kv-events", action="store_true", help="no KV event endpoint (404)")
+    p.add_argument("--kv-usage", type=float, default=0.0, help="KV cache usage (0..1) its /metrics report")
+    p.add_argument("--waiting", type=int, default=0, help="waiting requests its /metrics report")
     ns = p.parse_args(argv)
     import uvicorn
 

@@ -109,7 +109,7 @@ class Attempts:
     replica: str | None = None  # the replica of the last attempt
     predicted_cached_tokens: int = 0
     retries: int = 0
-    answered: bool = False  # a replica's response (status line) went to the client
+    answered: bool = False  # a replica's successful (200) response went to the client
 
 
 class Proxy:
@@ -210,7 +210,7 @@ class Proxy:
                         pass
                     if prep.usage is not None:
                         prep.usage.body(data)
-                attempts.answered = True
+                attempts.answered = status == 200  # an error answer generated nothing
                 await send({"type": "http.response.start", "status": status,
                             "headers": response_headers(resp.raw_headers, url, len(data), extra_headers)})
                 await send({"type": "http.response.body", "body": data})

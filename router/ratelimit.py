@@ -12,7 +12,8 @@ Per client request, before it is routed (once, however many replicas it is retri
 4. the reservation: 400 if it could never fit the budget, 429 + Retry-After (`rate_limit_exceeded`) if not
    now, 503 if the store failed under `--ratelimit-on-store-error closed`.
 `settle` charges what the engine reported (usage.total_tokens; the last streamed chunk's for a cancelled
-stream), 0 if no replica answered, the whole reservation if one answered without usage. Every response to
+stream), 0 if no replica answered with success (refused, failed, or an error answer), the whole reservation
+if one answered 200 without usage. Every response to
 a known tenant carries OpenAI's `x-ratelimit-{limit,remaining,reset}-tokens` headers.
 """
 
@@ -215,7 +216,7 @@ class RateLimiter:
     # -- settlement ----------------------------------------------------------------------------------------
     async def settle(self, a: Admitted, answered: bool) -> None:
         """Charge what the request used: the engine's usage, else the whole reservation if a replica answered
-        (`answered`), else nothing."""
+        200 (`answered`), else nothing."""
         r = a.reservation
         if r is None:
             return

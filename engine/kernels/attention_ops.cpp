@@ -5,22 +5,18 @@
 //       one query token per sequence over its paged context, grouped-query heads share K/V reads; for
 //       bf16 with head_dim 64 the scores run on AMX tiles where the CPU has them; the next cache block
 //       is prefetched while one is read (blocks sit anywhere, out of the hardware prefetchers' sight).
-//       Sequences run in parallel, threads taking the next one as they finish; when there are fewer
-//       sequences than threads, a long context is split into runs of blocks (flash-decoding), several per
-//       thread: each part keeps its own float32 maximum, sum and weighted sum of V, and the parts are merged
-//       by rescaling to the common maximum. bf16 caches with head_dim 64 or 128 on AVX512-BF16 CPUs without
-//       AMX read K and V in one pass (onepass_decode.h).
+//       Sequences run in parallel; when there are fewer sequences than threads, a long context is split
+//       into runs of blocks on several threads (flash-decoding): each part keeps its own float32 maximum,
+//       sum and weighted sum of V, and the parts are merged by rescaling to the common maximum.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <memory>
 #include <type_traits>
 #include <vector>
 
 #include "amx.h"
 #include "cpu_common.h"
-#include "onepass_decode.h"
 #include "paged_scores.h"
 
 namespace {
@@ -143,18 +139,6 @@ void decode_part_avx512(const T* q, const T* kc, const T* vc, const int32_t* tab
 template <typename T>
 void decode_part(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t len, int64_t bs, int64_t hkv,
                  int64_t g, int64_t d, float scale, Partial part, std::vector<float>& work, bool amx) {
-#ifdef KVFLEET_ONEPASS_DECODE
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (!amx && (d == 64 || d == 128)) {
-      auto u16 = [](const T* x) { return reinterpret_cast<const uint16_t*>(x); };
-      if (d == 64)
-        return decode_part_onepass<64>(u16(q), u16(kc), u16(vc), table, len, bs, hkv, g, scale, part.acc, part.max,
-                                       part.sum, work);
-      return decode_part_onepass<128>(u16(q), u16(kc), u16(vc), table, len, bs, hkv, g, scale, part.acc, part.max,
-                                      part.sum, work);
-    }
-  }
-#endif
 #ifdef __AVX512F__
   if (d == 64 && g == 3) return decode_part_avx512<64, 3>(q, kc, vc, table, len, bs, hkv, scale, part, work, amx);
   if (d == 64 && g == 4) return decode_part_avx512<64, 4>(q, kc, vc, table, len, bs, hkv, scale, part, work, amx);
@@ -235,21 +219,18 @@ struct Run {
 };
 
 constexpr int64_t kMinPartTokens = 256;  // a split part reads at least this many keys (per-part cost stays small)
-constexpr int64_t kPartsPerThread = 4;   // parts per thread when sequences are fewer than threads
 
 // Every sequence whole while there are at least as many sequences as threads; otherwise each long one split
-// into up to kPartsPerThread * threads / seqs runs of whole blocks, so that one sequence's context is read by
-// every core, and a core that loses time (to the server's thread, or to a neighbour on a shared host) leaves
-// the parts it did not reach to the others: threads take runs one at a time, not in fixed shares.
+// into up to ceil(threads / seqs) runs of whole blocks, so that one sequence's context is read by every core.
 std::vector<Run> plan_runs(const int32_t* lens, int64_t b, int64_t bs) {
   const int64_t threads = at::get_num_threads();
-  const int64_t want = b < threads ? (kPartsPerThread * threads + b - 1) / b : 1;
+  const int64_t want = b < threads ? (threads + b - 1) / b : 1;
   std::vector<Run> runs;
   runs.reserve(b * want);
   int64_t slots = 0;
   for (int64_t i = 0; i < b; ++i) {
     const int64_t nblk = (lens[i] + bs - 1) / bs;
-    const int64_t parts = std::max<int64_t>(1, std::min({want, int64_t(lens[i]) / kMinPartTokens, nblk}));
+    const int64_t parts = std::max<int64_t>(1, std::min(want, int64_t(lens[i]) / kMinPartTokens));
     for (int64_t p = 0; p < parts; ++p)
       runs.push_back({i, nblk * p / parts, nblk * (p + 1) / parts, parts, parts == 1 ? -1 : slots++});
   }
@@ -300,13 +281,12 @@ void paged_decode_(Tensor& out, const Tensor& q, const Tensor& k_cache, const Te
     const int64_t slots = n - std::count_if(runs.begin(), runs.end(), [](const Run& r) { return r.slot < 0; });
     std::unique_ptr<float[]> partials(new float[slots * stride]);  // none while every sequence stays whole
     auto partial = [&](float* base) { return Partial{base, base + hq * d, base + hq * d + hq}; };
-    std::atomic<int64_t> next{0};  // the next run nobody has taken
-    at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    at::parallel_for(0, n, 1, [&](int64_t s, int64_t e) {
       std::vector<float> work, res(hq * d), own(stride);
 #ifdef KVFLEET_AMX
       if (amx) kvfleet_amx::configure_tiles();
 #endif
-      for (int64_t r = next++; r < n; r = next++) {
+      for (int64_t r = s; r < e; ++r) {
         const Run& run = runs[r];
         const int64_t len = std::min<int64_t>(lp[run.seq], run.last * bs) - run.first * bs;
         const Partial part = partial(run.slot < 0 ? own.data() : partials.get() + run.slot * stride);

@@ -40,8 +40,8 @@ def ulp_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,num_kv_heads,group,head_dim", [
-    (16, 3, 3, 64),   # SmolLM2's shape (bf16: one pass on AVX512-BF16, or scores on AMX tiles where present)
-    (4, 3, 3, 64), (2, 2, 2, 128),  # blocks smaller than the one-pass kernel's 16-token chunks
+    (16, 3, 3, 64),   # SmolLM2's shape (the vectorized path; scores on AMX tiles for bf16 where the CPU has them)
+    (4, 3, 3, 64), (2, 2, 2, 128),  # blocks smaller than an AMX tile of 16 keys
     (32, 3, 3, 64),   # AMX: two 16-key tiles per block
     (16, 4, 4, 64), (16, 8, 1, 64),  # AMX: kv heads in passes of three
     (8, 2, 1, 64), (16, 1, 4, 64), (32, 2, 4, 128), (16, 2, 2, 128),

@@ -253,3 +253,40 @@ def test_redis_shared_budget_and_restart(procs, tmp_path, redis_server):
     wait_for(lambda: httpx.post(r_closed.url + "/v1/completions", json=body,
                                 headers=auth(KEY_A)).status_code == 200, timeout=10, what="recovery")
     assert r_open.popen.poll() is None and r_closed.popen.poll() is None, r_open.tail() + r_closed.tail()
+
+
+def test_failed_requests_are_refunded(fleet):
+    r, _, _ = fleet
+    for status in ("400", "500"):
+        resp = httpx.post(r.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 40},
+                          headers={**auth(KEY_A), "x-fake-status": status})
+        assert resp.status_code == int(status)
+    assert router_metric(r, "kvfleet_router_ratelimit_tokens_total", tenant="alpha", kind="used") == 0
+    assert router_metric(r, "kvfleet_router_ratelimit_tokens_total", tenant="alpha", kind="refunded") == 120
+    resp = httpx.post(r.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 40}, headers=auth(KEY_A))
+    assert resp.headers["x-ratelimit-remaining-tokens"] == "540"  # the bucket is back to full before this one
+
+
+def test_fleet_pressure_sheds_expensive_low_priority_requests(procs, tmp_path):
+    engine = fake_engine(procs, "hot", "--kv-usage", "0.95", "--waiting", "3").wait_ready()
+    path = tmp_path / "tenants.yaml"
+    path.write_text(f"""
+tenants:
+  batch:
+    api_key_sha256: ["{key_sha256(KEY_A)}"]
+    tokens_per_minute: 1000000
+  interactive:
+    api_key_sha256: ["{key_sha256(KEY_B)}"]
+    tokens_per_minute: 1000000
+    priority: 5
+""")
+    r = router(procs, [engine.url], "--tenants", str(path), "--shed-min-cost-tokens", "1000",
+               policy="least-load").wait_ready()
+    wait_for(lambda: httpx.get(r.url + "/metrics").text.count("kvfleet_router_replica_ready") > 0, what="a scrape")
+    time.sleep(0.5)  # scraped load (0.95 KV usage, 3 waiting: HIGH pressure) reaches the router
+    big, small = {"prompt": PROMPT, "max_tokens": 2000}, {"prompt": PROMPT, "max_tokens": 100}
+    shed = httpx.post(r.url + "/v1/completions", json=big, headers=auth(KEY_A))
+    assert shed.status_code == 503 and shed.json()["error"]["code"] == "overloaded" and shed.headers["retry-after"]
+    assert httpx.post(r.url + "/v1/completions", json=small, headers=auth(KEY_A)).status_code == 200
+    assert httpx.post(r.url + "/v1/completions", json=big, headers=auth(KEY_B)).status_code == 200
+    assert router_metric(r, "kvfleet_router_ratelimit_requests_total", tenant="batch", outcome="shed") == 1

@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from router.budget import CONCURRENCY_RETRY_S, Bucket, BudgetSpec, Leases, Quota, Reason
@@ -118,6 +118,7 @@ class RedisStore:
         self._reserve = client.register_script(_RESERVE)
         self._settle = client.register_script(_SETTLE)
         self._heartbeat = client.register_script(_HEARTBEAT)
+        self._batch = _Batch(client)
 
     @classmethod
     def from_url(cls, url: str, timeout_s: float = 0.5, max_connections: int = 64, **kwargs) -> RedisStore:
@@ -179,7 +180,7 @@ class RedisStore:
 
     async def _call(self, script, keys: list[str], args: list[str]):
         try:
-            return await script(keys=keys, args=args)
+            return await self._batch.call(script, keys, args)
         except _ERRORS as e:
             if isinstance(e, (RedisConnectionError, RedisTimeoutError)):
                 # a restarted Redis leaves every idle pooled connection dead: drop them, so the calls that
@@ -187,3 +188,56 @@ class RedisStore:
                 with contextlib.suppress(Exception):
                     await self.client.connection_pool.disconnect(inuse_connections=False)
             raise StoreError(f"redis: {e!r}") from e
+
+
+class _Batch:
+    """Script calls made in the same turn of the event loop go to Redis as one pipeline: one round trip and
+    one reply parse for all of them (each script still runs atomically on its own). redis-py costs ~80-140 us
+    of CPU per single call and ~15 us per pipelined one; at a router's 1,000 requests/s (a reserve and a
+    settle each) that is the difference. A script Redis does not know (NOSCRIPT, after a restart or a
+    SCRIPT FLUSH) is loaded and its calls sent again once."""
+
+    def __init__(self, client: aioredis.Redis):
+        self.client = client
+        self._pending: list[tuple[object, list[str], list[str], asyncio.Future]] = []
+
+    def call(self, script, keys: list[str], args: list[str]) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        if not self._pending:
+            loop.call_soon(self._flush)
+        self._pending.append((script, keys, args, fut))
+        return fut
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        task = asyncio.ensure_future(self._send(batch))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # errors reach the futures
+
+    async def _send(self, batch) -> None:
+        try:
+            results = await self._execute(batch)
+            missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+            if missing:
+                for script in {id(batch[i][0]): batch[i][0] for i in missing}.values():
+                    await self.client.script_load(script.script)
+                again = await self._execute([batch[i] for i in missing])
+                for i, r in zip(missing, again, strict=True):
+                    results[i] = r
+        except BaseException as e:  # noqa: BLE001 - every caller gets the failure
+            for *_, fut in batch:
+                if not fut.done():
+                    fut.set_exception(e if isinstance(e, Exception) else asyncio.CancelledError())
+            return
+        for (*_, fut), r in zip(batch, results, strict=True):
+            if not fut.done():
+                if isinstance(r, Exception):
+                    fut.set_exception(r)
+                else:
+                    fut.set_result(r)
+
+    async def _execute(self, batch) -> list:
+        pipe = self.client.pipeline(transaction=False)
+        for script, keys, args, _ in batch:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        return await pipe.execute(raise_on_error=False)

@@ -113,10 +113,11 @@ class StreamUsage:
             return None
         start = at + len(b',"usage":')
         try:
-            usage, end = _DECODER.raw_decode(event[start:].decode())
+            tail = event[start:].decode()
+            usage, end = _DECODER.raw_decode(tail)
         except (ValueError, UnicodeDecodeError):
             return None
-        if event[start:].decode()[end:] != "}":
+        if tail[end:] != "}":
             return None
         self._seen(usage)
         if self.wanted.continuous or usage is None:

@@ -3,8 +3,8 @@
 //   write_kv(key, value, k_cache, v_cache, slots)    store each token's K/V heads at its cache slot
 //   paged_decode_(out, q, k_cache, v_cache, tables, seq_lens, scale)
 //       one query token per sequence over its paged context, grouped-query heads share K/V reads; for
-//       bf16 with head_dim 64 the scores run on AMX tiles where the CPU has them; the next cache block
-//       is prefetched while one is read (blocks sit anywhere, out of the hardware prefetchers' sight).
+//       bf16 with head_dim 64 the scores run on AMX tiles where the CPU has them (the next 16 keys
+//       prefetched while a tile is read).
 //       Sequences run in parallel; when there are fewer sequences than threads, a long context is split
 //       into runs of blocks on several threads (flash-decoding): each part keeps its own float32 maximum,
 //       sum and weighted sum of V, and the parts are merged by rescaling to the common maximum.
@@ -119,7 +119,7 @@ void decode_part_avx512(const T* q, const T* kc, const T* vc, const int32_t* tab
     for (int j = 0; j < G; ++j)
       for (int v = 0; v < V; ++v) acc[j][v] = _mm512_setzero_ps();
     const float* p = sc + h * G * len;
-    for_each_token(vc, table, len, bs, row_elems, h * D, h == 0 ? row_elems : 0, [&](const T* row, int64_t t) {
+    for_each_token(vc, table, len, bs, row_elems, h * D, [&](const T* row, int64_t t) {
       __m512 x[V];
       for (int v = 0; v < V; ++v) x[v] = load16(row + v * 16);
       for (int j = 0; j < G; ++j) {
@@ -156,7 +156,7 @@ void decode_part(const T* q, const T* kc, const T* vc, const int32_t* table, int
   float* acc = part.acc;
   to_f32(q, qf, hq * d);
   for (int64_t i = 0; i < hq * d; ++i) qf[i] *= scale;
-  for_each_token(kc, table, len, bs, row_elems, 0, row_elems, [&](const T* r, int64_t t) {  // scores
+  for_each_token(kc, table, len, bs, row_elems, 0, [&](const T* r, int64_t t) {  // scores
     to_f32(r, row, row_elems);
     for (int64_t hj = 0; hj < hq; ++hj) {
       const float* qj = qf + hj * d;
@@ -169,7 +169,7 @@ void decode_part(const T* q, const T* kc, const T* vc, const int32_t* table, int
   });
   softmax_rows(sc, hq, len, part.max, part.sum);
   std::fill(acc, acc + hq * d, 0.f);
-  for_each_token(vc, table, len, bs, row_elems, 0, row_elems, [&](const T* r, int64_t t) {  // weighted sum of V
+  for_each_token(vc, table, len, bs, row_elems, 0, [&](const T* r, int64_t t) {  // weighted sum of V
     to_f32(r, row, row_elems);
     for (int64_t hj = 0; hj < hq; ++hj) {
       const float p = sc[hj * len + t];

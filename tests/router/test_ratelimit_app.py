@@ -290,3 +290,33 @@ tenants:
     assert httpx.post(r.url + "/v1/completions", json=small, headers=auth(KEY_A)).status_code == 200
     assert httpx.post(r.url + "/v1/completions", json=big, headers=auth(KEY_B)).status_code == 200
     assert router_metric(r, "kvfleet_router_ratelimit_requests_total", tenant="batch", outcome="shed") == 1
+
+
+def test_streams_cancelled_at_random_points_settle_exactly(fleet):
+    """Five streams hung up after 0-6 chunks: each is charged 20 prompt tokens plus what it generated (at
+    most the 8 it would have), the rest refunded; nothing stays reserved and the bucket is where the charges
+    put it."""
+    import random
+
+    r, _, _ = fleet
+    rng = random.Random(7)
+    body = {"prompt": PROMPT, "max_tokens": 8, "stream": True}
+    for _ in range(5):
+        stop_after = rng.randint(0, 6)
+        with httpx.Client(timeout=10) as c, c.stream("POST", r.url + "/v1/completions", json=body,
+                                                      headers={**auth(KEY_C), "x-fake-chunk-delay-ms": "60"}) as resp:
+            seen = 0
+            for line in resp.iter_lines():
+                if line.startswith("data: {") and "tok" in line:
+                    seen += 1
+                    if seen > stop_after:
+                        break
+    wait_for(lambda: router_metric(r, "kvfleet_router_ratelimit_reserved_tokens", tenant="gamma") == 0,
+             what="settlement")
+    reserved = router_metric(r, "kvfleet_router_ratelimit_tokens_total", tenant="gamma", kind="reserved")
+    used = router_metric(r, "kvfleet_router_ratelimit_tokens_total", tenant="gamma", kind="used")
+    refunded = router_metric(r, "kvfleet_router_ratelimit_tokens_total", tenant="gamma", kind="refunded")
+    assert reserved == 5 * 28 and used + refunded == reserved
+    assert 5 * 21 <= used < 5 * 28
+    after = httpx.post(r.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8}, headers=auth(KEY_C))
+    assert 100000 - used - 28 <= int(after.headers["x-ratelimit-remaining-tokens"]) <= 100000 - 28

@@ -16,7 +16,7 @@ import httpx
 
 from deploy.redis_server import RedisServer
 from loadtest.router_overhead import latencies, pct, streamed_rps
-from loadtest.router_procs import PY, Proc, free_port, start_router
+from loadtest.router_procs import Proc, start_fake_engines, start_router
 from router.tenants import key_sha256
 
 KEY = "sk-bench-tenant-key"
@@ -42,12 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     redis = RedisServer(log_dir).start()
     procs: list[Proc] = []
     try:
-        fakes = [Proc([PY, "-m", "loadtest.fake_engine", "--port", str(p := free_port()), "--instance-id", f"f{i}",
-                       "--chunks", str(ns.chunks)], f"http://127.0.0.1:{p}", log_dir, f"fake-{i}")
-                 for i in range(ns.upstreams)]
+        fakes = start_fake_engines(ns.upstreams, ns.chunks, log_dir)
         procs += fakes
-        for f in fakes:
-            f.wait_ready()
         urls = [f.url for f in fakes]
         plain = start_router(ns, log_dir, urls, ns.policy, ns.model)
         ns.router_arg = ["--tenants", tenants, "--redis-url", redis.url, "--ratelimit-on-store-error", "closed"]

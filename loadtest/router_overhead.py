@@ -14,7 +14,7 @@ import time
 
 import httpx
 
-from loadtest.router_procs import PY, Proc, free_port, start_router
+from loadtest.router_procs import start_fake_engines, start_router
 from loadtest.workload import words
 
 
@@ -112,12 +112,8 @@ def cmd_overhead(ns) -> dict:
     log_dir = tempfile.mkdtemp(prefix="router-bench-")
     procs = []
     try:
-        fakes = [Proc([PY, "-m", "loadtest.fake_engine", "--port", str(p := free_port()), "--instance-id", f"f{i}",
-                       "--chunks", str(ns.chunks)], f"http://127.0.0.1:{p}", log_dir, f"fake-{i}")
-                 for i in range(ns.upstreams)]
+        fakes = start_fake_engines(ns.upstreams, ns.chunks, log_dir)
         procs += fakes
-        for f in fakes:
-            f.wait_ready()
         router = start_router(ns, log_dir, [f.url for f in fakes], ns.policy, ns.model)
         procs.append(router)
         router.wait_ready()

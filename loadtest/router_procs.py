@@ -66,6 +66,15 @@ def start_engine(ns, log_dir: str, name: str, num_blocks: int, index: int = 0) -
     return Proc(argv + ns.engine_arg, f"http://127.0.0.1:{port}", log_dir, name)
 
 
+def start_fake_engines(n: int, chunks: int, log_dir: str) -> list[Proc]:
+    """n fake engines (loadtest/fake_engine.py) answering with `chunks` SSE chunks, ready."""
+    fakes = [Proc([PY, "-m", "loadtest.fake_engine", "--port", str(p := free_port()), "--instance-id", f"f{i}",
+                   "--chunks", str(chunks)], f"http://127.0.0.1:{p}", log_dir, f"fake-{i}") for i in range(n)]
+    for f in fakes:
+        f.wait_ready()
+    return fakes
+
+
 def start_router(ns, log_dir: str, replicas: list[str], policy: str, model: str | None) -> Proc:
     port = free_port()
     argv = [PY, "-m", "router.main", "--port", str(port), "--policy", policy, "--model", model or "",

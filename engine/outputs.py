@@ -42,13 +42,18 @@ class CompletionDelta:
     def merge(self, later: CompletionDelta) -> None:
         """Append a later delta of the same completion (in place)."""
         self.text += later.text
-        self.token_ids.extend(later.token_ids)
-        if later.logprobs is not None:
-            if self.logprobs is None:
-                self.logprobs = []
-            self.logprobs.extend(later.logprobs)
-        if later.finish_reason is not None:
-            self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
+        _append_tokens(self, later)
+
+
+def _append_tokens(target: CompletionDelta | CompletionOutput, later: CompletionDelta) -> None:
+    """A later delta's token ids, logprobs and finish onto `target` (its text is the caller's)."""
+    target.token_ids.extend(later.token_ids)
+    if later.logprobs is not None:
+        if target.logprobs is None:
+            target.logprobs = []
+        target.logprobs.extend(later.logprobs)
+    if later.finish_reason is not None:
+        target.finish_reason, target.stop_reason = later.finish_reason, later.stop_reason
 
 
 @dataclass(slots=True)
@@ -116,13 +121,7 @@ class RequestOutput:
                     c = comps[o.index] = CompletionOutput(o.index)
                     texts[o.index] = []
                 texts[o.index].append(o.text)
-                c.token_ids.extend(o.token_ids)
-                if o.logprobs is not None:
-                    if c.logprobs is None:
-                        c.logprobs = []
-                    c.logprobs.extend(o.logprobs)
-                if o.finish_reason is not None:
-                    c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
+                _append_tokens(c, o)
         if last is None:
             raise ValueError("a request output needs at least one delta")
         for i, c in comps.items():

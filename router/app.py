@@ -12,19 +12,32 @@ import contextlib
 import json
 import logging
 import time
+from typing import NamedTuple
 
 import aiohttp
 
 from contract.errors import error_body, error_type
 from router.config import RouterConfig
-from router.discovery import make_discovery
 from router.errors import send_bytes, send_json
 from router.fleet import Fleet
 from router.metrics import RouterMetrics
-from router.prepare import CHAT_PATH, COMPLETIONS_PATH, prepare_request, prompt_token_counts
+from router.pool_control import Pools
+from router.pools import PoolRefusal, PoolSpec, apply_caps
+from router.prepare import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    PreparedRequest,
+    max_tokens_field,
+    positive_int,
+    prepare_request,
+    prompt_token_counts,
+)
 from router.proxy import Attempts, Proxy
 from router.ratelimit import Admitted, RateLimiter, Refusal
+from router.shedding import Pressure, should_shed
+from router.tenants import Tenant
 from router.tokens import PromptTokenizer
+from router.usage import StreamUsage, ask_for_usage
 
 log = logging.getLogger("kvfleet.router")
 access_log = logging.getLogger("kvfleet.router.access")
@@ -35,6 +48,12 @@ _UNLOGGED = ("/health", "/ready", "/metrics")  # probes and scrapes stay out of 
 _SHUTDOWN_S = 10.0
 
 
+class Placement(NamedTuple):
+    pool: PoolSpec  # the pool as the request sees it (after degradation)
+    changed: bool  # the body's max_tokens was set or lowered
+    lowered: int | None  # the max_tokens a cap lowered the request's to
+
+
 class RouterApp:
     def __init__(self, cfg: RouterConfig, tokenizer=None):
         self.cfg = cfg
@@ -42,13 +61,14 @@ class RouterApp:
         self.fleet = Fleet(cfg, self.metrics)
         self.metrics.attach(self.fleet)
         self.tokenizer = tokenizer
-        # tenants and token budgets (a bad tenants file raises here, before the router serves)
+        # engine pools and tenants (a bad pools or tenants file raises here, before the router serves)
+        self.pools = Pools(cfg, self.fleet, self.metrics)
         self.ratelimit = (RateLimiter(cfg.ratelimit, self.metrics, self.fleet.load, cfg.request_timeout_s)
                           if cfg.ratelimit.tenants_file else None)
-        self.need_tokens = self.fleet.policy.needs.prompt_tokens or self.ratelimit is not None
+        self.need_tokens = (self.fleet.policy.needs.prompt_tokens or self.ratelimit is not None
+                            or cfg.pools_file is not None)
         self.proxy: Proxy | None = None
         self.session: aiohttp.ClientSession | None = None
-        self._discovery_task: asyncio.Task | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -67,14 +87,10 @@ class RouterApp:
         await self.fleet.start()
         if self.ratelimit is not None:
             await self.ratelimit.start()
-        discovery = make_discovery(cfg)
-        self._discovery_task = asyncio.create_task(discovery.run(self.fleet.set_replicas))
+        await self.pools.start()
 
     async def shutdown(self) -> None:
-        if self._discovery_task is not None:
-            self._discovery_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._discovery_task
+        await self.pools.stop()
         await self.fleet.stop()
         if self.ratelimit is not None:
             await self.ratelimit.stop()
@@ -211,23 +227,43 @@ class RouterApp:
         t0 = time.perf_counter()
         hdr = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers if k in (b"x-session-id",)}
         prep = prepare_request(path, obj, hdr, self.tokenizer, self.need_tokens)
-        admitted: Admitted | None = None
-        extra: list[tuple[bytes, bytes]] = []
         if tenant is not None:
-            got = await self.ratelimit.admit(tenant, path, obj, prompt_token_counts(path, obj, self.tokenizer, prep))
+            refused = self.ratelimit.shape(tenant, path, obj)
+            if refused is not None:
+                await send_json(send, refused.status, refused.body, refused.headers)
+                return
+            salt = obj.get("cache_salt")
+            prep.cache_salt = salt if isinstance(salt, str) and salt else None
+        counts = prompt_token_counts(path, obj, self.tokenizer, prep)
+        placed = await self._place(send, path, obj, prep, counts, tenant)
+        if placed is None:
+            return
+        pool = placed.pool
+        changed = placed.changed
+        extra = [(b"x-kvfleet-pool", pool.name.encode())]
+        admitted: Admitted | None = None
+        if tenant is not None:
+            got = await self.ratelimit.admit(tenant, path, obj, counts)
             if isinstance(got, Refusal):
                 await send_json(send, got.status, got.body, got.headers)
                 return
-            admitted, body, extra = got, got.body, got.headers
+            admitted, body = got, got.body
+            extra.extend(got.headers)
             prep.usage = got.usage
-            salt = obj.get("cache_salt")
-            prep.cache_salt = salt if isinstance(salt, str) and salt else None
+        else:
+            if prep.stream and self.cfg.pools_file is not None:  # usage for the pool's hit rate and TPOT
+                prep.usage = StreamUsage(ask_for_usage(obj, continuous=False))
+                changed = True
+            if changed:
+                body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+        if placed.lowered is not None:
+            extra.append((b"x-kvfleet-max-tokens-lowered", str(placed.lowered).encode()))
         prepared_s = time.perf_counter() - t0
         metrics = self.metrics
 
         def lease(p, tried):
             t = time.perf_counter()
-            ls = self.fleet.lease(p, tried)
+            ls = self.fleet.lease(p, tried, pool.name)
             metrics.decision_seconds.observe(time.perf_counter() - t + (prepared_s if not tried else 0.0))
             if ls is not None:
                 metrics.decisions.labels(metrics.policy, ls.reason).inc()
@@ -238,6 +274,68 @@ class RouterApp:
         finally:
             if admitted is not None:  # however it ended: charge what was used, refund the rest
                 await asyncio.shield(self.ratelimit.settle(admitted, attempts.answered))
+            self._observe(pool.name, prep, attempts, t0)
+
+    async def _place(self, send, path: str, obj: dict, prep: PreparedRequest, counts: list[int],
+                     tenant: Tenant | None) -> Placement | None:
+        """Choose the request's pool and apply its max_tokens default and cap to the body (in place); None
+        when the request was answered here (400 over every pool's context limit, 503 no pool / shed)."""
+        field = max_tokens_field(path, obj)
+        requested = positive_int(obj.get(field))
+        choice = self.pools.choose(prep.session_key, max(counts), requested)
+        if isinstance(choice, PoolRefusal):
+            self.metrics.pool_requests.labels("none", "-", str(choice.status)).inc()
+            param = ("messages" if path == CHAT_PATH else "prompt") if choice.status == 400 else None
+            await send_json(send, choice.status, error_body(choice.message, error_type(choice.status), param,
+                                                            choice.code))
+            return None
+        pool = choice.pool
+        version = self.pools.version(pool.name)
+        effective, lowered = apply_caps(pool, requested)
+        if self.pools.shedding(pool.name):
+            n = positive_int(obj.get("n")) or 1
+            cost = sum(counts) + n * len(counts) * (effective or 0)
+            lowest, highest = self.ratelimit.file.registry.priorities() if self.ratelimit is not None else (0, 0)
+            priority = tenant.priority if tenant is not None else 0
+            shed_cfg = self.cfg.ratelimit.shedding
+            if should_shed(Pressure.HIGH, cost, priority, lowest, highest, shed_cfg):
+                self.metrics.pool_requests.labels(pool.name, version, "503").inc()
+                await send_json(send, 503, error_body(
+                    f"pool {pool.name} is degraded and sheds requests of this size and priority: retry in "
+                    f"{shed_cfg.retry_after_s}s or lower max_tokens", error_type(503), None, "overloaded"),
+                    [(b"retry-after", str(shed_cfg.retry_after_s).encode())])
+                return None
+        if effective == requested or effective is None:
+            return Placement(pool, False, None)
+        obj[field] = effective
+        if lowered:
+            self.metrics.pool_lowered.labels(pool.name, version).inc()
+        return Placement(pool, True, effective if lowered else None)
+
+    def _observe(self, pool: str, prep: PreparedRequest, attempts: Attempts, t0: float) -> None:
+        """The request's outcome and latencies into its pool's metrics and degradation signals."""
+        status = attempts.status
+        if status is None:  # the client went away: says nothing about the pool
+            return
+        m, version = self.metrics, self.pools.version(pool)
+        m.pool_requests.labels(pool, version, status).inc()
+        usage = attempts.usage if isinstance(attempts.usage, dict) else {}
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if isinstance(prompt, int):
+            m.pool_prompt_tokens.labels(pool, version).inc(prompt)
+            if isinstance(cached, int):
+                m.pool_cached_tokens.labels(pool, version).inc(cached)
+        ttft = tpot = None
+        if prep.stream and attempts.first_token_at is not None:
+            ttft = attempts.first_token_at - t0
+            m.pool_ttft.labels(pool, version).observe(ttft)
+            if attempts.ended_at is not None and isinstance(completion, int) and completion > 1:
+                tpot = (attempts.ended_at - attempts.first_token_at) / (completion - 1)
+                m.pool_tpot.labels(pool, version).observe(tpot)
+        failed = status in ("error", "429") or status.startswith("5")
+        self.pools.record(pool, failed, ttft, tpot)
 
     async def _forward(self, send, receive, path, body, headers, prep, lease, attempts, extra) -> None:
         metrics = self.metrics

@@ -98,6 +98,7 @@ class RouterConfig:
     internal_token: str | None = None
     max_body_bytes: int = 16 * 1024 * 1024
     access_log: bool = False  # one INFO line per proxied request
+    pools_file: str | None = None  # None: one pool, "default", from the discovery flags
     scoring: ScoringConfig = dataclasses.field(default_factory=ScoringConfig)
     ratelimit: RateLimitConfig = dataclasses.field(default_factory=RateLimitConfig)
 
@@ -115,8 +116,11 @@ class RouterConfig:
             raise ConfigError("scheme", f"must be http or https, got {self.scheme!r}")
         for url in self.replicas:
             check_replica_url(url)
-        if self.discovery == "static" and not self.replicas:
-            raise ConfigError("replicas", "static discovery needs at least one replica URL")
+        if self.pools_file is not None and (self.replicas or self.dns_name or self.k8s_service):
+            raise ConfigError("pools", "--pools lists each pool's replicas; do not also give --replicas, "
+                              "--dns-name or --k8s-service")
+        if self.pools_file is None and self.discovery == "static" and not self.replicas:
+            raise ConfigError("replicas", "static discovery needs at least one replica URL (or --pools)")
         if self.discovery == "dns" and not self.dns_name:
             raise ConfigError("dns_name", "dns discovery needs the headless Service name")
         if self.discovery == "k8s" and not self.k8s_service:

@@ -16,9 +16,11 @@ below its clear level (clear < trip: hysteresis; between the two, neither). `ste
   `dwell_s` has passed since the last change; the clear period then restarts, so each further step down
   needs another `dwell_s` of clear signals;
 - neither: the level holds and the clear period restarts.
-An unknown signal (None) neither trips nor keeps the pool from clearing. A drained canary sees no traffic,
-so its latencies become unknown and it steps back to NORMAL (weight restored) after the clear periods,
-unless a known signal (errors, OOM, KV usage) stays above its clear level.
+An unknown signal (None) neither trips nor keeps the pool from clearing.
+
+A canary's rollback holds: a canary steps down no further than CANARY_ROLLBACK, however clear its signals
+(drained, it sees no traffic, so clear signals would say nothing about it). The router starts it afresh
+(`State(canary=True)`) when the pool's configuration changes: a new version or weight in the pools file.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import math
 from dataclasses import dataclass, fields, replace
 
 from contract.errors import ConfigError
+from router.pools import PoolSpec
 from router.states import StrEnum
 
 
@@ -38,7 +41,7 @@ class Level(StrEnum):
 
 
 LEVELS = (Level.NORMAL, Level.CANARY_ROLLBACK, Level.LOWER_MAX_TOKENS, Level.SHED)
-_SIGNALS = ("p99_ttft_s", "p99_tpot_s", "error_rate", "oom_events", "kv_usage")
+SIGNALS = ("p99_ttft_s", "p99_tpot_s", "error_rate", "oom_events", "kv_usage")
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ class DegradationConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value < 0:
                 raise ConfigError(f.name, f"{f.name} must be a finite number >= 0, got {value!r}")
-        for name in _SIGNALS:
+        for name in SIGNALS:
             if getattr(self, f"{name}_clear") > getattr(self, f"{name}_trip"):
                 raise ConfigError(f"{name}_clear", f"{name}_clear must not be above {name}_trip")
         if not 0 < self.max_tokens_factor <= 1:
@@ -106,12 +109,12 @@ class Actions:
 
 def tripped(config: DegradationConfig, signals: Signals) -> bool:
     return any(v >= getattr(config, f"{name}_trip")
-               for name in _SIGNALS if (v := getattr(signals, name)) is not None)
+               for name in SIGNALS if (v := getattr(signals, name)) is not None)
 
 
 def clear(config: DegradationConfig, signals: Signals) -> bool:
     return all(v < getattr(config, f"{name}_clear")
-               for name in _SIGNALS if (v := getattr(signals, name)) is not None)
+               for name in SIGNALS if (v := getattr(signals, name)) is not None)
 
 
 def _levels(canary: bool) -> tuple[Level, ...]:
@@ -130,7 +133,8 @@ def step(config: DegradationConfig, state: State, signals: Signals, now: float) 
     if not clear(config, signals):
         return replace(state, clear_since=None)
     since = now if state.clear_since is None else state.clear_since
-    if i > 0 and dwelt and now - since >= config.dwell_s:
+    floor = levels.index(Level.CANARY_ROLLBACK) if state.canary and i > 0 else 0
+    if i > floor and dwelt and now - since >= config.dwell_s:
         return replace(state, level=levels[i - 1], changed_at=now, clear_since=now)
     return replace(state, clear_since=since)
 
@@ -143,3 +147,15 @@ def actions(config: DegradationConfig, state: State) -> Actions:
         max_tokens_factor=config.max_tokens_factor if rank >= LEVELS.index(Level.LOWER_MAX_TOKENS) else 1.0,
         shed=state.level is Level.SHED,
     )
+
+
+def degraded(spec: PoolSpec, act: Actions) -> PoolSpec:
+    """The pool as the router uses it under `act`: its weight times the canary factor, its max_tokens default
+    and cap times the max_tokens factor (at least 1; a pool that sets neither has nothing to lower)."""
+    def lower(v: int | None) -> int | None:
+        return None if v is None else max(1, math.floor(v * act.max_tokens_factor))
+
+    if act.canary_weight_factor == 1.0 and act.max_tokens_factor == 1.0:
+        return spec
+    return replace(spec, weight=math.floor(spec.weight * act.canary_weight_factor),
+                   default_max_tokens=lower(spec.default_max_tokens), max_tokens_cap=lower(spec.max_tokens_cap))

@@ -12,10 +12,41 @@ import asyncio
 import ipaddress
 import logging
 import threading
+from dataclasses import dataclass
 
 from router.config import RouterConfig
 
 log = logging.getLogger("kvfleet.router.discovery")
+
+
+@dataclass(frozen=True)
+class StaticSource:
+    urls: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DnsSource:
+    name: str
+    port: int = 8000
+
+
+@dataclass(frozen=True)
+class K8sSource:
+    service: str
+    namespace: str | None = None  # None: the router's own (--k8s-namespace)
+    port_name: str | None = None  # None: the EndpointSlice's first port
+
+
+Source = StaticSource | DnsSource | K8sSource
+
+
+def flag_source(cfg: RouterConfig) -> Source:
+    """The discovery source the command-line flags describe (the one pool of a router without --pools)."""
+    if cfg.discovery == "dns":
+        return DnsSource(cfg.dns_name, cfg.dns_port)
+    if cfg.discovery == "k8s":
+        return K8sSource(cfg.k8s_service, cfg.k8s_namespace, cfg.k8s_port_name)
+    return StaticSource(tuple(cfg.replicas))
 
 
 def replica_url(scheme: str, host: str, port: int) -> str:
@@ -202,10 +233,12 @@ class K8sDiscovery:
             self._stop.set()
 
 
-def make_discovery(cfg: RouterConfig):
-    if cfg.discovery == "dns":
-        return DnsDiscovery(cfg.dns_name, cfg.dns_port, cfg.scheme, cfg.dns_interval_s,
+def make_discovery(cfg: RouterConfig, source: Source):
+    """The discovery that runs `source`, with the router's scheme, intervals and resolver."""
+    if isinstance(source, DnsSource):
+        return DnsDiscovery(source.name, source.port, cfg.scheme, cfg.dns_interval_s,
                             make_resolver(cfg.dns_nameserver))
-    if cfg.discovery == "k8s":
-        return K8sDiscovery(cfg.k8s_service, cfg.k8s_namespace, cfg.k8s_port_name, cfg.scheme, cfg.k8s_resync_s)
-    return StaticDiscovery(cfg.replicas)
+    if isinstance(source, K8sSource):
+        return K8sDiscovery(source.service, source.namespace or cfg.k8s_namespace, source.port_name, cfg.scheme,
+                            cfg.k8s_resync_s)
+    return StaticDiscovery(source.urls)

@@ -1,6 +1,7 @@
-"""The fleet as this router sees it: the replicas from discovery, their background checks (/ready, /metrics,
-KV events), both prefix indexes, and `lease()` - the per-request decision (no I/O on that path), handed to
-the proxy as a Lease."""
+"""The fleet as this router sees it: the replicas from discovery, grouped in pools, their background checks
+(/ready, /metrics, KV events), both prefix indexes, and `lease()` - the per-request decision inside one pool
+(no I/O on that path), handed to the proxy as a Lease. A replica belongs to one pool; prefix-cache affinity
+and session hashing stay inside a pool."""
 
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ from router.metrics import RouterMetrics
 from router.policies import POLICIES, Decision, HashRing, IndexKind, RouteRequest
 from router.prefix_index import PrefixIndex
 from router.prepare import PreparedRequest
-from router.replicas import CircuitBreaker, ReplicaState, parse_engine_metrics
+from router.replicas import CircuitBreaker, EngineLoad, ReplicaState, parse_engine_metrics
 from router.states import CircuitState, KVEventsState
 
 log = logging.getLogger("kvfleet.router.fleet")
+
+DEFAULT_POOL = "default"  # the one pool of a router started without --pools
 
 
 class Fleet:
@@ -34,7 +37,9 @@ class Fleet:
         self.replicas: dict[str, ReplicaState] = {}
         self.index = PrefixIndex()
         self.approx = ApproxPrefixIndex(cfg.approx_max_blocks)
-        self.ring = HashRing([], cfg.scoring.session_vnodes)
+        self.members: dict[str, list[str]] = {}  # pool -> its replica URLs
+        self.pool_of: dict[str, str] = {}  # replica URL -> pool
+        self.rings: dict[str, HashRing] = {}
         self._turn = 0  # advanced once per decision: rotates ties (and round-robin)
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self._client: httpx.AsyncClient | None = None
@@ -54,21 +59,36 @@ class Fleet:
         if self._client is not None:
             await self._client.aclose()
 
-    async def set_replicas(self, urls) -> None:
-        """Discovery's current list: new replicas join, missing ones leave (their in-flight requests finish)."""
-        wanted = list(dict.fromkeys(u.rstrip("/") for u in urls))
-        for url in [u for u in self.replicas if u not in wanted]:
-            log.info("replica left: %s", url)
+    async def set_replicas(self, urls, pool: str = DEFAULT_POOL) -> None:
+        """A pool's current list from its discovery: new replicas join, missing ones leave (their in-flight
+        requests finish). A URL that another pool already holds stays there (logged)."""
+        wanted = []
+        for u in dict.fromkeys(u.rstrip("/") for u in urls):
+            owner = self.pool_of.get(u, pool)
+            if owner != pool:
+                log.warning("replica %s is listed by pools %s and %s; it stays in %s", u, owner, pool, owner)
+            else:
+                wanted.append(u)
+        for url in [u for u in self.members.get(pool, []) if u not in wanted]:
+            log.info("replica left pool %s: %s", pool, url)
             await self._remove(url)
         for url in wanted:
             if url not in self.replicas:
-                log.info("replica joined: %s", url)
-                self._add(url)
-        self.ring = HashRing(list(self.replicas), self.cfg.scoring.session_vnodes)
+                log.info("replica joined pool %s: %s", pool, url)
+                self._add(url, pool)
+        self.members[pool] = wanted
+        self.rings[pool] = HashRing(wanted, self.cfg.scoring.session_vnodes)
         self._notify()
 
-    def _add(self, url: str) -> None:
+    async def drop_pool(self, pool: str) -> None:
+        """A pool left the configuration: its replicas leave."""
+        await self.set_replicas([], pool)
+        self.members.pop(pool, None)
+        self.rings.pop(pool, None)
+
+    def _add(self, url: str, pool: str) -> None:
         cfg = self.cfg
+        self.pool_of[url] = pool
         st = self.replicas[url] = ReplicaState(url, CircuitBreaker(cfg.breaker_failures, cfg.breaker_open_s))
         tasks = [asyncio.create_task(self._health_loop(st)), asyncio.create_task(self._scrape_loop(st))]
         if self.policy.needs.kv_events:
@@ -86,6 +106,7 @@ class Fleet:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self.replicas.pop(url, None)
+        self.pool_of.pop(url, None)
         if self.index.has(url):
             self.index.drop(url)
         self.approx.drop(url)
@@ -124,16 +145,28 @@ class Fleet:
             await asyncio.sleep(self.cfg.scrape_interval_s)
 
     # -- routing -------------------------------------------------------------------------------------------
-    def ready_urls(self) -> list[str]:
-        now = self.clock()
-        return [u for u, st in self.replicas.items() if st.routable(now)]
+    def _urls(self, pool: str | None) -> list[str]:
+        return list(self.replicas) if pool is None else self.members.get(pool, [])
 
-    def load(self) -> tuple[float | None, float | None]:
-        """Mean KV usage and waiting requests per routable replica whose scraped load is fresh (None, None
-        when none is): the fleet's pressure, for load shedding."""
+    def ready_urls(self, pool: str | None = None) -> list[str]:
+        """Routable replicas, of one pool or (None) of all."""
         now = self.clock()
-        loads = [st.load for st in self.replicas.values()
-                 if st.routable(now) and st.load_known(now, self.cfg.scrape_stale_s) and st.load is not None]
+        return [u for u in self._urls(pool) if self.replicas[u].routable(now)]
+
+    def fresh_loads(self, pool: str | None = None) -> dict[str, EngineLoad]:
+        """The scraped load of each routable replica (of one pool, or all) whose scrape is fresh."""
+        now = self.clock()
+        out = {}
+        for u in self._urls(pool):
+            st = self.replicas[u]
+            if st.routable(now) and st.load_known(now, self.cfg.scrape_stale_s) and st.load is not None:
+                out[u] = st.load
+        return out
+
+    def load(self, pool: str | None = None) -> tuple[float | None, float | None]:
+        """Mean KV usage and waiting requests per routable replica whose scraped load is fresh (None, None
+        when none is): the fleet's (or one pool's) pressure, for load shedding."""
+        loads = list(self.fresh_loads(pool).values())
         if not loads:
             return None, None
         return sum(x.kv_usage for x in loads) / len(loads), sum(x.waiting for x in loads) / len(loads)
@@ -161,18 +194,24 @@ class Fleet:
                 out[u] = n * cfg.block_size
         return out
 
-    def route(self, prep: PreparedRequest, excluded: set[str] | frozenset[str] = frozenset()) -> Decision | None:
+    def route(self, prep: PreparedRequest, excluded: set[str] | frozenset[str] = frozenset(),
+              pool: str = DEFAULT_POOL) -> Decision | None:
         cfg, now = self.cfg, self.clock()
-        urls = list(self.replicas)
+        urls = self.members.get(pool, [])
+        ring = self.rings.get(pool)
+        if not urls or ring is None:
+            return None
         cached = self.predict_cached(prep, urls)
         views = [self.replicas[u].view(now, cfg.scrape_stale_s, cached.get(u, 0), u in excluded) for u in urls]
         self._turn += 1
         return self.policy.choose(views, RouteRequest(prep.num_prompt_tokens, prep.session_key), cfg.scoring,
-                                  self.ring, self._turn - 1)
+                                  ring, self._turn - 1)
 
-    def lease(self, prep: PreparedRequest, excluded: set[str] | frozenset[str] = frozenset()) -> Lease | None:
-        """Route the request and dispatch it to the chosen replica; None when no routable replica is left."""
-        decision = self.route(prep, excluded)
+    def lease(self, prep: PreparedRequest, excluded: set[str] | frozenset[str] = frozenset(),
+              pool: str = DEFAULT_POOL) -> Lease | None:
+        """Route the request inside `pool` and dispatch it to the chosen replica; None when no routable
+        replica of the pool is left."""
+        decision = self.route(prep, excluded, pool)
         if decision is None:
             return None
         cfg, st, now = self.cfg, self.replicas[decision.url], self.clock()

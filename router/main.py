@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cost of one running request on a replica, in prefill-token equivalents")
     p.add_argument("--overload-waiting", type=int, default=s.overload_waiting)
     p.add_argument("--overload-kv-usage", type=float, default=s.overload_kv_usage)
+    p.add_argument("--pools", metavar="FILE", help="engine pools YAML: per pool its replicas (static, DNS or "
+                   "Kubernetes), version label, canary weight, max_tokens limits, context limit, and the automatic "
+                   "degradation thresholds; reloaded when it changes (see README). Instead of --replicas, "
+                   "--dns-name, --k8s-service")
     sh = SheddingConfig()
     g = p.add_argument_group("tenants and token budgets")
     g.add_argument("--tenants", metavar="FILE", help="tenants YAML (API key hashes, tokens_per_minute, limits, "
@@ -104,7 +108,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         kv_heartbeat_timeout_s=ns.kv_heartbeat_timeout_s, block_size=ns.block_size,
         hash_seed=ns.hash_seed, approx_max_blocks=ns.approx_max_blocks, breaker_failures=ns.breaker_failures,
         breaker_open_s=ns.breaker_open_s, max_attempts=ns.max_attempts, request_timeout_s=ns.request_timeout_s,
-        internal_token=ns.internal_token, access_log=ns.access_log, scoring=scoring,
+        internal_token=ns.internal_token, access_log=ns.access_log, pools_file=ns.pools, scoring=scoring,
         ratelimit=RateLimitConfig(tenants_file=ns.tenants, redis_url=ns.redis_url or None,
                                   on_store_error=ns.ratelimit_on_store_error,
                                   shedding=SheddingConfig(kv_high=ns.shed_kv_high, waiting_high=ns.shed_waiting_high,
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         app = RouterApp(cfg)
-    except ConfigError as e:  # a bad tenants file: its message names the file and line
+    except ConfigError as e:  # a bad tenants or pools file: its message names the file and line
         print(f"kvfleet router: error: {e}", file=sys.stderr)
         return 2
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=ns.log_level.lower(), access_log=False,

@@ -13,6 +13,8 @@ from router.states import CircuitState, KVEventsState
 
 _DECISION_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1)
 _TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
 class RouterMetrics:
@@ -63,7 +65,29 @@ class RouterMetrics:
         self.store_healthy.set(1)
         self.tenant_reloads = Counter("kvfleet_router_tenants_reloads", "Reloads of the tenants file by result "
                                       "(ok, failed: the previous tenants stay)", ["result"], registry=r)
+        # engine pools (router/pool_control.py), labelled by pool and configuration version
+        pv = ["pool", "version"]
+        self.pool_requests = Counter("kvfleet_router_pool_requests", "Requests by pool, version and final status "
+                                     "(HTTP code, 'error', 'cancelled')", [*pv, "status"], registry=r)
+        self.pool_ttft = Histogram("kvfleet_router_pool_ttft_seconds", "Time to first token as the router "
+                                   "sees it (streamed requests, from arrival at the router)", pv,
+                                   buckets=_TTFT_BUCKETS, registry=r)
+        self.pool_tpot = Histogram("kvfleet_router_pool_tpot_seconds", "Time per output token after the "
+                                   "first (streamed requests)", pv, buckets=_TPOT_BUCKETS, registry=r)
+        self.pool_prompt_tokens = Counter("kvfleet_router_pool_prompt_tokens", "Prompt tokens the engines "
+                                          "reported, by pool", pv, registry=r)
+        self.pool_cached_tokens = Counter("kvfleet_router_pool_cached_tokens", "Prompt tokens the engines "
+                                          "served from their prefix cache, by pool", pv, registry=r)
+        self.pool_changes = Counter("kvfleet_router_pool_degradation_changes", "Degradation level changes "
+                                    "by pool", ["pool", "from", "to"], registry=r)
+        self.pool_lowered = Counter("kvfleet_router_pool_max_tokens_lowered", "Requests whose max_tokens a "
+                                    "pool's cap lowered", pv, registry=r)
+        self.pool_reloads = Counter("kvfleet_router_pools_reloads", "Reloads of the pools file by result (ok, "
+                                    "failed: the previous pools stay)", ["result"], registry=r)
         self.fleet = None
+
+    def pools_reloaded(self, ok: bool) -> None:
+        self.pool_reloads.labels("ok" if ok else "failed").inc()
 
     def store_error(self, _e: Exception) -> None:
         self.store_errors.inc()
@@ -90,6 +114,10 @@ class RouterMetrics:
             self.reported_cached.labels(replica).inc(cached)
             self.predicted_cached.labels(replica).inc(predicted)
             self.prediction_error.observe(abs(predicted - cached))
+
+    def attach_pools(self, pools) -> None:
+        """Export each pool's weights, degradation level and replica counts at scrape time."""
+        self.registry.register(_PoolsCollector(pools))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -128,6 +156,29 @@ class _FleetCollector:
         count.add_metric(["ready"], n_ready)
         count.add_metric(["routable"], n_routable)
         yield from (circuit, ready, inflight, blocks, kv_live, count)
+
+    def describe(self):
+        return []
+
+
+class _PoolsCollector:
+    def __init__(self, pools):
+        self.pools = pools
+
+    def collect(self):
+        weight = GaugeMetricFamily("kvfleet_router_pool_weight", "Pool weight as configured and in effect (after "
+                                   "automatic rollback)", labels=["pool", "version", "kind"])
+        level = GaugeMetricFamily("kvfleet_router_pool_degradation_level", "Degradation level: 0 normal, 1 canary "
+                                  "rollback, 2 lower max_tokens, 3 shed", labels=["pool", "version"])
+        replicas = GaugeMetricFamily("kvfleet_router_pool_replicas", "Replicas of the pool known to the router and "
+                                     "ready", labels=["pool", "version", "state"])
+        for p in self.pools.status():
+            weight.add_metric([p.name, p.version, "configured"], p.weight)
+            weight.add_metric([p.name, p.version, "effective"], p.effective_weight)
+            level.add_metric([p.name, p.version], p.level_index)
+            replicas.add_metric([p.name, p.version, "known"], p.replicas)
+            replicas.add_metric([p.name, p.version, "ready"], p.ready)
+        yield from (weight, level, replicas)
 
     def describe(self):
         return []

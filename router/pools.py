@@ -52,6 +52,7 @@ class PoolSpec:
     default_max_tokens: int | None = None
     max_context_tokens: int | None = None
     long_context: bool = False
+    canary: bool = False  # degradation may roll it back (weight -> 0) when it misbehaves
 
     def __post_init__(self) -> None:
         for field in ("name", "version"):
@@ -63,8 +64,9 @@ class PoolSpec:
         _optional_positive("max_tokens_cap", self.max_tokens_cap)
         _optional_positive("default_max_tokens", self.default_max_tokens)
         _optional_positive("max_context_tokens", self.max_context_tokens)
-        if not isinstance(self.long_context, bool):
-            raise ConfigError("long_context", f"pool {self.name}: long_context must be a bool")
+        for flag in ("long_context", "canary"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(flag, f"pool {self.name}: {flag} must be a bool")
         if (self.default_max_tokens is not None and self.max_tokens_cap is not None
                 and self.default_max_tokens > self.max_tokens_cap):
             raise ConfigError("default_max_tokens", f"pool {self.name}: default_max_tokens "

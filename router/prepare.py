@@ -80,6 +80,15 @@ def prompt_token_counts(path: str, body: Mapping, tokenizer: PromptTokenizer | N
     return [prep.num_prompt_tokens]
 
 
+def positive_int(v) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
+
+
+def max_tokens_field(path: str, body: Mapping) -> str:
+    """The body field that holds the request's max_tokens (a chat request may use max_completion_tokens)."""
+    return "max_completion_tokens" if path == CHAT_PATH and "max_completion_tokens" in body else "max_tokens"
+
+
 def session_key(body: Mapping, headers: Mapping[str, str]) -> str | None:
     key = headers.get("x-session-id")
     if key:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -68,6 +69,11 @@ def sse_error_event(message: str) -> bytes:
     return b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
 
 
+def _opening_only(chunk: bytes) -> bool:
+    """A chat stream's opening chunk alone (the role, sent before any token is generated)."""
+    return chunk.count(b"data: ") == 1 and b'"role":"assistant"' in chunk and b'"content":""' in chunk
+
+
 def _usage_from_sse(chunk: bytes) -> dict | None:
     """The `usage` object of a streamed chunk that carries one (the engine's last chunk), else None."""
     for line in chunk.split(b"\n"):
@@ -104,12 +110,16 @@ class _Result(NamedTuple):
 
 @dataclass(slots=True)
 class Attempts:
-    """What the proxy did for one request, for the access log (filled in as it goes)."""
+    """What the proxy did for one request, for the access log and the pool's signals (filled in as it goes)."""
 
     replica: str | None = None  # the replica of the last attempt
     predicted_cached_tokens: int = 0
     retries: int = 0
     answered: bool = False  # a replica's successful (200) response went to the client
+    status: str | None = None  # the final status: the HTTP code sent, or "error"; None: not finished
+    first_token_at: float | None = None  # perf_counter when a stream's first token went out
+    ended_at: float | None = None  # perf_counter when a stream's last byte went out
+    usage: dict | None = None  # the usage the replica reported (the last one of a stream)
 
 
 class Proxy:
@@ -156,9 +166,11 @@ class Proxy:
                 ls.release()  # without a verdict (client gone, or it could not be written to): abandoned
             if result.end is End.DONE:
                 metrics.requests.labels(url, metrics.policy, result.detail).inc()
+                attempts.status = result.detail
                 return
             if result.end is End.MID_STREAM:
                 metrics.requests.labels(url, metrics.policy, "error").inc()
+                attempts.status = "error"
                 return
             # failed or refused before the first byte: retry elsewhere
             if result.refusal is not None:
@@ -173,10 +185,12 @@ class Proxy:
             if not any(k.lower() == b"retry-after" for k, _ in out):
                 out.append((b"retry-after", b"1"))
             metrics.requests.labels("none", metrics.policy, "429").inc()
+            attempts.status = "429"
             await send({"type": "http.response.start", "status": 429, "headers": out})
             await send({"type": "http.response.body", "body": data})
             return
         metrics.requests.labels("none", metrics.policy, "error").inc()
+        attempts.status = "error"
         await send_json(send, 503, error_body(f"no replica could serve the request ({last_error})",
                                               error_type(503), None, "no_replica_available"), list(extra_headers))
 
@@ -205,8 +219,9 @@ class Proxy:
                     return _Result(End.READ, _describe(e))
                 if status == 200 and b'"usage"' in data:
                     try:
-                        metrics.observe_usage(url, predicted, json.loads(data).get("usage"))
-                    except ValueError:
+                        attempts.usage = json.loads(data).get("usage")
+                        metrics.observe_usage(url, predicted, attempts.usage)
+                    except (ValueError, AttributeError):
                         pass
                     if prep.usage is not None:
                         prep.usage.body(data)
@@ -230,13 +245,18 @@ class Proxy:
                         "headers": response_headers(resp.raw_headers, url, None, extra_headers)})
             await send({"type": "http.response.body", "body": first if usage is None else usage.feed(first),
                         "more_body": True})
+            if not _opening_only(first):
+                attempts.first_token_at = time.perf_counter()
             saw_usage = False
             try:
                 async for chunk in chunks:
+                    if attempts.first_token_at is None:
+                        attempts.first_token_at = time.perf_counter()
                     if not saw_usage and b'"usage"' in chunk:
                         got = _usage_from_sse(chunk)
                         if got is not None and got.get("prompt_tokens") is not None:
                             saw_usage = True
+                            attempts.usage = got
                             metrics.observe_usage(url, predicted, got)
                     if usage is not None:
                         chunk = usage.feed(chunk)
@@ -252,6 +272,9 @@ class Proxy:
                 return _Result(End.MID_STREAM, _describe(e))
             await send({"type": "http.response.body", "body": b"" if usage is None else usage.flush(),
                         "more_body": False})
+            attempts.ended_at = time.perf_counter()
+            if usage is not None and usage.last is not None:
+                attempts.usage = usage.last
             ok = True
             return _Result(End.DONE, "200")
         finally:

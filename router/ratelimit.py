@@ -34,7 +34,7 @@ from router.budget import BudgetSpec, Quota, Reason
 from router.budget_store import BudgetStore, InProcessStore, Rejection, Reservation
 from router.config import RateLimitConfig
 from router.limiter import Limiter, LimiterUnavailable, OnStoreError
-from router.prepare import CHAT_PATH
+from router.prepare import CHAT_PATH, max_tokens_field, positive_int
 from router.shedding import fleet_pressure, should_shed
 from router.tenants import AuthError, Tenant
 from router.tenants_file import TenantsFile
@@ -73,10 +73,6 @@ def quota_headers(q: Quota) -> list[tuple[bytes, bytes]]:
     return [(b"x-ratelimit-limit-tokens", str(q.limit).encode()),
             (b"x-ratelimit-remaining-tokens", str(q.remaining).encode()),
             (b"x-ratelimit-reset-tokens", reset_text(q.reset_s).encode())]
-
-
-def _positive_int(v) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
 
 
 class RateLimiter:
@@ -129,15 +125,18 @@ class RateLimiter:
             self.metrics.ratelimit_requests.labels("-", "unauthorized").inc()
             return Refusal(401, e.body(), list(e.headers), "unauthorized")
 
-    async def admit(self, tenant: Tenant, path: str, obj: dict, prompt_tokens: list[int]) -> Admitted | Refusal:
-        """`obj` is the parsed body (changed in place), `prompt_tokens` the token count of each prompt."""
-        registry = self.file.registry
+    def shape(self, tenant: Tenant, path: str, obj: dict) -> Refusal | None:
+        """The tenant's max_tokens cap and default and its cache salt, in the parsed body (in place); a
+        refusal if the request asks for more than the cap. Before `admit`, which reserves what the body
+        then asks for."""
         refused = self._shape(tenant, path, obj)
-        if refused is not None:
-            return self._refused(tenant, refused)
-        field_name = "max_completion_tokens" if path == CHAT_PATH and "max_completion_tokens" in obj else "max_tokens"
-        max_tokens = _positive_int(obj.get(field_name))
-        n = _positive_int(obj.get("n")) or 1
+        return None if refused is None else self._refused(tenant, refused)
+
+    async def admit(self, tenant: Tenant, path: str, obj: dict, prompt_tokens: list[int]) -> Admitted | Refusal:
+        """`obj` is the parsed body, shaped (`shape`), `prompt_tokens` the token count of each prompt."""
+        registry = self.file.registry
+        max_tokens = positive_int(obj.get(max_tokens_field(path, obj)))
+        n = positive_int(obj.get("n")) or 1
         prompts = prompt_tokens or [0]
         if max_tokens is None and tenant.max_context_tokens is not None:
             max_tokens = max(0, tenant.max_context_tokens - max(prompts))  # what the engine could generate
@@ -182,7 +181,7 @@ class RateLimiter:
         asked = [(k, obj[k]) for k in names if obj.get(k) is not None]
         if cap is not None:
             for k, v in asked:
-                if _positive_int(v) is not None and v > cap:
+                if positive_int(v) is not None and v > cap:
                     return Refusal(400, error_body(f"{k} is {v}, above this API key's limit of {cap}",
                                                    error_type(400), k, "invalid_value"), [], "max_tokens_above_cap")
             if not asked:

@@ -27,12 +27,14 @@ class UsageWanted:
         return self.include_usage and self.continuous
 
 
-def ask_for_usage(body: dict) -> UsageWanted:
-    """Turn on usage in every chunk of a streamed request (in place); returns what the client asked for."""
+def ask_for_usage(body: dict, continuous: bool = True) -> UsageWanted:
+    """Turn on usage in a streamed request (in place): in every chunk, or (continuous=False) in a final chunk
+    only; returns what the client asked for."""
     opts = body.get("stream_options")
     opts = opts if isinstance(opts, dict) else {}
     wanted = UsageWanted(opts.get("include_usage") is True, opts.get("continuous_usage_stats") is True)
-    body["stream_options"] = {**opts, "include_usage": True, "continuous_usage_stats": True}
+    body["stream_options"] = {**opts, "include_usage": True,
+                              "continuous_usage_stats": continuous or wanted.continuous}
     return wanted
 
 
@@ -50,11 +52,12 @@ def total_tokens(usage) -> int | None:
 
 class StreamUsage:
     """Follows one response: `feed` each streamed chunk (it returns the bytes to send on), or `body` a whole
-    JSON response; `used` is the last total_tokens seen (None if none was)."""
+    JSON response; `used` is the last total_tokens seen (None if none was), `last` the last usage object."""
 
     def __init__(self, wanted: UsageWanted | None = None):
         self.wanted = wanted or UsageWanted(True, True)
         self.used: int | None = None
+        self.last: dict | None = None
         self._pending = b""
 
     def body(self, data: bytes) -> None:
@@ -130,3 +133,4 @@ class StreamUsage:
         total = total_tokens(usage)
         if total is not None:
             self.used = total
+            self.last = usage

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 
 from contract.errors import ConfigError
@@ -9,9 +11,11 @@ from router.degradation import (
     State,
     actions,
     clear,
+    degraded,
     step,
     tripped,
 )
+from router.pools import PoolSpec
 
 CONFIG = DegradationConfig(p99_ttft_s_trip=2.0, p99_ttft_s_clear=1.0, dwell_s=10.0, max_tokens_factor=0.5)
 SLOW = Signals(p99_ttft_s=3.0)
@@ -48,8 +52,12 @@ def test_steps_revert_in_order_after_each_clear_period():
     script = [(t, FINE) for t in (21, 30, 31, 35, 40, 41, 50, 51, 60, 61, 100)]
     levels, state = run(script, state)
     #          21 30 31 35 40 41 50 51 60 61 100
-    assert levels == [S, S, L, L, L, C, C, N, N, N, N]
-    assert state == State(level=N, canary=True, changed_at=51, clear_since=51)
+    assert levels == [S, S, L, L, L, C, C, C, C, C, C]  # the rollback holds
+    assert state == State(level=C, canary=True, changed_at=41, clear_since=41)
+    _, stable = run([(0, SLOW), (10, SLOW)], State())
+    levels, state = run([(t, FINE) for t in (21, 30, 31, 40, 41)], stable)
+    assert levels == [S, S, L, L, N]  # a stable pool steps all the way back
+    assert state == State(level=N, changed_at=41, clear_since=41)
 
 
 def test_no_flapping_between_clear_and_trip():
@@ -64,17 +72,23 @@ def test_no_flapping_between_clear_and_trip():
 
 
 def test_a_trip_during_the_clear_period_restarts_it():
-    _, state = run([(0, SLOW)], State(canary=True))
+    _, state = run([(0, SLOW)], State())
     levels, _ = run([(10, FINE), (19, FINE), (19.5, MIDDLE), (20, FINE), (29, FINE), (30, FINE)], state)
-    assert levels == [C, C, C, C, C, N]
+    assert levels == [L, L, L, L, L, N]
 
 
 def test_unknown_signals_neither_trip_nor_block_recovery():
     assert not tripped(CONFIG, Signals())
     assert clear(CONFIG, Signals())
-    _, state = run([(0, SLOW)], State(canary=True))
+    _, state = run([(0, SLOW)], State())
     levels, _ = run([(5, Signals()), (15, Signals())], state)
-    assert levels == [C, N]
+    assert levels == [L, N]
+
+
+def test_a_rolled_back_canary_stays_rolled_back_however_long_it_is_clear():
+    _, state = run([(0, SLOW)], State(canary=True))
+    levels, state = run([(t, FINE) for t in range(1, 1000, 7)], state)
+    assert set(levels) == {C} and actions(CONFIG, state).canary_weight_factor == 0.0
 
 
 @pytest.mark.parametrize("signals", [
@@ -112,3 +126,16 @@ def test_invalid_config_names_the_field(kwargs, field):
     with pytest.raises(ConfigError) as e:
         DegradationConfig(**kwargs)
     assert e.value.field == field
+
+
+def test_degraded_pool():
+    spec = PoolSpec("canary", "v2", 20, max_tokens_cap=1000, default_max_tokens=301, max_context_tokens=4096,
+                    canary=True)
+    assert degraded(spec, Actions(1.0, 1.0, False)) is spec
+    assert degraded(spec, Actions(0.0, 1.0, False)) == replace(spec, weight=0)
+    assert degraded(spec, Actions(0.0, 0.5, True)) == replace(spec, weight=0, max_tokens_cap=500,
+                                                               default_max_tokens=150)
+    bare = PoolSpec("stable", "v1", 80)
+    assert degraded(bare, Actions(1.0, 0.5, False)) == bare  # nothing to lower
+    tiny = PoolSpec("stable", "v1", 80, max_tokens_cap=1, default_max_tokens=1)
+    assert degraded(tiny, Actions(1.0, 0.25, False)) == tiny  # never below 1

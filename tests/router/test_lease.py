@@ -7,7 +7,7 @@ import ast
 import pathlib
 
 from router.config import RouterConfig
-from router.fleet import Fleet
+from router.fleet import DEFAULT_POOL, Fleet
 from router.metrics import RouterMetrics
 from router.policies import HashRing
 from router.prepare import PreparedRequest
@@ -32,7 +32,9 @@ def _fleet(policy: str = "round-robin", failures: int = 2) -> tuple[Fleet, Clock
     for url in (A, B):  # as set_replicas would, without starting the background checks
         st = fleet.replicas[url] = ReplicaState(url, CircuitBreaker(cfg.breaker_failures, cfg.breaker_open_s))
         st.ready = True
-    fleet.ring = HashRing([A, B])
+    fleet.members[DEFAULT_POOL] = [A, B]
+    fleet.pool_of.update({A: DEFAULT_POOL, B: DEFAULT_POOL})
+    fleet.rings[DEFAULT_POOL] = HashRing([A, B])
     return fleet, clock
 
 

@@ -161,7 +161,7 @@ def test_access_log_has_one_line_per_request_and_scrapes_stay_quiet(procs):
                      r"latency_ms=\d+\.\d cached_tokens=0 retries=0$", lines[0]), lines[0]
     for r in (logged, quiet):
         log = r.tail(100_000)
-        assert f"INFO kvfleet.router.fleet: replica joined: {a.url}" in log  # it does log at INFO
+        assert f"INFO kvfleet.router.fleet: replica joined pool default: {a.url}" in log  # it does log at INFO
         assert "HTTP Request:" not in log and " httpx:" not in log  # no line per health check or scrape
     assert "kvfleet.router.access" not in quiet.tail(100_000)
 

@@ -7,7 +7,10 @@ keeps a real prefix cache index for `/v1/completions` requests whose prompt is a
 block hashes from contract/hashing.py), so KV-aware routing can be tested without a model. Behaviour per
 request comes from headers: `x-fake-delay-ms` (before the first byte), `x-fake-chunks`, `x-fake-chunk-delay-ms`,
 `x-fake-break-after` (drop the connection after N chunks), `x-fake-status` (answer with this status).
-Per process: `--fail-status` (every completion answers it), `--no-kv-events` (404, like a third-party engine).
+Per process: `--fail-status` (every completion answers it), `--no-kv-events` (404, like a third-party engine),
+`--delay-ms` (before every response's first byte), `--oom-events` (its `kvfleet:oom_events_total`);
+`POST /fake/set?delay_ms=..&oom_events=..&fail_status=..` changes those three at run time. A request's
+`max_tokens` caps its chunks.
 `GET /fake/stats` reports requests served, cancelled streams and the event sequence; `POST /fake/skip-seq`
 makes the event stream skip a sequence number (to test resync); `POST /fake/clear` clears the cache.
 
@@ -36,7 +39,7 @@ class FakeEngine:
         self.seq = 0
         self.subscribers: list[asyncio.Queue] = []
         self.stats = {"requests": 0, "cancelled": 0, "completed": 0, "running": 0, "prefix_queries": 0,
-                      "prefix_hits": 0}
+                      "prefix_hits": 0, "last_max_tokens": None}
         self.ready = True
 
     # -- KV cache ------------------------------------------------------------------------------------------
@@ -101,6 +104,15 @@ class FakeEngine:
             self.cached.clear()
             self._publish(KVEventKind.CLEARED)
             await _json(send, 200, {"seq": self.seq})
+        elif path == "/fake/set":
+            for item in scope["query_string"].decode().split("&"):
+                key, _, value = item.partition("=")
+                if key in ("delay_ms", "oom_events"):
+                    setattr(self.ns, key, float(value))
+                elif key == "fail_status":
+                    self.ns.fail_status = int(value)
+            await _json(send, 200, {"delay_ms": self.ns.delay_ms, "oom_events": self.ns.oom_events,
+                                    "fail_status": self.ns.fail_status})
         elif path == "/fake/ready":
             self.ready = scope["query_string"] != b"0"
             await _json(send, 200, {"ready": self.ready})
@@ -113,7 +125,8 @@ class FakeEngine:
                 f'vllm:num_requests_waiting{{model_name="{n}"}} {self.ns.waiting}\n'
                 f'vllm:kv_cache_usage_perc{{model_name="{n}"}} {self.ns.kv_usage}\n'
                 f'vllm:prefix_cache_queries_total{{model_name="{n}"}} {self.stats["prefix_queries"]}\n'
-                f'vllm:prefix_cache_hits_total{{model_name="{n}"}} {self.stats["prefix_hits"]}\n')
+                f'vllm:prefix_cache_hits_total{{model_name="{n}"}} {self.stats["prefix_hits"]}\n'
+                f'kvfleet:oom_events_total{{model_name="{n}"}} {self.ns.oom_events}\n')
 
     async def kv_events(self, receive, send):
         if self.ns.no_kv_events:
@@ -161,7 +174,11 @@ class FakeEngine:
         cached = self.admit(tokens, req.get("cache_salt"))
         n_prompt = len(tokens) if tokens else 8
         chunks = int(hdr.get("x-fake-chunks", self.ns.chunks))
-        delay = float(hdr.get("x-fake-delay-ms", 0)) / 1000
+        max_tokens = req.get("max_completion_tokens", req.get("max_tokens"))
+        self.stats["last_max_tokens"] = max_tokens
+        if isinstance(max_tokens, int) and max_tokens > 0:
+            chunks = min(chunks, max_tokens)
+        delay = float(hdr.get("x-fake-delay-ms", self.ns.delay_ms)) / 1000
         chunk_delay = float(hdr.get("x-fake-chunk-delay-ms", 0)) / 1000
         break_after = int(hdr.get("x-fake-break-after", -1))
         usage = {"prompt_tokens": n_prompt, "completion_tokens": chunks, "total_tokens": n_prompt + chunks,
@@ -250,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-kv-events", action="store_true", help="no KV event endpoint (404)")
     p.add_argument("--kv-usage", type=float, default=0.0, help="KV cache usage (0..1) its /metrics report")
     p.add_argument("--waiting", type=int, default=0, help="waiting requests its /metrics report")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="delay before every response's first byte")
+    p.add_argument("--oom-events", type=float, default=0.0, help="kvfleet:oom_events_total its /metrics report")
     ns = p.parse_args(argv)
     import uvicorn
 

@@ -109,9 +109,10 @@ def parse_pools(text: str | bytes, path: str = "<pools>") -> PoolsConfig:
     for name, (name_node, body_node) in entries.items():
         pool = _pool(r, name, name_node, body_node)
         if isinstance(pool.source, StaticSource):
-            for url in pool.source.urls:
+            items = r.mapping(body_node, name, "")["replicas"][1].value
+            for i, url in enumerate(pool.source.urls):
                 if url in owner:
-                    raise r.error(body_node, f"pools.{name}.replicas", f"{url} is already a replica of pool "
+                    raise r.error(items[i], f"pools.{name}.replicas", f"{url} is already a replica of pool "
                                   f"{owner[url]}: a replica belongs to one pool")
                 owner[url] = name
         pools.append(pool)
@@ -146,13 +147,14 @@ def _pool(r: NodeReader, name: str, name_node: yaml.Node, body_node: yaml.Node) 
         version = version_node.value  # `version: 2` or `1.10` means the text as written
     if not isinstance(version, str) or not version:
         raise r.error(version_node, f"{field}.version", f"must be a non-empty string, got {r.kind(version_node)}")
+    values = dict(weight=get("weight", r.int_field, 0, False),
+                  max_tokens_cap=get("max_tokens_cap", r.int_field, 1, True),
+                  default_max_tokens=get("default_max_tokens", r.int_field, 1, True),
+                  max_context_tokens=get("max_context_tokens", r.int_field, 1, True),
+                  long_context=get("long_context", r.bool_field, default=False),
+                  canary=get("canary", r.bool_field, default=False))
     try:
-        spec = PoolSpec(name=name, version=version, weight=get("weight", r.int_field, 0, False),
-                        max_tokens_cap=get("max_tokens_cap", r.int_field, 1, True),
-                        default_max_tokens=get("default_max_tokens", r.int_field, 1, True),
-                        max_context_tokens=get("max_context_tokens", r.int_field, 1, True),
-                        long_context=get("long_context", r.bool_field, default=False),
-                        canary=get("canary", r.bool_field, default=False))
+        spec = PoolSpec(name=name, version=version, **values)
     except ConfigError as e:  # a rule between two fields (e.g. default above cap)
         raise r.error(body[e.field][1] if e.field in body else name_node, f"{field}.{e.field}", str(e)) from None
     source_key = sources[0]

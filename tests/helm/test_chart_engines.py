@@ -28,6 +28,8 @@ def test_each_pool_has_its_own_model_flags_replicas_and_version():
     assert "--model=/models/v2" in args and args[-2:] == ["--max-num-seqs", "64"]
     assert "--model=smollm2" in container(stable, "engine")["args"]
     assert (stable["spec"]["replicas"], canary["spec"]["replicas"]) == (1, 3)
+    assert stable["spec"]["strategy"] == {"type": "RollingUpdate",
+                                          "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
     assert canary["spec"]["template"]["metadata"]["labels"]["kvfleet.dev/version"] == "v2"
     assert stable["spec"]["template"]["metadata"]["labels"]["kvfleet.dev/version"] == "v1"
     # the version label stays out of the (immutable) selector, so a new version is a rolling update

@@ -41,6 +41,8 @@ class EngineArgs:
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; default: every core this process may use
     cpu_cores: str | None = None  # Linux CPU list ("0", "0-1", "0,2-3") to pin the engine to; default: no pinning
+    debug_step_delay_ms: int = 0  # fault injection: sleep this long after every step (a slow replica)
+    debug_oom_every: int = 0  # fault injection: every Nth model step raises MemoryError (0: off)
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and self.model.strip() != "", "--model", "must be a model name or path")
@@ -72,6 +74,8 @@ class EngineArgs:
             check_int("--num-threads", self.num_threads, 1)
         if self.cpu_cores is not None:
             _cpu_cores(self.cpu_cores)
+        check_int("--debug-step-delay-ms", self.debug_step_delay_ms, 0)
+        check_int("--debug-oom-every", self.debug_oom_every, 0)
 
     @property
     def model_name(self) -> str:
@@ -122,6 +126,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--cpu-cores", default=None,
                    help="pin the engine process to these cores, a Linux CPU list like 0, 0-1 or 0,2-3 "
                         "(default: no pinning)")
+    t = parser.add_argument_group("fault injection (for tests and chaos drills only; off by default)")
+    t.add_argument("--debug-step-delay-ms", type=int, default=d.debug_step_delay_ms, metavar="MS",
+                   help="sleep MS milliseconds after every engine step, making this replica slow (0: off)")
+    t.add_argument("--debug-oom-every", type=int, default=d.debug_oom_every, metavar="N",
+                   help="make every Nth model step raise MemoryError before it changes anything, exercising the "
+                        "out-of-memory recovery (0: off)")
     return parser
 
 

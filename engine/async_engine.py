@@ -226,7 +226,7 @@ class AsyncLLMEngine:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put(out)
+                stream.put(out if out.error is None else out.error)
         for rid, err in errors:
             stream = self._streams.get(rid)
             if stream is not None:

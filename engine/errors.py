@@ -6,6 +6,7 @@ each to an HTTP status and an OpenAI error type, and the CLI can name the flag.
       SamplingParamsError  (engine/sampling_params.py: a sampling parameter is out of range)
     QueueFullError         the replica already holds all the requests it takes; retry shortly or elsewhere
     EngineDeadError        the engine loop is not running (not started, shut down or crashed)
+    RequestOutOfMemoryError  the engine gave up on a running request that kept running out of memory
 
 A bad setting raises contract.errors.ConfigError, the same in engine, server and router. Pure: imports nothing.
 """
@@ -36,3 +37,8 @@ class QueueFullError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped (shut down or crashed) or never started; no request can run."""
+
+
+class RequestOutOfMemoryError(RuntimeError):
+    """The model ran out of memory in several steps in a row that ran this request alone
+    (engine/oom_backoff.py); the engine freed it and serves the others."""

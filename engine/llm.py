@@ -71,6 +71,8 @@ class LLM:
             left = len(ids)
             while left:
                 for d in self.engine.step():
+                    if d.error is not None:
+                        raise d.error
                     deltas[d.request_id].append(d)
                     left -= d.finished
         except BaseException:

@@ -5,6 +5,11 @@ validates a prompt (engine/admission.py, once) and queues it; every `step()` run
 RequestDelta (only the new token ids, text and logprobs) for each request that produced tokens or
 finished. A request with n > 1 runs as one sequence until its prompt is prefilled, then forks into n
 sequences that share the prompt's blocks.
+
+A step whose forward pass runs out of memory (CUDA's OutOfMemoryError, or MemoryError) does not kill the
+engine: it is counted (`oom_events`), CUDA's cached memory is released, and the scheduler retries with
+smaller steps; a request that keeps failing alone ends with RequestOutOfMemoryError on its last delta
+(engine/oom_backoff.py). Nothing advanced in the failed step, so outputs are what they would have been.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from engine.attention import get_attention_backend
 from engine.config import SchedulerConfig
 from engine.cpu_cores import parse_cpu_list, pin_process
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import RequestOutOfMemoryError
 from engine.kv.config import CacheConfig
 from engine.kv.manager import KVCacheManager
 from engine.model.cpu_layers import use_cpu_kernels
@@ -32,10 +38,11 @@ from engine.model.llama import ModelConfig
 from engine.model.loader import load_hf_config, load_model, resolve_dtype
 from engine.model.registry import resolve_model
 from engine.model_runner import ModelRunner, num_blocks_for_memory
+from engine.oom_backoff import GIVE_UP_AFTER
 from engine.outputs import CompletionDelta, RequestDelta, RequestMetrics
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.stop import StopChecker
 from engine.tokenizer import load_tokenizer
@@ -60,6 +67,8 @@ class EngineStats:
     evictions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    oom_events: int = 0
+    gpu_memory_used_bytes: int | None = None  # torch.cuda.memory_allocated on the engine's GPU; None on CPUs
     kv_events_published: int = 0
 
 
@@ -120,11 +129,13 @@ class LLMEngine:
         backend = get_attention_backend(args.attention_backend, self.device, self.dtype)
         if backend.name == "cpu" and self.dtype in (torch.bfloat16, torch.float32):
             use_cpu_kernels(self.model)  # the fused kernels serve this model: the layers' glue runs through them too
-        self.runner = ModelRunner(self.model, backend, num_blocks, args.block_size, self.device)
+        self.runner = ModelRunner(self.model, backend, num_blocks, args.block_size, self.device,
+                                  args.debug_oom_every)
         self.sampler = Sampler(seed=args.seed)
         self.requests: dict[str, _Request] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.oom_events = 0
         logger.info("engine ready: %s (%s, %s), max_model_len %d, %d KV blocks of %d tokens, %d threads",
                     self.source.path, self.dtype, self.device, self.max_model_len, num_blocks, args.block_size, threads)
 
@@ -186,12 +197,43 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
+        outputs = self._step()
+        if self.args.debug_step_delay_ms:
+            time.sleep(self.args.debug_step_delay_ms / 1000)
+        return outputs
+
+    def _step(self) -> list[RequestDelta]:
         out = self.scheduler.schedule()
-        logits, seqs = self.runner.execute(out.scheduled, out.blocks_to_copy)
+        try:
+            logits, seqs = self.runner.execute(out.scheduled, out.blocks_to_copy)
+        except (torch.OutOfMemoryError, MemoryError) as e:
+            error = f"{type(e).__name__}: {e}"
+        else:
+            error = None
+        if error is not None:  # out of the except block: the failed step's tensors are released
+            return self._recover_from_oom(out, error)
         self.scheduler.on_step_done(out)
         logits, seqs = self._fork(logits, seqs)
         sampled = self.sampler(logits, seqs, self.eos_token_ids) if seqs else None
         return self._update(seqs, sampled) if seqs else []
+
+    def _recover_from_oom(self, out: SchedulerOutput, error: str) -> list[RequestDelta]:
+        """The step ran out of memory and advanced nothing: count it, shrink the next steps, and end the
+        request that keeps failing alone, if any (its last delta carries the error)."""
+        self.oom_events += 1
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        give_up = self.scheduler.on_step_failed(out)
+        logger.warning("a step of %d tokens (%d sequences) ran out of memory: %s; next steps: at most %d tokens",
+                       out.num_batched_tokens, len(out.scheduled), error, self.scheduler.oom.token_budget)
+        if give_up is None:
+            return []
+        last = self.abort_request(give_up)
+        last.error = RequestOutOfMemoryError(
+            f"the model ran out of memory in {GIVE_UP_AFTER} steps in a row that ran this request alone ({error}); "
+            f"retry later or with a shorter prompt")
+        logger.warning("gave up on request %s: out of memory", give_up)
+        return [last]
 
     def _fork(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
         """Parents of n > 1 requests that just finished their prompt fork; each child samples the same row."""
@@ -260,4 +302,8 @@ class LLMEngine:
             num_total_blocks=kv.num_blocks, block_size=kv.block_size,
             prefix_queries_tokens=kv.prefix_queries_tokens, prefix_hits_tokens=kv.prefix_hits_tokens,
             num_preemptions=kv.num_preemptions, alloc_failures=kv.alloc_failures, evictions=kv.evictions,
-            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total)
+            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
+            oom_events=self.oom_events, gpu_memory_used_bytes=self._gpu_memory_used())
+
+    def _gpu_memory_used(self) -> int | None:
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None

@@ -4,7 +4,8 @@ The runner owns the paged KV cache (one [num_blocks, block_size, kv_heads, head_
 per layer). For each step it builds input ids, positions, slot mapping and AttentionMetadata with a
 handful of tensor ops (no per-token Python loop), copies the copy-on-write blocks in every layer, and
 returns float32 logits only for the sequences whose every known token is now computed: exactly the
-rows the engine samples from.
+rows the engine samples from. With `debug_oom_every` N > 0 (--debug-oom-every, for tests and chaos
+drills) every Nth model step raises MemoryError before it changes anything.
 """
 
 from __future__ import annotations
@@ -47,8 +48,10 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend, num_blocks: int, block_size: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", debug_oom_every: int = 0):
         self.model = model
+        self.debug_oom_every = debug_oom_every
+        self.num_model_steps = 0
         self.backend = backend
         self.device = torch.device(device)
         self.block_size = block_size
@@ -69,6 +72,11 @@ class ModelRunner:
     def execute(self, scheduled: Seq[ScheduledSeq], blocks_to_copy: Seq[tuple[int, int]] = ()
                 ) -> tuple[torch.Tensor, list[Sequence]]:
         """Copy blocks, run the forward pass; (logits [len(sample_seqs), vocab] float32, sample_seqs)."""
+        if scheduled:
+            self.num_model_steps += 1
+            if self.debug_oom_every and self.num_model_steps % self.debug_oom_every == 0:
+                raise MemoryError(f"--debug-oom-every {self.debug_oom_every}: simulated out of memory in model "
+                                  f"step {self.num_model_steps}")
         if blocks_to_copy:
             self.copy_blocks(blocks_to_copy)
         if not scheduled:

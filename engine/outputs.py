@@ -66,6 +66,7 @@ class RequestDelta:
     num_prompt_tokens: int
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     metrics: RequestMetrics | None = None
+    error: Exception | None = None  # why the engine failed the request (on its last delta, reason "abort")
 
     def merge(self, later: RequestDelta) -> None:
         """Fold a later delta of the same request into this one (in place)."""
@@ -78,6 +79,7 @@ class RequestDelta:
         self.finished = later.finished
         self.num_cached_tokens = later.num_cached_tokens
         self.metrics = later.metrics
+        self.error = later.error
 
 
 @dataclass

@@ -5,11 +5,13 @@ prompt (possibly in chunks) and a decode step are the same thing. One token budg
 (`max_num_batched_tokens`) and a cap on running sequences (`max_num_seqs`). Running sequences
 go first, oldest first; then waiting ones in arrival order. When blocks run out, the newest running
 sequence is preempted by recompute (blocks freed, back to the head of the waiting queue), and
-nothing new is admitted in that step.
+nothing new is admitted in that step. After a step runs out of memory the token budget shrinks
+(engine/oom_backoff.py).
 
 The engine loop: `out = schedule()`; copy `out.blocks_to_copy` in every layer's cache; run the
-model on the scheduled tokens; `on_step_done(out)`; append the sampled token to each sequence
-whose known tokens are now all computed; `finish(seq, status)` the ones that are done.
+model on the scheduled tokens; `on_step_done(out)` (`on_step_failed(out)` if it ran out of memory);
+append the sampled token to each sequence whose known tokens are now all computed; `finish(seq,
+status)` the ones that are done.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.kv.manager import KVCacheManager
+from engine.oom_backoff import OomBackoff
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -50,6 +53,7 @@ class Scheduler:
         self._by_request: dict[str, list[Sequence]] = {}
         self._forked: set[str] = set()  # requests whose sequence has forked
         self._reserved_seats = 0  # children that running, not yet forked sequences will fork into
+        self.oom = OomBackoff(config.max_num_batched_tokens)
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -63,7 +67,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.oom.token_budget
         self._schedule_running(out, budget)
         budget -= out.num_batched_tokens
         if not out.preempted:
@@ -143,12 +147,25 @@ class Scheduler:
 
     def on_step_done(self, out: SchedulerOutput) -> None:
         """The forward pass ran: advance computed tokens and cache the blocks that became full."""
+        if out.scheduled:
+            self.oom.on_success()
         for item in out.scheduled:
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or finished while the step ran
             seq.num_computed_tokens += item.num_new_tokens
             self.kv.cache_full_blocks(seq)
+
+    def on_step_failed(self, out: SchedulerOutput) -> str | None:
+        """The forward pass ran out of memory: no sequence advanced, and the next steps are smaller. A sequence
+        whose copy-on-write was in the step is preempted by recompute (the copy may be half done); the others
+        keep their slots for the retry. Returns the request to give up on (engine/oom_backoff.py), if any."""
+        copied = {dst for _, dst in out.blocks_to_copy}
+        for item in reversed(out.scheduled):  # newest first: they return to the waiting queue in order
+            if copied.intersection(item.seq.block_table):
+                self.running.remove(item.seq)
+                self._preempt(item.seq)
+        return self.oom.on_oom(out.num_batched_tokens, {item.seq.request_id for item in out.scheduled})
 
     # ---- leaving ---------------------------------------------------------------------------
 

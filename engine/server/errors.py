@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from contract.errors import error_body, error_type
-from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError, RequestOutOfMemoryError
 
 logger = logging.getLogger("kvfleet.server")
 
@@ -50,6 +50,7 @@ ENGINE_ERRORS: tuple[tuple[type[BaseException], int, str | None, dict[str, str] 
     (InvalidRequestError, 400, None, None),  # code: the error's own (invalid_value, context_length_exceeded)
     (QueueFullError, 429, "engine_overloaded", {"Retry-After": "1"}),
     (EngineDeadError, 503, "engine_dead", None),
+    (RequestOutOfMemoryError, 500, "out_of_memory", None),
 )
 
 

@@ -16,8 +16,9 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from contract.errors import error_body, error_type
 from engine.outputs import RequestDelta, TokenLogprob
-from engine.server.errors import APIError, engine_error, error_body
+from engine.server.errors import APIError, engine_error
 from engine.server.streaming import SSE_DONE, sse
 
 TokenText = Callable[[int], str]
@@ -169,10 +170,11 @@ class Reply:
                         yield sse(chunk)
         except Exception as e:
             err = engine_error(e)
-            yield sse(error_body(err.status, err.message, err.param, err.code))
+            yield sse(error_body(err.message, error_type(err.status), err.param, err.code))
         else:
             if not self._completed(usage):
-                yield sse(error_body(503, "the request was aborted before it finished", None, "aborted"))
+                message = "the request was aborted before it finished"
+                yield sse(error_body(message, error_type(503), None, "aborted"))
             elif include_usage:
                 yield sse({**base, "choices": [], "usage": usage.body(range(num_prompts))})
         yield SSE_DONE

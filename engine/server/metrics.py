@@ -1,8 +1,10 @@
 """Prometheus metrics of one engine replica, under vLLM's names (plus kvfleet's own).
 
 One `EngineMetrics` (and one registry) per process. Engine-wide state (KV usage, queue lengths,
-prefix-cache and token counters, preemptions, allocation failures, evictions, KV events) is read
-from `engine.stats()` at scrape time by a custom collector, so it can never drift from the engine.
+prefix-cache and token counters, preemptions, allocation failures, evictions, out-of-memory steps, KV
+events, GPU memory in use on CUDA) is read from `engine.stats()` at scrape time by a custom collector, so it
+can never drift from the engine. prometheus_client's ProcessCollector adds the standard `process_*`
+metrics (resident memory, CPU seconds, open file descriptors).
 Per-request latencies (TTFT, inter-token, end-to-end, queue time) and outcomes are observed by the
 server as outputs arrive, through `RequestTimer`.
 """
@@ -14,6 +16,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.process_collector import ProcessCollector
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -35,6 +38,7 @@ _COUNTERS = (
     ("kvfleet:block_allocation_failures", "alloc_failures", "KV block allocations that found no free block."),
     ("kvfleet:block_evictions", "evictions", "Cached KV blocks evicted from the prefix cache to be reused."),
     ("kvfleet:kv_events_published", "kv_events_published", "KV cache events (stored/removed/cleared) published."),
+    ("kvfleet:oom_events", "oom_events", "Steps that ran out of memory and were recovered (retried smaller)."),
 )
 _GAUGES = (
     ("vllm:kv_cache_usage_perc", "kv_usage", "KV cache usage: fraction of blocks held by requests (0..1)."),
@@ -68,6 +72,12 @@ class _StatsCollector:
         for name, attr, help_text in _GAUGES:
             g = GaugeMetricFamily(name, help_text, labels=["model_name"])
             g.add_metric(labels, float(getattr(s, attr, 0) or 0))
+            yield g
+        gpu_bytes = getattr(s, "gpu_memory_used_bytes", None)
+        if gpu_bytes is not None:  # only an engine on CUDA has it
+            g = GaugeMetricFamily("kvfleet:gpu_memory_used_bytes", "GPU memory held by tensors of this engine "
+                                  "(torch.cuda.memory_allocated).", labels=["model_name"])
+            g.add_metric(labels, float(gpu_bytes))
             yield g
         info = {"model_name": self.model_name, "block_size": str(getattr(s, "block_size", "") or ""),
                 "num_gpu_blocks": str(getattr(s, "num_total_blocks", "") or ""), "enable_prefix_caching": "True"}
@@ -103,6 +113,7 @@ class EngineMetrics:
         for status in ("400", "404", "413", "503"):  # exported from the start, at 0
             self.rejected.labels(model_name, status)
         r.register(_StatsCollector(model_name, stats, extra_info))
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

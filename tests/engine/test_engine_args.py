@@ -53,6 +53,10 @@ def test_defaults_and_cli_round_trip():
     ("cpu_cores", "zero", "--cpu-cores"),
     ("cpu_cores", 0, "--cpu-cores"),
     ("cpu_cores", "8191", "--cpu-cores"),  # valid syntax, but not a core this process may use
+    ("debug_step_delay_ms", -1, "--debug-step-delay-ms"),
+    ("debug_step_delay_ms", 0.5, "--debug-step-delay-ms"),
+    ("debug_oom_every", -3, "--debug-oom-every"),
+    ("debug_oom_every", "2", "--debug-oom-every"),
 ])
 def test_bad_values_name_the_flag(field, value, flag):
     with pytest.raises(ConfigError) as e:
@@ -66,6 +70,17 @@ def test_cpu_cores_must_be_usable():
     assert _parse().cpu_cores is None
     with pytest.raises(ConfigError, match=rf"--cpu-cores: '{usable[0]},8191' names core\(s\) 8191 that"):
         _parse("--cpu-cores", f"{usable[0]},8191")
+
+
+def test_fault_injection_flags_are_off_by_default_and_documented_as_such():
+    assert (EngineArgs().debug_step_delay_ms, EngineArgs().debug_oom_every) == (0, 0)
+    a = _parse("--debug-step-delay-ms", "250", "--debug-oom-every", "7")
+    assert (a.debug_step_delay_ms, a.debug_oom_every) == (250, 7)
+    text = " ".join(add_cli_args(argparse.ArgumentParser()).format_help().split())
+    assert "fault injection (for tests and chaos drills only" in text
+    assert "--debug-step-delay-ms MS" in text and "--debug-oom-every N" in text
+    with pytest.raises(ConfigError, match=r"^--debug-oom-every must be >= 0, got -1$"):
+        _parse("--debug-oom-every", "-1")
 
 
 def test_cli_rejects_unknown_choices_through_argparse():

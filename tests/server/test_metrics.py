@@ -15,8 +15,10 @@ DESIGN_METRICS = [
     "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
     "vllm:cache_config_info",
     "kvfleet:block_allocation_failures_total", "kvfleet:block_evictions_total",
-    "kvfleet:aborted_requests_total", "kvfleet:kv_events_published_total",
+    "kvfleet:aborted_requests_total", "kvfleet:kv_events_published_total", "kvfleet:oom_events_total",
 ]
+PROCESS_METRICS = ["process_resident_memory_bytes", "process_virtual_memory_bytes", "process_cpu_seconds_total",
+                   "process_open_fds", "process_start_time_seconds"]
 PROMPT = [{"role": "system", "content": "You are a careful assistant for harbour pilots. " * 6},
           {"role": "user", "content": "Which tide is best for entering the port?"}]
 
@@ -38,6 +40,21 @@ def test_every_design_metric_is_exported_with_model_name(api_server):
     assert 'block_size="16"' in info and 'num_gpu_blocks="1024"' in info
     reasons = {k for k in samples if k.startswith("vllm:request_success_total")}
     assert {f'finished_reason="{r}"' in " ".join(reasons) for r in ("stop", "length", "abort")} == {True}
+
+
+def test_process_metrics_and_gpu_memory_only_on_cuda(api_server):
+    import torch
+
+    samples = api_server.metrics()
+    for name in PROCESS_METRICS:
+        assert name in samples, f"{name} missing from /metrics"
+    assert samples["process_resident_memory_bytes"] > 100 * 2**20  # the model's weights are in there
+    assert api_server.metric("kvfleet:oom_events_total") == 0
+    gpu = [k for k in samples if k.startswith("kvfleet:gpu_memory_used_bytes")]
+    if torch.cuda.is_available():  # the engine chose the GPU
+        assert gpu and samples[gpu[0]] > 0
+    else:
+        assert gpu == []
 
 
 def test_counters_and_histograms_move(api_server):

@@ -41,7 +41,7 @@ class Level(StrEnum):
 
 
 LEVELS = (Level.NORMAL, Level.CANARY_ROLLBACK, Level.LOWER_MAX_TOKENS, Level.SHED)
-SIGNALS = ("p99_ttft_s", "p99_tpot_s", "error_rate", "oom_events", "kv_usage")
+SIGNALS = ("p99_ttft_s", "p99_tpot_s", "error_rate", "oom_events", "alloc_failures", "kv_usage")
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class Signals:
     p99_tpot_s: float | None = None
     error_rate: float | None = None  # failed / all requests
     oom_events: int | None = None  # OOMs engines reported in the window
+    alloc_failures: int | None = None  # KV block allocations that found no free block, in the window
     kv_usage: float | None = None  # mean KV cache usage, 0..1
 
 
@@ -67,6 +68,8 @@ class DegradationConfig:
     error_rate_clear: float = 0.01
     oom_events_trip: float = 1
     oom_events_clear: float = 1  # any OOM blocks recovery
+    alloc_failures_trip: float = 500  # a preemption storm (a few per window are normal under load)
+    alloc_failures_clear: float = 50
     kv_usage_trip: float = 0.98
     kv_usage_clear: float = 0.90
     dwell_s: float = 30.0

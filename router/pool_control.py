@@ -143,7 +143,7 @@ class Pools:
         for name, pool in self.live.items():
             loads = self.fleet.fresh_loads(name)
             for url, load in loads.items():
-                pool.window.observe_oom(url, now, load.oom_events)
+                pool.window.observe_counters(url, now, load.oom_events, load.alloc_failures)
             pool.window.retain(self.fleet.members.get(name, ()))
             kv = sum(x.kv_usage for x in loads.values()) / len(loads) if loads else None
             signals = pool.window.signals(now, kv)

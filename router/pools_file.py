@@ -33,6 +33,7 @@ update: `helm upgrade` / `helm rollback` change weights without restarting route
       p99_tpot_s: {trip: 0.2, clear: 0.1}
       error_rate: {trip: 0.05, clear: 0.01}
       oom_events: {trip: 1, clear: 1}
+      alloc_failures: {trip: 500, clear: 50}
       kv_usage: {trip: 0.98, clear: 0.90}
 
 Every error names the file, the line and the field (`pools.yaml:6: pools.canary.weight: must be an integer

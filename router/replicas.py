@@ -67,6 +67,7 @@ class EngineLoad:
     prefix_hits: float = 0.0
     kv_capacity_tokens: float = 0.0  # num_gpu_blocks * block_size from vllm:cache_config_info (0: unknown)
     oom_events: float = 0.0  # kvfleet:oom_events_total: steps that failed for memory (and were recovered)
+    alloc_failures: float = 0.0  # kvfleet:block_allocation_failures_total
 
     @property
     def kv_tokens(self) -> float:
@@ -84,6 +85,7 @@ _LOAD_METRICS = {
     "vllm:prefix_cache_hits_total": "prefix_hits",
     "vllm:prefix_cache_hits": "prefix_hits",
     "kvfleet:oom_events_total": "oom_events",
+    "kvfleet:block_allocation_failures_total": "alloc_failures",
 }
 
 
@@ -120,7 +122,7 @@ def parse_engine_metrics(text: str) -> EngineLoad:
     return EngineLoad(kv_usage=sums.get("kv_usage", 0.0), running=int(sums.get("running", 0)),
                       waiting=int(sums.get("waiting", 0)), prefix_queries=sums.get("prefix_queries", 0.0),
                       prefix_hits=sums.get("prefix_hits", 0.0), kv_capacity_tokens=sums.get("kv_capacity_tokens", 0.0),
-                      oom_events=sums.get("oom_events", 0.0))
+                      oom_events=sums.get("oom_events", 0.0), alloc_failures=sums.get("alloc_failures", 0.0))
 
 
 @dataclass(slots=True, eq=False)

@@ -93,6 +93,7 @@ def test_a_rolled_back_canary_stays_rolled_back_however_long_it_is_clear():
 
 @pytest.mark.parametrize("signals", [
     Signals(p99_tpot_s=0.2), Signals(error_rate=0.05), Signals(oom_events=1), Signals(kv_usage=0.98),
+    Signals(alloc_failures=500),
     Signals(p99_ttft_s=2.0),
 ])
 def test_each_signal_trips_at_its_level(signals):

@@ -34,19 +34,27 @@ def test_old_requests_leave_the_window():
 def test_oom_events_are_the_counters_rise_within_the_window():
     w = SignalWindow(window_s=10, min_requests=1)
     assert w.signals(0.0, None).oom_events is None  # no scrape yet
-    w.observe_oom("a", 0.0, 3)  # 3 OOMs before we looked: not counted
-    w.observe_oom("b", 0.0, 0)
+    w.observe_counters("a", 0.0, 3, 0)  # 3 OOMs before we looked: not counted
+    w.observe_counters("b", 0.0, 0, 0)
     assert w.signals(0.0, None).oom_events == 0
-    w.observe_oom("a", 2.0, 4)
-    w.observe_oom("b", 2.0, 2)
+    w.observe_counters("a", 2.0, 4, 0)
+    w.observe_counters("b", 2.0, 2, 0)
     assert w.signals(2.0, None).oom_events == 3
-    w.observe_oom("a", 11.0, 4)
-    w.observe_oom("b", 11.0, 2)
+    w.observe_counters("a", 11.0, 4, 0)
+    w.observe_counters("b", 11.0, 2, 0)
     assert w.signals(11.0, None).oom_events == 3  # the baseline is the last sample at or before t=1
-    w.observe_oom("a", 13.0, 4)
-    w.observe_oom("b", 13.0, 2)
+    w.observe_counters("a", 13.0, 4, 0)
+    w.observe_counters("b", 13.0, 2, 0)
     assert w.signals(13.0, None).oom_events == 0  # the rise at t=2 left the window
-    w.observe_oom("b", 14.0, 1)  # b restarted: its new count is new OOMs
+    w.observe_counters("b", 14.0, 1, 0)  # b restarted: its new count is new OOMs
     assert w.signals(14.0, None).oom_events == 1
     w.retain({"a"})
     assert w.signals(14.0, None).oom_events == 0
+
+
+def test_block_allocation_failures_rise_like_ooms():
+    w = SignalWindow(window_s=10, min_requests=1)
+    w.observe_counters("a", 0.0, 0, 100)
+    w.observe_counters("a", 5.0, 0, 700)
+    w.observe_counters("b", 5.0, 0, 30)
+    assert w.signals(5.0, None) == Signals(oom_events=0, alloc_failures=600)

@@ -166,7 +166,6 @@ def test_a_slow_canary_is_rolled_back_with_no_failed_request_and_stays_back(flee
         "x-kvfleet-pool"] == "canary"][:4] + [s for s in (f"u{i}" for i in range(20)) if fleet.post(
             s, max_tokens=1).headers["x-kvfleet-pool"] == "stable"][:4]
     fleet.fake("c1", delay_ms=600)
-    t0 = time.monotonic()
     results = _stream_load(fleet, sessions, 6.0)
     assert all(status == 200 and text.endswith("data: [DONE]\n\n") for _, status, text in results), results
     rolled_back = fleet.metric("kvfleet_router_pool_weight", pool="canary", kind="effective") == 0

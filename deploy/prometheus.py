@@ -1,8 +1,8 @@
 """A real Prometheus for the local fleet and for tests: finding the binaries, its configuration, its command line.
 
-The binaries are Debian's `prometheus` package: `prometheus` and `promtool` on PATH, else unpacked under
-`<venv>/prometheus/usr/bin/` (`make prometheus` puts them there with `apt-get download` + `dpkg -x`, no root
-needed when the package lists are current).
+The binaries are Debian's `prometheus` package, looked for in $KVFLEET_PROMETHEUS_DIR, then on PATH, then
+unpacked under `<venv>/prometheus/usr/bin/` (`make prometheus` puts them there with `apt-get download` +
+`dpkg -x`: nothing installed system-wide).
 
     b = find_binaries()                      # None when neither place has them
     cfg = scrape_config(["127.0.0.1:8001"], ["127.0.0.1:8000"], interval_s=5)

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install kernels lint clean
+.PHONY: run test install kernels prometheus dashboards lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,14 +21,31 @@ install: $(STAMP)
 kernels: $(STAMP)
 	-$(BIN)/python -m engine.kernels.cpu_ops
 
+# Prometheus and promtool (Debian's package `prometheus`) for `kvfleet up --prometheus` and the rule and
+# dashboard tests: used from PATH when there, else the .deb is fetched with `apt-get download` and unpacked
+# into .venv/prometheus (nothing installed system-wide; `apt-get update` first only if the download fails).
+# Without them those tests are skipped, saying why.
+PROM_DIR := $(VENV)/prometheus
+prometheus: $(STAMP)
+	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then :; \
+	elif [ -x $(PROM_DIR)/usr/bin/promtool ]; then :; \
+	else tmp=$$(mktemp -d) && \
+	  (cd $$tmp && (apt-get download -q prometheus || (apt-get update -qq && apt-get download -q prometheus))) && \
+	  mkdir -p $(PROM_DIR) && dpkg -x $$tmp/prometheus_*.deb $(PROM_DIR) && rm -rf $$tmp && echo "prometheus unpacked into $(PROM_DIR)" \
+	  || echo "warning: no prometheus (Debian's package could not be fetched or unpacked): its tests will be skipped" >&2; fi
+
+# regenerate dashboards/grafana/*.json from dashboards/*.py (tests check the committed files are current)
+dashboards: $(STAMP)
+	$(BIN)/python -m dashboards.build
+
 run: kernels
 	$(BIN)/kvfleet up
 
-test: kernels
+test: kernels prometheus
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check engine router loadtest tests
+	$(BIN)/ruff check engine router loadtest tests deploy dashboards
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

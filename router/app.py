@@ -69,6 +69,10 @@ class RouterApp:
                             or cfg.pools_file is not None)
         self.proxy: Proxy | None = None
         self.session: aiohttp.ClientSession | None = None
+        self.draining = False
+        self.inflight = 0  # completion requests being served
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -88,6 +92,17 @@ class RouterApp:
         if self.ratelimit is not None:
             await self.ratelimit.start()
         await self.pools.start()
+
+    async def drain(self, timeout: float) -> None:
+        """SIGTERM: /ready turns 503 (load balancers stop sending here), new completion requests get 503 +
+        Retry-After, running ones (streams too) finish for up to `timeout` s."""
+        self.draining = True
+        log.info("draining: %d requests in flight, up to %.1f s", self.inflight, timeout)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            log.info("drained")
+        except asyncio.TimeoutError:
+            log.warning("drain timeout: %d requests still running are cut", self.inflight)
 
     async def shutdown(self) -> None:
         await self.pools.stop()
@@ -151,13 +166,27 @@ class RouterApp:
             if method != "POST":
                 await send_json(send, 405, error_body(f"{path} takes POST", error_type(405)))
                 return
-            await self._completion(scope, receive, send, path, attempts)
+            if self.draining:
+                await send_json(send, 503, error_body("this router is shutting down; retry (another router "
+                                                      "takes it)", error_type(503), None, "draining"),
+                                [(b"retry-after", b"1")])
+                return
+            self.inflight += 1
+            self._idle.clear()
+            try:
+                await self._completion(scope, receive, send, path, attempts)
+            finally:
+                self.inflight -= 1
+                if self.inflight == 0:
+                    self._idle.set()
             return
         if path in _GET_PATHS:
             if method not in ("GET", "HEAD"):
                 await send_json(send, 405, error_body(f"{path} takes GET", error_type(405)))
             elif path == "/health":
                 await send_json(send, 200, {"status": "ok"})
+            elif path == "/ready" and self.draining:
+                await send_json(send, 503, {"status": "draining"})
             elif path == "/ready":
                 n = len(self.fleet.ready_urls())
                 await send_json(send, 200 if n else 503, {"status": "ready" if n else "no ready replica",

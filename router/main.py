@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shed-waiting-high", type=float, default=sh.waiting_high)
     g.add_argument("--shed-min-cost-tokens", type=int, default=sh.min_cost_tokens,
                    help="a request reserving at least this many tokens (prompt + n x max_tokens) is expensive")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds running requests (streams too) may take to finish; meanwhile /ready "
+                   "is 503 and new requests get 503 + Retry-After (a second signal exits at once)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--access-log", action="store_true",
                    help="log one INFO line per proxied request: method, path, status, replica, latency, "
@@ -142,9 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # a bad tenants or pools file: its message names the file and line
         print(f"kvfleet router: error: {e}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=ns.log_level.lower(), access_log=False,
-                lifespan="on", loop="uvloop", http="httptools", timeout_graceful_shutdown=5)
-    return 0
+    if not ns.drain_timeout >= 0:
+        print(f"kvfleet router: error: --drain-timeout: must be >= 0, got {ns.drain_timeout}", file=sys.stderr)
+        return 2
+    from kvfleet.draining import DrainingServer
+
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=ns.log_level.lower(), access_log=False,
+                            lifespan="on", loop="uvloop", http="httptools", timeout_graceful_shutdown=5)
+    server = DrainingServer(config, lambda: app.drain(ns.drain_timeout))
+    server.run()
+    return server.exit_code
 
 
 if __name__ == "__main__":

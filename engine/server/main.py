@@ -13,10 +13,8 @@ exits at once.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
-import signal
 import socket
 import sys
 
@@ -24,6 +22,7 @@ import uvicorn
 
 from engine.server.app import build_app, drain
 from engine.server.serving import ServerConfig
+from kvfleet.draining import DrainingServer
 
 logger = logging.getLogger("kvfleet.server")
 
@@ -49,43 +48,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn, but the first SIGTERM/SIGINT drains before exiting; a second one exits at once."""
-
-    def __init__(self, config: uvicorn.Config, state, drain_timeout: float):
-        super().__init__(config)
-        self.state = state
-        self.drain_timeout = drain_timeout
-        self.draining = False
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.exit_code = 0
-
-    async def serve(self, sockets=None) -> None:
-        self.loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    def handle_exit(self, sig: int, frame) -> None:
-        if self.draining or self.loop is None:
-            self.should_exit = True
-            self.force_exit = self.force_exit or self.draining
-            return
-        self.draining = True
-        logger.info("received %s: draining", signal.Signals(sig).name)
-        self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
-
-    async def _drain(self) -> None:
-        try:
-            if self.state.engine is not None:
-                await drain(self.state, self.drain_timeout)
-        finally:
-            self.state.draining = True
-            self.state.closing = True
-            self.should_exit = True
-
-    def fail(self, message: str) -> None:
-        logger.error("exiting: %s", message)
-        self.exit_code = 1
-        self.should_exit = True
+async def _drain(state, timeout: float) -> None:
+    """The engine's drain (engine/server/app.py), then no more requests of any kind."""
+    try:
+        if state.engine is not None:
+            await drain(state, timeout)
+    finally:
+        state.draining = True
+        state.closing = True
 
 
 def _names(value) -> list[str]:
@@ -124,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                     on_engine_dead=lambda msg: server and server.fail(msg))
     uv_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=ns.access_log,
                                timeout_graceful_shutdown=5, lifespan="on")
-    server = DrainingServer(uv_config, app.state.server, ns.drain_timeout)
+    server = DrainingServer(uv_config, lambda: _drain(app.state.server, ns.drain_timeout))
     server.run()
     return server.exit_code
 

@@ -26,6 +26,8 @@ def test_router_deployment_service_and_pdb():
     assert _env(c)["KVFLEET_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == \
         f"{RELEASE}-kvfleet-internal-token"
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert "--drain-timeout=30" in c["args"]  # streams get 30 s after SIGTERM, inside the 60 s grace period
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 60
     secret = r.one("Secret", f"{RELEASE}-kvfleet-internal-token")
     assert len(secret["data"]["token"]) >= 48
 
@@ -88,6 +90,8 @@ def test_no_redis_without_tenants():
     ({"router": {"tenants": {"enabled": True, "existingSecret": "t"}}, "redis": {"mode": "external"}},
      r"redis\.mode external needs redis\.external\.url"),
     ({"router": {"httpRoute": {"enabled": True}}}, r"router\.httpRoute\.parentRefs"),
+    ({"router": {"drainTimeoutSeconds": 60}}, r"router\.terminationGracePeriodSeconds \(60\) must exceed "
+     r"router\.drainTimeoutSeconds \+ router\.preStopSleepSeconds \(65\)"),
     ({"router": {"model": "/data/m", "modelSource": {"type": "pvc", "pvc": {"claimName": "m"}}}},
      r"router\.model \(/data/m\) must be a path under router\.modelSource\.mountPath"),
 ])

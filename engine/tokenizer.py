@@ -5,13 +5,19 @@ Hugging Face tokenizer (from a model directory, or from a GGUF file through tran
 in a small, plain-list interface. Reading a tokenizer out of a GGUF file parses the whole file (seconds),
 so the extracted tokenizer is cached on disk (KVFLEET_CACHE_DIR, default ~/.cache/kvfleet), keyed by
 the file's path, size and mtime; loading from the cache takes a fraction of a second.
+
+`tokenizer_archive(tok)` packs a loaded tokenizer (its Hugging Face files and kvfleet's extra eos ids) into a
+tar, which an engine serves to routers (`GET /v1/kvfleet/tokenizer`), and `load_tokenizer_archive(data)`
+loads one: a router needs neither the model's weights nor a reader for its format.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import tarfile
 import tempfile
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -114,11 +120,63 @@ def _generation_eos_ids(source: ModelSource) -> list[int]:
     return [eos] if isinstance(eos, int) else [int(x) for x in eos or []]
 
 
+def _cache_root() -> str:
+    root = os.environ.get("KVFLEET_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvfleet")
+    return os.path.join(root, "tokenizers")
+
+
 def _gguf_cache_dir(source: ModelSource) -> str:
     st = os.stat(source.path)
     key = hashlib.sha256(f"{source.path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = os.environ.get("KVFLEET_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvfleet")
-    return os.path.join(root, "tokenizers", key)
+    return os.path.join(_cache_root(), key)
+
+
+_ARCHIVE_META = "kvfleet_tokenizer.json"
+
+
+def tokenizer_archive(tok: Tokenizer) -> bytes:
+    """The tokenizer's files (`save_pretrained`) and its extra eos ids, as an uncompressed tar (built once)."""
+    data = getattr(tok, "_archive", None)
+    if data is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            tok.hf.save_pretrained(tmp)
+            with open(os.path.join(tmp, _ARCHIVE_META), "w") as f:
+                json.dump({"eos_token_ids": list(tok.eos_token_ids)}, f)
+            buf = io.BytesIO()
+            with tarfile.open(fileobj=buf, mode="w") as tar:
+                for name in sorted(os.listdir(tmp)):
+                    tar.add(os.path.join(tmp, name), arcname=name)
+            data = tok._archive = buf.getvalue()
+    return data
+
+
+def load_tokenizer_archive(data: bytes) -> Tokenizer:
+    """A tokenizer from `tokenizer_archive` bytes, unpacked once into the cache (keyed by its sha256)."""
+    from transformers import AutoTokenizer
+
+    key = hashlib.sha256(data).hexdigest()[:16]
+    directory = os.path.join(_cache_root(), f"archive-{key}")
+    try:
+        if not os.path.isfile(os.path.join(directory, _ARCHIVE_META)):
+            os.makedirs(os.path.dirname(directory), exist_ok=True)
+            tmp = tempfile.mkdtemp(dir=os.path.dirname(directory))
+            with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+                members = tar.getmembers()
+                if any(not m.isfile() or os.path.basename(m.name) != m.name for m in members):
+                    raise TokenizerError("a tokenizer archive holds plain files only")
+                safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+                tar.extractall(tmp, members=members, **safe)
+            try:
+                os.rename(tmp, directory)
+            except OSError:  # another process unpacked the same archive first
+                import shutil
+                shutil.rmtree(tmp, ignore_errors=True)
+        with open(os.path.join(directory, _ARCHIVE_META)) as f:
+            eos = json.load(f)["eos_token_ids"]
+        hf = AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError, KeyError, tarfile.TarError) as e:
+        raise TokenizerError(f"could not load the tokenizer archive: {e}") from e
+    return Tokenizer(hf, ModelSource(directory, directory, None), eos)
 
 
 def _save_atomically(hf, cache: str) -> None:

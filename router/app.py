@@ -73,11 +73,12 @@ class RouterApp:
         self.inflight = 0  # completion requests being served
         self._idle = asyncio.Event()
         self._idle.set()
+        self._tokenizer_task: asyncio.Task | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     async def startup(self) -> None:
         cfg = self.cfg
-        if self.need_tokens and self.tokenizer is None and cfg.model:
+        if self.need_tokens and self.tokenizer is None and cfg.model and not cfg.tokenizer_from_engines:
             from engine.tokenizer import load_tokenizer
 
             tok = await asyncio.to_thread(load_tokenizer, cfg.model)
@@ -92,6 +93,37 @@ class RouterApp:
         if self.ratelimit is not None:
             await self.ratelimit.start()
         await self.pools.start()
+        if self.need_tokens and self.tokenizer is None and cfg.tokenizer_from_engines:
+            self._tokenizer_task = asyncio.create_task(self._fetch_tokenizer())
+
+    @property
+    def waiting_for_tokenizer(self) -> bool:
+        return self.need_tokens and self.tokenizer is None and self.cfg.tokenizer_from_engines
+
+    async def _fetch_tokenizer(self) -> None:
+        """--tokenizer-from-engines: the tokenizer of the first ready engine that serves one (retried every
+        second until one does)."""
+        from engine.tokenizer import TokenizerError, load_tokenizer_archive
+
+        headers = {"authorization": f"Bearer {self.cfg.internal_token}"} if self.cfg.internal_token else {}
+        logged = set()
+        while self.tokenizer is None:
+            for url in self.fleet.ready_urls():
+                try:
+                    async with self.session.get(url + "/v1/kvfleet/tokenizer", headers=headers,
+                                                timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                        if resp.status != 200:
+                            raise ValueError(f"HTTP {resp.status}")
+                        data = await resp.read()
+                    tok = await asyncio.to_thread(load_tokenizer_archive, data)
+                    self.tokenizer = await asyncio.to_thread(PromptTokenizer, tok)
+                    log.info("tokenizer from %s: vocab %d, %d bytes", url, tok.vocab_size, len(data))
+                    return
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TokenizerError) as e:
+                    if url not in logged:  # once per replica
+                        logged.add(url)
+                        log.warning("no tokenizer from %s yet: %s", url, e)
+            await asyncio.sleep(1.0)
 
     async def drain(self, timeout: float) -> None:
         """SIGTERM: /ready turns 503 (load balancers stop sending here), new completion requests get 503 +
@@ -105,6 +137,8 @@ class RouterApp:
             log.warning("drain timeout: %d requests still running are cut", self.inflight)
 
     async def shutdown(self) -> None:
+        if self._tokenizer_task is not None:
+            self._tokenizer_task.cancel()
         await self.pools.stop()
         await self.fleet.stop()
         if self.ratelimit is not None:
@@ -187,6 +221,8 @@ class RouterApp:
                 await send_json(send, 200, {"status": "ok"})
             elif path == "/ready" and self.draining:
                 await send_json(send, 503, {"status": "draining"})
+            elif path == "/ready" and self.waiting_for_tokenizer:
+                await send_json(send, 503, {"status": "waiting for the tokenizer from a ready engine"})
             elif path == "/ready":
                 n = len(self.fleet.ready_urls())
                 await send_json(send, 200 if n else 503, {"status": "ready" if n else "no ready replica",

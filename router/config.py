@@ -72,6 +72,7 @@ class RouterConfig:
     port: int = 8000
     policy: str = "kv"  # a name in router.policies.POLICIES
     model: str | None = "smollm2"  # tokenizer for prefix matching (same as the engines')
+    tokenizer_from_engines: bool = False  # fetch the tokenizer from the first ready engine instead of `model`
     discovery: str = "static"
     replicas: tuple[str, ...] = ()  # static discovery
     dns_name: str | None = None  # headless Service name, e.g. kvfleet-engine.ns.svc.cluster.local

@@ -26,6 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "engines' KV events, weighed against load; the others are described in the README)")
     p.add_argument("--model", default=d["model"].default,
                    help="model whose tokenizer and chat template the engines use (for prefix matching)")
+    p.add_argument("--tokenizer-from-engines", action="store_true",
+                   help="fetch the tokenizer and chat template from the first ready engine "
+                   "(GET /v1/kvfleet/tokenizer) instead of loading --model here: the router needs no model "
+                   "files; /ready says 503 until it has it")
     p.add_argument("--discovery", default=None, choices=DISCOVERY_KINDS,
                    help="static (--replicas), dns (--dns-name) or k8s (--k8s-service); default from the flags given")
     p.add_argument("--replicas", default="", help="comma-separated replica base URLs, e.g. "
@@ -103,7 +107,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
                             overload_waiting=ns.overload_waiting,
                             overload_kv_usage=ns.overload_kv_usage)
     return RouterConfig(
-        host=ns.host, port=ns.port, policy=ns.policy, model=ns.model or None, discovery=discovery,
+        host=ns.host, port=ns.port, policy=ns.policy, model=ns.model or None,
+        tokenizer_from_engines=ns.tokenizer_from_engines, discovery=discovery,
         replicas=replicas, dns_name=ns.dns_name, dns_port=ns.dns_port, dns_interval_s=ns.dns_interval_s,
         dns_nameserver=ns.dns_nameserver, k8s_service=ns.k8s_service, k8s_namespace=ns.k8s_namespace,
         k8s_port_name=ns.k8s_port_name, scheme=ns.scheme, health_interval_s=ns.health_interval_s,

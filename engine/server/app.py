@@ -23,10 +23,11 @@ from engine.server.auth import InternalTokenGuard
 from engine.server.chat import create_chat_completion
 from engine.server.completions import create_completion
 from engine.server.errors import error_response, install_error_handlers
-from engine.server.kv_events import kv_events
+from engine.server.kv_events import check_internal_token, kv_events
 from engine.server.metrics import EngineMetrics
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.serving import ServerConfig, ServerState
+from engine.tokenizer import tokenizer_archive
 
 logger = logging.getLogger("kvfleet.server")
 
@@ -164,6 +165,14 @@ def build_app(config: ServerConfig, engine=None, engine_factory: Callable[[], ob
     @app.get("/v1/kv/events")
     async def events(request: Request) -> Response:
         return await kv_events(state, request)
+
+    @app.get("/v1/kvfleet/tokenizer")
+    async def tokenizer_files(request: Request) -> Response:
+        """The tokenizer's files as a tar (engine/tokenizer.py), for routers that have no model files."""
+        check_internal_token(state, request)
+        eng = state.engine_or_503()
+        data = await asyncio.to_thread(tokenizer_archive, eng.tokenizer)
+        return Response(data, media_type="application/x-tar")
 
     return app
 

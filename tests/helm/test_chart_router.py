@@ -23,6 +23,7 @@ def test_router_deployment_service_and_pdb():
     assert r.one("PodDisruptionBudget", ROUTER)["spec"]["minAvailable"] == 1
     assert r.one("Service", ROUTER)["spec"]["ports"][0]["targetPort"] == "http"
     assert "--pools=/etc/kvfleet/pools.yaml" in c["args"] and "--model=smollm2" in c["args"]
+    assert "--tokenizer-from-engines" in c["args"]  # no model files on routers by default
     assert _env(c)["KVFLEET_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == \
         f"{RELEASE}-kvfleet-internal-token"
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"

@@ -102,13 +102,14 @@ def fake_engine(procs, name: str, *extra: str, port: int | None = None, host: st
                   "--heartbeat-s", "0.3", *extra], f"http://{host}:{port}", name)
 
 
-def router(procs, replicas: list[str] | None, *extra: str, policy: str = "kv", model: str = "") -> Proc:
+def router(procs, replicas: list[str] | None, *extra: str, policy: str = "kv", model: str = "",
+           env: dict | None = None) -> Proc:
     port = free_port()
     args = ["-m", "router.main", "--port", str(port), "--policy", policy, "--model", model,
             "--health-interval", "0.2", "--scrape-interval", "0.2", "--log-level", "warning", *extra]
     if replicas:
         args += ["--replicas", ",".join(replicas)]
-    return procs(args, f"http://127.0.0.1:{port}", f"router-{port}")
+    return procs(args, f"http://127.0.0.1:{port}", f"router-{port}", env)
 
 
 def metric(text: str, name: str, **labels) -> float:

@@ -8,6 +8,7 @@ block hashes from contract/hashing.py), so KV-aware routing can be tested withou
 request comes from headers: `x-fake-delay-ms` (before the first byte), `x-fake-chunks`, `x-fake-chunk-delay-ms`,
 `x-fake-break-after` (drop the connection after N chunks), `x-fake-status` (answer with this status).
 Per process: `--fail-status` (every completion answers it), `--no-kv-events` (404, like a third-party engine),
+`--flavor vllm|sglang` (no /ready and no KV events, like those engines; sglang exports SGLang's metric names),
 `--delay-ms` (before every response's first byte), `--oom-events` (its `kvfleet:oom_events_total`);
 `POST /fake/set?delay_ms=..&oom_events=..&fail_status=..` changes those three at run time. A request's
 `max_tokens` caps its chunks.
@@ -84,6 +85,8 @@ class FakeEngine:
         path = scope["path"]
         if path in ("/v1/chat/completions", "/v1/completions"):
             await self.completion(scope, receive, send, path)
+        elif path == "/ready" and self.ns.flavor != "kvfleet":
+            await _json(send, 404, {"detail": "Not Found"})
         elif path == "/ready":
             await _json(send, 200 if self.ready else 503, {"status": "ready" if self.ready else "not ready"})
         elif path == "/health":
@@ -121,15 +124,20 @@ class FakeEngine:
 
     def metrics(self) -> str:
         n = self.ns.model
+        if self.ns.flavor == "sglang":
+            return (f'sglang:num_running_reqs{{model_name="{n}"}} {self.stats["running"]}\n'
+                    f'sglang:num_queue_reqs{{model_name="{n}"}} {self.ns.waiting}\n'
+                    f'sglang:token_usage{{model_name="{n}"}} {self.ns.kv_usage}\n')
         return (f'vllm:num_requests_running{{model_name="{n}"}} {self.stats["running"]}\n'
                 f'vllm:num_requests_waiting{{model_name="{n}"}} {self.ns.waiting}\n'
                 f'vllm:kv_cache_usage_perc{{model_name="{n}"}} {self.ns.kv_usage}\n'
                 f'vllm:prefix_cache_queries_total{{model_name="{n}"}} {self.stats["prefix_queries"]}\n'
                 f'vllm:prefix_cache_hits_total{{model_name="{n}"}} {self.stats["prefix_hits"]}\n'
-                f'kvfleet:oom_events_total{{model_name="{n}"}} {self.ns.oom_events}\n')
+                + (f'kvfleet:oom_events_total{{model_name="{n}"}} {self.ns.oom_events}\n'
+                   if self.ns.flavor == "kvfleet" else ""))
 
     async def kv_events(self, receive, send):
-        if self.ns.no_kv_events:
+        if self.ns.no_kv_events or self.ns.flavor != "kvfleet":
             await _json(send, 404, {"error": {"message": "no KV events here", "type": "not_found", "code": 404}})
             return
         q: asyncio.Queue = asyncio.Queue()
@@ -267,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-kv-events", action="store_true", help="no KV event endpoint (404)")
     p.add_argument("--kv-usage", type=float, default=0.0, help="KV cache usage (0..1) its /metrics report")
     p.add_argument("--waiting", type=int, default=0, help="waiting requests its /metrics report")
+    p.add_argument("--flavor", choices=("kvfleet", "vllm", "sglang"), default="kvfleet",
+                   help="vllm / sglang: no /ready (404) and no KV events, like those engines")
     p.add_argument("--delay-ms", type=float, default=0.0, help="delay before every response's first byte")
     p.add_argument("--oom-events", type=float, default=0.0, help="kvfleet:oom_events_total its /metrics report")
     ns = p.parse_args(argv)

@@ -74,6 +74,7 @@ class RouterApp:
         self._idle = asyncio.Event()
         self._idle.set()
         self._tokenizer_task: asyncio.Task | None = None
+        self._internal_headers = {"authorization": f"Bearer {cfg.internal_token}"} if cfg.internal_token else {}
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -105,12 +106,11 @@ class RouterApp:
         second until one does)."""
         from engine.tokenizer import TokenizerError, load_tokenizer_archive
 
-        headers = {"authorization": f"Bearer {self.cfg.internal_token}"} if self.cfg.internal_token else {}
         logged = set()
         while self.tokenizer is None:
             for url in self.fleet.ready_urls():
                 try:
-                    async with self.session.get(url + "/v1/kvfleet/tokenizer", headers=headers,
+                    async with self.session.get(url + "/v1/kvfleet/tokenizer", headers=self._internal_headers,
                                                 timeout=aiohttp.ClientTimeout(total=30)) as resp:
                         if resp.status != 200:
                             raise ValueError(f"HTTP {resp.status}")
@@ -235,20 +235,31 @@ class RouterApp:
         await send_json(send, 404, error_body(f"no route for {method} {path}", error_type(404)))
 
     async def _models(self, send) -> None:
-        for url in self.fleet.ready_urls():
+        """Every model id the ready replicas serve (each replica's /v1/models, asked at once), first-seen
+        entry per id; the configured --model when none answers."""
+        async def ask(url: str) -> list:
             try:
-                async with self.session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+                async with self.session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2.0),
+                                            headers=self._internal_headers) as resp:
                     if resp.status == 200:
-                        await send_bytes(send, 200, await resp.read(), b"application/json")
-                        return
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                continue
-        if not self.cfg.model:
+                        data = (await resp.json(content_type=None)).get("data")
+                        return data if isinstance(data, list) else []
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+                pass
+            return []
+
+        models: dict[str, dict] = {}
+        for listing in await asyncio.gather(*(ask(u) for u in self.fleet.ready_urls())):
+            for m in listing:
+                if isinstance(m, dict) and isinstance(m.get("id"), str):
+                    models.setdefault(m["id"], m)
+        if not models and not self.cfg.model:
             await send_json(send, 503, error_body("no ready replica to list models", error_type(503), None,
                                                   "no_ready_replica"))
             return
-        await send_json(send, 200, {"object": "list", "data": [
-            {"id": self.cfg.model, "object": "model", "created": 0, "owned_by": "kvfleet"}]})
+        data = list(models.values()) or [{"id": self.cfg.model, "object": "model", "created": 0,
+                                          "owned_by": "kvfleet"}]
+        await send_json(send, 200, {"object": "list", "data": data})
 
     async def _read_body(self, receive) -> bytes | None:
         chunks, size = [], 0

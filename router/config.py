@@ -12,6 +12,7 @@ from router.policies import POLICIES
 from router.shedding import SheddingConfig
 
 DISCOVERY_KINDS = ("static", "dns", "k8s")
+ENGINE_TYPES = ("auto", "kvfleet", "vllm", "sglang")
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class RouterConfig:
     policy: str = "kv"  # a name in router.policies.POLICIES
     model: str | None = "smollm2"  # tokenizer for prefix matching (same as the engines')
     tokenizer_from_engines: bool = False  # fetch the tokenizer from the first ready engine instead of `model`
+    engine_type: str = "auto"  # what the replicas are; auto: /ready (else /health) and KV events if served
     discovery: str = "static"
     replicas: tuple[str, ...] = ()  # static discovery
     dns_name: str | None = None  # headless Service name, e.g. kvfleet-engine.ns.svc.cluster.local
@@ -109,6 +111,8 @@ class RouterConfig:
     def validate(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError("policy", f"must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.engine_type not in ENGINE_TYPES:
+            raise ConfigError("engine_type", f"must be one of {', '.join(ENGINE_TYPES)}, got {self.engine_type!r}")
         if self.discovery not in DISCOVERY_KINDS:
             raise ConfigError("discovery", f"must be one of {', '.join(DISCOVERY_KINDS)}, got {self.discovery!r}")
         if not 0 <= self.port <= 65535:

@@ -90,8 +90,11 @@ class Fleet:
         cfg = self.cfg
         self.pool_of[url] = pool
         st = self.replicas[url] = ReplicaState(url, CircuitBreaker(cfg.breaker_failures, cfg.breaker_open_s))
+        if cfg.engine_type in ("vllm", "sglang"):  # declared: no /ready, no kvfleet KV event stream to probe
+            st.ready_path = "/health"
+            st.kv_events = KVEventsState.UNAVAILABLE
         tasks = [asyncio.create_task(self._health_loop(st)), asyncio.create_task(self._scrape_loop(st))]
-        if self.policy.needs.kv_events:
+        if self.policy.needs.kv_events and cfg.engine_type in ("auto", "kvfleet"):
             sub = KVEventSubscriber(url, self.index, self._client, cfg.kv_heartbeat_timeout_s, cfg.internal_token,
                                     on_status=lambda s, st=st: setattr(st, "kv_events", KVEventsState(s)),
                                     on_resync=lambda reason, u=url: self.metrics.kv_resyncs.labels(u, reason).inc())
@@ -119,7 +122,12 @@ class Fleet:
     async def _health_loop(self, st: ReplicaState) -> None:
         while True:
             try:
-                resp = await self._client.get(st.url + "/ready", timeout=min(2.0, self.cfg.health_interval_s * 2))
+                timeout = min(2.0, self.cfg.health_interval_s * 2)
+                resp = await self._client.get(st.url + st.ready_path, timeout=timeout)
+                if resp.status_code == 404 and st.ready_path == "/ready":  # vLLM, SGLang: ready once serving
+                    st.ready_path = "/health"
+                    log.info("replica %s has no /ready: its readiness is /health", st.url)
+                    resp = await self._client.get(st.url + st.ready_path, timeout=timeout)
                 ready = resp.status_code == 200
             except httpx.HTTPError:
                 ready = False
@@ -137,7 +145,11 @@ class Fleet:
                 sent_at = self.clock()
                 resp = await self._client.get(st.url + "/metrics", timeout=min(2.0, self.cfg.scrape_stale_s))
                 if resp.status_code == 200:
-                    st.on_scrape(parse_engine_metrics(resp.text), sent_at, self.clock())
+                    load = parse_engine_metrics(resp.text)
+                    if load.engine != st.engine:
+                        st.engine = load.engine
+                        log.info("replica %s is a %s engine (by the metric names it exports)", st.url, load.engine)
+                    st.on_scrape(load, sent_at, self.clock())
                 else:
                     st.on_scrape_failed()
             except httpx.HTTPError:

@@ -8,7 +8,7 @@ import os
 import sys
 
 from contract.errors import ConfigError
-from router.config import DISCOVERY_KINDS, RateLimitConfig, RouterConfig, ScoringConfig
+from router.config import DISCOVERY_KINDS, ENGINE_TYPES, RateLimitConfig, RouterConfig, ScoringConfig
 from router.policies import POLICIES
 from router.shedding import SheddingConfig
 
@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fetch the tokenizer and chat template from the first ready engine "
                    "(GET /v1/kvfleet/tokenizer) instead of loading --model here: the router needs no model "
                    "files; /ready says 503 until it has it")
+    p.add_argument("--engine-type", default=d["engine_type"].default, choices=ENGINE_TYPES,
+                   help="what the replicas are: auto (default: readiness from /ready, else /health; the exact "
+                   "index from kvfleet KV events where an engine serves them, else the approximate index), "
+                   "kvfleet, or vllm / sglang (readiness from /health, no kvfleet KV event stream)")
     p.add_argument("--discovery", default=None, choices=DISCOVERY_KINDS,
                    help="static (--replicas), dns (--dns-name) or k8s (--k8s-service); default from the flags given")
     p.add_argument("--replicas", default="", help="comma-separated replica base URLs, e.g. "
@@ -108,7 +112,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
                             overload_kv_usage=ns.overload_kv_usage)
     return RouterConfig(
         host=ns.host, port=ns.port, policy=ns.policy, model=ns.model or None,
-        tokenizer_from_engines=ns.tokenizer_from_engines, discovery=discovery,
+        tokenizer_from_engines=ns.tokenizer_from_engines, engine_type=ns.engine_type, discovery=discovery,
         replicas=replicas, dns_name=ns.dns_name, dns_port=ns.dns_port, dns_interval_s=ns.dns_interval_s,
         dns_nameserver=ns.dns_nameserver, k8s_service=ns.k8s_service, k8s_namespace=ns.k8s_namespace,
         k8s_port_name=ns.k8s_port_name, scheme=ns.scheme, health_interval_s=ns.health_interval_s,

@@ -66,6 +66,7 @@ class EngineLoad:
     prefix_queries: float = 0.0
     prefix_hits: float = 0.0
     kv_capacity_tokens: float = 0.0  # num_gpu_blocks * block_size from vllm:cache_config_info (0: unknown)
+    engine: str = "unknown"  # kvfleet | vllm | sglang, from the metric names it exports
     oom_events: float = 0.0  # kvfleet:oom_events_total: steps that failed for memory (and were recovered)
     alloc_failures: float = 0.0  # kvfleet:block_allocation_failures_total
 
@@ -84,6 +85,10 @@ _LOAD_METRICS = {
     "vllm:prefix_cache_queries": "prefix_queries",
     "vllm:prefix_cache_hits_total": "prefix_hits",
     "vllm:prefix_cache_hits": "prefix_hits",
+    "sglang:token_usage": "kv_usage",  # SGLang: fraction of its KV token pool in use
+    "sglang:num_running_reqs": "running",
+    "sglang:num_queue_reqs": "waiting",
+    "sglang:max_total_num_tokens": "kv_capacity_tokens",
     "kvfleet:oom_events_total": "oom_events",
     "kvfleet:block_allocation_failures_total": "alloc_failures",
 }
@@ -93,9 +98,14 @@ _BLOCK_SIZE = re.compile(r'[{,]block_size="(\d+)"')
 _NUM_BLOCKS = re.compile(r'[{,]num_gpu_blocks="(\d+)"')
 
 
+_ENGINE_PREFIXES = (("kvfleet:", "kvfleet"), ("sglang:", "sglang"), ("vllm:", "vllm"))
+
+
 def parse_engine_metrics(text: str) -> EngineLoad:
-    """The load figures from an engine's Prometheus text (vLLM names), summed over label sets."""
+    """The load figures from an engine's Prometheus text (vLLM's names, or SGLang's), summed over label sets,
+    and which engine exported them (kvfleet exports kvfleet:* beside vllm:*)."""
     sums: dict[str, float] = {}
+    engine = "unknown"
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -105,6 +115,11 @@ def parse_engine_metrics(text: str) -> EngineLoad:
             if 0 <= k < end:
                 end = k
         name = line[:end]
+        if engine == "unknown" or engine == "vllm":
+            for prefix, kind in _ENGINE_PREFIXES:
+                if name.startswith(prefix):
+                    engine = kind if engine == "unknown" or kind == "kvfleet" else engine
+                    break
         if name == "vllm:cache_config_info":
             bs, nb = _BLOCK_SIZE.search(line), _NUM_BLOCKS.search(line)
             if bs and nb:
@@ -122,7 +137,8 @@ def parse_engine_metrics(text: str) -> EngineLoad:
     return EngineLoad(kv_usage=sums.get("kv_usage", 0.0), running=int(sums.get("running", 0)),
                       waiting=int(sums.get("waiting", 0)), prefix_queries=sums.get("prefix_queries", 0.0),
                       prefix_hits=sums.get("prefix_hits", 0.0), kv_capacity_tokens=sums.get("kv_capacity_tokens", 0.0),
-                      oom_events=sums.get("oom_events", 0.0), alloc_failures=sums.get("alloc_failures", 0.0))
+                      oom_events=sums.get("oom_events", 0.0), alloc_failures=sums.get("alloc_failures", 0.0),
+                      engine=engine)
 
 
 @dataclass(slots=True, eq=False)
@@ -149,6 +165,8 @@ class ReplicaState:
         self.tickets: set[Ticket] = set()
         self.finished = 0  # covered by the last scrape, finished after it
         self.kv_events = KVEventsState.CONNECTING
+        self.ready_path = "/ready"  # /health for engines without /ready (vLLM, SGLang)
+        self.engine: str | None = None  # what its metrics say it is, once scraped
 
     @property
     def inflight(self) -> int:

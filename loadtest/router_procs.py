@@ -17,12 +17,12 @@ PY = sys.executable
 
 
 class Proc:
-    def __init__(self, argv: list[str], url: str, log_dir: str, name: str):
+    def __init__(self, argv: list[str], url: str, log_dir: str, name: str, env: dict | None = None):
         self.url, self.name = url, name
         self.log_path = os.path.join(log_dir, f"{name}.log")
         self.log = open(self.log_path, "ab")
         self.popen = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                      env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                                      env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
 
     def wait_ready(self, timeout: float = 600.0, path: str = "/ready") -> None:
         deadline = time.monotonic() + timeout

@@ -48,6 +48,46 @@ class ScoringConfig:
 
 
 @dataclass(frozen=True)
+class VllmEventsConfig:
+    """Where vLLM engines publish their KV events (ZMQ), from `--vllm-kv-events SPEC` (repeatable):
+    `tcp://{host}:5557|tcp://{host}:5558` for every replica ({host}: the replica's host; `|REPLAY` optional),
+    or `http://10.0.0.7:8000=tcp://10.0.0.7:5557|tcp://10.0.0.7:5558` for one replica."""
+
+    default: tuple[str, str | None] | None = None
+    per_replica: tuple[tuple[str, tuple[str, str | None]], ...] = ()
+
+    @classmethod
+    def parse(cls, specs) -> VllmEventsConfig:
+        default, per = None, {}
+        for spec in specs:
+            target, sep, endpoints = spec.partition("=")
+            if not sep:
+                target, endpoints = None, spec
+            pub, _, replay = endpoints.partition("|")
+            for ep in (pub, replay):
+                if ep and not ep.startswith(("tcp://", "ipc://")):
+                    raise ConfigError("vllm_kv_events", f"{spec!r}: endpoints are tcp://HOST:PORT (or ipc://), "
+                                      f"got {ep!r}")
+            pair = (pub, replay or None)
+            if target is None:
+                default = pair
+            else:
+                per[check_replica_url(target)] = pair
+        return cls(default, tuple(per.items()))
+
+    def endpoints(self, url: str) -> tuple[str, str | None] | None:
+        """The (publisher, replay) endpoints of a replica, or None when it publishes none."""
+        for u, pair in self.per_replica:
+            if u == url:
+                return pair
+        if self.default is None:
+            return None
+        host = urlsplit(url).hostname or ""
+        host = f"[{host}]" if ":" in host else host
+        return self.default[0].replace("{host}", host), (self.default[1] or "").replace("{host}", host) or None
+
+
+@dataclass(frozen=True)
 class RateLimitConfig:
     tenants_file: str | None = None  # None: no tenants, no keys, no budgets
     redis_url: str | None = None  # None: budgets in this router's memory
@@ -102,6 +142,7 @@ class RouterConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     access_log: bool = False  # one INFO line per proxied request
     pools_file: str | None = None  # None: one pool, "default", from the discovery flags
+    vllm_events: VllmEventsConfig = dataclasses.field(default_factory=VllmEventsConfig)
     scoring: ScoringConfig = dataclasses.field(default_factory=ScoringConfig)
     ratelimit: RateLimitConfig = dataclasses.field(default_factory=RateLimitConfig)
 

@@ -94,7 +94,16 @@ class Fleet:
             st.ready_path = "/health"
             st.kv_events = KVEventsState.UNAVAILABLE
         tasks = [asyncio.create_task(self._health_loop(st)), asyncio.create_task(self._scrape_loop(st))]
-        if self.policy.needs.kv_events and cfg.engine_type in ("auto", "kvfleet"):
+        vllm_events = cfg.vllm_events.endpoints(url)
+        if self.policy.needs.kv_events and vllm_events is not None:  # vLLM's own KV events, over ZMQ
+            from router.vllm_kv_events import VllmKVSubscriber
+
+            st.kv_events = KVEventsState.CONNECTING
+            sub = VllmKVSubscriber(url, vllm_events[0], vllm_events[1], self.index, cfg.hash_seed,
+                                   on_status=lambda s, st=st: setattr(st, "kv_events", KVEventsState(s)),
+                                   on_resync=lambda reason, u=url: self.metrics.kv_resyncs.labels(u, reason).inc())
+            tasks.append(asyncio.create_task(sub.run()))
+        elif self.policy.needs.kv_events and cfg.engine_type in ("auto", "kvfleet"):
             sub = KVEventSubscriber(url, self.index, self._client, cfg.kv_heartbeat_timeout_s, cfg.internal_token,
                                     on_status=lambda s, st=st: setattr(st, "kv_events", KVEventsState(s)),
                                     on_resync=lambda reason, u=url: self.metrics.kv_resyncs.labels(u, reason).inc())

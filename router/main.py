@@ -8,7 +8,14 @@ import os
 import sys
 
 from contract.errors import ConfigError
-from router.config import DISCOVERY_KINDS, ENGINE_TYPES, RateLimitConfig, RouterConfig, ScoringConfig
+from router.config import (
+    DISCOVERY_KINDS,
+    ENGINE_TYPES,
+    RateLimitConfig,
+    RouterConfig,
+    ScoringConfig,
+    VllmEventsConfig,
+)
 from router.policies import POLICIES
 from router.shedding import SheddingConfig
 
@@ -34,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what the replicas are: auto (default: readiness from /ready, else /health; the exact "
                    "index from kvfleet KV events where an engine serves them, else the approximate index), "
                    "kvfleet, or vllm / sglang (readiness from /health, no kvfleet KV event stream)")
+    p.add_argument("--vllm-kv-events", action="append", default=[], metavar="SPEC",
+                   help="vLLM engines started with --kv-events-config publish their KV cache over ZMQ; the router "
+                   "mirrors it into its exact index: tcp://{host}:5557|tcp://{host}:5558 (publisher|replay, "
+                   "{host} = each replica's host) or REPLICA_URL=tcp://...|tcp://... for one replica (repeatable)")
     p.add_argument("--discovery", default=None, choices=DISCOVERY_KINDS,
                    help="static (--replicas), dns (--dns-name) or k8s (--k8s-service); default from the flags given")
     p.add_argument("--replicas", default="", help="comma-separated replica base URLs, e.g. "
@@ -121,6 +132,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         hash_seed=ns.hash_seed, approx_max_blocks=ns.approx_max_blocks, breaker_failures=ns.breaker_failures,
         breaker_open_s=ns.breaker_open_s, max_attempts=ns.max_attempts, request_timeout_s=ns.request_timeout_s,
         internal_token=ns.internal_token, access_log=ns.access_log, pools_file=ns.pools, scoring=scoring,
+        vllm_events=VllmEventsConfig.parse(ns.vllm_kv_events),
         ratelimit=RateLimitConfig(tenants_file=ns.tenants, redis_url=ns.redis_url or None,
                                   on_store_error=ns.ratelimit_on_store_error,
                                   shedding=SheddingConfig(kv_high=ns.shed_kv_high, waiting_high=ns.shed_waiting_high,

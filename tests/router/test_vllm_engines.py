@@ -1,0 +1,31 @@
+"""kvfleet's router in front of two unmodified vLLM-CPU engines (slow; minutes: vLLM compiles at start-up).
+vLLM comes from the peers folder and is installed there through ../shared/peers/ when absent
+(loadtest/vllm_fleet.py). Shows: requests through the router succeed with the official openai client,
+streamed and not; with --policy kv the fleet hit rate is >= 0.95 of one vLLM engine's own, on plain engines
+(approximate index) and from vLLM's KV events (exact index), neither engine taking more than 75% of the
+requests; round-robin beside them; the exact index predicts exactly the cached tokens vLLM reports.
+
+    pytest -m slow tests/router/test_vllm_engines.py -s
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtest.vllm_fleet import parser, run
+
+pytestmark = pytest.mark.slow
+
+
+def test_router_in_front_of_vllm_engines():
+    ns = parser().parse_args(["--install", "--sessions", "12", "--turns", "4"])
+    ns.model, ns.api = "smollm2", "tokens"
+    out = run(ns)
+    results, summary = out["results"], out["summary"]
+    assert all(r["errors"] == 0 for r in results.values()), {k: r["first_error"] for k, r in results.items()}
+    assert results["kv-exact"]["openai_check"]  # a non-empty reply, the same streamed and not
+    for name in ("kv-approx", "kv-exact"):
+        assert summary[name]["hit_rate_vs_single"] >= 0.95, summary
+        assert summary[name]["largest_share"] <= 0.75, summary
+    assert summary["kv-exact"]["predicted_over_reported"] == pytest.approx(1.0, abs=0.005), summary
+    assert results["round-robin"]["requests"] == results["kv-exact"]["requests"]

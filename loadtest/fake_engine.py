@@ -6,7 +6,9 @@ It speaks the same wire formats (OpenAI chat/completions with SSE streaming and 
 keeps a real prefix cache index for `/v1/completions` requests whose prompt is a list of token ids (chained
 block hashes from contract/hashing.py), so KV-aware routing can be tested without a model. Behaviour per
 request comes from headers: `x-fake-delay-ms` (before the first byte), `x-fake-chunks`, `x-fake-chunk-delay-ms`,
-`x-fake-break-after` (drop the connection after N chunks), `x-fake-status` (answer with this status).
+`x-fake-break-after` (drop the connection after N chunks), `x-fake-status` (answer with this status),
+`x-fake-keepalives` (SSE comments `: keep-alive` sent before the first chunk of a stream, one per
+`x-fake-keepalive-ms`).
 Per process: `--fail-status` (every completion answers it), `--no-kv-events` (404, like a third-party engine),
 `--flavor vllm|sglang` (no /ready and no KV events, like those engines; sglang exports SGLang's metric names),
 `--delay-ms` (before every response's first byte), `--oom-events` (its `kvfleet:oom_events_total`);
@@ -207,13 +209,14 @@ class FakeEngine:
                 self.stats["completed"] += 1
                 return
             opts = req.get("stream_options") or {}
+            keepalives = (int(hdr.get("x-fake-keepalives", 0)), float(hdr.get("x-fake-keepalive-ms", 100)) / 1000)
             await self.stream(receive, send, rid, chat, chunks, chunk_delay, break_after, usage,
-                              bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats")))
+                              bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats")), keepalives)
         finally:
             self.stats["running"] -= 1
 
     async def stream(self, receive, send, rid, chat, chunks, chunk_delay, break_after, usage, include_usage,
-                     continuous=False):
+                     continuous=False, keepalives=(0, 0.0)):
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": rid, "object": obj, "created": int(time.time()), "model": self.ns.model}
         disconnected = asyncio.ensure_future(_wait_disconnect(receive))
@@ -221,6 +224,9 @@ class FakeEngine:
                     "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                                 (b"x-fake-instance", self.ns.instance_id.encode())]})
         try:
+            for _ in range(keepalives[0]):
+                await send({"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True})
+                await asyncio.sleep(keepalives[1])
             for i in range(chunks):
                 if break_after == i:
                     raise ConnectionAbortedError("x-fake-break-after")  # uvicorn drops the connection

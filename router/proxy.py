@@ -69,9 +69,11 @@ def sse_error_event(message: str) -> bytes:
     return b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
 
 
-def _opening_only(chunk: bytes) -> bool:
-    """A chat stream's opening chunk alone (the role, sent before any token is generated)."""
-    return chunk.count(b"data: ") == 1 and b'"role":"assistant"' in chunk and b'"content":""' in chunk
+def _no_token(chunk: bytes) -> bool:
+    """A chunk that carries no generated token: SSE comments only (`: keep-alive`), or a chat stream's opening
+    chunk alone (the role, which some engines send before any token is generated)."""
+    n = chunk.count(b"data: ")
+    return n == 0 or (n == 1 and b'"role":"assistant"' in chunk and b'"content":""' in chunk)
 
 
 def _usage_from_sse(chunk: bytes) -> dict | None:
@@ -245,12 +247,12 @@ class Proxy:
                         "headers": response_headers(resp.raw_headers, url, None, extra_headers)})
             await send({"type": "http.response.body", "body": first if usage is None else usage.feed(first),
                         "more_body": True})
-            if not _opening_only(first):
+            if not _no_token(first):
                 attempts.first_token_at = time.perf_counter()
             saw_usage = False
             try:
                 async for chunk in chunks:
-                    if attempts.first_token_at is None:
+                    if attempts.first_token_at is None and not _no_token(chunk):
                         attempts.first_token_at = time.perf_counter()
                     if not saw_usage and b'"usage"' in chunk:
                         got = _usage_from_sse(chunk)

@@ -288,3 +288,20 @@ def test_a_frozen_replica_is_resynced_and_avoided(procs):
         os.killpg(a.popen.pid, signal.SIGCONT)
     wait_for(lambda: metric(m(), "kvfleet_router_kv_events_live") == 2, timeout=10, what="live again")
     wait_for(lambda: metric(m(), "kvfleet_router_replica_ready", replica=a.url) == 1, timeout=10, what="ready")
+
+
+def test_keep_alive_comments_pass_through_and_are_not_the_first_token(procs):
+    from tests.router.conftest import fake_engine, metric, router
+
+    e = fake_engine(procs, "e1", "--chunks", "3").wait_ready()
+    r = router(procs, [e.url], policy="round-robin").wait_ready()
+    headers = {"x-fake-keepalives": "3", "x-fake-keepalive-ms": "200"}
+    with httpx.stream("POST", r.url + "/v1/completions", json={"prompt": [1, 2, 3], "stream": True},
+                      headers=headers, timeout=10) as resp:
+        lines = [ln for ln in resp.iter_lines() if ln]
+    assert lines[:3] == [": keep-alive"] * 3 and lines[-1] == "data: [DONE]"
+    assert len([ln for ln in lines if ln.startswith("data: {")]) == 3
+    text = httpx.get(r.url + "/metrics").text
+    # the router's TTFT counts from the first token, after the three comments (~0.6 s), not the first byte
+    assert metric(text, "kvfleet_router_pool_ttft_seconds_bucket", le="0.5") == 0
+    assert metric(text, "kvfleet_router_pool_ttft_seconds_count") == 1

@@ -291,8 +291,6 @@ def test_a_frozen_replica_is_resynced_and_avoided(procs):
 
 
 def test_keep_alive_comments_pass_through_and_are_not_the_first_token(procs):
-    from tests.router.conftest import fake_engine, metric, router
-
     e = fake_engine(procs, "e1", "--chunks", "3").wait_ready()
     r = router(procs, [e.url], policy="round-robin").wait_ready()
     headers = {"x-fake-keepalives": "3", "x-fake-keepalive-ms": "200"}

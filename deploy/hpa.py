@@ -201,26 +201,27 @@ class HPA:
         return current - added + removed
 
     def _up_limit(self, now: float, current: int) -> int:
-        rules = self.spec.scale_up
-        if rules.select is SelectPolicy.DISABLED:
-            return current
-        pick = min if rules.select is SelectPolicy.MIN else max
-        result = None
-        for p in rules.policies:
-            start = self._period_start(now, current, p.period_s)
-            proposed = start + p.value if p.kind is PolicyKind.PODS else math.ceil(start * (1 + p.value / 100))
-            result = proposed if result is None else pick(result, proposed)
-        return result
+        return self._policy_limit(now, current, up=True)
 
     def _down_limit(self, now: float, current: int) -> int:
-        rules = self.spec.scale_down
+        return self._policy_limit(now, current, up=False)
+
+    def _policy_limit(self, now: float, current: int, up: bool) -> int:
+        """The replica count the scaling policies allow in one direction (Kubernetes' calculateScaleUpLimit
+        / calculateScaleDownLimit): each policy's change from the count at the start of its period; `Max`
+        selects the policy allowing the largest change, `Min` the smallest."""
+        rules = self.spec.scale_up if up else self.spec.scale_down
         if rules.select is SelectPolicy.DISABLED:
             return current
-        pick = max if rules.select is SelectPolicy.MIN else min
+        largest_change = rules.select is not SelectPolicy.MIN
+        pick = max if largest_change == up else min
         result = None
         for p in rules.policies:
             start = self._period_start(now, current, p.period_s)
-            proposed = start - p.value if p.kind is PolicyKind.PODS else int(start * (1 - p.value / 100))
+            if up:
+                proposed = start + p.value if p.kind is PolicyKind.PODS else math.ceil(start * (1 + p.value / 100))
+            else:
+                proposed = start - p.value if p.kind is PolicyKind.PODS else int(start * (1 - p.value / 100))
             result = proposed if result is None else pick(result, proposed)
         return result
 

@@ -63,6 +63,19 @@ class NodeReader:
             raise ConfigFileError(self.path, 1, "", f"the file is empty; it needs {what}")
         return root
 
+    def document(self, text: str | bytes, main: str, fields: tuple[str, ...]
+                 ) -> tuple[yaml.Node, dict[str, tuple[yaml.Node, yaml.Node]], dict[str, tuple[yaml.Node, yaml.Node]]]:
+        """(root, top-level entries, entries of the `main` mapping) of a file whose top level holds `fields`,
+        `main` required: e.g. `tenants:` (name -> settings) and `anonymous:`."""
+        root = self.root(text, f"a `{main}:` mapping")
+        others = " and ".join(f"`{f}:`" for f in fields if f != main)
+        top = self.mapping(root, "", f"a mapping with `{main}:`" + (f" (and {others})" if others else ""))
+        self.known(top, "", fields, "the file holds")
+        if main not in top:
+            raise self.error(root, main, f"missing: the file needs a `{main}:` mapping of name to settings")
+        singular = main[:-1] if main.endswith("s") else main
+        return root, top, self.mapping(top[main][1], main, f"a mapping of {singular} name to settings")
+
     def error(self, node: yaml.Node | None, field: str, problem: str) -> ConfigFileError:
         return ConfigFileError(self.path, node.start_mark.line + 1 if node is not None else 1, field, problem)
 

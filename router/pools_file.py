@@ -98,12 +98,7 @@ class PoolsConfig:
 def parse_pools(text: str | bytes, path: str = "<pools>") -> PoolsConfig:
     """The pools a pools file describes; raises ConfigFileError naming the line and field."""
     r = NodeReader(path)
-    root = r.root(text, "a `pools:` mapping")
-    top = r.mapping(root, "", "a mapping with `pools:` (and `degradation:`)")
-    r.known(top, "", TOP_FIELDS, "the file holds")
-    if "pools" not in top:
-        raise r.error(root, "pools", "missing: the file needs a `pools:` mapping of name to settings")
-    entries = r.mapping(top["pools"][1], "pools", "a mapping of pool name to settings")
+    _, top, entries = r.document(text, "pools", TOP_FIELDS)
     if not entries:
         raise r.error(top["pools"][1], "pools", "at least one pool is required")
     pools, owner = [], {}

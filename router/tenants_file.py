@@ -67,12 +67,7 @@ class _Seen:
 def parse_tenants(text: str | bytes, path: str = "<tenants>") -> TenantRegistry:
     """The registry a tenants file describes; raises TenantsFileError naming the line and field."""
     p = _KeyReader(path)
-    root = p.root(text, "a `tenants:` mapping")
-    top = p.mapping(root, "", "a mapping with `tenants:` (and `anonymous:`)")
-    p.known(top, "", TOP_FIELDS, "the file holds")
-    if "tenants" not in top:
-        raise p.error(root, "tenants", "missing: the file needs a `tenants:` mapping of name to settings")
-    entries = p.mapping(top["tenants"][1], "tenants", "a mapping of tenant name to settings")
+    _, top, entries = p.document(text, "tenants", TOP_FIELDS)
 
     anonymous = None
     if "anonymous" in top:

@@ -10,10 +10,10 @@ new text and logprobs are sent as they are (streaming) or appended to the choice
 output is copied per step. The two formats differ only in the shape of a choice and of its logprobs.
 
 A stream sends nothing before a choice has its first token: a chat choice's first chunk carries the role
-and the first text in one delta, or the role and the finish reason for a choice
-that ends without text. A failure (or an abort) before the stream's first chunk is raised as an APIError,
-so that the response can still answer it with an HTTP status (engine/server/streaming.py); after it, it
-is an SSE error event followed by `data: [DONE]`.
+and the first text in one delta, or the role and the finish reason for a choice that ends without text.
+A failure (or an abort) before the stream's first chunk is raised as an APIError, so that the response
+can still answer it with an HTTP status (engine/server/streaming.py); after it, it is an SSE error event
+followed by `data: [DONE]`.
 """
 
 from __future__ import annotations

@@ -8,6 +8,12 @@
 `outs` yields (prompt index k, RequestDelta); choice k * n + i is completion i of prompt k. Each delta's
 new text and logprobs are sent as they are (streaming) or appended to the choice (whole response): no
 output is copied per step. The two formats differ only in the shape of a choice and of its logprobs.
+
+A stream sends nothing before a choice has its first token: a chat choice's first chunk carries the role
+and the first text in one delta, or the role and the finish reason for a choice that ends without text.
+A failure (or an abort) before the stream's first chunk is raised as an APIError, so that the response
+can still answer it with an HTTP status (engine/server/streaming.py); after it, it is an SSE error event
+followed by `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -16,10 +22,9 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from contract.errors import error_body, error_type
 from engine.outputs import RequestDelta, TokenLogprob
 from engine.server.errors import APIError, engine_error
-from engine.server.streaming import SSE_DONE, sse
+from engine.server.streaming import SSE_DONE, sse, sse_error
 
 TokenText = Callable[[int], str]
 
@@ -31,11 +36,6 @@ class ChatFormat:
     def __init__(self, token_text: TokenText):
         self.token_text = token_text
 
-    def opening(self, n: int) -> list[dict]:
-        """Chunk choices sent before any token: the role (OpenAI sends it first too)."""
-        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                for i in range(n)]
-
     def logprobs(self, lps: list[TokenLogprob], text_offset: int) -> dict:
         out = []
         for lp in lps:
@@ -45,9 +45,10 @@ class ChatFormat:
                                           "bytes": list(t.encode())} for i, v in lp.top]})
         return {"content": out}
 
-    def chunk_choice(self, index: int, text: str, lp: dict | None, finish: str | None, stop) -> dict:
-        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": finish,
-                "stop_reason": stop}
+    def chunk_choice(self, index: int, text: str, lp: dict | None, finish: str | None, stop, first: bool) -> dict:
+        """first: the choice's first chunk, which carries the role too."""
+        delta = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
+        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish, "stop_reason": stop}
 
     def full_choice(self, index: int, text: str, lp: dict | None, finish: str | None, stop) -> dict:
         return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
@@ -61,9 +62,6 @@ class CompletionFormat:
     def __init__(self, token_text: TokenText):
         self.token_text = token_text
 
-    def opening(self, n: int) -> list[dict]:
-        return []
-
     def logprobs(self, lps: list[TokenLogprob], text_offset: int) -> dict:
         tokens, token_lps, tops, offsets = [], [], [], []
         for lp in lps:
@@ -75,10 +73,11 @@ class CompletionFormat:
             text_offset += len(tok)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def chunk_choice(self, index: int, text: str, lp: dict | None, finish: str | None, stop) -> dict:
-        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": stop}
+    def chunk_choice(self, index: int, text: str, lp: dict | None, finish: str | None, stop, first: bool) -> dict:
+        return self.full_choice(index, text, lp, finish, stop)
 
-    full_choice = chunk_choice
+    def full_choice(self, index: int, text: str, lp: dict | None, finish: str | None, stop) -> dict:
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": stop}
 
 
 Format = ChatFormat | CompletionFormat
@@ -90,7 +89,7 @@ class _Choice:
     pieces: list[str] = field(default_factory=list)  # whole responses only
     logprobs: list[TokenLogprob] = field(default_factory=list)  # whole responses only
     offset: int = 0  # text_offset of the next token: the prefix and the tokens' texts so far (completions)
-    opened: bool = False
+    opened: bool = False  # its first chunk (the echoed prefix, the chat role) went out
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -141,40 +140,44 @@ class Reply:
 
     async def stream(self, outs: AsyncIterator[tuple[int, RequestDelta]], num_prompts: int, include_usage: bool,
                      continuous_usage: bool) -> AsyncIterator[bytes]:
+        """SSE chunks, then `data: [DONE]`; APIError if it fails or is aborted before its first chunk."""
         base = {"id": self.id, "object": self.fmt.chunk_object, "created": self.created, "model": self.model}
         usage = _Usage(num_prompts)
+        sent = False
         try:
             async with aclosing(outs) as g:
-                if opening := self.fmt.opening(self.n):
-                    for choice in opening:
-                        yield sse({**base, "choices": [choice]})
                 async for k, d in g:
                     usage.add(k, d)
                     for o in d.outputs:
                         idx = k * self.n + o.index
                         c = self._choice(k, o.index)
                         text = o.text if c.opened else c.prefix + o.text
-                        c.opened = True
                         lp = None
                         if self.want_logprobs and o.logprobs:
                             lp = self.fmt.logprobs(o.logprobs, c.offset)
                             c.offset += sum(len(self.fmt.token_text(t.token_id)) for t in o.logprobs)
                         if o.finish_reason is not None:
                             c.finish_reason = o.finish_reason
-                        if not text and lp is None and o.finish_reason is None:
-                            continue
+                        if not text and lp is None and (o.finish_reason is None
+                                                        or o.finish_reason == "abort" and not sent):
+                            continue  # nothing to say yet; an abort before any chunk is the 503 below
                         chunk = {**base, "choices": [self.fmt.chunk_choice(idx, text, lp, o.finish_reason,
-                                                                           o.stop_reason)]}
+                                                                           o.stop_reason, not c.opened)]}
+                        c.opened = True
                         if continuous_usage:
                             chunk["usage"] = usage.body([k])
+                        sent = True
                         yield sse(chunk)
         except Exception as e:
-            err = engine_error(e)
-            yield sse(error_body(err.message, error_type(err.status), err.param, err.code))
+            err = e if isinstance(e, APIError) else engine_error(e)
+            if not sent:
+                raise err from None
+            yield sse_error(err)
         else:
             if not self._completed(usage):
-                message = "the request was aborted before it finished"
-                yield sse(error_body(message, error_type(503), None, "aborted"))
+                if not sent:
+                    raise _aborted()
+                yield sse_error(_aborted())
             elif include_usage:
                 yield sse({**base, "choices": [], "usage": usage.body(range(num_prompts))})
         yield SSE_DONE
@@ -193,7 +196,7 @@ class Reply:
                     if o.finish_reason is not None:
                         c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
         if not self._completed(usage):
-            raise APIError(503, "the request was aborted before it finished (server shutting down)", None, "aborted")
+            raise _aborted()
         choices = []
         for idx in sorted(self.choices):
             c = self.choices[idx]
@@ -202,6 +205,10 @@ class Reply:
                                                 c.stop_reason))
         return {"id": self.id, "object": self.fmt.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage.body(range(num_prompts)), "system_fingerprint": None}
+
+
+def _aborted() -> APIError:
+    return APIError(503, "the request was aborted before it finished (server shutting down)", None, "aborted")
 
 
 def _finite(x: float) -> float:

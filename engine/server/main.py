@@ -4,7 +4,7 @@
 
 Engine flags (incl. --served-model-name) come from `EngineArgs.add_cli_args`; the server adds
 --host, --port, --instance-id, --internal-token, --require-internal-token, --drain-timeout,
---max-body-bytes, --log-level and --access-log. The model loads after the server is up (/health answers, /ready
+--max-body-bytes, --sse-keepalive, --log-level and --access-log. The model loads after the server is up (/health answers, /ready
 says 503 until it is loaded). SIGTERM (or Ctrl-C) drains: /ready turns 503, new requests get 503,
 running ones finish for up to --drain-timeout seconds, then the process exits 0; a second signal
 exits at once.
@@ -42,6 +42,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds running requests may take to finish after SIGTERM before they are aborted")
     g.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest request body accepted; larger ones get 413")
+    g.add_argument("--sse-keepalive", type=float, default=10.0, metavar="SECONDS",
+                   help="a stream that has sent nothing for this long (queued, prefilling, between tokens) sends an "
+                   "SSE comment `: keep-alive`; 0: never")
     g.add_argument("--max-queued-requests", type=int, default=None,
                    help="requests allowed to wait beyond --max-num-seqs; more get 429 + Retry-After (default: no limit)")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             served_model_names=tuple(_names(ns.served_model_name) or [ns.model]),
             instance_id=ns.instance_id or f"{socket.gethostname()}:{ns.port}",
             internal_token=ns.internal_token, require_internal_token=ns.require_internal_token,
-            drain_timeout=ns.drain_timeout, max_body_bytes=ns.max_body_bytes)
+            drain_timeout=ns.drain_timeout, max_body_bytes=ns.max_body_bytes, sse_keepalive=ns.sse_keepalive)
         if ns.max_queued_requests is not None and ns.max_queued_requests < 0:
             raise ConfigError("--max-queued-requests", f"--max-queued-requests must be >= 0, got {ns.max_queued_requests}")
     except ValueError as e:

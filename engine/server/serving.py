@@ -33,6 +33,7 @@ class ServerConfig:
     require_internal_token: bool = False  # on every endpoint but /health and /ready, not only /v1/kv/events
     drain_timeout: float = 30.0
     max_body_bytes: int = 4 * 1024 * 1024
+    sse_keepalive: float = 10.0  # seconds a stream may go without a byte before a `: keep-alive` comment; 0: none
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -44,6 +45,9 @@ class ServerConfig:
             raise ConfigError("--drain-timeout", f"--drain-timeout must be >= 0, got {self.drain_timeout}")
         if self.max_body_bytes < 1024:
             raise ConfigError("--max-body-bytes", f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
+        if not self.sse_keepalive >= 0 or self.sse_keepalive == float("inf"):
+            raise ConfigError("--sse-keepalive", f"--sse-keepalive must be a number of seconds >= 0 (0: off), "
+                                                 f"got {self.sse_keepalive}")
 
     @property
     def model_name(self) -> str:
@@ -118,7 +122,8 @@ async def respond(state: ServerState, request: Request, req: _SamplingRequest, f
                   echo: Callable[[], list[str]] | None = None) -> Response:
     """Add one request per prompt (all or none: a refused one closes those already added, before any byte
     is sent), then stream their deltas as SSE or answer with the whole body. echo: the prompts' texts,
-    asked for once the engine has admitted them (so only valid token ids are decoded)."""
+    asked for once the engine has admitted them (so only valid token ids are decoded). A stream's status
+    line goes out with its first chunk or keep-alive, so a failure before then still gets its HTTP status."""
     engine = state.engine_or_503()
     metrics = request.app.state.metrics
     streams: list[Tracked] = []
@@ -138,7 +143,7 @@ async def respond(state: ServerState, request: Request, req: _SamplingRequest, f
     if req.stream:
         continuous = req.include_usage() and req.stream_options.continuous_usage_stats
         body = reply.stream(merge(streams), len(prompts), req.include_usage(), continuous)
-        return sse_response(ClosingBody(body, streams), headers)
+        return sse_response(ClosingBody(body, streams), headers, state.config.sse_keepalive)
     try:
         return JSONResponse(await watch_disconnect(request, reply.collect(merge(streams), len(prompts))),
                             headers=headers)

@@ -111,6 +111,45 @@ def test_stop_strings_across_tokens_with_and_without_the_stop_text(api_server):
     assert chat["finish_reason"] in ("stop", "length")
 
 
+FIRST_CASES = [
+    ("chat/completions", {**CHAT, "temperature": 0}),
+    ("chat/completions", {**CHAT, "n": 2, "temperature": 1.0, "seed": 3, "logit_bias": NO_EOS}),
+    ("completions", {**COMP, "temperature": 0}),
+    ("completions", {**COMP, "n": 2, "temperature": 1.0, "seed": 3, "logit_bias": NO_EOS}),
+    ("completions", {**COMP, "prompt": ["Once upon a time", "The capital of Italy is"], "temperature": 0}),
+]
+
+
+@pytest.mark.parametrize("path,body", FIRST_CASES, ids=[f"{p.split('/')[0]}-{i}" for i, (p, _) in enumerate(FIRST_CASES)])
+def test_the_first_chunk_of_every_choice_carries_its_first_text(api_server, path, body):
+    """No chunk goes out before a token: a chat choice's role comes with its first text, in one delta."""
+    chunks = _sse(_post(api_server, path, {**body, "max_tokens": 6, "stream": True}))
+    firsts: dict[int, dict] = {}
+    for chunk in chunks:
+        assert len(chunk["choices"]) == 1, chunk
+        ch = chunk["choices"][0]
+        if ch["index"] in firsts:
+            assert "role" not in ch.get("delta", {}), "the role comes once, in the first chunk"
+        firsts.setdefault(ch["index"], ch)
+    prompts = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1
+    assert sorted(firsts) == list(range(body.get("n", 1) * prompts))
+    for ch in firsts.values():
+        if path == "chat/completions":
+            assert ch["delta"]["role"] == "assistant" and ch["delta"]["content"], ch
+        else:
+            assert ch["text"], ch
+
+
+def test_a_chat_choice_that_ends_before_any_text_gets_its_role_in_its_finishing_chunk(api_server):
+    first = _post(api_server, "chat/completions", {**CHAT, "temperature": 0, "max_tokens": 1}).json()
+    stop = first["choices"][0]["message"]["content"]  # the first token's text: stopping on it leaves no text
+    assert stop
+    (chunk,) = _sse(_post(api_server, "chat/completions", {**CHAT, "temperature": 0, "stop": [stop], "stream": True}))
+    (ch,) = chunk["choices"]
+    assert ch["delta"] == {"role": "assistant", "content": ""}
+    assert ch["finish_reason"] == "stop" and ch["stop_reason"] == stop
+
+
 @pytest.mark.parametrize("path,body,param", [
     ("chat/completions", {**CHAT, "max_tokens": 4096}, "max_tokens"),
     ("chat/completions", {**CHAT, "max_completion_tokens": 4096}, "max_completion_tokens"),

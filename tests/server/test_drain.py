@@ -99,3 +99,41 @@ def test_not_ready_while_loading_then_sigterm_drains_then_exits(tmp_path):
         assert DRAIN_TIMEOUT - 0.5 < elapsed < DRAIN_TIMEOUT + 15
     finally:
         server.stop()
+
+
+def test_a_stream_the_drain_aborts_before_its_first_token_gets_a_503(tmp_path):
+    """One sequence slot, held by a slow request; a stream queued behind it has sent nothing (keep-alives
+    off) when the drain deadline aborts both: it is answered 503 `aborted` with a JSON body, not a stream."""
+    server = start_engine(str(tmp_path), "--drain-timeout", "1", "--max-model-len", "2048", "--max-num-seqs", "1",
+                          "--debug-step-delay-ms", "200", "--sse-keepalive", "0")
+    try:
+        chat = {"model": "smollm2", "messages": [{"role": "user", "content": "Describe the harbour."}],
+                "ignore_eos": True}
+        answers: dict[str, httpx.Response] = {}
+
+        def post(name: str, body: dict) -> None:
+            answers[name] = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+
+        threads = [threading.Thread(target=post, args=("running", {**chat, "max_tokens": 500}))]
+        threads[0].start()
+        wait_metric(server, "vllm:num_requests_running", 1)
+        threads.append(threading.Thread(target=post, args=("queued", {**chat, "max_tokens": 8, "stream": True})))
+        threads[1].start()
+        wait_metric(server, "vllm:num_requests_waiting", 1)
+        server.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        queued = answers["queued"]
+        assert queued.status_code == 503 and queued.headers["content-type"] == "application/json", queued.text
+        assert queued.json()["error"]["code"] == "aborted"
+        assert answers["running"].status_code == 503 and answers["running"].json()["error"]["code"] == "aborted"
+        assert server.proc.wait(30) == 0
+    finally:
+        server.stop()
+
+
+def wait_metric(server, name: str, value: float, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while server.metric(name) != value:
+        assert time.monotonic() < deadline, f"{name} never reached {value}"
+        time.sleep(0.05)

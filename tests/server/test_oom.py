@@ -4,14 +4,14 @@ A replica whose every other model step runs out of memory and that sleeps after 
 (--debug-oom-every 2 --debug-step-delay-ms 100) answers with the greedy text of a healthy one, counts the
 failures in kvfleet:oom_events_total, and its tokens come at least 100 ms apart. A replica whose every
 step runs out of memory (--debug-oom-every 1) gives each request up after a few failed steps and
-answers a 500 (a streamed one ends with an OpenAI error event); no KV block stays held and it stays up.
+answers a 500, a streamed one too (it failed before its first token, so no stream started); no KV block
+stays held and it stays up.
 More cases on the engine itself: tests/engine/test_engine_oom.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 
 import httpx
@@ -45,15 +45,14 @@ def test_a_request_that_keeps_running_out_of_memory_gets_a_500(oom_server):
     assert err["code"] == "out_of_memory" and err["type"] == "internal_error" and "out of memory" in err["message"]
 
 
-def test_a_streamed_request_ends_with_an_error_event(oom_server):
-    events = []
-    with httpx.stream("POST", f"{oom_server.url}/v1/chat/completions", json={**BODY, "stream": True},
-                      timeout=60) as r:
-        assert r.status_code == 200  # the status line went out before the engine ran the request
-        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    err = json.loads(events[-2])["error"]
-    assert err["code"] == "out_of_memory" and err["type"] == "internal_error" and isinstance(err["message"], str)
+@pytest.mark.parametrize("path,body", [("chat/completions", BODY),
+                                       ("completions", {"model": "smollm2", "prompt": "Tide", "max_tokens": 4})])
+def test_a_streamed_request_that_fails_before_its_first_token_gets_a_500_not_a_stream(oom_server, path, body):
+    r = httpx.post(f"{oom_server.url}/v1/{path}", json={**body, "stream": True}, timeout=60)
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json", r.text
+    assert r.headers["x-request-id"].startswith(("chatcmpl-", "cmpl-"))
+    err = r.json()["error"]
+    assert err["code"] == "out_of_memory" and err["type"] == "internal_error" and "out of memory" in err["message"]
 
 
 def test_failures_are_counted_and_free_their_blocks(oom_server):

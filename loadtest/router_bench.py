@@ -117,6 +117,8 @@ async def run_sessions(base_url: str, sessions, ns, salt: str, tokenizer) -> dic
         while not queue.empty():
             sid, turns = queue.get_nowait()
             for turn, msgs in enumerate(turns):
+                if turn and getattr(ns, "think_s", 0):
+                    await asyncio.sleep(ns.think_s)  # the user reads the reply before the next turn
                 await one(client, sid, turn, msgs)
 
     t0 = time.perf_counter()

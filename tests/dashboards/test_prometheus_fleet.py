@@ -24,11 +24,11 @@ from dashboards.promapi import PrometheusAPI
 from dashboards.render import main as render_main
 from dashboards.render import render_dashboard
 from deploy.hpa import DEFAULT_SCALE_UP, HPASpec, MetricTarget, ScalingRules, replay
-from deploy.prometheus import find_binaries
+from deploy.prometheus import require_binaries
 from tests.dashboards.fleet_load import MixedLoad, tenants_yaml
 from tests.deploy.test_local import alive, descendants, read_until, start_up
 
-pytestmark = pytest.mark.skipif(find_binaries() is None, reason="no prometheus/promtool (make prometheus)")
+require_binaries()  # `make test` unpacks Debian's prometheus package; without it these tests fail loudly
 
 # Series an expression may lack data for here, by name (an expression naming one is still sent and must
 # parse and evaluate): why each cannot have data in a local CPU fleet.

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from dashboards import RULES_FILE
-from deploy.prometheus import find_binaries, prometheus_argv, scrape_config
+from deploy.prometheus import find_binaries, prometheus_argv, require_binaries, scrape_config
 
 
 def test_scrape_config_names_the_jobs_the_rules_select_on():
@@ -35,9 +35,8 @@ def test_find_binaries_honours_the_override_dir(tmp_path, monkeypatch):
     assert argv[1:4] == ["--config.file=p.yml", "--storage.tsdb.path=data", "--web.listen-address=127.0.0.1:9999"]
 
 
-@pytest.mark.skipif(find_binaries() is None, reason="no prometheus/promtool (make prometheus)")
 def test_promtool_accepts_the_config(tmp_path):
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(scrape_config(["127.0.0.1:8001"], ["127.0.0.1:8000"])))
-    out = subprocess.run([find_binaries().promtool, "check", "config", str(path)], capture_output=True, text=True)
+    out = subprocess.run([require_binaries().promtool, "check", "config", str(path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "index from kvfleet KV events where an engine serves them, else the approximate index), "
                    "kvfleet, or vllm / sglang (readiness from /health, no kvfleet KV event stream)")
     p.add_argument("--vllm-kv-events", action="append", default=[], metavar="SPEC",
-                   help="vLLM engines started with --kv-events-config publish their KV cache over ZMQ; the router "
+                   help="vLLM (and SGLang) engines started with --kv-events-config publish their KV cache over "
+                   "ZMQ; the router "
                    "mirrors it into its exact index: tcp://{host}:5557|tcp://{host}:5558 (publisher|replay, "
                    "{host} = each replica's host) or REPLICA_URL=tcp://...|tcp://... for one replica (repeatable)")
     p.add_argument("--discovery", default=None, choices=DISCOVERY_KINDS,

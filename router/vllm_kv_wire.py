@@ -1,5 +1,9 @@
 """vLLM's KV event wire format, decoded: pure, no I/O (the subscriber is router/vllm_kv_events.py).
 
+SGLang publishes the same format (sglang/srt/disaggregation/kv_events.py, "the same encoding vLLM uses"), one
+BlockStored per page, with its own optional fields: `cache_salt` on every block of a salted request, a
+`session_id`, and token pairs instead of ids for EAGLE's bigram keys. This decoder takes both engines.
+
 vLLM (vllm/distributed/kv_events.py, ZmqEventPublisher) publishes each scheduler step's cache changes as the
 multipart message (topic, 8-byte big-endian seq, payload). The payload is msgspec msgpack of an array-like
 [ts, events, data_parallel_rank] (trailing defaults may be omitted); each event a map tagged by "type":
@@ -111,15 +115,25 @@ def _stored(raw: dict, where: str) -> Stored:
     if parent is not None and not _is_hash(parent):
         raise VllmEventError(f"{where}.parent_block_hash: expected an int, bytes or nil")
     tokens = raw.get("token_ids")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+    if not isinstance(tokens, list):
+        raise VllmEventError(f"{where}.token_ids: expected an array of ints")
+    bigram = bool(tokens) and all(_is_pair(t) for t in tokens)  # SGLang's EAGLE keys: not token ids we can hash
+    if not bigram and not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise VllmEventError(f"{where}.token_ids: expected an array of ints")
     block_size = raw.get("block_size")
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
         raise VllmEventError(f"{where}.block_size: expected a positive int")
     lora_name = _opt(raw, "lora_name", str, where)
     salt, foreign = _extra_keys(_opt(raw, "extra_keys", list, where), lora_name, parent is None, where)
+    salt = _opt(raw, "cache_salt", str, where) or salt  # SGLang names it; vLLM puts it in extra_keys
+    if bigram:
+        return Stored(hashes, parent, (), block_size, salt, _opt(raw, "medium", str, where), lora_name, True)
     return Stored(hashes, parent, tuple(tokens), block_size, salt, _opt(raw, "medium", str, where), lora_name,
                   foreign)
+
+
+def _is_pair(v: Any) -> bool:
+    return isinstance(v, list) and len(v) == 2 and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
 
 def _extra_keys(extra: list | None, lora_name: str | None, first_is_block_0: bool,

@@ -1,0 +1,1 @@
+"""`kvfleet bench`, `kvfleet profile`, `kvfleet capacity` (see cli.py)."""

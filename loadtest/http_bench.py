@@ -30,6 +30,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 
+from loadtest.bench.metrics import percentile as bench_percentile
 from loadtest.peers import peers_dir, vllm_model_dir, vllm_python
 from loadtest.workload import MODES, ChatRequest, generate_trace
 
@@ -78,12 +79,8 @@ class LevelResult:
 
 
 def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    """q in 0..1 (loadtest.bench.metrics.percentile takes 0..100: one interpolation rule for both)."""
+    return bench_percentile(xs, q * 100)
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> RequestResult:

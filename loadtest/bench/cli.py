@@ -61,6 +61,8 @@ def add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--metrics-interval", type=float, default=1.0)
     ap.add_argument("--driver", choices=("native", "guidellm"), default="native",
                     help="native (kvfleet's driver: multi-turn, per-chunk records) or guidellm (single-turn presets)")
+    ap.add_argument("--guidellm-tokenizer", default=None,
+                    help="tokenizer directory guidellm sizes its synthetic text with (default: $KVFLEET_PEERS_DIR/smollm2-hf)")
     ap.add_argument("--no-progress", dest="progress", action="store_false")
     ap.add_argument("--out", default=None, help="write the result JSON here")
     ap.add_argument("--plots", default=None, help="write PNG plots into this folder")
@@ -129,6 +131,8 @@ def run(a: argparse.Namespace) -> dict:
         else:
             got = asyncio.run(run_native(a, scenario, convs, load, metric_urls))
         summary = summarize(got["records"], slo, got["wall_s"])
+        if got.get("itl_ms"):  # guidellm keeps no per-chunk times: its own ITL percentiles
+            summary["itl_ms"] = got["itl_ms"]
         result["runs"].append({"load": load.label(), "rate": load.rate, "concurrency": load.concurrency,
                                "summary": summary, "fleet": got["fleet"],
                                "records": [r.to_json() for r in got["records"]]})

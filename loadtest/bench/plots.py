@@ -35,7 +35,7 @@ def write_plots(results: list[dict], out_dir: str | Path) -> list[Path]:
                            (axes[1], [r.end_s * 1e3 for r in recs if r.ok])):
                 xs = sorted(xs)
                 if xs:
-                    ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=_label(res, run))
+                    ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], drawstyle="steps-post", label=_label(res, run))
     for ax, what in zip(axes, ("TTFT", "end-to-end latency"), strict=True):
         ax.set_xlabel(f"{what} (ms)")
         ax.set_ylabel("fraction of requests")
@@ -73,8 +73,9 @@ def write_plots(results: list[dict], out_dir: str | Path) -> list[Path]:
                             strict=True):
             ax.set_xlabel("seconds into the run")
             ax.set_title(what)
-            ax.set_ylim(0, 1.05)
+            ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
+        axes[1].set_ylim(0, 1.05)
         axes[0].legend(fontsize=7)
         written.append(_save(fig, out_dir / "fleet_over_time.png", plt))
     return written

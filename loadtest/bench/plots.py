@@ -35,7 +35,8 @@ def write_plots(results: list[dict], out_dir: str | Path) -> list[Path]:
                            (axes[1], [r.end_s * 1e3 for r in recs if r.ok])):
                 xs = sorted(xs)
                 if xs:
-                    ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], drawstyle="steps-post", label=_label(res, run))
+                    ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], drawstyle="steps-post",
+                            label=_label(res, run))
     for ax, what in zip(axes, ("TTFT", "end-to-end latency"), strict=True):
         ax.set_xlabel(f"{what} (ms)")
         ax.set_ylabel("fraction of requests")

@@ -11,6 +11,9 @@ COMMANDS = {
     "router": ("router.main", "start a KV-aware router in front of engine replicas"),
     "up": ("deploy.local", "start a router and N engine replicas of the bundled model on this machine"),
     "keys": ("router.keys", "API keys for the router's tenants file: hash a key, or make a new one"),
+    "bench": ("loadtest.bench.cli", "load an OpenAI-compatible endpoint (presets, traces, rates) and report it"),
+    "profile": ("loadtest.bench.profile", "profile a JSONL trace: lengths, multi-turn and shared-prefix shares, burstiness"),
+    "capacity": ("loadtest.bench.capacity", "KV bytes per token, sequences that fit, replicas for a target rate"),
 }
 
 

@@ -30,6 +30,8 @@ from pathlib import Path
 import aiohttp
 import httpx
 
+from loadtest.bench.metrics import percentile as bench_percentile
+from loadtest.bench.records import record_from_sse
 from loadtest.peers import peers_dir, vllm_model_dir, vllm_python
 from loadtest.workload import MODES, ChatRequest, generate_trace
 
@@ -78,50 +80,27 @@ class LevelResult:
 
 
 def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    """q in 0..1 (loadtest.bench.metrics.percentile takes 0..100: one interpolation rule for both)."""
+    return bench_percentile(xs, q * 100)
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> RequestResult:
+    """One streamed request; its SSE lines are read by loadtest.bench.records (one parser for both benches)."""
     t0 = time.perf_counter()
-    first = last = None
-    tokens = 0
-    chunks = 0
+    lines: list[tuple[float, str]] = []
     try:
         async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
             if resp.status != 200:
                 text = (await resp.text())[:200]
                 return RequestResult(False, error=f"HTTP {resp.status}: {text}")
             async for raw in resp.content:  # one SSE line per iteration
-                line = raw.strip()
-                if not line.startswith(b"data: "):
-                    continue
-                data = line[6:]
-                if data == b"[DONE]":
-                    break
-                msg = json.loads(data)
-                if "error" in msg:
-                    return RequestResult(False, error=str(msg["error"])[:200])
-                if msg.get("usage") and not msg.get("choices"):
-                    tokens = msg["usage"].get("completion_tokens", tokens)
-                for ch in msg.get("choices") or []:
-                    if (ch.get("delta") or {}).get("content"):
-                        now = time.perf_counter()
-                        first = first or now
-                        last = now
-                        chunks += 1
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
+                lines.append((time.perf_counter() - t0, raw.decode("utf-8", "replace")))
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         return RequestResult(False, error=f"{type(e).__name__}: {e}"[:200])
-    end = time.perf_counter()
-    tokens = tokens or chunks
-    if first is None:
-        return RequestResult(False, error="no tokens received")
-    tpot = (last - first) / (tokens - 1) if tokens > 1 else 0.0
-    return RequestResult(True, first - t0, tpot, end - t0, tokens)
+    rec = record_from_sse(lines, scenario="", start_s=0.0, end_s=time.perf_counter() - t0)
+    if not rec.ok:
+        return RequestResult(False, error="no tokens received" if rec.error == "no_tokens" else rec.error)
+    return RequestResult(True, rec.ttft_s, rec.tpot_s or 0.0, rec.end_s, rec.output_tokens)
 
 
 async def run_level(url: str, model: str, trace: list[ChatRequest], concurrency: int, name: str,

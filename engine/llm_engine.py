@@ -101,7 +101,7 @@ class LLMEngine:
                                    else ("cpu" if args.device == "auto" else args.device))
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device", "--device: cuda was asked for but no CUDA device is available")
-        self.source = resolve_model(args.model)
+        self.source = resolve_model(args.model, args.allow_download)
         self.model_name = args.model_name
         self.dtype = resolve_dtype(args.dtype, self.device)
         config = ModelConfig.from_hf(load_hf_config(self.source))

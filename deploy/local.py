@@ -7,6 +7,9 @@
 Each engine is pinned to its own slice of the usable cores (--cpu-cores), so replicas do not compete for the
 same ones; with fewer cores than replicas nothing is pinned (--no-pin-cores turns pinning off).
 
+On a machine with GPUs each replica gets its own (CUDA_VISIBLE_DEVICES, round robin over --gpus, default: the
+visible ones); replicas that must share a device split --gpu-memory-fraction of it evenly (deploy/gpus.py).
+
 Every child runs in its own process group (and gets SIGTERM if this launcher dies), waits until all are ready,
 prints where to send requests, and on Ctrl-C / SIGTERM stops the router first, then drains the engines; whatever
 has not exited after --stop-timeout is killed, group by group. No orphans.
@@ -26,12 +29,14 @@ import time
 import httpx
 import yaml
 
+from deploy.gpus import ReplicaDevice, assign_gpus, cuda_device_count, describe, parse_gpu_list, visible_gpus
 from deploy.ports import free_port
 from deploy.prometheus import INSTALL_HINT, find_binaries, prometheus_argv, scrape_config
 from engine.cpu_cores import core_slices, format_cpu_list
 from router.policies import POLICIES
 
 _PR_SET_PDEATHSIG = 1
+CPU_ONLY = ReplicaDevice(None, None)
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -42,13 +47,14 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 class Child:
-    def __init__(self, name: str, argv: list[str], url: str, log_path: str, ready_path: str = "/ready"):
+    def __init__(self, name: str, argv: list[str], url: str, log_path: str, ready_path: str = "/ready",
+                 env: dict[str, str] | None = None):
         self.name, self.argv, self.url, self.log_path = name, argv, url, log_path
         self.ready_path = ready_path
         self.log = open(log_path, "ab")
         self.popen = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
                                       preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -110,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pin-cores", action=argparse.BooleanOptionalAction, default=True,
                    help="pin each engine to its own slice of the usable cores (threads-per-engine of them, at most "
                         "an even split); skipped when there are fewer cores than replicas (default: on)")
+    p.add_argument("--gpus", default=None, metavar="LIST",
+                   help="GPUs to hand out round robin, one per replica (ids as CUDA_VISIBLE_DEVICES takes them, e.g. "
+                        "0,1; 'none' for CPUs only; default: this process's CUDA_VISIBLE_DEVICES, else every GPU)")
+    p.add_argument("--gpu-memory-fraction", type=float, default=0.9,
+                   help="share of each GPU's memory its replicas use together; k replicas on one GPU get 1/k of it "
+                        "each (default 0.9)")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every process")
     p.add_argument("--stop-timeout", type=float, default=15.0, help="seconds each stage may take to exit")
     p.add_argument("--log-dir", default=None, help="where process logs go (default: a new temporary directory)")
@@ -138,14 +150,22 @@ def _check(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--port {ns.port} collides with the engine ports {ns.engine_port}..")
     if ns.threads_per_engine is not None and ns.threads_per_engine < 1:
         parser.error("--threads-per-engine must be >= 1")
+    if not 0 < ns.gpu_memory_fraction <= 1:
+        parser.error(f"--gpu-memory-fraction must be in (0, 1], got {ns.gpu_memory_fraction}")
+    if ns.gpus is not None:
+        try:
+            parse_gpu_list(ns.gpus)
+        except ValueError as e:
+            parser.error(f"--gpus: {e}")
     if ns.prometheus_interval <= 0:
         parser.error("--prometheus-interval must be > 0")
     if ns.prometheus and find_binaries() is None:
         parser.error(f"--prometheus: {INSTALL_HINT}")
 
 
-def engine_argv(ns: argparse.Namespace, py: str, i: int, threads: int, cores: tuple[int, ...] | None) -> list[str]:
-    """Replica i's command line (before the flags after --); threads and cores only for the real engine."""
+def engine_argv(ns: argparse.Namespace, py: str, i: int, threads: int, cores: tuple[int, ...] | None,
+                device: ReplicaDevice = CPU_ONLY) -> list[str]:
+    """Replica i's command line (before the flags after --); threads, cores and GPU share only for the real engine."""
     base = [py, "-m", ns.engine_module] if ns.engine_module else [py, "-m", "kvfleet", "engine"]
     argv = [*base, "--model", ns.model, "--host", ns.host, "--port", str(ns.engine_port + i),
             "--instance-id", f"replica-{i}"]
@@ -153,7 +173,14 @@ def engine_argv(ns: argparse.Namespace, py: str, i: int, threads: int, cores: tu
         argv += ["--num-threads", str(threads), "--log-level", "warning"]
         if cores:
             argv += ["--cpu-cores", format_cpu_list(cores)]
+        argv += device.engine_args()
     return argv
+
+
+def replica_devices(ns: argparse.Namespace, env=os.environ, device_count=cuda_device_count) -> list[ReplicaDevice]:
+    """Each replica's GPU and memory share (deploy/gpus.py); no GPU on CPU-only machines."""
+    gpus = parse_gpu_list(ns.gpus) if ns.gpus is not None else visible_gpus(env, device_count)
+    return assign_gpus(gpus, ns.replicas, ns.gpu_memory_fraction)
 
 
 def _wait_ready(children: list[Child], timeout: float, stopping) -> str | None:
@@ -193,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     if pin and slices is None:
         print(f"kvfleet up: {len(usable)} usable core(s) for {ns.replicas} replicas: engines are not pinned to cores",
               file=sys.stderr, flush=True)
+    devices = replica_devices(ns)
     stop = {"signal": None}
 
     def on_signal(sig, frame):
@@ -207,12 +235,15 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     if slices:
         print(f"  engine cores: {' | '.join(format_cpu_list(c) for c in slices)}", flush=True)
+    if describe(devices):
+        print(f"  engine GPUs: {describe(devices)}", flush=True)
     try:
         for i in range(ns.replicas):
             port = ns.engine_port + i
             url = f"http://{ns.host}:{port}"
-            argv_i = engine_argv(ns, py, i, threads, slices[i] if slices else None)
-            engines.append(Child(f"engine-{i}", [*argv_i, *extra], url, os.path.join(log_dir, f"engine-{i}.log")))
+            argv_i = engine_argv(ns, py, i, threads, slices[i] if slices else None, devices[i])
+            engines.append(Child(f"engine-{i}", [*argv_i, *extra], url, os.path.join(log_dir, f"engine-{i}.log"),
+                                 env=devices[i].env()))
         router_url = f"http://{ns.host}:{ns.port}"
         router.append(Child("router", router_argv(ns, py, [e.url for e in engines]), router_url,
                             os.path.join(log_dir, "router.log")))

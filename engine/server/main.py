@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     try:
         engine_args = EngineArgs.from_cli(ns)
-        resolve_model(engine_args.model)  # a wrong path fails here, before the server starts
+        resolve_model(engine_args.model, engine_args.allow_download)  # a wrong path fails here, before the server starts
         config = ServerConfig(
             served_model_names=tuple(_names(ns.served_model_name) or [ns.model]),
             instance_id=ns.instance_id or f"{socket.gethostname()}:{ns.port}",

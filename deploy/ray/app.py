@@ -34,6 +34,7 @@ class RayAppConfig:
     look_back_period_s: float = 10.0
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.5
+    fake_engine: Mapping | None = None  # benchmarks: replicas run loadtest/fake_engine.py (these are its flags)
 
     def __post_init__(self):
         from router.policies import POLICIES
@@ -125,4 +126,5 @@ def build_app(args: Mapping | None = None):
     from router.policies import POLICIES
 
     need_tokens = POLICIES[cfg.policy].needs.prompt_tokens
-    return ingress.bind(engine.bind(dict(cfg.engine)), dict(cfg.engine), need_tokens)
+    engine_kwargs = {"fake_engine": dict(cfg.fake_engine)} if cfg.fake_engine is not None else {}
+    return ingress.bind(engine.bind(dict(cfg.engine), **engine_kwargs), dict(cfg.engine), need_tokens)

@@ -36,14 +36,31 @@ def replica_id() -> str:
         return uuid.uuid4().hex[:8]
 
 
+def fake_engine_app(instance_id: str, options: Mapping):
+    """loadtest/fake_engine.py's app (the engine's HTTP surface without a model), for the overhead benchmark;
+    `options` are its flags (chunks, delay_ms, block_size, ...)."""
+    from loadtest.fake_engine import FakeEngine, parser
+
+    argv = ["--port", "0", "--instance-id", instance_id]
+    for k, v in options.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return FakeEngine(parser().parse_args(argv))
+
+
 class EngineReplica:
-    async def __init__(self, engine: Mapping | None = None, sse_keepalive: float = 10.0):
+    async def __init__(self, engine: Mapping | None = None, sse_keepalive: float = 10.0,
+                       fake_engine: Mapping | None = None):
         from engine.args import EngineArgs
         from engine.server.app import build_app
         from engine.server.serving import ServerConfig
 
-        args = EngineArgs(**dict(engine or {}))
         self.id = replica_id()
+        if fake_engine is not None:
+            self.app, self.state = fake_engine_app(self.id, fake_engine), None
+            self.lifespan = Lifespan(self.app)
+            await self.lifespan.start()
+            return
+        args = EngineArgs(**dict(engine or {}))
         config = ServerConfig(served_model_names=(args.served_model_name or args.model,), instance_id=self.id,
                               sse_keepalive=sse_keepalive)
 
@@ -78,7 +95,7 @@ class EngineReplica:
             yield item
 
     def _stats(self):
-        eng = self.state.engine
+        eng = self.state.engine if self.state is not None else None
         return eng.stats() if eng is not None else None
 
     async def record_routing_stats(self) -> dict:
@@ -95,7 +112,7 @@ class EngineReplica:
         return {"kv_usage": float(s.kv_usage), "waiting": float(s.num_waiting)}
 
     def check_health(self) -> None:
-        if self.state.engine_dead:
+        if self.state is not None and self.state.engine_dead:
             raise RuntimeError(f"engine loop died: {self.state.engine.dead}")
 
     async def __del__(self):

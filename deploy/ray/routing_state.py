@@ -48,7 +48,10 @@ class ReplicaLoad:
 
 class RoutingState:
     def __init__(self, policy: str = "kv", scoring: Mapping | None = None, approx_max_blocks: int = 1 << 20,
-                 heartbeat_timeout_s: float = 10.0, stats_stale_s: float = 30.0, clock=time.monotonic):
+                 heartbeat_timeout_s: float = 10.0, stats_stale_s: float = float("inf"), clock=time.monotonic):
+        """stats_stale_s: routing stats older than this count as unknown load. Serve re-sends a replica's stats
+        only when they change (they are part of its RunningReplicaInfo), so unchanged stats are current:
+        the default never ages them out."""
         if policy not in POLICIES:
             raise ValueError(f"request_router_kwargs.policy: must be one of {sorted(POLICIES)}, got {policy!r}")
         self.policy: Policy = POLICIES[policy]

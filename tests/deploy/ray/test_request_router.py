@@ -123,7 +123,7 @@ def test_round_robin_alternates_and_tracks_in_flight_requests():
 
 def test_least_load_reads_routing_stats_and_what_this_router_sent_since():
     t = [100.0]
-    state = RoutingState("least-load", clock=lambda: t[0])
+    state = RoutingState("least-load", stats_stale_s=30, clock=lambda: t[0])
 
     async def main():
         state.set_replicas(["a", "b"], streams({}))

@@ -51,7 +51,9 @@ class KVAutoscalingPolicy:
         metrics = {name: [float(v) for rid, v in (aggregated.get(name) or {}).items() if rid in running]
                    for name in (KV_METRIC, WAITING_METRIC)}
         now = ctx.current_time if ctx.current_time is not None else time.time()
-        desired, reason = self.decide(now, ctx.current_num_replicas, metrics)
+        # the HPA's "current" is the scale target (spec.replicas), not the replicas already running: a replica
+        # still loading its model must not read as a scale-down, nor a tick without metrics as "hold at 1"
+        desired, reason = self.decide(now, ctx.target_num_replicas, metrics)
         state = dict(ctx.policy_state or {})
         state["kvfleet_reason"] = reason
         return desired, state

@@ -43,10 +43,18 @@ def test_serve_context_reads_only_running_replicas_metrics():
     p = policy()
     ctx = SimpleNamespace(
         aggregated_metrics={KV_METRIC: {"a": 0.95, "gone": 0.0}, WAITING_METRIC: {"a": 1.0, "gone": 0.0}},
-        running_replicas=["a"], current_time=1000.0, current_num_replicas=1, policy_state={"x": 1})
+        running_replicas=["a"], current_time=1000.0, current_num_replicas=1, target_num_replicas=1,
+        policy_state={"x": 1})
     desired, state = p(ctx)
     assert desired == 2  # "gone"'s idle metrics would have averaged it down to 1
     assert state == {"x": 1, "kvfleet_reason": "DesiredWithinRange"}
+    # the second replica is still loading (1 running, target 2): neither its absence nor a tick without
+    # metrics scales back down
+    starting = SimpleNamespace(aggregated_metrics={KV_METRIC: {"a": 0.3}, WAITING_METRIC: {"a": 0.0}},
+                               running_replicas=["a"], current_time=1001.0, current_num_replicas=1,
+                               target_num_replicas=2, policy_state={})
+    assert p(starting)[0] == 2
+    assert p(SimpleNamespace(**{**vars(starting), "aggregated_metrics": {}, "current_time": 1002.0}))[0] == 2
 
 
 def test_bad_target_names_the_field():

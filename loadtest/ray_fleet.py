@@ -3,13 +3,15 @@ prompts, each turn resending the whole history, streamed chat requests with `x-s
 application (deploy/ray/app.py) with 2 engine replicas, once per routing policy, and once against ONE replica
 with twice the KV blocks (the whole fleet's cache in one place: the reference).
 
-It prints per run the fleet's prefix-cache hit rate - the engines' own count of cached prompt tokens, summed
-from each response's `usage.prompt_tokens_details.cached_tokens` over its `prompt_tokens` - the split of
-requests between replicas (`x-kvfleet-replica`), TTFT, and: kv's hit rate over the single replica's (target
->= 0.95), the largest replica's share of requests (target <= 0.75), round-robin's hit rate beside kv's.
+It prints per run the fleet's prefix-cache hit rate from the engines' own metrics (vllm:prefix_cache_hits over
+vllm:prefix_cache_queries summed over the replicas, read from each replica's /metrics after the run; each run
+is a fresh deployment, so the counters hold that run only) beside the same ratio summed from the responses'
+`usage.prompt_tokens_details.cached_tokens`, the split of requests between replicas (`x-kvfleet-replica`),
+TTFT, and: kv's hit rate over the single replica's (target >= 0.95), the largest replica's share of requests
+(target <= 0.75), round-robin's hit rate beside kv's.
 
-    python -m loadtest.ray_fleet --sessions 12 --turns 3 --concurrency 2
-    python -m loadtest.ray_fleet --policies kv,round-robin --sessions 16 --turns 4 --system-tokens 256
+    python -m loadtest.ray_fleet                                   # 16 sessions x 4 turns, 4 in flight
+    python -m loadtest.ray_fleet --policies kv,approx-prefix,round-robin --sessions 24 --turns 4
 
 Each policy is a fresh deployment (fresh caches); Ray runs in this process and is shut down at the end.
 """
@@ -23,8 +25,9 @@ import os
 import sys
 
 from deploy.ray.cli import SERVE_CONFIG, plan
-from loadtest.ray_serve import deploy, ray_serve, undeploy
+from loadtest.ray_serve import deploy, engine_metrics, ray_serve, undeploy
 from loadtest.router_bench import build_sessions, run_sessions
+from router.replicas import parse_engine_metrics
 
 
 def app_args(ns, policy: str, replicas: int, num_blocks: int, threads: int) -> dict:
@@ -36,7 +39,9 @@ def app_args(ns, policy: str, replicas: int, num_blocks: int, threads: int) -> d
 
 def measure(url: str, sessions, ns, salt: str) -> dict:
     res = asyncio.run(run_sessions(url, sessions, ns, salt, None))
-    res["hit_rate"] = res.pop("usage_hit_rate")
+    loads = [parse_engine_metrics(text) for text in engine_metrics(res["by_replica"]).values()]
+    queries, hits = sum(ld.prefix_queries for ld in loads), sum(ld.prefix_hits for ld in loads)
+    res["hit_rate"] = hits / queries if queries else float("nan")
     total = sum(res["by_replica"].values())
     res["largest_share"] = max(res["by_replica"].values()) / total if total else float("nan")
     res.pop("trace")
@@ -44,7 +49,7 @@ def measure(url: str, sessions, ns, salt: str) -> dict:
 
 
 def print_row(name: str, r: dict) -> None:
-    print(f"{name:28s} hit {r['hit_rate']:6.1%} (follow-ups home {r['follow_ups_home']:4.0%})  TTFT p50 "
+    print(f"{name:28s} hit {r['hit_rate']:6.1%} (usage {r['usage_hit_rate']:6.1%}, follow-ups home {r['follow_ups_home']:4.0%})  TTFT p50 "
           f"{r['ttft_p50_ms']:8.1f} ms  p99 {r['ttft_p99_ms']:8.1f} ms  {r['req_per_s']:5.2f} req/s  errors "
           f"{r['errors']}  split {sorted(r['by_replica'].values())}", flush=True)
 
@@ -83,14 +88,14 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ray_fleet", description=__doc__.split("\n\n")[0])
     p.add_argument("--policies", default="kv,round-robin")
     p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--sessions", type=int, default=12)
-    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--sessions", type=int, default=16)
+    p.add_argument("--turns", type=int, default=4)
     p.add_argument("--system-prompts", type=int, default=2)
     p.add_argument("--system-tokens", type=int, default=192)
     p.add_argument("--mean-user-tokens", type=float, default=60)
     p.add_argument("--reply-tokens", type=int, default=24)
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--concurrency", type=int, default=2, help="sessions in flight at once")
+    p.add_argument("--concurrency", type=int, default=4, help="sessions in flight at once")
     p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per replica")
     p.add_argument("--no-single-reference", dest="single_reference", action="store_false")
     p.add_argument("--port", type=int, default=8431)

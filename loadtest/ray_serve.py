@@ -46,6 +46,18 @@ def deploy(args: dict, url: str, timeout_s: float = 600.0) -> float:
     raise TimeoutError(f"the Serve application did not answer within {timeout_s:.0f} s")
 
 
+def engine_metrics(replica_ids) -> dict[str, str]:
+    """Each engine replica's /metrics text (replica ids as `x-kvfleet-replica` names them), by calls pinned
+    to one replica each."""
+    from ray import serve
+
+    from deploy.ray.app import ENGINE_DEPLOYMENT
+    from deploy.ray.route_hint import PIN_KWARG
+
+    handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, APP)
+    return {rid: handle.metrics.remote(**{PIN_KWARG: rid}).result(timeout_s=60) for rid in replica_ids}
+
+
 def undeploy() -> None:
     from ray import serve
 

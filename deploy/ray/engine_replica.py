@@ -5,6 +5,7 @@ Methods the Serve application calls through a DeploymentHandle:
 - `generate(method, path, body, headers, route=...)`: one OpenAI request; yields the response Head (with
   `x-kvfleet-replica: <replica id>`), then its body chunks (SSE for streams). `route` is the ingress's RouteHint,
   read by the request router, ignored here.
+- `metrics(replica=ID)`: the engine's /metrics text, pinned to one replica (request_router.py).
 - `kv_events()`: the engine's GET /v1/kv/events stream (contract/kv_wire.py NDJSON lines: snapshot, live events,
   heartbeats), which every request router subscribes to (kv_subscription.py).
 Methods Serve itself calls: `record_routing_stats` (load for the request routers), `record_autoscaling_stats`
@@ -93,6 +94,11 @@ class EngineReplica:
                     raise RuntimeError(f"KV events of replica {self.id}: HTTP {item.status}")
                 continue
             yield item
+
+    async def metrics(self, replica: str | None = None) -> str:
+        """The engine's Prometheus text (GET /metrics); `replica` is the request router's pin, unused here."""
+        out = [x async for x in call(self.app, "GET", "/metrics")]
+        return b"".join(x for x in out if isinstance(x, bytes)).decode()
 
     def _stats(self):
         eng = self.state.engine if self.state is not None else None

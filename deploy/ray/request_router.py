@@ -16,7 +16,9 @@ RoutingState (routing_state.py):
   report and its own in-flight ones, as the HTTP router counts them between /metrics scrapes.
 
 The ingress tokenizes and hashes each prompt once and passes a RouteHint (route_hint.py) as the `route`
-keyword argument; this router only looks the hashes up. Requests without one are routed by load alone. The
+keyword argument; this router only looks the hashes up. Requests without one are routed by load alone; a
+call with `replica=<replica id>` (PIN_KWARG) goes to that replica only (loadtest/ray_serve.py reads each
+engine's /metrics that way). The
 chosen replica is ranked first and the others after it, so Serve falls back to them only when the chosen one
 is at its max_ongoing_requests.
 """
@@ -26,7 +28,7 @@ from __future__ import annotations
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from deploy.ray.kv_subscription import stream_from_replica
-from deploy.ray.route_hint import ROUTE_KWARG, RouteHint
+from deploy.ray.route_hint import PIN_KWARG, ROUTE_KWARG, RouteHint
 from deploy.ray.routing_state import RoutingState
 
 
@@ -52,6 +54,9 @@ class KVRequestRouter(FIFOMixin, RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        pin = pending_request.kwargs.get(PIN_KWARG) if pending_request is not None else None
+        if pin is not None:
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == pin]]
         for r in candidate_replicas:
             self.state.on_stats(r.replica_id.unique_id, r.routing_stats)
         decision = self.state.choose([r.replica_id.unique_id for r in candidate_replicas], route_hint(pending_request))

@@ -10,6 +10,7 @@ from contract.hashing import DEFAULT_HASH_SEED
 from router.prepare import PreparedRequest
 
 ROUTE_KWARG = "route"  # the keyword argument of EngineReplica.generate that carries the hint
+PIN_KWARG = "replica"  # a call with replica=<Serve replica id> goes to that replica only (e.g. its metrics)
 
 
 @dataclass(frozen=True, slots=True)

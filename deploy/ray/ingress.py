@@ -94,6 +94,13 @@ class Ingress:
     async def models(self, request: Request) -> Response:
         return await self.forward("GET", "/v1/models", b"", request)
 
+    def __del__(self):
+        """Serve's graceful shutdown of this ingress: end its request router's KV event subscriptions, which
+        would otherwise hold every engine replica in its drain until the graceful shutdown timeout."""
+        from deploy.ray.routing_state import close_all
+
+        close_all()
+
     @api.get("/health")
     async def health(self) -> JSONResponse:
         return JSONResponse({"status": "ok"})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -20,6 +21,16 @@ from router.prefix_index import PrefixIndex
 from router.states import KVEventsState
 
 NO_HINT = RouteHint()
+
+# Every RoutingState of this process, so that the ingress can end their KV event subscriptions when it shuts
+# down (close_all): a subscription is an ongoing request on its engine replica, and Serve drains those
+# before stopping a replica.
+_LIVE: weakref.WeakSet[RoutingState] = weakref.WeakSet()
+
+
+def close_all() -> None:
+    for state in list(_LIVE):
+        state.close()
 
 
 @dataclass
@@ -66,6 +77,7 @@ class RoutingState:
         self.subscriptions: dict[str, tuple[ReplicaKVSubscription, asyncio.Task]] = {}
         self.ring = HashRing([], self.scoring.session_vnodes)
         self._turn = 0
+        _LIVE.add(self)
 
     # -- membership ----------------------------------------------------------------------------------------
     def set_replicas(self, keys: Iterable[str], open_stream: Callable[[str], AsyncIterator[bytes]]) -> None:
@@ -97,8 +109,10 @@ class RoutingState:
         self.subscriptions[key] = (sub, asyncio.get_running_loop().create_task(sub.run()))
 
     def close(self) -> None:
+        """End every subscription (thread-safe: Serve runs request routers on their own event loop)."""
         for _, task in self.subscriptions.values():
-            task.cancel()
+            if not task.get_loop().is_closed():
+                task.get_loop().call_soon_threadsafe(task.cancel)
         self.subscriptions.clear()
 
     def on_stats(self, key: str, stats: Mapping | None) -> None:

@@ -11,7 +11,7 @@ from contract.hashing import DEFAULT_HASH_SEED
 from contract.kv_events import Heartbeat, KVEvent, KVEventKind, Snapshot
 from contract.kv_wire import encode_line
 from deploy.ray.route_hint import RouteHint
-from deploy.ray.routing_state import RoutingState
+from deploy.ray.routing_state import RoutingState, close_all
 from router.prepare import PreparedRequest
 from router.states import KVEventsState
 
@@ -76,7 +76,10 @@ def test_kv_policy_sends_a_prompt_to_the_replica_holding_its_prefix():
         state.set_replicas(["a"], streams({}))
         await asyncio.sleep(0.05)
         assert not state.index.has("b") and "b" not in state.subscriptions and state.choose(["a", "b"], h).url == "a"
-        state.close()
+        task = state.subscriptions["a"][1]
+        close_all()  # what the ingress does when Serve shuts it down
+        await asyncio.sleep(0.05)
+        assert task.cancelled() and not state.subscriptions and not state.index.has("a")
 
     asyncio.run(main())
 

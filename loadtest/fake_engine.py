@@ -268,7 +268,7 @@ async def _json(send, status, obj, headers=()):
     await _send(send, status, json.dumps(obj).encode(), b"application/json", headers)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fake_engine", description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
@@ -285,7 +285,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="vllm / sglang: no /ready (404) and no KV events, like those engines")
     p.add_argument("--delay-ms", type=float, default=0.0, help="delay before every response's first byte")
     p.add_argument("--oom-events", type=float, default=0.0, help="kvfleet:oom_events_total its /metrics report")
-    ns = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parser().parse_args(argv)
     import uvicorn
 
     uvicorn.run(FakeEngine(ns), host=ns.host, port=ns.port, log_level="warning", access_log=False,

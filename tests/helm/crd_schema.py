@@ -40,7 +40,7 @@ def _validators() -> dict[tuple[str, str], jsonschema.Draft202012Validator]:
     """(apiVersion, kind) -> validator, for every served version of every vendored CRD."""
     out = {}
     for path in sorted(CRDS.glob("*.yaml")):
-        for crd in yaml.safe_load_all(path.read_text()):
+        for crd in yaml.load_all(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
             spec = crd["spec"]
             for version in spec["versions"]:
                 if not version.get("served", True):

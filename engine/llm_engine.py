@@ -37,6 +37,7 @@ from engine.model.cpu_layers import use_cpu_kernels
 from engine.model.llama import ModelConfig
 from engine.model.loader import load_hf_config, load_model, resolve_dtype
 from engine.model.registry import resolve_model
+from engine.model.triton_layers import use_triton_layers
 from engine.model_runner import ModelRunner, num_blocks_for_memory
 from engine.oom_backoff import GIVE_UP_AFTER
 from engine.outputs import CompletionDelta, RequestDelta, RequestMetrics
@@ -129,6 +130,8 @@ class LLMEngine:
         backend = get_attention_backend(args.attention_backend, self.device, self.dtype)
         if backend.name == "cpu" and self.dtype in (torch.bfloat16, torch.float32):
             use_cpu_kernels(self.model)  # the fused kernels serve this model: the layers' glue runs through them too
+        elif backend.name == "triton":
+            use_triton_layers(self.model)  # residual+norm, rotary+KV write, SiLU x up: one Triton kernel each
         self.runner = ModelRunner(self.model, backend, num_blocks, args.block_size, self.device,
                                   args.debug_oom_every)
         self.sampler = Sampler(seed=args.seed)

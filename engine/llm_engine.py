@@ -133,7 +133,10 @@ class LLMEngine:
         elif backend.name == "triton":
             use_triton_layers(self.model)  # residual+norm, rotary+KV write, SiLU x up: one Triton kernel each
         self.runner = ModelRunner(self.model, backend, num_blocks, args.block_size, self.device,
-                                  args.debug_oom_every)
+                                  args.debug_oom_every, max_num_seqs=args.max_num_seqs,
+                                  max_model_len=self.max_model_len, cuda_graphs=args.cuda_graphs)
+        if self.device.type == "cuda":
+            self.runner.warm_up()  # every Triton kernel compiled (and graphs captured) before the first request
         self.sampler = Sampler(seed=args.seed)
         self.requests: dict[str, _Request] = {}
         self.prompt_tokens_total = 0

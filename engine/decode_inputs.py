@@ -49,6 +49,11 @@ class DecodeInputs:
         self.rows_rewritten = 0  # counters, for tests
         self.blocks_written = 0
 
+    def fits(self, scheduled: Seq[ScheduledSeq]) -> bool:
+        """Whether the buffers hold this step (forked sequences can outnumber max_num_seqs for a while)."""
+        return len(scheduled) <= self.max_num_seqs and all(len(it.seq.block_table) <= self.max_blocks
+                                                           for it in scheduled)
+
     def invalidate(self) -> None:
         """Forget what the rows hold (after a step that was not decode-only)."""
         self._row_seq = [None] * self.max_num_seqs

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import DecodeGraphs, buckets_for
 from engine.decode_inputs import DecodeInputs
 from engine.model.llama import LlamaForCausalLM, ModelConfig
 from engine.scheduler import ScheduledSeq
@@ -99,7 +99,8 @@ class ModelRunner:
         if not scheduled:
             return torch.empty(0, self.model.config.vocab_size), []
         if self.decode_inputs is not None:
-            if all(it.num_new_tokens == 1 and it.seq.num_computed_tokens + 1 == it.seq.num_tokens for it in scheduled):
+            if (all(it.num_new_tokens == 1 and it.seq.num_computed_tokens + 1 == it.seq.num_tokens for it in scheduled)
+                    and self.decode_inputs.fits(scheduled)):
                 return self._execute_decode(scheduled), [it.seq for it in scheduled]
             self.decode_inputs.invalidate()
         inp = self.prepare(scheduled)
@@ -145,8 +146,7 @@ class ModelRunner:
         if self.decode_inputs is not None:
             inp = self.decode_inputs
             inp.seq_lens.zero_()
-            sizes = self.graphs.buckets if self.graphs is not None else (1, inp.max_num_seqs)
-            for b in sizes:
+            for b in buckets_for(inp.max_num_seqs):  # the batch sizes the graphs (if any) will use
                 inp.fill([], b)
                 inp.derive(b)
                 self.model(inp.input_ids[:b], inp.positions[:b], self.kv_caches, inp.metadata(b, 0), self.backend)

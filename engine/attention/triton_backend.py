@@ -26,6 +26,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.kernels.extend_attention import extend_attention
 from engine.kernels.kv_write import kv_write
 from engine.kernels.paged_decode import (
+    MAX_SPLITS,
     MIN_TOKENS_PER_SPLIT,
     DecodeLaunch,
     DecodeWorkspace,
@@ -53,8 +54,8 @@ class TritonAttentionBackend(AttentionBackend):
         """num_splits fixes the decode grid's split dimension and decode_launch the decode kernel's launch
         shape (tests, benchmarks); None picks them per batch size. A sequence is split only into pieces
         of at least min_tokens_per_split tokens."""
-        if num_splits is not None and num_splits < 1:
-            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+        if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+            raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
         if min_tokens_per_split < 1:
             raise ValueError(f"min_tokens_per_split must be >= 1, got {min_tokens_per_split}")
         self._forced_splits = num_splits

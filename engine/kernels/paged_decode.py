@@ -241,5 +241,5 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if num_splits > 1:
         _decode_reduce_kernel[(num, hq)](
             part, lse, out, seq_lens, query_start_loc, seq_ids, num_splits, min_tokens, stride_pb, stride_ph,
-            out.stride(0), out.stride(1), D=d, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-            BLOCK_N=block_n, num_warps=4)
+            out.stride(0), out.stride(1), D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(MAX_SPLITS),
+            BLOCK_N=block_n, num_warps=4)  # one variant for every split count: nothing compiles per batch size

@@ -4,7 +4,7 @@
 # Needs no checkpoint and no bundled model: random-weight models of real shapes are built on the device.
 #   1. kernel tests compiled on the GPU (TRITON_INTERPRET=0), in parallel (pytest -n 8 when pytest-xdist is
 #      there), the full matrix plus bf16 at Llama-3-8B / Qwen2.5-7B shapes (head_dim 128, GQA 4 and 7) against
-#      SDPA and float32 references; JUnit XML written even on a timeout;
+#      SDPA and float32 references; JUnit XML rewritten after every test, so it exists even after a timeout;
 #   2. paged decode vs measured copy bandwidth and contiguous SDPA, batch 1/16/64/256 x context 512/2K/8K, at
 #      both shapes (pass mark at context >= 2K, batch >= 16: >= 85% of copy bandwidth, <= 1.10x SDPA's time);
 #   3. the engine on the Llama-3-8B-shaped model (all 32 layers, bf16): offline throughput at batch
@@ -47,8 +47,9 @@ say() { echo "[gpu_check $(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee 
 status_of() { case "$1" in 0) echo "passed" ;; 124|130|137) echo "TIMED OUT after ${2}s" ;; *) echo "FAILED (rc=$1)" ;; esac; }
 WORST=0
 note_rc() { [ "$1" -gt "$WORST" ] && WORST="$1"; }
-# run_step NAME LIMIT CMD...: whole output to $RESULTS/NAME.log and the console; SIGINT at the limit (pytest
-# then still writes its JUnit file), SIGKILL KILL_GRACE later
+# run_step NAME LIMIT CMD...: whole output to $RESULTS/NAME.log and the console; SIGINT at the limit, SIGKILL
+# KILL_GRACE later. pytest steps write JUnit XML after every test (loadtest/junit_live.py), so a stopped run
+# leaves the tests finished so far
 run_step() {
   local name="$1" limit="$2"; shift 2
   timeout -s INT -k "$KILL_GRACE" "$limit" "$@" > >(tee "$RESULTS/$name.log" | tee -a "$LOG") 2>&1
@@ -95,7 +96,7 @@ if [ -z "$PY" ]; then
   run_step interpreter_tests "$LIMIT_ITESTS" env TRITON_INTERPRET=1 "$IPY" -m pytest \
       tests/engine/test_triton_kernels.py tests/engine/test_triton_layers.py tests/engine/test_decode_inputs.py \
       tests/engine/test_triton_engine.py -k "not test_engine_greedy_tokens_equal_with_persistent" \
-      -q -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"} --junitxml="$RESULTS/interpreter_tests.xml"
+      -q -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"} -p loadtest.junit_live --junit-live "$RESULTS/interpreter_tests.xml"
   rc=$?; S_TESTS="$(status_of "$rc" "$LIMIT_ITESTS")"; note_rc "$rc"
   junit_or_stub "$RESULTS/interpreter_tests.xml" interpreter_tests "$S_TESTS"
   say "step 2 (no GPU): engine smoke run, tiny random model, triton backend in the interpreter (limit ${LIMIT_ISMOKE}s)"
@@ -134,7 +135,7 @@ if has_mod "$PY" pytest; then
   run_step kernel_tests "$LIMIT_TESTS" env TRITON_INTERPRET=0 "$PY" -m pytest \
       tests/engine/test_triton_kernels.py tests/engine/test_triton_layers.py tests/engine/test_triton_real_shapes.py \
       tests/engine/test_triton_engine.py -m "slow or not slow" -o addopts="" -q -p no:cacheprovider -rfE \
-      ${XDIST[@]+"${XDIST[@]}"} ${PTIMEOUT[@]+"${PTIMEOUT[@]}"} --junitxml="$RESULTS/kernel_tests.xml"
+      ${XDIST[@]+"${XDIST[@]}"} ${PTIMEOUT[@]+"${PTIMEOUT[@]}"} -p loadtest.junit_live --junit-live "$RESULTS/kernel_tests.xml"
   rc=$?; S_TESTS="$(status_of "$rc" "$LIMIT_TESTS")"; note_rc "$rc"
   junit_or_stub "$RESULTS/kernel_tests.xml" kernel_tests "$S_TESTS"
 fi

@@ -26,7 +26,9 @@ def junit_counts(path: str) -> dict | None:
         return None
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     keys = ("tests", "failures", "errors", "skipped")
-    return {k: sum(int(s.get(k, 0)) for s in suites) for k in keys}
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in keys}
+    counts["incomplete"] = any(p.get("name") == "incomplete" and p.get("value") == "true" for p in root.iter("property"))
+    return counts
 
 
 def bench_md(name: str, b: dict) -> list[str]:

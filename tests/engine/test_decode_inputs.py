@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.cuda_graphs import buckets_for
 from engine.decode_inputs import DecodeInputs
 from engine.model.loader import load_model
 from engine.model.registry import resolve_model
@@ -72,6 +73,20 @@ def test_too_many_sequences_or_blocks_name_the_limit():
         step(inp, [decoding(2, [0])] * 3)
     with pytest.raises(ValueError, match="max_blocks_per_seq"):
         step(inp, [decoding(12, [0, 1, 2])])
+
+
+def test_steps_that_do_not_fit_are_told_apart():
+    """The runner sends these to the rebuilt path (forks can outnumber max_num_seqs for a while)."""
+    inp = DecodeInputs(2, 2, BS, torch.device("cpu"))
+    assert inp.fits([ScheduledSeq(decoding(2, [0]), 1)] * 2)
+    assert not inp.fits([ScheduledSeq(decoding(2, [0]), 1)] * 3)
+    assert not inp.fits([ScheduledSeq(decoding(12, [0, 1, 2]), 1)])
+
+
+def test_graph_buckets():
+    assert buckets_for(1) == [1]
+    assert buckets_for(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]
+    assert buckets_for(256) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,7 @@ class EngineArgs:
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; default: every core this process may use
     cpu_cores: str | None = None  # Linux CPU list ("0", "0-1", "0,2-3") to pin the engine to; default: no pinning
+    cuda_graphs: bool = False  # decode steps replay CUDA graphs (CUDA + triton backend); off until a GPU run shows equal tokens
     debug_step_delay_ms: int = 0  # fault injection: sleep this long after every step (a slow replica)
     debug_oom_every: int = 0  # fault injection: every Nth model step raises MemoryError (0: off)
 
@@ -80,6 +81,7 @@ class EngineArgs:
             check_int("--num-threads", self.num_threads, 1)
         if self.cpu_cores is not None:
             _cpu_cores(self.cpu_cores)
+        _check(isinstance(self.cuda_graphs, bool), "--cuda-graphs", "must be a bool")
         check_int("--debug-step-delay-ms", self.debug_step_delay_ms, 0)
         check_int("--debug-oom-every", self.debug_oom_every, 0)
 
@@ -139,6 +141,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--cpu-cores", default=None,
                    help="pin the engine process to these cores, a Linux CPU list like 0, 0-1 or 0,2-3 "
                         "(default: no pinning)")
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=d.cuda_graphs,
+                   help="replay CUDA graphs of the decode step (CUDA with the triton backend; captured at start-up). "
+                        "Off by default: not yet verified on a GPU")
     t = parser.add_argument_group("fault injection (for tests and chaos drills only; off by default)")
     t.add_argument("--debug-step-delay-ms", type=int, default=d.debug_step_delay_ms, metavar="MS",
                    help="sleep MS milliseconds after every engine step, making this replica slow (0: off)")

@@ -39,6 +39,7 @@ from engine.model.cpu_layers import use_cpu_kernels
 from engine.model.llama import ModelConfig
 from engine.model.loader import load_hf_config, load_model, resolve_dtype
 from engine.model.registry import resolve_model
+from engine.model.triton_layers import use_triton_layers
 from engine.model_runner import ModelRunner, kv_bytes_per_token
 from engine.oom_backoff import GIVE_UP_AFTER
 from engine.outputs import CompletionDelta, RequestDelta, RequestMetrics
@@ -126,6 +127,8 @@ class LLMEngine:
         backend = get_attention_backend(args.attention_backend, self.device, self.dtype)
         if backend.name == "cpu" and self.dtype in (torch.bfloat16, torch.float32):
             use_cpu_kernels(self.model)  # the fused kernels serve this model: the layers' glue runs through them too
+        elif backend.name == "triton":
+            use_triton_layers(self.model)  # residual+norm, rotary+KV write, SiLU x up: one Triton kernel each
         self.kv_cache_plan = None  # how the KV cache was sized (engine/kv/sizing.py); None with --num-blocks
         num_blocks = args.num_blocks or self._size_kv_cache(backend, free_at_start)
         self.kv = KVCacheManager(CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching, args.hash_seed))
@@ -134,7 +137,10 @@ class LLMEngine:
         self.limits = EngineLimits(min(self.config.vocab_size, self.tokenizer.vocab_size), self.max_model_len,
                                    args.max_num_seqs, args.block_size, num_blocks)
         self.runner = ModelRunner(self.model, backend, num_blocks, args.block_size, self.device,
-                                  args.debug_oom_every)
+                                  args.debug_oom_every, max_num_seqs=args.max_num_seqs,
+                                  max_model_len=self.max_model_len, cuda_graphs=args.cuda_graphs)
+        if self.device.type == "cuda":
+            self.runner.warm_up()  # every Triton kernel compiled (and graphs captured) before the first request
         self.sampler = Sampler(seed=args.seed)
         self.requests: dict[str, _Request] = {}
         self.prompt_tokens_total = 0

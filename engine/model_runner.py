@@ -4,7 +4,11 @@ The runner owns the paged KV cache (one [num_blocks, block_size, kv_heads, head_
 per layer). For each step it builds input ids, positions, slot mapping and AttentionMetadata with a
 handful of tensor ops (no per-token Python loop), copies the copy-on-write blocks in every layer, and
 returns float32 logits only for the sequences whose every known token is now computed: exactly the
-rows the engine samples from. With `debug_oom_every` N > 0 (--debug-oom-every, for tests and chaos
+rows the engine samples from. Decode-only steps (one new token per sequence, every one sampled) take
+persistent device buffers instead (engine/decode_inputs.py: filled in place, non-blocking copies, no
+host synchronisation before the sampled tokens are read) and, with cuda_graphs, replay a captured
+CUDA graph of the whole forward pass (engine/cuda_graphs.py). `warm_up()` compiles every kernel variant
+(and captures the graphs) at start-up, before the first request. With `debug_oom_every` N > 0 (--debug-oom-every, for tests and chaos
 drills) every Nth model step raises MemoryError before it changes anything.
 """
 
@@ -17,6 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.cuda_graphs import DecodeGraphs, buckets_for
+from engine.decode_inputs import DecodeInputs
 from engine.model.llama import LlamaForCausalLM, ModelConfig
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
@@ -48,7 +54,11 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend, num_blocks: int, block_size: int,
-                 device: torch.device | str = "cpu", debug_oom_every: int = 0):
+                 device: torch.device | str = "cpu", debug_oom_every: int = 0, max_num_seqs: int = 256,
+                 max_model_len: int | None = None, persistent_decode: bool = True, cuda_graphs: bool = False):
+        """persistent_decode: decode-only steps run from persistent buffers (False: rebuilt each step, as
+        before; kept for the equality test). cuda_graphs: replay captured graphs for decode steps (CUDA and
+        the triton backend only; captured by warm_up)."""
         self.model = model
         self.debug_oom_every = debug_oom_every
         self.num_model_steps = 0
@@ -61,6 +71,13 @@ class ModelRunner:
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
                            torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        max_blocks = num_blocks if max_model_len is None else min(num_blocks, -(-max_model_len // block_size))
+        self.decode_inputs = (DecodeInputs(max_num_seqs, max_blocks, block_size, self.device)
+                              if persistent_decode else None)
+        if cuda_graphs and not (self.device.type == "cuda" and backend.name == "triton" and persistent_decode):
+            logger.warning("CUDA graphs need a CUDA device, the triton backend and persistent decode inputs: off")
+            cuda_graphs = False
+        self.graphs = DecodeGraphs(model, self.kv_caches, backend, self.decode_inputs) if cuda_graphs else None
         per_token = kv_bytes_per_token(cfg, dtype)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f KiB/token, %.2f GiB, %s)",
                     num_blocks, block_size, num_blocks * block_size, per_token / 1024,
@@ -81,6 +98,11 @@ class ModelRunner:
             self.copy_blocks(blocks_to_copy)
         if not scheduled:
             return torch.empty(0, self.model.config.vocab_size), []
+        if self.decode_inputs is not None:
+            if (all(it.num_new_tokens == 1 and it.seq.num_computed_tokens + 1 == it.seq.num_tokens for it in scheduled)
+                    and self.decode_inputs.fits(scheduled)):
+                return self._execute_decode(scheduled), [it.seq for it in scheduled]
+            self.decode_inputs.invalidate()
         inp = self.prepare(scheduled)
         if not inp.sample_seqs:  # only prefill chunks that do not reach the end of their prompt
             self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, self.backend, inp.logits_indices)
@@ -88,6 +110,51 @@ class ModelRunner:
         logits = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, self.backend,
                             inp.logits_indices)
         return logits, inp.sample_seqs
+
+    def _execute_decode(self, scheduled: Seq[ScheduledSeq]) -> torch.Tensor:
+        n = len(scheduled)
+        inp = self.decode_inputs
+        bucket = self.graphs.bucket(n) if self.graphs is not None else None
+        longest, width = inp.fill(scheduled, bucket or n)
+        if bucket is not None:
+            return self.graphs.replay(n, bucket)
+        inp.derive(n)
+        return self.model(inp.input_ids[:n], inp.positions[:n], self.kv_caches, inp.metadata(n, longest, width),
+                          self.backend)
+
+    @torch.inference_mode()
+    def warm_up(self, prefill_tokens: int = 64) -> None:
+        """Run every kernel variant once now (a prefill and decode steps at each graph bucket, nothing
+        written to the cache), and capture the CUDA graphs if enabled, so no request pays for compilation.
+        Only the triton backend compiles anything; for the others this does nothing."""
+        if self.backend.name != "triton":
+            return
+        dev, bs, cfg = self.device, self.block_size, self.model.config
+        if self.decode_inputs is not None:
+            self.backend.reserve(self.decode_inputs.max_num_seqs, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dev)
+        t = max(1, min(prefill_tokens, self.num_blocks * bs))
+        nblk = -(-t // bs)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((t,), -1, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor([0, t], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([t], dtype=torch.int32, device=dev),
+            block_tables=torch.zeros((1, nblk), dtype=torch.int32, device=dev), max_query_len=t, max_seq_len=t,
+            query_lens_host=(t,), seq_lens_host=(t,))
+        ids = torch.zeros(t, dtype=torch.long, device=dev)
+        self.model(ids, torch.arange(t, device=dev), self.kv_caches, meta, self.backend,
+                   torch.tensor([t - 1], device=dev))
+        if self.decode_inputs is not None:
+            inp = self.decode_inputs
+            inp.seq_lens.zero_()
+            for b in buckets_for(inp.max_num_seqs):  # the batch sizes the graphs (if any) will use
+                inp.fill([], b)
+                inp.derive(b)
+                self.model(inp.input_ids[:b], inp.positions[:b], self.kv_caches, inp.metadata(b, 0), self.backend)
+            if self.graphs is not None:
+                self.graphs.capture()
+            inp.invalidate()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
     def prepare(self, scheduled: Seq[ScheduledSeq]) -> StepInputs:
         ids: list[int] = []

@@ -223,12 +223,13 @@ def sweep(args, device: torch.device, timer: Timer, copy_gbs: float) -> list[dic
 
 
 def targets(rows: list[dict]) -> dict:
-    """Issue targets at context >= 2K, batch >= 16: >= 70% of copy bandwidth; <= 1.10x SDPA's time."""
+    """Issue 19 targets at context >= 2K, batch >= 16: >= 85% of copy bandwidth; <= 1.10x SDPA's time. (Batch 1
+    moves 8-32 MB per step, a few microseconds on an H200, where launch latency dominates: shown, not judged.)"""
     sel = [r for r in rows if r["context"] >= 2048 and r["batch"] >= 16 and "paged_gbs" in r]
     frac = [r["paged_frac_copy"] for r in sel]
     ratio = [r["paged_vs_sdpa_time"] for r in sel if "paged_vs_sdpa_time" in r]
     return {"shapes": len(sel),
-            "min_frac_copy": min(frac) if frac else None, "frac_copy_ok": bool(frac) and min(frac) >= 0.70,
+            "min_frac_copy": min(frac) if frac else None, "frac_copy_ok": bool(frac) and min(frac) >= 0.85,
             "max_time_vs_sdpa": max(ratio) if ratio else None,
             "vs_sdpa_ok": bool(ratio) and max(ratio) <= 1.10}
 

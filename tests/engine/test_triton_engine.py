@@ -1,6 +1,7 @@
 """The engine with the triton backend (Triton's interpreter on CPU) yields the same greedy tokens as with
 the torch backend, on a tiny random-weight Llama with GQA, small blocks, chunked prefill, prefix-cache
-hits (extend over a cached prefix) and decodes mixed with prefill chunks in one step.
+hits (extend over a cached prefix) and decodes mixed with prefill chunks in one step. With the triton
+backend the layer glue runs through the fused Triton kernels too (engine/model/triton_layers.py).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from engine.llm import LLM
+from engine.model.triton_layers import uses_triton_layers
 from engine.sampling_params import SamplingParams
 from tests.engine.triton_setup import DEVICE, load_kernels, triton_mode  # noqa: F401 (fixture)
 
@@ -45,6 +47,9 @@ def greedy_tokens(model_dir: str, backend: str) -> list[list[int]]:
     llm = LLM(model_dir, attention_backend=backend, device=DEVICE, dtype="float32", block_size=8, num_blocks=64,
               max_num_batched_tokens=24, max_num_seqs=8, num_threads=1)
     assert llm.engine.runner.backend.name == backend
+    assert uses_triton_layers(llm.engine.model) == (backend == "triton")  # the fused layer kernels serve triton
+    if backend == "triton":
+        llm.engine.runner.warm_up(prefill_tokens=16)  # what CUDA engines run at start-up: must leave no trace
     shared = [(7 * i) % (VOCAB - 3) + 3 for i in range(21)]
     prompts = [
         shared + [5, 9, 11],  # admitted together with the next: prefill chunks over several steps

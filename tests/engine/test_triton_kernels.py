@@ -62,7 +62,10 @@ def run_decode(case, splits: int, seed: int) -> None:
     b = make_batch(decode_specs(bs), bs, hkv, g, d, dtype, seed=seed, device=DEVICE)
     expected = TORCH.forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
     out = torch.full_like(b.q, float("nan"))
-    TritonAttentionBackend(num_splits=splits).forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale, out=out)
+    # splits of >= 16 tokens: in one batch some sequences are split (into as many as their length asks for)
+    # and some written directly
+    backend = TritonAttentionBackend(num_splits=splits, min_tokens_per_split=16)
+    backend.forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale, out=out)
     assert_close(out, expected, dtype)
 
 
@@ -146,13 +149,55 @@ def test_decode_result_does_not_depend_on_launch_shape(block_n, num_warps, num_s
         K["paged_decode"].DecodeLaunch(24)
 
 
-def test_choose_num_splits():
-    choose = K["paged_decode"].choose_num_splits
-    assert choose(1, 8, 8192, 132) == 32  # one long sequence: as many splits as fill the GPU
-    assert choose(256, 8, 8192, 132) == 1  # a big batch fills it already
-    assert choose(16, 8, 2048, 132) == 5
-    assert choose(1, 1, 100, 132) == 1  # never below 256 tokens per split
-    assert choose(1, 1, 1 << 20, 10_000) == 64  # capped
+def test_grid_splits():
+    grid = K["paged_decode"].grid_splits
+    assert grid(1, 8, 132) == 64  # one sequence: as many splits as fill the GPU (capped)
+    assert grid(256, 8, 132) == 1  # a big batch fills it already
+    assert grid(16, 8, 132) == 5
+    assert grid(1, 1, 10_000) == 64  # capped
+
+
+def test_split_plan_on_device_matches_python_and_follows_each_length():
+    """The kernels' device-side plan equals seq_splits; in one batch a long sequence takes many splits while
+    short ones take one (before, every sequence was cut at the longest one's split length)."""
+    pd = K["paged_decode"]
+    lens = [1, 15, 16, 17, 255, 256, 257, 700, 5000, 0]
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    ids = torch.arange(len(lens), dtype=torch.int32, device=DEVICE)
+    for grid, min_tokens, block_n in [(8, 256, 64), (5, 16, 16), (64, 256, 32), (1, 256, 64)]:
+        splits, per = pd.plan_splits(seq_lens, ids, grid, min_tokens, block_n)
+        want = [pd.seq_splits(n, grid, min_tokens, block_n) for n in lens]
+        assert list(zip(splits.tolist(), per.tolist(), strict=True)) == want
+        for (n, p), length in zip(want, lens, strict=True):
+            assert 1 <= n <= grid and p % block_n == 0 and (n - 1) * p < max(length, 1) <= n * p
+    assert pd.seq_splits(5000, 8, 256, 64) == (8, 640) and pd.seq_splits(300, 8, 256, 64) == (2, 192)
+    assert pd.seq_splits(100, 8, 256, 64) == (1, 128)
+
+
+def test_one_long_sequence_among_short_ones():
+    b = make_batch([(1, 40)] * 6 + [(1, 2000)], 16, 1, 4, 64, F32, seed=3, device=DEVICE)
+    expected = TORCH.forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    out = torch.full_like(b.q, float("nan"))
+    TritonAttentionBackend(num_splits=8).forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale, out=out)
+    assert_close(out, expected, F32)
+
+
+def test_decode_only_step_reads_no_host_lengths(monkeypatch):
+    """A decode-only batch is planned from shapes alone (what a CUDA graph capture needs)."""
+    b = make_batch([(1, 9), (1, 700), (1, 33)], 8, 1, 2, 64, F32, seed=2, device=DEVICE)
+    expected = TORCH.forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+
+    def no_host(*_):
+        raise AssertionError("host lengths read in a decode-only step")
+
+    monkeypatch.setattr(K["triton_backend"], "host_lens", no_host)
+    monkeypatch.setattr(K["triton_backend"], "check_lens", no_host)
+    backend = TritonAttentionBackend()
+    backend.reserve(8, 2, 1, 64, DEVICE)
+    out = torch.full_like(b.q, float("nan"))
+    backend.forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale, out=out)
+    assert_close(out, expected, F32)
+    assert backend._plan.num_splits == 6  # ceil(4 pretend SMs x 4 / (3 sequences x 1 KV head))
 
 
 def test_plan_is_reused_for_the_same_metadata_and_rebuilt_for_new():

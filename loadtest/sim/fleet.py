@@ -17,17 +17,17 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from contract.kv_events import KVEventKind
 from deploy.hpa import HPA, HPASpec, MetricTarget, ScalingRules
+from loadtest.sim.cost import CostModel
+from loadtest.sim.engine import SimEngine, SimSeq
+from loadtest.sim.workload import SimWorkload
 from router.approx_index import ApproxPrefixIndex
 from router.config import ScoringConfig
 from router.policies import POLICIES, HashRing, IndexKind, RouteRequest
 from router.prefix_index import PrefixIndex
 from router.replicas import CircuitBreaker, EngineLoad, ReplicaState
 from router.states import KVEventsState
-from contract.kv_events import KVEventKind
-from loadtest.sim.cost import CostModel
-from loadtest.sim.engine import SimEngine, SimSeq
-from loadtest.sim.workload import SimWorkload
 
 
 @dataclass(frozen=True)

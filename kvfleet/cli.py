@@ -10,6 +10,7 @@ COMMANDS = {
     "engine": ("engine.server.main", "start one engine replica (OpenAI API, metrics, KV events)"),
     "router": ("router.main", "start a KV-aware router in front of engine replicas"),
     "up": ("deploy.local", "start a router and N engine replicas of the bundled model on this machine"),
+    "sim": ("loadtest.sim.main", "simulate a fleet: a trace through the router's policies over modelled engines"),
     "keys": ("router.keys", "API keys for the router's tenants file: hash a key, or make a new one"),
 }
 

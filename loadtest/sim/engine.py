@@ -27,10 +27,10 @@ from loadtest.sim.cost import CostModel
 
 class SimSeq:
     __slots__ = ("rid", "hashes", "prompt", "output", "arrival", "computed", "generated", "blocks", "registered",
-                 "hit_blocks", "first_token_s", "done_s", "on_done")
+                 "hit_blocks", "first_token_s", "done_s", "on_first", "on_done")
 
     def __init__(self, rid: int, hashes: tuple[int, ...], prompt: int, output: int, arrival: float,
-                 on_done: Callable[[SimSeq], None] | None = None):
+                 on_first: Callable[[SimSeq], None] | None = None, on_done: Callable[[SimSeq], None] | None = None):
         self.rid = rid
         self.hashes = hashes  # chained hashes of the prompt's cacheable blocks
         self.prompt = prompt
@@ -43,6 +43,7 @@ class SimSeq:
         self.hit_blocks = 0
         self.first_token_s: float | None = None
         self.done_s: float | None = None
+        self.on_first = on_first
         self.on_done = on_done
 
 
@@ -139,6 +140,9 @@ class SimEngine:
             self.running.remove(s)
             self.pool.free_blocks(reversed(s.blocks))
             s.blocks = []
+        for s in firsts:
+            if s.on_first is not None:
+                s.on_first(s)
         for s in done:
             if s.on_done is not None:
                 s.on_done(s)

@@ -107,6 +107,7 @@ class Simulator:
         self._last_replica: dict[int, str] = {}
         self.follow_ups = self.follow_ups_home = 0
         self.now = 0.0
+        self.end_s = 0.0  # the last request's end
         self._pending_sessions = 0
 
     # -- event loop ----------------------------------------------------------------------------------------
@@ -225,7 +226,8 @@ class Simulator:
             res.hit_blocks = seq.hit_blocks
             self._turn_done(seq.done_s, si, ti)
 
-        seq = SimSeq(next(self._rid), turn.block_hashes, turn.prompt_tokens, turn.output_tokens, t, done)
+        seq = SimSeq(next(self._rid), turn.block_hashes, turn.prompt_tokens, turn.output_tokens, t,
+                     lambda _: st.on_first_token(ticket), done)
         if not engine.fits(seq):
             self.dropped += 1
             st.on_done(ticket)
@@ -234,6 +236,7 @@ class Simulator:
         self._schedule(engine, engine.add(seq, t))
 
     def _turn_done(self, t: float, si: int, ti: int) -> None:
+        self.end_s = max(self.end_s, t)
         session = self.wl.sessions[si]
         if ti + 1 < len(session.turns):
             self.at(t + self.wl.think_s, lambda t2: self._arrive(t2, si, ti + 1))
@@ -282,9 +285,9 @@ class Simulator:
             "max_over_mean_load": round(max(counts) / (sum(counts) / len(counts)), 3) if sum(counts) else 0.0,
             "max_over_mean_prefill": round(max(prefill) / (sum(prefill) / len(prefill)), 3) if sum(prefill) else 0.0,
             "follow_ups_home": round(self.follow_ups_home / self.follow_ups, 4) if self.follow_ups else None,
-            "sim_seconds": round(self.now, 1),
-            "mean_busy": round(sum(e.busy_s for e in self.engines.values()) / len(self.engines) / self.now, 3)
-            if self.now else 0.0,
+            "sim_seconds": round(self.end_s, 3),
+            "mean_busy": round(sum(e.busy_s for e in self.engines.values()) / len(self.engines) / self.end_s, 3)
+            if self.end_s else 0.0,
         }
         if self.cfg.autoscale is not None:
             out["replicas_over_time"] = [[round(t, 1), n] for t, n in self.replicas_over_time]

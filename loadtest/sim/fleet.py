@@ -108,6 +108,8 @@ class Simulator:
         self.follow_ups = self.follow_ups_home = 0
         self.now = 0.0
         self.end_s = 0.0  # the last request's end
+        self._starting = 0  # replicas the HPA added that are not ready yet
+        self._cancelled = 0  # of those, the ones a later scale-down removed
         self._pending_sessions = 0
 
     # -- event loop ----------------------------------------------------------------------------------------
@@ -175,22 +177,38 @@ class Simulator:
             self.at(t + self.cfg.scrape_interval_s, self._scrape)
 
     def _autoscale(self, t: float) -> None:
+        """One HPA sync: `current` is the Deployment's count (starting pods included); pods not ready yet report
+        zeros, as the controller assumes for a scale-up."""
         a = self.cfg.autoscale
-        kv = [self.engines[u].pool.usage for u in self.members]
-        waiting = [len(self.engines[u].waiting) for u in self.members]
-        desired = self._hpa.step(t, len(self.members), {"kv": kv, "waiting": waiting}).desired
-        if desired > len(self.members):
-            for _ in range(desired - len(self.members)):
-                self.at(t + a.start_s, self._scaled_up)
-        while desired < len(self.members):
-            self._remove_replica()
-            self.replicas_over_time.append((t, len(self.members)))
+        zeros = [0.0] * self._starting
+        kv = [self.engines[u].pool.usage for u in self.members] + zeros
+        waiting = [float(len(self.engines[u].waiting)) for u in self.members] + zeros
+        current = len(self.members) + self._starting
+        desired = self._hpa.step(t, current, {"kv": kv, "waiting": waiting}).desired
+        for _ in range(desired - current):
+            self._starting += 1
+            self.at(t + a.start_s, self._scaled_up)
+        for _ in range(current - desired):
+            if self._starting > self._cancelled:
+                self._cancelled += 1  # a pod still starting goes first
+            else:
+                self._remove_replica()
+        self._record(t)
         if self._pending_sessions:
             self.at(t + a.sync_s, self._autoscale)
 
     def _scaled_up(self, t: float) -> None:
+        self._starting -= 1
+        if self._cancelled:
+            self._cancelled -= 1
+            return
         self._add_replica(t)
-        self.replicas_over_time.append((t, len(self.members)))
+        self._record(t)
+
+    def _record(self, t: float) -> None:
+        """(time, replicas ready) whenever the count changes."""
+        if self.replicas_over_time[-1][1] != len(self.members):
+            self.replicas_over_time.append((t, len(self.members)))
 
     # -- requests ------------------------------------------------------------------------------------------
     def _arrive(self, t: float, si: int, ti: int) -> None:

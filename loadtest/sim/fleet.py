@@ -206,9 +206,13 @@ class Simulator:
         self._record(t)
 
     def _record(self, t: float) -> None:
-        """(time, replicas ready) whenever the count changes."""
-        if self.replicas_over_time[-1][1] != len(self.members):
-            self.replicas_over_time.append((t, len(self.members)))
+        """(time, replicas ready) whenever the count changes (the last count at that time)."""
+        last_t, last_n = self.replicas_over_time[-1]
+        if last_n == len(self.members):
+            return
+        if last_t == t:
+            self.replicas_over_time.pop()
+        self.replicas_over_time.append((t, len(self.members)))
 
     # -- requests ------------------------------------------------------------------------------------------
     def _arrive(self, t: float, si: int, ti: int) -> None:

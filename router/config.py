@@ -21,8 +21,8 @@ class ScoringConfig:
 
     # Load in prefill-token equivalents: each KV token held by running requests (their contexts being
     # decoded; off by default: at 0.5 it sent follow-ups away from their history, see loadtest/RESULTS.md),
-    # each waiting request (a whole prompt to prefill first), each running request (per-sequence overhead
-    # in every step).
+    # each waiting request another router sent (a whole unknown prompt to prefill first; this router's own
+    # are counted by their measured prefill), each running request (per-sequence overhead in every step).
     kv_token_cost: float = 0.0
     # The prefill a request would add (its uncached prompt) counts this many times against the prefill already
     # queued ahead of it (measured per replica, see router/policies/load.py): a miss makes the fleet redo work.

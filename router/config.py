@@ -21,9 +21,12 @@ class ScoringConfig:
 
     # Load in prefill-token equivalents: each KV token held by running requests (their contexts being
     # decoded; off by default: at 0.5 it sent follow-ups away from their history, see loadtest/RESULTS.md),
-    # each waiting request (a whole prompt to prefill first), each running request (per-sequence overhead
-    # in every step).
+    # each waiting request another router sent (a whole unknown prompt to prefill first; this router's own
+    # are counted by their measured prefill), each running request (per-sequence overhead in every step).
     kv_token_cost: float = 0.0
+    # The prefill a request would add (its uncached prompt) counts this many times against the prefill already
+    # queued ahead of it (measured per replica, see router/policies/load.py): a miss makes the fleet redo work.
+    prefill_weight: float = 3.0
     waiting_cost_tokens: float = 256.0
     running_cost_tokens: float = 32.0
     # A replica is overloaded (no affinity, no cache misses) past either limit.
@@ -34,6 +37,8 @@ class ScoringConfig:
     session_vnodes: int = 64
 
     def validate(self) -> None:
+        if not self.prefill_weight >= 1:
+            raise ConfigError("prefill_weight", f"must be >= 1, got {self.prefill_weight}")
         for name in ("kv_token_cost", "waiting_cost_tokens", "running_cost_tokens"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")

@@ -45,6 +45,10 @@ class Lease:
     def reason(self) -> Reason:
         return self.decision.reason
 
+    def first_token(self) -> None:
+        """The replica streamed the request's first token: its prefill is no longer queued there."""
+        self._state.on_first_token(self._ticket)
+
     def succeeded(self) -> None:
         self._settle(Verdict.SUCCEEDED)
 

@@ -78,8 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bearer token for the engines' KV event endpoint (env KVFLEET_INTERNAL_TOKEN)")
     p.add_argument("--kv-token-cost", type=float, default=s.kv_token_cost,
                    help="cost of one KV-cache token held by running requests, in prefill tokens")
+    p.add_argument("--prefill-weight", type=float, default=s.prefill_weight,
+                   help="weight of the prefill a request would add (its uncached prompt) against the prefill "
+                        "queued ahead of it")
     p.add_argument("--waiting-cost-tokens", type=float, default=s.waiting_cost_tokens,
-                   help="cost of one waiting request on a replica, in prefill-token equivalents")
+                   help="cost of one waiting request this router did not send, in prefill-token equivalents")
     p.add_argument("--running-cost-tokens", type=float, default=s.running_cost_tokens,
                    help="cost of one running request on a replica, in prefill-token equivalents")
     p.add_argument("--overload-waiting", type=int, default=s.overload_waiting)
@@ -118,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     replicas = tuple(u.strip().rstrip("/") for u in ns.replicas.split(",") if u.strip())
     discovery = ns.discovery or ("dns" if ns.dns_name else "k8s" if ns.k8s_service else "static")
-    scoring = ScoringConfig(kv_token_cost=ns.kv_token_cost, waiting_cost_tokens=ns.waiting_cost_tokens,
+    scoring = ScoringConfig(kv_token_cost=ns.kv_token_cost, prefill_weight=ns.prefill_weight,
+                            waiting_cost_tokens=ns.waiting_cost_tokens,
                             running_cost_tokens=ns.running_cost_tokens,
                             overload_waiting=ns.overload_waiting,
                             overload_kv_usage=ns.overload_kv_usage)

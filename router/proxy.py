@@ -156,8 +156,7 @@ class Proxy:
             attempts.replica, attempts.predicted_cached_tokens, attempts.retries = \
                 url, ls.predicted_cached_tokens, attempt
             try:
-                result = await self._attempt(send, url, path, body, fwd_headers, prep, ls.predicted_cached_tokens,
-                                             extra_headers, attempts)
+                result = await self._attempt(send, url, path, body, fwd_headers, prep, ls, extra_headers, attempts)
                 if result.end is End.DONE:
                     ls.succeeded()
                 elif result.end in _REFUSALS:
@@ -197,8 +196,9 @@ class Proxy:
                                               error_type(503), None, "no_replica_available"), list(extra_headers))
 
     async def _attempt(self, send, url: str, path: str, body: bytes, fwd_headers, prep: PreparedRequest,
-                       predicted: int, extra_headers, attempts: Attempts) -> _Result:
+                       ls: Lease, extra_headers, attempts: Attempts) -> _Result:
         metrics = self.metrics
+        predicted = ls.predicted_cached_tokens
         try:
             resp = await self.session.post(url + path, data=body, headers=fwd_headers)
         except _UPSTREAM_ERRORS as e:
@@ -249,11 +249,13 @@ class Proxy:
                         "more_body": True})
             if not _no_token(first):
                 attempts.first_token_at = time.perf_counter()
+                ls.first_token()
             saw_usage = False
             try:
                 async for chunk in chunks:
                     if attempts.first_token_at is None and not _no_token(chunk):
                         attempts.first_token_at = time.perf_counter()
+                        ls.first_token()
                     if not saw_usage and b'"usage"' in chunk:
                         got = _usage_from_sse(chunk)
                         if got is not None and got.get("prompt_tokens") is not None:

@@ -147,6 +147,7 @@ class Ticket:
 
     dispatched_at: float
     tokens: int  # uncached prompt tokens (predicted)
+    prefilling: bool = True  # no token streamed back yet (a non-streamed request stays so until it ends)
 
 
 class ReplicaState:
@@ -182,11 +183,13 @@ class ReplicaState:
         known = self.load_known(now, stale_s)
         load = self.load if known and self.load is not None else EngineLoad()
         new = [t for t in self.tickets if t.dispatched_at > self.covered_until]
+        pending = [t for t in self.tickets if t.prefilling]
         return ReplicaView(url=self.url, routable=not excluded and self.routable(now), load_known=known,
                            kv_usage=load.kv_usage, kv_tokens=load.kv_tokens, running=load.running,
                            waiting=load.waiting,
                            new_requests=len(new), new_tokens=sum(t.tokens for t in new), finished=self.finished,
-                           inflight=len(self.tickets), cached_tokens=cached_tokens)
+                           inflight=len(self.tickets), pending=len(pending),
+                           pending_tokens=sum(t.tokens for t in pending), cached_tokens=cached_tokens)
 
     def on_scrape(self, load: EngineLoad, sent_at: float, now: float | None = None) -> None:
         """A scrape sent at `sent_at` (answered at `now`)."""
@@ -201,6 +204,9 @@ class ReplicaState:
         ticket = Ticket(now, uncached_tokens)
         self.tickets.add(ticket)
         return ticket
+
+    def on_first_token(self, ticket: Ticket) -> None:
+        ticket.prefilling = False
 
     def on_done(self, ticket: Ticket) -> None:
         self.tickets.discard(ticket)

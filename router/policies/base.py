@@ -33,6 +33,8 @@ class ReplicaView:
     new_tokens: int = 0  # their uncached prompt tokens
     finished: int = 0  # this router's requests counted by the last scrape that have finished since
     inflight: int = 0  # all of this router's in-flight requests on the replica
+    pending: int = 0  # of those, the ones that have not streamed a token yet (prefill queued or running)
+    pending_tokens: int = 0  # their uncached prompt tokens: the prefill this router knows is ahead there
     cached_tokens: int = 0  # predicted prefix-cache hit for this request
 
 

@@ -49,6 +49,11 @@ def test_lease_dispatches_and_release_takes_it_back():
     st = fleet.replicas[A]
     assert st.inflight == 1
     assert st.view(100.0, 3.0).new_tokens == 40  # uncached prompt tokens on their way there
+    v = st.view(100.0, 3.0)
+    assert (v.pending, v.pending_tokens) == (1, 40)  # no token back yet: its prefill is still ahead there
+    lease.first_token()
+    v = st.view(100.0, 3.0)
+    assert (v.pending, v.pending_tokens, v.inflight) == (0, 0, 1)
     lease.succeeded()
     lease.release()
     lease.release()  # idempotent

@@ -6,11 +6,11 @@ import random
 
 from router.config import ScoringConfig
 from router.policies import POLICIES, Decision, HashRing, IndexKind, PolicyNeeds, ReplicaView, RouteRequest
-from router.policies.load import effective_loads, is_overloaded
+from router.policies.load import cost, effective_loads, is_overloaded
 from router.states import KVEventsState
 
-CFG = ScoringConfig(kv_token_cost=0.5, waiting_cost_tokens=256, running_cost_tokens=32, overload_waiting=8,
-                    overload_kv_usage=0.95)
+CFG = ScoringConfig(kv_token_cost=0.5, prefill_weight=1.0, waiting_cost_tokens=256, running_cost_tokens=32,
+                    overload_waiting=8, overload_kv_usage=0.95)
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 KV, APPROX, SESSION = POLICIES["kv"], POLICIES["approx-prefix"], POLICIES["session"]
 LEAST_LOAD, ROUND_ROBIN = POLICIES["least-load"], POLICIES["round-robin"]
@@ -51,10 +51,47 @@ def test_affinity_weighs_saved_prefill_against_load_per_request():
     # a longer shared prefix still goes to A: 100 + 768 = 868 < 2100
     views = [ReplicaView(A, cached_tokens=2000, waiting=3), ReplicaView(B)]
     assert KV.choose(views, RouteRequest(2100), CFG, NO_RING, 0).url == A
-    # uncached tokens sent since the scrape are prefill queued ahead: 88 + 32 + 500 = 620 > 600
-    views = [ReplicaView(A, cached_tokens=512, new_requests=1, new_tokens=500), ReplicaView(B)]
+    # uncached tokens of our requests there with no token yet are prefill queued ahead: 88 + 32 + 500 = 620 > 600
+    views = [ReplicaView(A, cached_tokens=512, new_requests=1, new_tokens=500, pending=1, pending_tokens=500),
+             ReplicaView(B)]
     d = KV.choose(views, RouteRequest(600), CFG, NO_RING, 0)
     assert (d.url, d.cost) == (B, 600)
+    # once it streams a token it is only a running request: 88 + 32 = 120 → A
+    views = [ReplicaView(A, cached_tokens=512, new_requests=1, new_tokens=500), ReplicaView(B)]
+    assert KV.choose(views, RouteRequest(600), CFG, NO_RING, 0).cost == 120
+
+
+def test_pending_prefill_is_measured_and_waiting_counts_only_what_it_does_not_cover():
+    # A: 2 waiting by the scrape, both ours and still without a token (700 uncached tokens between them):
+    # 88 + 700 + 0 * 256 = 788; the constant would have said 88 + 2 * 256 = 600
+    def a_cost(v: ReplicaView) -> float:
+        return cost(v, effective_loads([v])[0], RouteRequest(600), CFG)
+
+    assert a_cost(ReplicaView(A, cached_tokens=512, waiting=2, pending=2, pending_tokens=700)) == 788
+    # 3 waiting, 1 of them ours (300 tokens): the 2 others are still a whole unknown prompt each
+    assert a_cost(ReplicaView(A, cached_tokens=512, waiting=3, pending=1, pending_tokens=300)) == 88 + 300 + 2 * 256
+    # running requests still in prefill (a chunked-prefill engine admits them at once) count their tokens
+    views = [ReplicaView(A, cached_tokens=6000, running=4, pending=4, pending_tokens=40_000),
+             ReplicaView(B, running=4)]
+    d = KV.choose(views, RouteRequest(12_000), CFG, NO_RING, 0)
+    assert (d.url, d.cost) == (B, 12_000 + 128)
+
+
+def test_prefill_weight_counts_the_prefill_a_move_adds_to_the_fleet():
+    cfg = ScoringConfig()  # the defaults: prefill_weight 3
+    assert cfg.prefill_weight == 3.0
+    # a follow-up whose 1000-token history is on A, 2 of our requests queued there (600 tokens):
+    # A = 3 * 200 + 600 = 1200; idle B = 3 * 1200 = 3600 → stays on A (weight 1: 800 vs 1200, also A)
+    views = [ReplicaView(A, cached_tokens=1000, pending=2, pending_tokens=600, running=0), ReplicaView(B)]
+    d = KV.choose(views, RouteRequest(1200), cfg, NO_RING, 0)
+    assert (d.url, d.cost) == (A, 1200)
+    # with 1500 queued there: weight 1 moves it (200 + 1500 > 1200), weight 3 keeps it (600 + 1500 < 3600)
+    views = [ReplicaView(A, cached_tokens=1000, pending=3, pending_tokens=1500), ReplicaView(B)]
+    assert KV.choose(views, RouteRequest(1200), CFG, NO_RING, 0).url == B
+    assert KV.choose(views, RouteRequest(1200), cfg, NO_RING, 0).url == A
+    # but not at any price: 3000 queued ahead outweighs rebuilding the history (600 + 3000 > 3600)
+    views = [ReplicaView(A, cached_tokens=1000, pending=4, pending_tokens=3001), ReplicaView(B)]
+    assert KV.choose(views, RouteRequest(1200), cfg, NO_RING, 0).url == B
 
 
 def test_a_long_shared_prefix_does_not_pile_every_session_onto_one_replica():

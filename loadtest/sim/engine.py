@@ -1,0 +1,178 @@
+"""One simulated engine replica: a FIFO scheduler with chunked prefill over the engine's real `BlockPool`.
+
+The prefix cache is the engine's own (engine/kv/block_pool.py: reference counts, lazy LRU eviction, the
+KV event log), with one pool block per trace block (`block_size` tokens: one Mooncake hash id = 512 tokens).
+A sequence is admitted (first come, first served, up to `max_num_seqs`) when the pool can hold its whole
+prompt and output: its cached leading blocks are taken back, the rest allocated new (evicting the least
+recently freed cached blocks). Each step decodes one token for every sequence past its prefill and spends
+the rest of `max_batched_tokens` on prefill chunks, in admission order; blocks that a step fills enter the
+prefix cache at its end (as the engine registers them), and a finished sequence frees its blocks tail first.
+No preemption: the whole output's blocks are reserved at admission.
+
+Runs of identical decode-only steps are planned as one stretch (until the first sequence finishes); an
+arrival cuts the stretch at the end of the step in progress, so the result is the same as stepping one by
+one, only faster.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.kv.block_pool import BlockPool, KVCacheBlock
+from loadtest.sim.cost import CostModel
+
+
+class SimSeq:
+    __slots__ = ("rid", "hashes", "prompt", "output", "arrival", "computed", "generated", "blocks", "registered",
+                 "hit_blocks", "first_token_s", "done_s", "on_first", "on_done")
+
+    def __init__(self, rid: int, hashes: tuple[int, ...], prompt: int, output: int, arrival: float,
+                 on_first: Callable[[SimSeq], None] | None = None, on_done: Callable[[SimSeq], None] | None = None):
+        self.rid = rid
+        self.hashes = hashes  # chained hashes of the prompt's cacheable blocks
+        self.prompt = prompt
+        self.output = max(output, 1)
+        self.arrival = arrival
+        self.computed = 0
+        self.generated = 0
+        self.blocks: list[KVCacheBlock] = []
+        self.registered = 0
+        self.hit_blocks = 0
+        self.first_token_s: float | None = None
+        self.done_s: float | None = None
+        self.on_first = on_first
+        self.on_done = on_done
+
+
+@dataclass(slots=True)
+class _Plan:
+    start: float
+    dt: float
+    steps: int
+    decode: list[SimSeq]
+    chunks: list[tuple[SimSeq, int]]
+
+
+class SimEngine:
+    def __init__(self, name: str, num_blocks: int, block_size: int, cost: CostModel, max_num_seqs: int = 128,
+                 max_batched_tokens: int = 2048):
+        self.name = name
+        self.block_size = block_size
+        self.cost = cost
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self.pool = BlockPool(num_blocks)
+        self.waiting: deque[SimSeq] = deque()
+        self.running: list[SimSeq] = []
+        self.plan: _Plan | None = None
+        self.version = 0  # bumped whenever the planned end of the step stretch moves
+        self.busy_s = 0.0
+        self.prefill_tokens = 0
+
+    def fits(self, seq: SimSeq) -> bool:
+        return self._blocks_needed(seq) <= self.pool.num_blocks
+
+    def _blocks_needed(self, seq: SimSeq) -> int:
+        return -(-(seq.prompt + seq.output) // self.block_size)
+
+    def add(self, seq: SimSeq, now: float) -> float | None:
+        """Queue a sequence; returns the new end of the current stretch when the arrival moved it (or started
+        one on an idle engine), else None."""
+        self.waiting.append(seq)
+        if self.plan is None:
+            return self.start(now)
+        p = self.plan
+        if p.steps > 1:
+            done = min(max(math.ceil((now - p.start) / p.dt - 1e-9), 1), p.steps)
+            if done < p.steps:
+                p.steps = done
+                self.version += 1
+                return p.start + p.dt * p.steps
+        return None
+
+    def start(self, now: float) -> float | None:
+        """Plan the next stretch of steps from `now`; its end time, or None when there is nothing to run."""
+        self._admit()
+        if not self.running:
+            self.plan = None
+            return None
+        decode = [s for s in self.running if s.computed >= s.prompt]
+        budget = self.max_batched_tokens - len(decode)
+        chunks: list[tuple[SimSeq, int]] = []
+        for s in self.running:
+            if s.computed < s.prompt and budget > 0:
+                c = min(s.prompt - s.computed, budget)
+                chunks.append((s, c))
+                budget -= c
+        steps = 1 if chunks else min(s.output - s.generated for s in decode)
+        dt = self.cost.step_s(sum(c for _, c in chunks), len(decode))
+        self.plan = _Plan(now, dt, steps, decode, chunks)
+        self.version += 1
+        return now + dt * steps
+
+    def finish(self, now: float) -> list[SimSeq]:
+        """End the planned stretch at `now`: apply it; returns the sequences that produced their first token."""
+        p = self.plan
+        assert p is not None
+        self.plan = None
+        self.busy_s += p.dt * p.steps
+        firsts: list[SimSeq] = []
+        done: list[SimSeq] = []
+        for s in p.decode:
+            s.generated += p.steps
+            if s.generated >= s.output:
+                done.append(s)
+        for s, c in p.chunks:
+            s.computed += c
+            self.prefill_tokens += c
+            self._register(s)
+            if s.computed >= s.prompt:
+                s.generated = 1
+                s.first_token_s = now
+                firsts.append(s)
+                if s.output <= 1:
+                    done.append(s)
+        for s in done:
+            s.done_s = now
+            self.running.remove(s)
+            self.pool.free_blocks(reversed(s.blocks))
+            s.blocks = []
+        for s in firsts:
+            if s.on_first is not None:
+                s.on_first(s)
+        for s in done:
+            if s.on_done is not None:
+                s.on_done(s)
+        return firsts
+
+    def _admit(self) -> None:
+        pool = self.pool
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            s = self.waiting[0]
+            hits: list[KVCacheBlock] = []
+            for h in s.hashes:
+                b = pool.get_cached_block(h, (h,))
+                if b is None:
+                    break
+                hits.append(b)
+            new = self._blocks_needed(s) - len(hits)
+            if new + sum(1 for b in hits if b.ref_cnt == 0) > pool.num_free_blocks:
+                return  # head of line waits for blocks to free
+            self.waiting.popleft()
+            pool.touch(hits)
+            s.blocks = hits + pool.get_new_blocks(new)
+            s.hit_blocks = s.registered = len(hits)
+            s.computed = len(hits) * self.block_size
+            self.running.append(s)
+
+    def _register(self, s: SimSeq) -> None:
+        full = min(s.computed // self.block_size, len(s.hashes))
+        if full <= s.registered:
+            return
+        hs = s.hashes[s.registered:full]
+        self.pool.cache_blocks(s.blocks[s.registered:full], list(hs), [(h,) for h in hs],
+                               s.hashes[s.registered - 1] if s.registered else None)
+        s.registered = full

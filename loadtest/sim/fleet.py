@@ -1,0 +1,322 @@
+"""The fleet simulator: a discrete-event loop that routes a `SimWorkload` with the router's real policy objects
+over simulated engines (loadtest/sim/engine.py), optionally autoscaled by the chart's HPA (deploy/hpa.py).
+
+The router side is the live router's own code, fed as router/fleet.py feeds it: one `ReplicaState` per replica
+(scraped load every `scrape_interval_s`, this router's in-flight tickets, the staleness bound), the exact
+`PrefixIndex` fed from each engine's KV events at the end of every step (the `kv` policy), the
+`ApproxPrefixIndex` recording where requests went (`approx-prefix`), the session `HashRing`, and
+`policy.choose(views, RouteRequest, ScoringConfig, ring, turn)`. Requests reach an engine the instant they are
+routed (no network), and the router sees the engines only through scrapes and KV events, as it does live.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from contract.kv_events import KVEventKind
+from deploy.hpa import HPA, HPASpec, MetricTarget, ScalingRules
+from loadtest.sim.cost import CostModel
+from loadtest.sim.engine import SimEngine, SimSeq
+from loadtest.sim.workload import SimWorkload
+from router.approx_index import ApproxPrefixIndex
+from router.config import ScoringConfig
+from router.policies import POLICIES, HashRing, IndexKind, RouteRequest
+from router.prefix_index import PrefixIndex
+from router.replicas import CircuitBreaker, EngineLoad, ReplicaState
+from router.states import KVEventsState
+
+
+@dataclass(frozen=True)
+class Autoscale:
+    """The chart's HPA (helm/kvfleet/values.yaml: pools[].autoscaling, autoscaling.scaleDownStabilizationSeconds)."""
+
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_kv_usage: float = 0.8
+    target_waiting: float = 2.0
+    scale_down_stabilization_s: float = 600.0
+    sync_s: float = 15.0  # the HPA controller's sync period
+    start_s: float = 60.0  # a new replica takes this long to become ready
+
+    def spec(self) -> HPASpec:
+        from deploy.hpa import DEFAULT_SCALE_DOWN
+        down = ScalingRules(self.scale_down_stabilization_s, DEFAULT_SCALE_DOWN.policies, DEFAULT_SCALE_DOWN.select)
+        return HPASpec(self.min_replicas, self.max_replicas,
+                       (MetricTarget("kv", self.target_kv_usage), MetricTarget("waiting", self.target_waiting)),
+                       scale_down=down)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    replicas: int
+    policy: str
+    cost: CostModel
+    kv_tokens_per_replica: int
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    max_num_seqs: int = 128
+    max_batched_tokens: int = 2048
+    scrape_interval_s: float = 0.5
+    scrape_stale_s: float = 3.0
+    approx_max_blocks: int = 200_000
+    autoscale: Autoscale | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        if self.replicas < 1:
+            raise ValueError(f"replicas: must be >= 1, got {self.replicas}")
+        self.scoring.validate()
+
+
+@dataclass
+class TurnResult:
+    session: int
+    turn: int
+    replica: str
+    arrival_s: float
+    ttft_s: float | None = None
+    hit_blocks: int = 0
+    num_blocks: int = 0
+    predicted_cached_tokens: int = 0
+
+
+class Simulator:
+    def __init__(self, cfg: SimConfig, workload: SimWorkload):
+        self.cfg = cfg
+        self.wl = workload
+        self.policy = POLICIES[cfg.policy]
+        self.bs = workload.block_size
+        self.num_blocks = max(cfg.kv_tokens_per_replica // self.bs, 1)
+        self.index = PrefixIndex()
+        self.approx = ApproxPrefixIndex(cfg.approx_max_blocks)
+        self.engines: dict[str, SimEngine] = {}
+        self.states: dict[str, ReplicaState] = {}
+        self.members: list[str] = []  # routable replicas, in order
+        self.ring = HashRing([], cfg.scoring.session_vnodes)
+        self._events: list[tuple[float, int, Callable[[float], None]]] = []
+        self._seq = itertools.count()
+        self._turn = 0
+        self._rid = itertools.count()
+        self.results: list[TurnResult] = []
+        self.dropped = 0
+        self.replicas_over_time: list[tuple[float, int]] = []
+        self._last_replica: dict[int, str] = {}
+        self.follow_ups = self.follow_ups_home = 0
+        self.now = 0.0
+        self.end_s = 0.0  # the last request's end
+        self._starting = 0  # replicas the HPA added that are not ready yet
+        self._cancelled = 0  # of those, the ones a later scale-down removed
+        self._pending_sessions = 0
+
+    # -- event loop ----------------------------------------------------------------------------------------
+    def at(self, t: float, fn: Callable[[float], None]) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn))
+
+    def run(self) -> dict:
+        for _ in range(self.cfg.replicas):
+            self._add_replica(0.0)
+        self.replicas_over_time.append((0.0, len(self.members)))
+        sessions = self.wl.sessions
+        self._pending_sessions = len(sessions)
+        if self.wl.concurrency:
+            self._queue = list(reversed(range(len(sessions))))
+            for _ in range(min(self.wl.concurrency, len(sessions))):
+                self.at(0.0, lambda t: self._next_session(t))
+        else:
+            for i, s in enumerate(sessions):
+                self.at(s.start_s, lambda t, i=i: self._arrive(t, i, 0))
+        self.at(0.0, self._scrape)
+        if self.cfg.autoscale is not None:
+            self._hpa = HPA(self.cfg.autoscale.spec())
+            self.at(self.cfg.autoscale.sync_s, self._autoscale)
+        while self._events:
+            t, _, fn = heapq.heappop(self._events)
+            self.now = t
+            fn(t)
+        return self.summary()
+
+    def _next_session(self, t: float) -> None:
+        if self._queue:
+            self._arrive(t, self._queue.pop(), 0)
+
+    # -- replicas ------------------------------------------------------------------------------------------
+    def _add_replica(self, t: float) -> None:
+        url = f"http://replica-{len(self.engines):03d}"
+        cfg = self.cfg
+        self.engines[url] = SimEngine(url, self.num_blocks, self.bs, cfg.cost, cfg.max_num_seqs,
+                                      cfg.max_batched_tokens)
+        st = ReplicaState(url, CircuitBreaker(5, 10.0))
+        st.ready = True
+        st.kv_events = KVEventsState.LIVE
+        self.states[url] = st
+        self.index.reset(url, [], self.bs, 0)
+        self._scrape_one(url, t)
+        self.members.append(url)
+        self.ring = HashRing(self.members, cfg.scoring.session_vnodes)
+
+    def _remove_replica(self) -> None:
+        url = self.members.pop()  # the newest; its running requests finish, nothing new is routed there
+        self.ring = HashRing(self.members, self.cfg.scoring.session_vnodes)
+        self.index.drop(url)
+        self.approx.drop(url)
+
+    def _scrape_one(self, url: str, t: float) -> None:
+        e = self.engines[url]
+        load = EngineLoad(kv_usage=e.pool.usage, running=len(e.running), waiting=len(e.waiting),
+                          kv_capacity_tokens=float(e.pool.num_blocks * self.bs), engine="kvfleet")
+        self.states[url].on_scrape(load, t, t)
+
+    def _scrape(self, t: float) -> None:
+        for url in self.members:
+            self._scrape_one(url, t)
+        if self._pending_sessions:
+            self.at(t + self.cfg.scrape_interval_s, self._scrape)
+
+    def _autoscale(self, t: float) -> None:
+        """One HPA sync: `current` is the Deployment's count (starting pods included); pods not ready yet report
+        zeros, as the controller assumes for a scale-up."""
+        a = self.cfg.autoscale
+        zeros = [0.0] * self._starting
+        kv = [self.engines[u].pool.usage for u in self.members] + zeros
+        waiting = [float(len(self.engines[u].waiting)) for u in self.members] + zeros
+        current = len(self.members) + self._starting
+        desired = self._hpa.step(t, current, {"kv": kv, "waiting": waiting}).desired
+        for _ in range(desired - current):
+            self._starting += 1
+            self.at(t + a.start_s, self._scaled_up)
+        for _ in range(current - desired):
+            if self._starting > self._cancelled:
+                self._cancelled += 1  # a pod still starting goes first
+            else:
+                self._remove_replica()
+        self._record(t)
+        if self._pending_sessions:
+            self.at(t + a.sync_s, self._autoscale)
+
+    def _scaled_up(self, t: float) -> None:
+        self._starting -= 1
+        if self._cancelled:
+            self._cancelled -= 1
+            return
+        self._add_replica(t)
+        self._record(t)
+
+    def _record(self, t: float) -> None:
+        """(time, replicas ready) whenever the count changes (the last count at that time)."""
+        last_t, last_n = self.replicas_over_time[-1]
+        if last_n == len(self.members):
+            return
+        if last_t == t:
+            self.replicas_over_time.pop()
+        self.replicas_over_time.append((t, len(self.members)))
+
+    # -- requests ------------------------------------------------------------------------------------------
+    def _arrive(self, t: float, si: int, ti: int) -> None:
+        session = self.wl.sessions[si]
+        turn = session.turns[ti]
+        urls = self.members
+        needs = self.policy.needs
+        cached: dict[str, int] = {}
+        if needs.index_for(KVEventsState.LIVE) is IndexKind.EXACT:
+            cached = {u: n * self.bs for u, n in self.index.matched_blocks(turn.block_hashes, urls).items()}
+        elif needs.approx_index:
+            cached = {u: n * self.bs for u, n in self.approx.matched_blocks(turn.block_hashes, urls).items()}
+        views = [self.states[u].view(t, self.cfg.scrape_stale_s, cached.get(u, 0)) for u in urls]
+        self._turn += 1
+        d = self.policy.choose(views, RouteRequest(turn.prompt_tokens, session.key), self.cfg.scoring, self.ring,
+                               self._turn - 1)
+        assert d is not None
+        st, engine = self.states[d.url], self.engines[d.url]
+        ticket = st.on_dispatch(max(turn.prompt_tokens - d.predicted_cached_tokens, 0), t)
+        if needs.approx_index and not needs.kv_events:
+            self.approx.record(d.url, turn.block_hashes)
+        res = TurnResult(si, ti, d.url, t, num_blocks=turn.num_blocks,
+                         predicted_cached_tokens=d.predicted_cached_tokens)
+        self.results.append(res)
+        if ti > 0:
+            self.follow_ups += 1
+            self.follow_ups_home += self._last_replica.get(si) == d.url
+        self._last_replica[si] = d.url
+
+        def done(seq: SimSeq) -> None:
+            st.on_done(ticket)
+            res.ttft_s = seq.first_token_s - seq.arrival
+            res.hit_blocks = seq.hit_blocks
+            self._turn_done(seq.done_s, si, ti)
+
+        seq = SimSeq(next(self._rid), turn.block_hashes, turn.prompt_tokens, turn.output_tokens, t,
+                     lambda _: st.on_first_token(ticket), done)
+        if not engine.fits(seq):
+            self.dropped += 1
+            st.on_done(ticket)
+            self._turn_done(t, si, ti)
+            return
+        self._schedule(engine, engine.add(seq, t))
+
+    def _turn_done(self, t: float, si: int, ti: int) -> None:
+        self.end_s = max(self.end_s, t)
+        session = self.wl.sessions[si]
+        if ti + 1 < len(session.turns):
+            self.at(t + self.wl.think_s, lambda t2: self._arrive(t2, si, ti + 1))
+            return
+        self._pending_sessions -= 1
+        if self.wl.concurrency:
+            self.at(t, self._next_session)
+
+    def _schedule(self, engine: SimEngine, end: float | None) -> None:
+        if end is None:
+            return
+        version = engine.version
+        self.at(end, lambda t: self._step_end(engine, version, t))
+
+    def _step_end(self, engine: SimEngine, version: int, t: float) -> None:
+        if version != engine.version:
+            return  # the stretch was cut short by an arrival; its new end is scheduled
+        engine.finish(t)
+        for ev in engine.pool.events.drain_events():
+            if not self.index.has(engine.name):
+                continue  # scaled down: the router forgot it
+            if ev.kind is KVEventKind.STORED:
+                self.index.store(engine.name, ev.block_hashes)
+            elif ev.kind is KVEventKind.REMOVED:
+                self.index.remove(engine.name, ev.block_hashes)
+            else:
+                self.index.clear(engine.name)
+        self._schedule(engine, engine.start(t))
+
+    # -- results -------------------------------------------------------------------------------------------
+    def summary(self) -> dict:
+        done = [r for r in self.results if r.ttft_s is not None]
+        ttfts = sorted(r.ttft_s for r in done)
+        per_replica: dict[str, int] = dict.fromkeys(self.engines, 0)
+        for r in self.results:
+            per_replica[r.replica] += 1
+        counts = list(per_replica.values())
+        prefill = [e.prefill_tokens for e in self.engines.values()]
+        blocks = sum(r.num_blocks for r in self.results)
+        out = {
+            "policy": self.cfg.policy, "replicas": self.cfg.replicas, "requests": len(self.results),
+            "completed": len(done), "dropped": self.dropped,
+            "block_hit_rate": round(sum(r.hit_blocks for r in done) / blocks, 4) if blocks else 0.0,
+            "ttft_p50": round(_pct(ttfts, 0.5), 4), "ttft_p99": round(_pct(ttfts, 0.99), 4),
+            "ttft_mean": round(sum(ttfts) / len(ttfts), 4) if ttfts else 0.0,
+            "max_over_mean_load": round(max(counts) / (sum(counts) / len(counts)), 3) if sum(counts) else 0.0,
+            "max_over_mean_prefill": round(max(prefill) / (sum(prefill) / len(prefill)), 3) if sum(prefill) else 0.0,
+            "follow_ups_home": round(self.follow_ups_home / self.follow_ups, 4) if self.follow_ups else None,
+            "sim_seconds": round(self.end_s, 3),
+            "mean_busy": round(sum(e.busy_s for e in self.engines.values()) / len(self.engines) / self.end_s, 3)
+            if self.end_s else 0.0,
+        }
+        if self.cfg.autoscale is not None:
+            out["replicas_over_time"] = [[round(t, 1), n] for t, n in self.replicas_over_time]
+        return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]

@@ -1,0 +1,117 @@
+"""What the fleet simulator replays: sessions of turns, each turn a prompt's length, its output length and the
+chained hashes of its cacheable prompt blocks.
+
+- `mooncake()`: the Mooncake conversation trace (one-turn sessions at the trace's arrival times; its
+  `hash_ids` are the block hashes, 512 tokens each); located by `--trace` or KVFLEET_MOONCAKE_TRACE.
+- `multi_turn()`: generated chat sessions from loadtest/workload.py's seeded generator (the same shape as
+  loadtest/router_bench.py's and vllm_fleet.py's: a few shared system prompts, user turns, stand-in replies),
+  turned into token ids (one per word, role markers around each message) and hashed with the engines' own
+  chained block hash (contract/hashing.py). Turn k+1 is sent `think_s` after turn k's last token.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from contract.cacheable import cacheable_blocks
+from contract.hashing import hash_blocks
+from loadtest.peers import mooncake_trace
+from loadtest.workload import generate_trace, words
+
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class Turn:
+    prompt_tokens: int
+    output_tokens: int
+    block_hashes: tuple[int, ...]  # chained hashes of the blocks a prefix hit could cover
+    num_blocks: int  # blocks the block hit rate counts for this prompt
+
+
+@dataclass(frozen=True)
+class Session:
+    key: str | None  # the session key the router sees (None: none)
+    start_s: float
+    turns: tuple[Turn, ...]
+
+
+@dataclass(frozen=True)
+class SimWorkload:
+    sessions: tuple[Session, ...]
+    block_size: int
+    think_s: float = 0.0  # between a turn's last token and the next turn's arrival
+    concurrency: int | None = None  # closed loop: this many sessions at a time, each started when one ends
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(s.turns) for s in self.sessions)
+
+
+def mooncake(path: str | Path | None = None, limit: int | None = None, time_scale: float = 1.0) -> SimWorkload:
+    """The Mooncake trace as one-turn sessions; arrival offsets multiplied by time_scale."""
+    sessions = []
+    with open(path or mooncake_trace(), encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if limit is not None and i >= limit:
+                break
+            rec = json.loads(line)
+            ids = tuple(rec["hash_ids"])
+            n = rec["input_length"]
+            turn = Turn(n, rec["output_length"], ids[:cacheable_blocks(n, MOONCAKE_BLOCK_TOKENS)], len(ids))
+            sessions.append(Session(None, rec["timestamp"] / 1000.0 * time_scale, (turn,)))
+    return SimWorkload(tuple(sessions), MOONCAKE_BLOCK_TOKENS)
+
+
+class _Vocab:
+    """Token ids for words: one id per distinct word, in order of first use (deterministic)."""
+
+    ROLES = {"system": 1, "user": 2, "assistant": 3}
+    END, GEN = 4, 5
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+
+    def encode(self, messages: Iterable[dict]) -> list[int]:
+        out: list[int] = []
+        for m in messages:
+            out.append(self.ROLES.get(m["role"], 0))
+            out.extend(self.ids.setdefault(w, 16 + len(self.ids)) for w in m["content"].split())
+            out.append(self.END)
+        out.append(self.GEN)  # the generation prompt
+        return out
+
+
+def multi_turn(num_sessions: int, seed: int = 0, *, turns: int = 4, mean_user_tokens: float = 200,
+               reply_tokens: int = 80, output_tokens: int = 80, system_prompts: int = 2, system_tokens: int = 200,
+               session_rate: float | None = None, concurrency: int | None = None, think_s: float = 0.5,
+               block_size: int = 32) -> SimWorkload:
+    """Seeded multi-turn sessions: each opens with one of `system_prompts` shared system prompts; turn k resends
+    the whole conversation. Sessions start as a Poisson process at `session_rate` per second, or closed loop
+    with `concurrency` sessions at a time."""
+    if (session_rate is None) == (concurrency is None):
+        raise ValueError("give exactly one of session_rate and concurrency")
+    trace = generate_trace(num_sessions * turns, seed=seed, mode="multi_turn", turns_per_session=turns,
+                           mean_prompt_tokens=mean_user_tokens, min_output_tokens=output_tokens,
+                           max_output_tokens=output_tokens, reply_tokens=reply_tokens)
+    systems = [words(random.Random(f"{seed}-sys-{k}"), system_tokens) for k in range(system_prompts)]
+    vocab = _Vocab()
+    rng = random.Random(f"{seed}-arrivals")
+    by_session: dict[str, list[Turn]] = {}
+    for req in trace:
+        k = random.Random(f"{seed}-{req.session_id}").randrange(system_prompts)
+        ids = vocab.encode([{"role": "system", "content": systems[k]}, *req.messages])
+        n_hashed = cacheable_blocks(len(ids), block_size)
+        hashes = hash_blocks(ids[:n_hashed * block_size], block_size)
+        by_session.setdefault(req.session_id, []).append(
+            Turn(len(ids), req.max_tokens, tuple(hashes), len(ids) // block_size))
+    sessions, t = [], 0.0
+    for key, ts in by_session.items():
+        if session_rate:
+            t += rng.expovariate(session_rate)
+        sessions.append(Session(key, t, tuple(ts)))
+    return SimWorkload(tuple(sessions), block_size, think_s, concurrency)

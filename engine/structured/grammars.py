@@ -57,10 +57,16 @@ class GrammarCache:
 
     async def compile_async(self, guide: Guide):
         """The compiled grammar, waiting off the event loop (raises InvalidRequestError)."""
-        return await asyncio.wrap_future(self._future(guide))
+        try:
+            return await asyncio.wrap_future(self._future(guide))
+        except _GrammarError as e:
+            raise e.for_field(guide.param) from None
 
     def compile(self, guide: Guide):
-        return self._future(guide).result()
+        try:
+            return self._future(guide).result()
+        except _GrammarError as e:
+            raise e.for_field(guide.param) from None
 
     def matcher(self, guide: Guide):
         import xgrammar as xgr
@@ -71,7 +77,9 @@ class GrammarCache:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _compile(self, guide: Guide):
-        """On the worker thread: check, then compile (errors name guide.param)."""
+        """On the worker thread: check, then compile. A failure is cached with the guide's key, which does not
+        hold the field (the same schema may come as a response_format or as a tool's parameters): its message
+        leaves a place for the field of each request that asks."""
         import xgrammar as xgr
 
         if self._compiler is None:
@@ -79,12 +87,22 @@ class GrammarCache:
                                                       stop_token_ids=self._stop_ids)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         if guide.kind is GuideKind.JSON_SCHEMA:
-            check_json_schema(guide.schema(), guide.param)
+            try:
+                check_json_schema(guide.schema(), _FIELD)
+            except InvalidRequestError as e:
+                raise _GrammarError(str(e)) from None
         try:
             return _compile_with(self._compiler, guide)
         except Exception as e:  # noqa: BLE001 - the library's own errors: report them for this field
-            raise InvalidRequestError(guide.param, f"{guide.param}: cannot be compiled into a grammar: "
-                                                   f"{_clean(str(e))}") from None
+            raise _GrammarError(f"{_FIELD}: cannot be compiled into a grammar: {_clean(str(e))}") from None
+
+
+_FIELD = "\x00field\x00"  # where a cached failure's message names the request's field
+
+
+class _GrammarError(Exception):
+    def for_field(self, param: str) -> InvalidRequestError:
+        return InvalidRequestError(param, str(self).replace(_FIELD, param))
 
 
 def _compile_with(compiler, guide: Guide):

@@ -164,3 +164,46 @@ def test_bad_structured_requests_are_400_naming_the_field(api_server, extra, par
     ok = httpx.post(f"{api_server.url}/v1/chat/completions", json={"model": "smollm2", "messages": MSGS,
                                                                     "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200  # nothing reached the engine loop that could hurt it
+
+
+def test_a_slow_schema_compiles_while_the_batch_runs(api_server):
+    """A schema whose grammar takes seconds to compile: a running stream keeps getting tokens meanwhile."""
+    import threading
+    import time
+    import uuid
+
+    nonce = uuid.uuid4().hex[:8]
+    props = {f"p{i}_{nonce}": {"type": "string", "pattern": f"^[a-z]{{1,{i + 3}}}[0-9]{{2,5}}(-[A-Z]{{2}})?$"}
+             for i in range(40)}
+    slow = {"type": "object", "properties": props, "required": list(props)}
+    stamps: list[float] = []
+    started, stop = threading.Event(), threading.Event()
+
+    def stream():
+        with httpx.stream("POST", f"{api_server.url}/v1/chat/completions", json={
+                "model": "smollm2", "messages": MSGS, "max_tokens": 1000, "ignore_eos": True, "temperature": 0,
+                "stream": True}, timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    stamps.append(time.monotonic())
+                    started.set()
+                if stop.is_set():
+                    return
+
+    t = threading.Thread(target=stream)
+    t.start()
+    try:
+        assert started.wait(120)
+        t0 = time.monotonic()
+        r = httpx.post(f"{api_server.url}/v1/chat/completions", json={
+            "model": "smollm2", "messages": MSGS, "max_tokens": 1,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "slow", "schema": slow}}}, timeout=300)
+        t1 = time.monotonic()
+    finally:
+        stop.set()
+        t.join(300)
+    assert r.status_code == 200, r.text
+    assert t1 - t0 > 0.5  # the compile took a while, or this test says nothing
+    during = [s for s in stamps if t0 < s < t1]
+    # the stream kept going through the compile: at least one token per ~0.25 s of it (steps here are < 0.1 s)
+    assert len(during) >= (t1 - t0) * 4, (len(during), t1 - t0)

@@ -133,6 +133,8 @@ def check_json_schema(schema: object, param: str) -> None:
         raise InvalidRequestError(param, f"{param} must be a JSON Schema object, got {type(schema).__name__}")
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
+    except RecursionError:
+        raise InvalidRequestError(param, f"{param} is nested too deeply") from None
     except jsonschema.SchemaError as e:
         where = "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path)
         raise InvalidRequestError(param, f"{param}{where} is not a valid JSON Schema: {e.message}") from None

@@ -33,6 +33,13 @@ TOOLS = [
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
+def _deep(depth: int) -> dict:
+    s: dict = {"type": "string"}
+    for _ in range(depth):
+        s = {"type": "object", "properties": {"a": s}}
+    return s
+
+
 def _schema_request(client, schema: dict, seed: int, stream: bool = False) -> str:
     kw = dict(model="smollm2", messages=MSGS, temperature=1.0, seed=seed, max_tokens=300,
               response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema,
@@ -152,6 +159,9 @@ def test_parallel_tool_calls_false_gives_one_call(openai_client):
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}},
      "tool_choice.function.name"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _deep(300)}}},
+     "response_format.json_schema.schema"),
+    ({"guided_choice": []}, "guided_choice"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
 ])
 def test_bad_structured_requests_are_400_naming_the_field(api_server, extra, param):

@@ -27,11 +27,13 @@ _LIB_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # xgrammar's "[time] file.c
 
 
 class GrammarCache:
-    def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...], max_workers: int = 1):
+    def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...], max_workers: int = 2):
+        """max_workers: schemas compiled at once (a slow one then holds up new schemas on one worker only)."""
         self._hf = hf_tokenizer
         self._vocab_size = vocab_size
         self._stop_ids = list(stop_token_ids)
         self._compiler = None
+        self._compiler_lock = threading.Lock()
         self._lock = threading.Lock()
         self._futures: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="kvfleet-grammar")
@@ -82,10 +84,11 @@ class GrammarCache:
         leaves a place for the field of each request that asks."""
         import xgrammar as xgr
 
-        if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(self._hf, vocab_size=self._vocab_size,
-                                                      stop_token_ids=self._stop_ids)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        with self._compiler_lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self._hf, vocab_size=self._vocab_size,
+                                                          stop_token_ids=self._stop_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         if guide.kind is GuideKind.JSON_SCHEMA:
             try:
                 check_json_schema(guide.schema(), _FIELD)

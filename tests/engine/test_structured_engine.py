@@ -54,16 +54,6 @@ def test_schemas_hold_at_temperature_one(llm):
         jsonschema.validate(json.loads(out.outputs[0].text), sc)
 
 
-@pytest.mark.slow
-def test_fifty_seeded_schemas_hold_at_temperature_one(llm):
-    schemas = [random_schema(100 + s) for s in range(50)]
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=300, guide=Guide.json_schema(sc))
-              for s, sc in enumerate(schemas)]
-    outs = llm.generate([_chat(llm, f"Give a JSON answer #{s}.") for s in range(50)], params)
-    for sc, out in zip(schemas, outs, strict=True):
-        jsonschema.validate(json.loads(out.outputs[0].text), sc)
-
-
 def test_choice_json_object_and_n_greater_than_one(llm):
     outs = llm.generate([_chat(llm, "Yes or no?"), _chat(llm, "JSON please")], [
         SamplingParams(temperature=1.0, seed=1, n=3, max_tokens=8, guide=Guide.choice(["yes", "no", "maybe so"])),

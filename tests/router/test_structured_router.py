@@ -35,8 +35,9 @@ def test_schema_and_tool_calls_through_the_router(fleet):
                                          response_format={"type": "json_schema",
                                                           "json_schema": {"name": "w", "schema": WEATHER}})
     jsonschema.validate(json.loads(out.choices[0].message.content), WEATHER)
-    for stream in (False, True):
-        kw = dict(model="smollm2", messages=msgs, tools=TOOLS, tool_choice="required", temperature=1.0, seed=9,
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, stream in (("required", False), ("required", True), (named, False), (named, True)):
+        kw = dict(model="smollm2", messages=msgs, tools=TOOLS, tool_choice=choice, temperature=1.0, seed=9,
                   max_tokens=200)
         if stream:
             calls, finish = _calls_from_stream(client.chat.completions.create(**kw, stream=True))
@@ -45,6 +46,8 @@ def test_schema_and_tool_calls_through_the_router(fleet):
             finish = o.choices[0].finish_reason
             calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in o.choices[0].message.tool_calls]
         assert finish == "tool_calls" and calls
+        if choice is named:
+            assert [c["name"] for c in calls] == ["get_weather"]
         for c in calls:
             jsonschema.validate(json.loads(c["arguments"]), PARAMS[c["name"]])
     bad = httpx.post(fleet.url + "/v1/chat/completions", json={
@@ -53,4 +56,4 @@ def test_schema_and_tool_calls_through_the_router(fleet):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools[0].function.parameters"
     text = httpx.get(fleet.url + "/metrics").text
     assert metric(text, "kvfleet_router_constrained_requests_total", kind="json_schema") == 1
-    assert metric(text, "kvfleet_router_constrained_requests_total", kind="tools") == 3
+    assert metric(text, "kvfleet_router_constrained_requests_total", kind="tools") == 5

@@ -46,7 +46,8 @@ class ChatFormat:
     def tool_stream(self) -> ToolCallStream | None:
         """A choice's reader of tool calls (engine/structured/tool_parser.py), for requests with tools."""
         t = self.tools
-        return None if t is None else ToolCallStream(t.mode, t.names, t.name, lambda: f"call_{uuid.uuid4().hex[:24]}")
+        return None if t is None else ToolCallStream(t.mode, t.names, t.name, lambda: f"call_{uuid.uuid4().hex[:24]}",
+                                                     t.parallel)
 
     def logprobs(self, lps: list[TokenLogprob], text_offset: int) -> dict:
         out = []

@@ -31,6 +31,7 @@ class ToolPlan:
     mode: ToolMode
     names: tuple[str, ...]
     name: str | None = None  # the named function
+    parallel: bool = True  # parallel_tool_calls
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def structured_plan(req: _SamplingRequest) -> StructuredPlan:
     if len(set(names)) != len(names):
         raise bad_request("tools must have distinct function names", "tools")
     if choice in (None, "auto", "none"):
-        mode = None if choice == "none" else ToolPlan(ToolMode.AUTO, names)
+        mode = None if choice == "none" else ToolPlan(ToolMode.AUTO, names, parallel=req.parallel_tool_calls is not False)
         return StructuredPlan(guide=_one(guides), tools=mode, prompt_tools=prompt_tools)
     if guides:
         raise bad_request(f"{guides[0].param} cannot be combined with tool_choice {_choice_text(choice)}",

@@ -154,8 +154,11 @@ class ToolCallStream:
     "function": {"arguments"}}]). AUTO holds back text that may turn out to be a call (an answer that starts
     with `{`, `[` or <|python_tag|>, and anything from <tool_call> on) and decides at the end."""
 
-    def __init__(self, mode: ToolMode, names: Sequence[str], name: str | None, new_id: Callable[[], str]):
+    def __init__(self, mode: ToolMode, names: Sequence[str], name: str | None, new_id: Callable[[], str],
+                 parallel: bool = True):
+        """parallel: False keeps only an AUTO answer's first call (REQUIRED is constrained to one already)."""
         self.mode = mode
+        self.parallel = parallel
         self.names = tuple(names)
         self.name = name
         self._new_id = new_id
@@ -197,6 +200,7 @@ class ToolCallStream:
     def _auto(self, final: bool) -> tuple[str, list[dict]]:
         if final:
             content, calls = parse_auto(self.text, self.names)
+            calls = calls if self.parallel else calls[:1]
             if not calls:
                 return self._release(len(self.text)), []
             self.calls = calls

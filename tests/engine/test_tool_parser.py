@@ -91,3 +91,10 @@ def test_auto_stream_matches_the_whole_parse(text, content, names):
         got_content, calls = _run(ToolCallStream(ToolMode.AUTO, ["f"], None, _ids()), pieces)
         assert got_content == content, pieces
         assert [c["name"] for c in calls.values()] == names
+
+
+def test_auto_without_parallel_calls_keeps_the_first():
+    text = '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {}}</tool_call>'
+    s = ToolCallStream(ToolMode.AUTO, ["f", "g"], None, _ids(), parallel=False)
+    assert s.feed(text, True) == ("", [{"index": 0, "id": "call_0", "type": "function",
+                                        "function": {"name": "f", "arguments": "{}"}}])

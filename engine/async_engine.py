@@ -80,6 +80,7 @@ class AsyncLLMEngine:
         self.model_name = self.engine.model_name
         self.limits = self.engine.limits
         self.hash_seed = self.engine.hash_seed
+        self.grammars = self.engine.grammars  # compiles on its own worker thread (engine/structured/grammars.py)
         self.max_requests = None if max_queued_requests is None else args.max_num_seqs + max_queued_requests
         self._cv = threading.Condition()
         self._commands: list[tuple] = []  # ("add", seq) | ("abort", request_id), applied by the engine thread

@@ -20,6 +20,7 @@ from engine.admission import EngineLimits
 from engine.llm_engine import EngineStats
 from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams
+from engine.structured.grammars import GrammarCache
 from engine.tokenizer import Tokenizer
 
 
@@ -38,6 +39,7 @@ class EngineClient(Protocol):
     tokenizer: Tokenizer
     limits: EngineLimits
     hash_seed: int
+    grammars: GrammarCache
     dead: BaseException | None  # why the engine loop stopped; None while it runs
 
     async def start(self) -> None: ...

@@ -48,6 +48,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.stop import StopChecker
+from engine.structured.grammars import GrammarCache
 from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ class LLMEngine:
         if self.device.type == "cuda":
             self.runner.warm_up()  # every Triton kernel compiled (and graphs captured) before the first request
         self.sampler = Sampler(seed=args.seed)
+        self.grammars = GrammarCache(self.tokenizer.hf, self.config.vocab_size, self.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -176,7 +178,10 @@ class LLMEngine:
                      cache_salt: str | None = None, arrival_time: float | None = None) -> Sequence:
         """Validate a request without touching engine state (safe from any thread); its first sequence."""
         prompt, params = admit(prompt_token_ids, params or SamplingParams(), self.limits)
-        return Sequence(request_id, prompt, params, cache_salt, arrival_time=arrival_time)
+        seq = Sequence(request_id, prompt, params, cache_salt, arrival_time=arrival_time)
+        if params.guide is not None:  # compiled already by the server (grammars.compile_async): a cache hit
+            seq.matcher = self.grammars.matcher(params.guide)
+        return seq
 
     def add_sequence(self, seq: Sequence) -> None:
         """Queue a sequence made by new_sequence (engine thread only)."""
@@ -259,6 +264,8 @@ class LLMEngine:
                 if len(req.seqs) == 1:
                     children = self.scheduler.fork(seq, seq.params.n - 1)
                     for child in children:
+                        if seq.matcher is not None:
+                            child.matcher = seq.matcher.fork()
                         req.seqs.append(child)
                         self._track(req, child)
                     extra_seqs.extend(children)
@@ -275,6 +282,8 @@ class LLMEngine:
                 continue
             req = self.requests[seq.request_id]
             seq.append_token(tok)
+            if seq.matcher is not None and not seq.matcher.accept_token(tok):
+                logger.warning("request %s: the grammar refused sampled token %d", seq.request_id, tok)
             self.generation_tokens_total += 1
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now

@@ -17,6 +17,7 @@ Order of processing (vLLM's): logit_bias → min_tokens (EOS and stop_token_ids 
 sequence has min_tokens outputs; EOS only when ignore_eos is off, since it would not stop then) →
 repetition penalty (Hugging Face: over prompt + output, positive logits divided, negative multiplied)
 → frequency / presence penalties (OpenAI: over output tokens, `logit -= f * count + p * (count > 0)`)
+→ grammar (rows of sequences with a matcher: tokens the grammar forbids get -inf; engine/structured/bitmask.py)
 → greedy rows take the argmax here; sampling rows go on: temperature → top-k → top-p (the smallest
 set of best tokens whose mass, renormalized after top-k, reaches top_p) → min-p (drop tokens whose
 probability is below min_p × the best one's) → one draw by inverse CDF.
@@ -44,6 +45,7 @@ from engine.kernels import cpu_ops
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from engine.structured.bitmask import GrammarMasks, mask_constrained_rows
 
 _MASK64 = (1 << 64) - 1
 _BLOCK = 256  # inverse-CDF sampling over wide rows: block sums first, then inside one block
@@ -74,6 +76,7 @@ def _splitmix64(x: int) -> int:
 class Sampler:
     def __init__(self, seed: int | None = None):
         self._rng = random.Random(int.from_bytes(os.urandom(8), "little") if seed is None else seed)
+        self._masks = GrammarMasks()
 
     def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence],
                  eos_token_id: int | Iterable[int] | None = None) -> SamplerOutput:
@@ -84,6 +87,7 @@ class Sampler:
         logits = logits.float()
         params = [s.params for s in seqs]
         x = process_logits(logits, seqs, params, _eos_ids(eos_token_id))
+        x = mask_constrained_rows(x, logits, seqs, self._masks)
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = argmax(x)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+from engine.structured.spec import Guide
 
 
 class SamplingParamsError(InvalidRequestError):
@@ -31,6 +32,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per token; 0 = only the sampled token's
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    guide: Guide | None = None  # constrained decoding: JSON Schema, JSON object, regex, choice or grammar
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

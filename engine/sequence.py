@@ -47,6 +47,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
+        self.matcher = None  # the grammar matcher of a constrained request (engine/structured/), advanced per token
 
     @property
     def num_tokens(self) -> int:

@@ -23,6 +23,7 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 
 from contract.messages import MessageError, chat_messages
+from contract.tool_prompt import template_renders_tools, tool_messages
 from engine.model.registry import ModelSource, resolve_model
 
 _lock = threading.Lock()
@@ -61,22 +62,28 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return self.hf.convert_ids_to_tokens(list(ids))
 
-    def render_chat(self, messages: Sequence[Mapping], add_generation_prompt: bool = True) -> str:
-        """The chat template applied to messages, as text."""
+    def render_chat(self, messages: Sequence[Mapping], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping] | None = None) -> str:
+        """The chat template applied to messages (and tools: contract/tool_prompt.py), as text."""
         if not self.chat_template:
             raise TokenizerError("this model's tokenizer has no chat template; use a completion prompt instead")
         try:
             msgs = chat_messages(messages)
         except MessageError as e:
             raise TokenizerError(str(e)) from None
+        native = template_renders_tools(self.chat_template)
+        msgs = tool_messages(msgs, tools, native)
+        extra = {"tools": list(tools)} if native and tools else {}
         try:
-            return self.hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
+            return self.hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                               **extra)
         except Exception as e:  # jinja errors: report them as a bad request, not a crash
             raise TokenizerError(f"messages could not be rendered with the chat template: {e}") from e
 
-    def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping] | None = None) -> list[int]:
         """Token ids of the chat-templated conversation (the template's own special tokens included)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools))
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.source.path if self.source else '?'}, vocab={self.vocab_size}, eos={self.eos_token_id})"

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import aiohttp
 
 from contract.errors import error_body, error_type
+from contract.structured import constrained_kind
 from router.config import RouterConfig
 from router.errors import send_bytes, send_json
 from router.fleet import Fleet
@@ -303,6 +304,9 @@ class RouterApp:
         t0 = time.perf_counter()
         hdr = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers if k in (b"x-session-id",)}
         prep = prepare_request(path, obj, hdr, self.tokenizer, self.need_tokens)
+        kind = constrained_kind(obj)
+        if kind is not None:
+            self.metrics.constrained.labels(kind).inc()
         if tenant is not None:
             refused = self.ratelimit.shape(tenant, path, obj)
             if refused is not None:

@@ -25,6 +25,9 @@ class RouterMetrics:
         self.requests = Counter("kvfleet_router_requests", "Requests proxied, by replica, policy and final status "
                                 "(HTTP code, 'error' for no replica / failed upstream, 'cancelled' for a client "
                                 "that went away)", ["replica", "policy", "status"], registry=r)
+        self.constrained = Counter("kvfleet_router_constrained_requests", "Requests that ask for constrained "
+                                   "decoding, by kind (json_schema, json_object, regex, choice, grammar, tools); "
+                                   "passed through to the engines untouched", ["kind"], registry=r)
         self.decisions = Counter("kvfleet_router_routing_decisions", "Routing decisions by reason "
                                  "(cache, session, least-load, round-robin, all-overloaded)", ["policy", "reason"],
                                  registry=r)

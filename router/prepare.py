@@ -52,7 +52,9 @@ def prompt_token_ids(path: str, body: Mapping, tokenizer: PromptTokenizer | None
                 return None
             messages = chat_messages(body.get("messages"))
             add_generation_prompt = body.get("add_generation_prompt", True)
-            return tokenizer.chat(messages, add_generation_prompt is not False)
+            tools = body.get("tools")
+            return tokenizer.chat(messages, add_generation_prompt is not False,
+                                  tools if isinstance(tools, list) and tools else None)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]

@@ -89,9 +89,10 @@ class PromptTokenizer:
                 self._cached_chars -= len(old)
         return ids
 
-    def chat(self, messages: Sequence[Mapping], add_generation_prompt: bool = True) -> list[int]:
-        """= tokenizer.apply_chat_template(messages, add_generation_prompt)."""
-        return self.encode_text(self.tok.render_chat(messages, add_generation_prompt))
+    def chat(self, messages: Sequence[Mapping], add_generation_prompt: bool = True,
+             tools: Sequence[Mapping] | None = None) -> list[int]:
+        """= tokenizer.apply_chat_template(messages, add_generation_prompt, tools)."""
+        return self.encode_text(self.tok.render_chat(messages, add_generation_prompt, tools))
 
     def completion(self, prompt: str) -> list[int]:
         """= the engine's completion prompt encoding (special tokens added, as engine/server/completions.py)."""

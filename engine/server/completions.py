@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
@@ -13,6 +14,7 @@ from engine.server.errors import bad_request
 from engine.server.formatter import CompletionFormat
 from engine.server.protocol import CompletionRequest
 from engine.server.serving import ServerState
+from engine.server.structured import compile_guide, structured_plan
 from engine.tokenizer import TokenizerError
 
 
@@ -36,6 +38,10 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         return [p if isinstance(p, str) else tok.decode(p) for p in raw]
 
     params = serving.build_params(req, req.max_tokens, req.logprobs)
+    plan = structured_plan(req)
+    if plan.guide is not None:
+        await compile_guide(engine.grammars, plan)
+        params = dataclasses.replace(params, guide=plan.guide)
     rid = f"cmpl-{uuid.uuid4().hex}"
     return await serving.respond(state, request, req, CompletionFormat(state.token_text), model, rid, prompts,
                                  [params] * len(prompts), {}, arrival, echo if req.echo else None)

@@ -18,13 +18,19 @@ followed by `data: [DONE]`.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.outputs import RequestDelta, TokenLogprob
 from engine.server.errors import APIError, engine_error
 from engine.server.streaming import SSE_DONE, sse, sse_error
+from engine.structured.tool_parser import ToolCallStream
+
+if TYPE_CHECKING:
+    from engine.server.structured import ToolPlan
 
 TokenText = Callable[[int], str]
 
@@ -33,8 +39,15 @@ class ChatFormat:
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, token_text: TokenText):
+    def __init__(self, token_text: TokenText, tools: ToolPlan | None = None):
         self.token_text = token_text
+        self.tools = tools
+
+    def tool_stream(self) -> ToolCallStream | None:
+        """A choice's reader of tool calls (engine/structured/tool_parser.py), for requests with tools."""
+        t = self.tools
+        return None if t is None else ToolCallStream(t.mode, t.names, t.name, lambda: f"call_{uuid.uuid4().hex[:24]}",
+                                                     t.parallel)
 
     def logprobs(self, lps: list[TokenLogprob], text_offset: int) -> dict:
         out = []
@@ -45,14 +58,27 @@ class ChatFormat:
                                           "bytes": list(t.encode())} for i, v in lp.top]})
         return {"content": out}
 
-    def chunk_choice(self, index: int, text: str, lp: dict | None, finish: str | None, stop, first: bool) -> dict:
-        """first: the choice's first chunk, which carries the role too."""
-        delta = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
+    def chunk_choice(self, index: int, text: str, lp: dict | None, finish: str | None, stop, first: bool,
+                     calls: list[dict] | None = None) -> dict:
+        """first: the choice's first chunk, which carries the role too; calls: tool_calls deltas."""
+        if first:
+            delta = {"role": "assistant", "content": text if text or not calls else None}
+        else:
+            delta = {"content": text} if text else {}
+        if calls:
+            delta["tool_calls"] = calls
         return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish, "stop_reason": stop}
 
     def full_choice(self, index: int, text: str, lp: dict | None, finish: str | None, stop) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                "finish_reason": finish, "stop_reason": stop}
+        message: dict = {"role": "assistant", "content": text}
+        reader = self.tool_stream()
+        if reader is not None:
+            content, calls = reader.feed(text, True)
+            if reader.calls:
+                message = {"role": "assistant", "content": content or None,
+                           "tool_calls": [{k: v for k, v in c.items() if k != "index"} for c in calls]}
+                finish = "tool_calls" if finish == "stop" else finish
+        return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish, "stop_reason": stop}
 
 
 class CompletionFormat:
@@ -73,7 +99,8 @@ class CompletionFormat:
             text_offset += len(tok)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def chunk_choice(self, index: int, text: str, lp: dict | None, finish: str | None, stop, first: bool) -> dict:
+    def chunk_choice(self, index: int, text: str, lp: dict | None, finish: str | None, stop, first: bool,
+                     calls: list[dict] | None = None) -> dict:
         return self.full_choice(index, text, lp, finish, stop)
 
     def full_choice(self, index: int, text: str, lp: dict | None, finish: str | None, stop) -> dict:
@@ -92,6 +119,7 @@ class _Choice:
     opened: bool = False  # its first chunk (the echoed prefix, the chat role) went out
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    tools: ToolCallStream | None = None  # chat requests with tools, streaming
 
 
 class _Usage:
@@ -158,11 +186,17 @@ class Reply:
                             c.offset += sum(len(self.fmt.token_text(t.token_id)) for t in o.logprobs)
                         if o.finish_reason is not None:
                             c.finish_reason = o.finish_reason
-                        if not text and lp is None and (o.finish_reason is None
-                                                        or o.finish_reason == "abort" and not sent):
+                        finish, calls = o.finish_reason, None
+                        if isinstance(self.fmt, ChatFormat) and self.fmt.tools is not None:
+                            c.tools = c.tools or self.fmt.tool_stream()
+                            text, calls = c.tools.feed(text, finish is not None)
+                            if finish == "stop" and c.tools.calls:
+                                finish = "tool_calls"
+                        if not text and not calls and lp is None and (o.finish_reason is None
+                                                                      or o.finish_reason == "abort" and not sent):
                             continue  # nothing to say yet; an abort before any chunk is the 503 below
-                        chunk = {**base, "choices": [self.fmt.chunk_choice(idx, text, lp, o.finish_reason,
-                                                                           o.stop_reason, not c.opened)]}
+                        chunk = {**base, "choices": [self.fmt.chunk_choice(idx, text, lp, finish, o.stop_reason,
+                                                                           not c.opened, calls)]}
                         c.opened = True
                         if continuous_usage:
                             chunk["usage"] = usage.body([k])

@@ -1,11 +1,13 @@
 """OpenAI wire format for /v1/chat/completions and /v1/completions, plus vLLM's extra fields.
 
 Request models are strict (no "5" for an int, no true for a number, no NaN) and validate ranges, so
-bad input is rejected at the edge with a 400 that names the field. OpenAI fields this server does not
-implement (tools, tool_choice, response_format, functions, function_call, audio) are refused with a
-400 naming the field unless their value asks for nothing (no tools, "none", {"type": "text"}), so an agent
-never gets plain text where it asked for a tool call or JSON. Other unknown fields are ignored. Responses are plain dicts built
-by the handlers (chat.py, completions.py); only requests need models.
+bad input is rejected at the edge with a 400 that names the field. Structured outputs: `response_format`
+(json_object, json_schema), vLLM's `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` and
+`structured_outputs`, and (chat) `tools`, `tool_choice`, `parallel_tool_calls`; their meaning is
+engine/server/structured.py's. OpenAI fields this server does not implement (functions, function_call,
+audio; tools on /v1/completions) are refused with a 400 naming the field unless their value asks for
+nothing, so an agent never gets plain text where it asked for something else. Other unknown fields are
+ignored. Responses are plain dicts built by the handlers (chat.py, completions.py); only requests need models.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 _NO_OPS: dict[str, tuple] = {  # values of unimplemented fields that ask for the default behaviour
     "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
-    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}), "audio": (None,),
+    "function_call": (None, "none", "auto"), "audio": (None,),
 }
+_TOOL_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"
 
 
 class TextPart(BaseModel):
@@ -37,17 +40,90 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str
+
+
+class ToolCallMessage(BaseModel):
+    model_config = _STRICT
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
 
     @model_validator(mode="after")
     def _content_needed(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs 'content'")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
         return self
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_needed(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("a json_schema response_format needs json_schema.schema")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (one of its fields)."""
+
+    model_config = _STRICT
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class FunctionDef(BaseModel):
+    model_config = _STRICT
+    name: str = Field(pattern=_TOOL_NAME)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(BaseModel):
@@ -84,22 +160,22 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    # structured outputs (engine/server/structured.py)
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
     # OpenAI fields not implemented here: accepted only with values that ask for nothing
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None  # means nothing without tools
-    response_format: Any = None
     audio: Any = None
 
-    @field_validator("tools", "tool_choice", "functions", "function_call", "response_format", "audio")
+    @field_validator("functions", "function_call", "audio")
     @classmethod
     def _not_implemented(cls, v, info: ValidationInfo):
-        if v in _NO_OPS[info.field_name]:
-            return v
-        raise ValueError(f"{info.field_name} is not supported by this server (tool calling, structured outputs and "
-                         f"audio are not implemented); send the request without it")
+        return _nothing_asked(v, info.field_name)
 
     @field_validator("stop")
     @classmethod
@@ -137,8 +213,18 @@ class _SamplingRequest(BaseModel):
             skip_special_tokens=self.skip_special_tokens)
 
 
+def _nothing_asked(v, field: str):
+    if v in _NO_OPS[field]:
+        return v
+    raise ValueError(f"{field} is not supported by this server (use tools / tool_choice on /v1/chat/completions; "
+                     f"audio is not implemented); send the request without it")
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -164,6 +250,13 @@ PromptType = str | Annotated[list[str], Field(min_length=1)] | Annotated[list[To
 
 class CompletionRequest(_SamplingRequest):
     prompt: PromptType
+    tools: Any = None
+    tool_choice: Any = None
+
+    @field_validator("tools", "tool_choice")
+    @classmethod
+    def _no_tools(cls, v, info: ValidationInfo):
+        return _nothing_asked(v, info.field_name)
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False

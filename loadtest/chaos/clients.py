@@ -34,6 +34,8 @@ class Result:
     hung: bool = False  # no answer within the client's timeout
     attempts: int = 1
     chunks: int = 0
+    broken: bool = False  # the connection broke (a transport error, not an answer)
+    resent_after_cut: int = 0  # failover: earlier attempts whose answer (status 200) was cut mid-way
 
     @property
     def ok(self) -> bool:
@@ -80,6 +82,7 @@ async def request(client: httpx.AsyncClient, url: str, body: dict, key: str | No
             res.error = f"no answer within {timeout:.0f} s"
     except httpx.HTTPError as e:
         res.error = f"{type(e).__name__}: {e}"
+        res.broken = True
     res.latency = time.perf_counter() - t0
     return res
 
@@ -137,14 +140,16 @@ async def _do(client, url, body, hdrs, res: Result, t0: float, cut: str | None, 
 
 async def failover(client: httpx.AsyncClient, urls: list[str], start: int, body: dict, key: str | None,
                    timeout: float = 120.0, tries: int = 4) -> Result:
-    """What a client of two routers behind nothing but each other does: send to urls[start], and on a
-    connection failure or a 503 from a draining router send to the next (up to `tries` attempts)."""
-    res = None
+    """What a client of two routers behind nothing but each other does: send to urls[start], and when the
+    connection fails (before or during the answer: a stream cut by a dying router is sent again whole) or a
+    draining router answers 503, send to the next (up to `tries` attempts)."""
+    res, cut = None, 0
     for attempt in range(tries):
         url = urls[(start + attempt) % len(urls)]
         res = await request(client, url, body, key, timeout=timeout)
-        res.attempts = attempt + 1
-        retry = (res.status is None and not res.hung) or (res.status == 503 and "shutting down" in (res.error or ""))
+        res.attempts, res.resent_after_cut = attempt + 1, cut
+        cut += res.broken and res.status == 200
+        retry = res.broken or (res.status == 503 and "shutting down" in (res.error or ""))
         if not retry:
             return res
         await asyncio.sleep(0.05 * (attempt + 1))

@@ -24,8 +24,9 @@ class Options:
         return quick if self.quick else full
 
 
-def client(max_connections: int = 256) -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=5.0),
+def client(max_connections: int = 256, timeout: float = 120.0) -> httpx.AsyncClient:
+    """An HTTP client; `timeout` bounds each read (a whole non-streamed answer)."""
+    return httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0),
                              limits=httpx.Limits(max_connections=max_connections,
                                                  max_keepalive_connections=max_connections))
 

@@ -25,7 +25,7 @@ PY = sys.executable
 MODEL = "smollm2"
 INTERNAL_TOKEN = "chaos-internal-7f3a9c"
 KEYS = {"alpha": "sk-chaos-alpha-5d1e8b", "beta": "sk-chaos-beta-92c4aa", "iso": "sk-chaos-iso-0b77e1",
-        "small": "sk-chaos-small-4410fe"}
+        "small": "sk-chaos-small-4410fe", "fuzz": "sk-chaos-fuzz-c3d2a1"}
 SMALL_BUDGET = 3000  # tokens per minute of tenant `small` (the Redis scenario exhausts it)
 
 
@@ -37,6 +37,7 @@ def tenants_yaml() -> str:
         "beta": {"api_key_sha256": h(KEYS["beta"]), "tokens_per_minute": 50_000_000, "priority": 0},
         "iso": {"api_key_sha256": h(KEYS["iso"]), "tokens_per_minute": 50_000_000, "isolate_cache": True},
         "small": {"api_key_sha256": h(KEYS["small"]), "tokens_per_minute": SMALL_BUDGET, "max_tokens": 16},
+        "fuzz": {"api_key_sha256": h(KEYS["fuzz"]), "tokens_per_minute": 50_000_000, "max_tokens": 8},
     }}, sort_keys=False)
 
 

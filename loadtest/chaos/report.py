@@ -1,0 +1,81 @@
+"""The campaign's results: a verdict table for the terminal and docs/reliability.md (with the soak's plot)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+from loadtest.chaos.verdict import Verdict, fmt
+
+
+def table(verdicts: list[Verdict]) -> str:
+    rows = [("scenario", "verdict", "checks", "seconds")]
+    rows += [(v.scenario, "PASS" if v.passed else "FAIL", f"{sum(c.passed for c in v.checks)}/{len(v.checks)}",
+              f"{v.seconds:.0f}") for v in verdicts]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(_cell(x) for x in value) + ")"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {_cell(x)}" for k, x in value.items())
+    return fmt(value).replace("|", "\\|")
+
+
+def plot_soak(v: Verdict, path: str) -> bool:
+    series = v.figures.get("_series")
+    if not series or len(series.get("t", [])) < 2:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [x / 60 for x in series["t"]]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.6))
+    for k, ys in series.items():
+        if k.startswith("rss "):
+            a.plot(t, ys, label=k[4:])
+        elif k.startswith("free "):
+            b.plot(t, ys, label=k[5:])
+    a.set(title="RSS (MB)", xlabel="minutes")
+    b.set(title="free KV blocks", xlabel="minutes")
+    a.legend(fontsize=7)
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def markdown(verdicts: list[Verdict], docs: dict[str, str], command: str, started: str, wall_s: float,
+             notes: list[str], plot: str | None) -> str:
+    ok = all(v.passed for v in verdicts)
+    out = ["# Reliability and security campaign", "",
+           f"Results of one run of `{command}`, started {started}, {wall_s / 60:.0f} minutes: "
+           f"**{'every scenario passed' if ok else 'some scenarios FAILED'}**. Regenerate with `make chaos` "
+           "(the scenarios live in `loadtest/chaos/`; `make chaos-quick` is a smoke run of a few minutes).", "",
+           f"Machine: {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), Python "
+           f"{sys.version.split()[0]}, shared with other jobs while this ran, so latencies are noisy; this is a "
+           "correctness campaign, not a benchmark. The fleet: Redis, 2 engines of the bundled SmolLM2-135M on "
+           "the CPU (one thread each, 256 KV blocks of 16 tokens each, internal token required), 2 routers "
+           "(kv policy, tenants file, budgets in Redis), all on loopback, every process at its default log level.",
+           ""]
+    out += [f"- {n}" for n in notes]
+    out += ["", "| scenario | verdict | checks passed | seconds |", "|---|---|---|---|"]
+    out += [f"| [{v.scenario}](#{v.scenario.lower().replace(' ', '-')}) | {'PASS' if v.passed else '**FAIL**'} | "
+            f"{sum(c.passed for c in v.checks)}/{len(v.checks)} | {v.seconds:.0f} |" for v in verdicts]
+    for v in verdicts:
+        out += ["", f"## {v.scenario}", "", docs.get(v.scenario, "").strip(), "", "| check | result | detail |",
+                "|---|---|---|"]
+        out += [f"| {c.name} | {'pass' if c.passed else '**FAIL**'} | {c.detail.replace('|', '/')} |" for c in v.checks]
+        out += ["", "| figure | value |", "|---|---|"]
+        out += [f"| {k} | {_cell(x)} |" for k, x in v.figures.items() if not k.startswith("_")]
+        out += [f"\n{n}" for n in v.notes]
+        if v.scenario == "soak" and plot:
+            out += ["", f"![soak: RSS and free blocks over time]({plot})"]
+    return "\n".join(out) + "\n"

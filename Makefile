@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install kernels prometheus dashboards lint clean
+.PHONY: run test install kernels prometheus dashboards lint clean chaos chaos-quick
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -43,6 +43,18 @@ run: kernels
 
 test: kernels prometheus
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# the reliability and security campaign (loadtest/chaos/, not part of `make test`): a loopback fleet (Redis,
+# 2 engines, 2 routers) through soak, cancellation storm, replica and router deaths, Redis outage, KV
+# exhaustion, hostile clients and security checks; prints a verdict table and writes docs/reliability.md.
+# About an hour with the default 30-minute soak: SOAK_MINUTES=10 make chaos for a shorter one.
+SOAK_MINUTES ?= 30
+chaos: kernels
+	$(BIN)/python -m loadtest.chaos --soak-minutes $(SOAK_MINUTES)
+
+# every scenario, smaller (a few minutes); writes no report
+chaos-quick: kernels
+	$(BIN)/python -m loadtest.chaos --quick
 
 lint: $(STAMP)
 	$(BIN)/ruff check engine router loadtest tests deploy dashboards

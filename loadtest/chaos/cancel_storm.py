@@ -22,7 +22,7 @@ NAME = "cancellation storm"
 async def run(fleet: Fleet, opts: Options) -> Verdict:
     v = Verdict(NAME)
     n = opts.scale(2000, 200)
-    concurrency = 32
+    concurrency = 48
     rng = random.Random(opts.seed + 1)
     targets = [(r.url, KEYS["alpha"], {}) for r in fleet.routers]
     targets += [(e.url, None, fleet.auth) for e in fleet.engines]
@@ -31,7 +31,7 @@ async def run(fleet: Fleet, opts: Options) -> Verdict:
         url, key, headers = targets[i % len(targets)]
         cut = rng.choice(CUT_POINTS) if rng.random() < 0.5 else None
         long = cut == "mid_prefill" or rng.random() < 0.2
-        body = chat_body(prompt(rng, rng.randint(400, 900) if long else rng.randint(10, 80)), rng.randint(8, 48),
+        body = chat_body(prompt(rng, rng.randint(250, 500) if long else rng.randint(10, 60)), rng.randint(4, 32),
                          True)
         plans.append((url, key, headers, cut, body, random.Random(rng.random())))
     tally = Tally()

@@ -8,6 +8,21 @@ import sys
 
 from loadtest.chaos.verdict import Verdict, fmt
 
+FINDINGS = """## What the campaign found, and what was fixed
+
+- **Connections that never send a request were never closed, and nothing capped them** (router and engine:
+  uvicorn has no header or body read timeout and no connection cap; one idle connection costs a descriptor
+  for ever, so enough of them exhaust the process's descriptors). Fixed by `kvfleet/http_limits.py`, shared
+  by both servers: `--header-timeout` (default 10 s), `--body-timeout` (60 s, then 408) and
+  `--max-connections` (4096, excess closed on accept). Regression tests: `tests/kvfleet/test_http_limits.py`
+  (raw sockets against a uvicorn server with the limits) and `tests/kvfleet/test_http_limits_servers.py`
+  (the real `kvfleet router` and `kvfleet engine` processes). The hostile-clients scenario below shows the
+  500 idle connections on each server closed by the header timeout.
+- The router's body limit existed in its configuration but had no flag: `kvfleet router --max-body-bytes`.
+- The leak check needs to see the block pool: engines now export `kvfleet:num_free_kv_blocks` and
+  `kvfleet:num_cached_kv_blocks` (test: `tests/server/test_metrics.py`, every block free at idle).
+"""
+
 
 def table(verdicts: list[Verdict]) -> str:
     rows = [("scenario", "verdict", "checks", "seconds")]
@@ -69,6 +84,7 @@ def markdown(verdicts: list[Verdict], docs: dict[str, str], command: str, starte
     out += ["", "| scenario | verdict | checks passed | seconds |", "|---|---|---|---|"]
     out += [f"| [{v.scenario}](#{v.scenario.lower().replace(' ', '-')}) | {'PASS' if v.passed else '**FAIL**'} | "
             f"{sum(c.passed for c in v.checks)}/{len(v.checks)} | {v.seconds:.0f} |" for v in verdicts]
+    out += ["", FINDINGS.strip()]
     for v in verdicts:
         out += ["", f"## {v.scenario}", "", docs.get(v.scenario, "").strip(), "", "| check | result | detail |",
                 "|---|---|---|"]

@@ -75,22 +75,25 @@ async def run(fleet: Fleet, opts: Options) -> Verdict:
             return " ".join(uuid.uuid4().hex for _ in range(40)) + f" {tag} {canary}"
 
         p1, p2 = fresh("isolation one"), fresh("isolation two")
+        for key in (KEYS["iso"], KEYS["alpha"]):  # each tenant's cache holds the chat template's first blocks
+            await _cached(c, url, fresh("warm-up"), key)
         control_iso = await _cached(c, url, fresh("control"), KEYS["iso"])
         control_alpha = await _cached(c, url, fresh("control"), KEYS["alpha"])
+        template = max(control_iso, control_alpha)  # what a prompt nobody sent before can hit
         iso_first, iso_again = await _cached(c, url, p1, KEYS["iso"]), await _cached(c, url, p1, KEYS["iso"])
         alpha_after_iso, alpha_again = await _cached(c, url, p1, KEYS["alpha"]), await _cached(c, url, p1, KEYS["alpha"])
         await _cached(c, url, p2, KEYS["alpha"])
         beta_after_alpha = await _cached(c, url, p2, KEYS["beta"])
         iso_after_alpha = await _cached(c, url, p2, KEYS["iso"])
-        v.figures["cached tokens of a fresh prompt (the template's prefix): iso, alpha"] = (control_iso, control_alpha)
+        v.figures["cached tokens of a fresh prompt (the chat template's blocks): iso, alpha"] = (control_iso,
+                                                                                                control_alpha)
         v.figures["cached tokens: iso, iso again, alpha after iso, alpha again, beta after alpha, iso after alpha"] = (
             iso_first, iso_again, alpha_after_iso, alpha_again, beta_after_alpha, iso_after_alpha)
-        v.check("tenant cache isolation: no cross-tenant prefix hit", iso_again > control_iso
-                and alpha_again > control_alpha and alpha_after_iso == control_alpha
-                and iso_after_alpha == control_iso,
+        v.check("tenant cache isolation: no cross-tenant prefix hit", iso_again > template
+                and alpha_again > template and alpha_after_iso <= template and iso_after_alpha <= template,
                 f"the isolated tenant hits its own cache ({iso_again} tokens) but nothing of another's "
-                f"({iso_after_alpha} = its fresh-prompt control {control_iso}); others hit nothing of its cache "
-                f"({alpha_after_iso} = control {control_alpha}); shared tenants share ({beta_after_alpha})")
+                f"({iso_after_alpha}); others hit nothing of its cache ({alpha_after_iso}); shared tenants share "
+                f"({beta_after_alpha}); a fresh prompt's hit (the chat template's blocks) is {template}")
     # 4. secrets and prompts in logs and metrics
     texts = {p.name: p.log_text() for p in fleet.all_procs()}
     for p in fleet.routers:

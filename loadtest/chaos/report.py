@@ -67,6 +67,14 @@ def plot_soak(v: Verdict, path: str) -> bool:
     return True
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def markdown(verdicts: list[Verdict], docs: dict[str, str], command: str, started: str, wall_s: float,
              notes: list[str], plot: str | None) -> str:
     ok = all(v.passed for v in verdicts)
@@ -74,7 +82,7 @@ def markdown(verdicts: list[Verdict], docs: dict[str, str], command: str, starte
            f"Results of one run of `{command}`, started {started}, {wall_s / 60:.0f} minutes: "
            f"**{'every scenario passed' if ok else 'some scenarios FAILED'}**. Regenerate with `make chaos` "
            "(the scenarios live in `loadtest/chaos/`; `make chaos-quick` is a smoke run of a few minutes).", "",
-           f"Machine: {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), Python "
+           f"Machine: {len(os.sched_getaffinity(0))} CPUs ({cpu_model() or platform.machine()}), Python "
            f"{sys.version.split()[0]}, shared with other jobs while this ran, so latencies are noisy; this is a "
            "correctness campaign, not a benchmark. The fleet: Redis, 2 engines of the bundled SmolLM2-135M on "
            "the CPU (one thread each, 256 KV blocks of 16 tokens each, internal token required), 2 routers "

@@ -109,10 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     if out and verdicts:
         cmd = "python -m loadtest.chaos" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
         if ns.quick:
-            notes.append("--quick: smaller scenarios (200 cancelled-storm requests, 2 replica deaths, 1,000 fuzzed "
+            notes.append("--quick: smaller scenarios (200 cancellation-storm requests, 2 replica deaths, 1,000 fuzzed "
                          "bodies, a 1-minute soak)")
         elif ns.soak_minutes != 30:
-            notes.append(f"the soak ran {ns.soak_minutes:g} minutes, not the default 30")
+            notes.append(f"the soak ran {ns.soak_minutes:g} minutes, not the 30 the campaign asks for; the full "
+                         "run is `make chaos` (`python -m loadtest.chaos --soak-minutes 30`)")
         plot = None
         soak = next((v for v in verdicts if v.scenario == "soak"), None)
         if soak is not None:

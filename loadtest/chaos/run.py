@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None, help="process logs (default: a new temporary directory)")
     p.add_argument("--num-blocks", type=int, default=256, help="KV blocks per engine (default 256)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--note", action="append", default=[], help="a line for the report's notes (repeatable)")
     return p
 
 
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     fleet = Fleet(log_dir, ns.num_blocks)
     verdicts: list[Verdict] = []
     docs: dict[str, str] = {}
-    notes: list[str] = []
+    notes: list[str] = list(ns.note)
     print(f"chaos: logs in {log_dir}; starting the fleet ...", flush=True)
     try:
         fleet.start()
@@ -114,13 +115,16 @@ def main(argv: list[str] | None = None) -> int:
         elif ns.soak_minutes != 30:
             notes.append(f"the soak ran {ns.soak_minutes:g} minutes, not the 30 the campaign asks for; the full "
                          "run is `make chaos` (`python -m loadtest.chaos --soak-minutes 30`)")
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         plot = None
         soak = next((v for v in verdicts if v.scenario == "soak"), None)
         if soak is not None:
             png = os.path.join(os.path.dirname(out) or ".", "reliability-soak.png")
-            if report.plot_soak(soak, png):
-                plot = os.path.basename(png)
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+            try:
+                if report.plot_soak(soak, png):
+                    plot = os.path.basename(png)
+            except Exception:  # a plot must never cost the report
+                traceback.print_exc()
         with open(out, "w") as f:
             f.write(report.markdown(verdicts, docs, cmd, started, time.monotonic() - t_start, notes, plot))
         print(f"chaos: wrote {out}", flush=True)

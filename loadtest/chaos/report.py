@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import traceback
 
 from loadtest.chaos.verdict import Verdict, fmt
 
@@ -103,3 +104,20 @@ def markdown(verdicts: list[Verdict], docs: dict[str, str], command: str, starte
         if v.scenario == "soak" and plot:
             out += ["", f"![soak: RSS and free blocks over time]({plot})"]
     return "\n".join(out) + "\n"
+
+
+def write(out: str, verdicts: list[Verdict], docs: dict[str, str], command: str, started: str, wall_s: float,
+          notes: list[str]) -> None:
+    """The report at `out` (its folder made if missing), with the soak's plot beside it when there is one."""
+    folder = os.path.dirname(out) or "."
+    os.makedirs(folder, exist_ok=True)
+    plot = None
+    soak = next((v for v in verdicts if v.scenario == "soak"), None)
+    if soak is not None:
+        try:
+            if plot_soak(soak, os.path.join(folder, "reliability-soak.png")):
+                plot = "reliability-soak.png"
+        except Exception:  # a plot must never cost the report
+            traceback.print_exc()
+    with open(out, "w") as f:
+        f.write(markdown(verdicts, docs, command, started, wall_s, notes, plot))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
-import os
 import signal
 import sys
 import tempfile
@@ -115,18 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         elif ns.soak_minutes != 30:
             notes.append(f"the soak ran {ns.soak_minutes:g} minutes, not the 30 the campaign asks for; the full "
                          "run is `make chaos` (`python -m loadtest.chaos --soak-minutes 30`)")
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        plot = None
-        soak = next((v for v in verdicts if v.scenario == "soak"), None)
-        if soak is not None:
-            png = os.path.join(os.path.dirname(out) or ".", "reliability-soak.png")
-            try:
-                if report.plot_soak(soak, png):
-                    plot = os.path.basename(png)
-            except Exception:  # a plot must never cost the report
-                traceback.print_exc()
-        with open(out, "w") as f:
-            f.write(report.markdown(verdicts, docs, cmd, started, time.monotonic() - t_start, notes, plot))
+        report.write(out, verdicts, docs, cmd, started, time.monotonic() - t_start, notes)
         print(f"chaos: wrote {out}", flush=True)
     return 0 if verdicts and all(v.passed for v in verdicts) and len(verdicts) == len(names) else 1
 

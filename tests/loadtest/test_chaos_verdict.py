@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loadtest.chaos.fleet import metric, parse_metrics
-from loadtest.chaos.report import markdown, table
+from loadtest.chaos.report import markdown, table, write
 from loadtest.chaos.verdict import Verdict, linear_slope, second_half_growth
 
 
@@ -57,3 +57,15 @@ def test_report_names_failures():
     md = markdown([ok, bad], {"soak": "Soak doc."}, "python -m loadtest.chaos", "now", 60.0, ["a note"], None)
     assert "some scenarios FAILED" in md and "| no leak | **FAIL** | key in router.log |" in md
     assert "| requests | 1,234 |" in md and "Soak doc." in md and "- a note" in md
+
+
+def test_write_makes_the_folder_and_plots_the_soak(tmp_path):
+    """The first full run lost its report: the plot was saved before docs/ existed."""
+    soak = Verdict("soak")
+    soak.check("no trend", True, "")
+    soak.figures["_series"] = {"t": [0.0, 10.0, 20.0], "rss engine-0": [100.0, 101.0, 100.5],
+                               "free engine-0": [256, 250, 256]}
+    out = tmp_path / "new" / "reliability.md"
+    write(str(out), [soak], {}, "cmd", "now", 1.0, [])
+    assert "![soak: RSS and free blocks over time](reliability-soak.png)" in out.read_text()
+    assert (tmp_path / "new" / "reliability-soak.png").stat().st_size > 0

@@ -47,7 +47,8 @@ test: kernels prometheus
 # the reliability and security campaign (loadtest/chaos/, not part of `make test`): a loopback fleet (Redis,
 # 2 engines, 2 routers) through soak, cancellation storm, replica and router deaths, Redis outage, KV
 # exhaustion, hostile clients and security checks; prints a verdict table and writes docs/reliability.md.
-# About an hour with the default 30-minute soak: SOAK_MINUTES=10 make chaos for a shorter one.
+# Besides the soak, the scenarios took about 17 minutes on the shared 2-core machine; SOAK_MINUTES=10 make chaos
+# for a shorter soak.
 SOAK_MINUTES ?= 30
 chaos: kernels
 	$(BIN)/python -m loadtest.chaos --soak-minutes $(SOAK_MINUTES)

@@ -53,12 +53,12 @@ SOAK_MINUTES ?= 30
 chaos: kernels
 	$(BIN)/python -m loadtest.chaos --soak-minutes $(SOAK_MINUTES)
 
-# every scenario, smaller (a few minutes); writes no report
+# every scenario, smaller (13 minutes on the shared 2-core machine); writes no report
 chaos-quick: kernels
 	$(BIN)/python -m loadtest.chaos --quick
 
 lint: $(STAMP)
-	$(BIN)/ruff check engine router loadtest tests deploy dashboards
+	$(BIN)/ruff check engine router loadtest tests deploy dashboards kvfleet
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -20,6 +20,16 @@ FINDINGS = """## What the campaign found, and what was fixed
   (the real `kvfleet router` and `kvfleet engine` processes). The hostile-clients scenario below shows the
   500 idle connections on each server closed by the header timeout.
 - The router's body limit existed in its configuration but had no flag: `kvfleet router --max-body-bytes`.
+- **Open, not fixed: multi-turn traffic alternating between two routers hits the prefix cache less than
+  traffic through one router.** Alternating / one router, in four runs on 2026-11-30: 0.592 / 0.608,
+  0.585 / 0.601, 0.578 / 0.608, 0.559 / 0.608 (2.6% to 8.1% lower, always lower; the 5% bound failed once).
+  Both routers' indexes equal the engines' caches at idle (checked), so the difference is in flight. Likely
+  causes, not yet confirmed: a turn sent to the other router right after the previous turn finished can
+  arrive before that router has received the engine's `stored` events for the previous turn (each router
+  learns of a placement only from KV events, so only the router that placed a turn routes the next turn on
+  fresh information), and each router counts only its own in-flight requests in the load side of the score.
+  Sending the session id (`x-session-id`) lets both routers fall back to the same consistent-hash placement;
+  the scenario does not send it.
 - The leak check needs to see the block pool: engines now export `kvfleet:num_free_kv_blocks` and
   `kvfleet:num_cached_kv_blocks` (test: `tests/server/test_metrics.py`, every block free at idle).
 """

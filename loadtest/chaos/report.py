@@ -28,8 +28,8 @@ FINDINGS = """## What the campaign found, and what was fixed
   arrive before that router has received the engine's `stored` events for the previous turn (each router
   learns of a placement only from KV events, so only the router that placed a turn routes the next turn on
   fresh information), and each router counts only its own in-flight requests in the load side of the score.
-  Sending the session id (`x-session-id`) lets both routers fall back to the same consistent-hash placement;
-  the scenario does not send it.
+  The scenario sends no session id (`x-session-id`); whether one would make both routers place a session
+  alike was not measured.
 - The leak check needs to see the block pool: engines now export `kvfleet:num_free_kv_blocks` and
   `kvfleet:num_cached_kv_blocks` (test: `tests/server/test_metrics.py`, every block free at idle).
 """

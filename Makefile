@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install kernels prometheus dashboards lint clean
+.PHONY: run test install kernels prometheus dashboards lint clean chaos chaos-quick
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -44,8 +44,21 @@ run: kernels
 test: kernels prometheus
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# the reliability and security campaign (loadtest/chaos/, not part of `make test`): a loopback fleet (Redis,
+# 2 engines, 2 routers) through soak, cancellation storm, replica and router deaths, Redis outage, KV
+# exhaustion, hostile clients and security checks; prints a verdict table and writes docs/reliability.md.
+# Besides the soak, the scenarios took about 17 minutes on the shared 2-core machine; SOAK_MINUTES=10 make chaos
+# for a shorter soak.
+SOAK_MINUTES ?= 30
+chaos: kernels
+	$(BIN)/python -m loadtest.chaos --soak-minutes $(SOAK_MINUTES)
+
+# every scenario, smaller (13 minutes on the shared 2-core machine); writes no report
+chaos-quick: kernels
+	$(BIN)/python -m loadtest.chaos --quick
+
 lint: $(STAMP)
-	$(BIN)/ruff check engine router loadtest tests deploy dashboards
+	$(BIN)/ruff check engine router loadtest tests deploy dashboards kvfleet
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -74,6 +74,8 @@ class EngineStats:
     oom_events: int = 0
     gpu_memory_used_bytes: int | None = None  # torch.cuda.memory_allocated on the engine's GPU; None on CPUs
     kv_events_published: int = 0
+    num_free_blocks: int = 0  # blocks no request holds (cached ones among them, evictable)
+    num_cached_blocks: int = 0  # blocks whose content the prefix cache holds (held or free)
 
 
 class _Request:
@@ -326,7 +328,8 @@ class LLMEngine:
             prefix_queries_tokens=kv.prefix_queries_tokens, prefix_hits_tokens=kv.prefix_hits_tokens,
             num_preemptions=kv.num_preemptions, alloc_failures=kv.alloc_failures, evictions=kv.evictions,
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
-            oom_events=self.oom_events, gpu_memory_used_bytes=self._gpu_memory_used())
+            oom_events=self.oom_events, gpu_memory_used_bytes=self._gpu_memory_used(),
+            num_free_blocks=kv.num_free_blocks, num_cached_blocks=len(kv.pool.cached))
 
     def _gpu_memory_used(self) -> int | None:
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None

@@ -8,6 +8,7 @@ import os
 import sys
 
 from contract.errors import ConfigError
+from kvfleet import http_limits
 from router.config import (
     DISCOVERY_KINDS,
     ENGINE_TYPES,
@@ -111,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds running requests (streams too) may take to finish; meanwhile /ready "
                    "is 503 and new requests get 503 + Retry-After (a second signal exits at once)")
+    conn = p.add_argument_group("client connections")
+    conn.add_argument("--max-body-bytes", type=int, default=d["max_body_bytes"].default,
+                      help="largest request body accepted; larger ones get 413 (default %(default)s)")
+    http_limits.add_cli_args(conn)
     p.add_argument("--log-level", default="info")
     p.add_argument("--access-log", action="store_true",
                    help="log one INFO line per proxied request: method, path, status, replica, latency, "
@@ -136,7 +141,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         kv_heartbeat_timeout_s=ns.kv_heartbeat_timeout_s, block_size=ns.block_size,
         hash_seed=ns.hash_seed, approx_max_blocks=ns.approx_max_blocks, breaker_failures=ns.breaker_failures,
         breaker_open_s=ns.breaker_open_s, max_attempts=ns.max_attempts, request_timeout_s=ns.request_timeout_s,
-        internal_token=ns.internal_token, access_log=ns.access_log, pools_file=ns.pools, scoring=scoring,
+        internal_token=ns.internal_token, max_body_bytes=ns.max_body_bytes, access_log=ns.access_log, pools_file=ns.pools, scoring=scoring,
         vllm_events=VllmEventsConfig.parse(ns.vllm_kv_events),
         ratelimit=RateLimitConfig(tenants_file=ns.tenants, redis_url=ns.redis_url or None,
                                   on_store_error=ns.ratelimit_on_store_error,
@@ -161,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         flag = e.field[:-2] if e.field.endswith("_s") else e.field
         print(f"kvfleet router: error: --{flag.replace('_', '-')}: {e}", file=sys.stderr)
         return 2
+    try:
+        limits = http_limits.from_cli(ns)
+    except ConfigError as e:
+        print(f"kvfleet router: error: {e}", file=sys.stderr)
+        return 2
     configure_logging(ns.log_level)
     import uvicorn
 
@@ -177,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvfleet.draining import DrainingServer
 
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=ns.log_level.lower(), access_log=False,
-                            lifespan="on", loop="uvloop", http="httptools", timeout_graceful_shutdown=5)
+                            lifespan="on", loop="uvloop", http=http_limits.protocol_class(limits),
+                            timeout_graceful_shutdown=5)
     server = DrainingServer(config, lambda: app.drain(ns.drain_timeout))
     server.run()
     return server.exit_code

@@ -4,7 +4,8 @@
 
 Engine flags (incl. --served-model-name) come from `EngineArgs.add_cli_args`; the server adds
 --host, --port, --instance-id, --internal-token, --require-internal-token, --drain-timeout,
---max-body-bytes, --sse-keepalive, --log-level and --access-log. The model loads after the server is up (/health answers, /ready
+--max-body-bytes, --sse-keepalive, --header-timeout, --body-timeout, --max-connections,
+--log-level and --access-log. The model loads after the server is up (/health answers, /ready
 says 503 until it is loaded). SIGTERM (or Ctrl-C) drains: /ready turns 503, new requests get 503,
 running ones finish for up to --drain-timeout seconds, then the process exits 0; a second signal
 exits at once.
@@ -22,6 +23,7 @@ import uvicorn
 
 from engine.server.app import build_app, drain
 from engine.server.serving import ServerConfig
+from kvfleet import http_limits
 from kvfleet.draining import DrainingServer
 
 logger = logging.getLogger("kvfleet.server")
@@ -47,6 +49,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    "SSE comment `: keep-alive`; 0: never")
     g.add_argument("--max-queued-requests", type=int, default=None,
                    help="requests allowed to wait beyond --max-num-seqs; more get 429 + Retry-After (default: no limit)")
+    http_limits.add_cli_args(g)
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
 
@@ -82,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             instance_id=ns.instance_id or f"{socket.gethostname()}:{ns.port}",
             internal_token=ns.internal_token, require_internal_token=ns.require_internal_token,
             drain_timeout=ns.drain_timeout, max_body_bytes=ns.max_body_bytes, sse_keepalive=ns.sse_keepalive)
+        limits = http_limits.from_cli(ns)
         if ns.max_queued_requests is not None and ns.max_queued_requests < 0:
             raise ConfigError("--max-queued-requests", f"--max-queued-requests must be >= 0, got {ns.max_queued_requests}")
     except ValueError as e:
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     app = build_app(config, engine_factory=make_engine, on_load_error=lambda msg: server and server.fail(msg),
                     on_engine_dead=lambda msg: server and server.fail(msg))
     uv_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=ns.access_log,
-                               timeout_graceful_shutdown=5, lifespan="on")
+                               timeout_graceful_shutdown=5, lifespan="on", http=http_limits.protocol_class(limits))
     server = DrainingServer(uv_config, lambda: _drain(app.state.server, ns.drain_timeout))
     server.run()
     return server.exit_code

@@ -45,6 +45,9 @@ _GAUGES = (
     ("vllm:num_requests_running", "num_running", "Requests running (in the batch)."),
     ("vllm:num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
     ("kvfleet:num_kv_blocks", "num_total_blocks", "KV cache blocks in total."),
+    ("kvfleet:num_free_kv_blocks", "num_free_blocks", "KV cache blocks no request holds (cached ones among them)."),
+    ("kvfleet:num_cached_kv_blocks", "num_cached_blocks", "KV cache blocks whose content the prefix cache holds "
+     "(held or free): what the KV events announce."),
 )
 
 

@@ -123,3 +123,19 @@ def test_rejected_requests_counted_by_status(api_server):
     r = httpx.post(f"{api_server.url}/v1/chat/completions", json={"model": "smollm2", "messages": []}, timeout=30)
     assert r.status_code == 400
     assert api_server.metric("kvfleet:rejected_requests_total", status="400") - before == 1
+
+
+def test_free_and_cached_blocks_at_idle_account_for_the_whole_pool(api_server):
+    """What the chaos campaign's leak check reads: at idle every block is free (KV usage 0), and the prefix
+    cache holds the blocks of what was just served (free, evictable), as many as its KV events announce."""
+    chat(api_server, PROMPT)
+    deadline = time.monotonic() + 10
+    while True:
+        m = api_server.metrics()
+        total = api_server.metric("kvfleet:num_kv_blocks")
+        free, cached = api_server.metric("kvfleet:num_free_kv_blocks"), api_server.metric("kvfleet:num_cached_kv_blocks")
+        if free == total or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert total == 1024 and free == total and api_server.metric("vllm:kv_cache_usage_perc") == 0.0, m
+    assert 0 < cached <= total  # the system prompt's blocks at least

@@ -1,0 +1,5 @@
+import sys
+
+from loadtest.chaos.run import main
+
+sys.exit(main())

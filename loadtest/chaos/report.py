@@ -1,0 +1,138 @@
+"""The campaign's results: a verdict table for the terminal and docs/reliability.md (with the soak's plot)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import traceback
+
+from loadtest.chaos.verdict import Verdict, fmt
+
+FINDINGS = """## What the campaign found, and what was fixed
+
+- **Connections that never send a request were never closed, and nothing capped them** (router and engine:
+  uvicorn has no header or body read timeout and no connection cap; one idle connection costs a descriptor
+  for ever, so enough of them exhaust the process's descriptors). Fixed by `kvfleet/http_limits.py`, shared
+  by both servers: `--header-timeout` (default 10 s), `--body-timeout` (60 s, then 408) and
+  `--max-connections` (4096, excess closed on accept). Regression tests: `tests/kvfleet/test_http_limits.py`
+  (raw sockets against a uvicorn server with the limits) and `tests/kvfleet/test_http_limits_servers.py`
+  (the real `kvfleet router` and `kvfleet engine` processes). The hostile-clients scenario below shows the
+  500 idle connections on each server closed by the header timeout.
+- The router's body limit existed in its configuration but had no flag: `kvfleet router --max-body-bytes`.
+- **Open, not fixed: multi-turn traffic alternating between two routers hits the prefix cache less than
+  traffic through one router.** Alternating / one router, in four runs on 2026-11-30: 0.592 / 0.608,
+  0.585 / 0.601, 0.578 / 0.608, 0.559 / 0.608 (2.6% to 8.1% lower, always lower; the 5% bound failed once).
+  Both routers' indexes equal the engines' caches at idle (checked), so the difference is in flight. Likely
+  causes, not yet confirmed: a turn sent to the other router right after the previous turn finished can
+  arrive before that router has received the engine's `stored` events for the previous turn (each router
+  learns of a placement only from KV events, so only the router that placed a turn routes the next turn on
+  fresh information), and each router counts only its own in-flight requests in the load side of the score.
+  The scenario sends no session id (`x-session-id`); whether one would make both routers place a session
+  alike was not measured.
+- **Open, not fixed: engine RSS rose through the 5-minute soak of the second full run** (engine-0 1,916 ->
+  1,996 MB, +45 MB fitted over the second half against a 39.5 MB bound; engine-1 +27 MB; routers and Redis
+  flat; no block leaked, zero 5xx). The first full run's 10-minute soak passed the same test (its figures
+  were lost, see the note above). Whether this is warm-up after the replica-death restarts or a leak needs
+  the 30-minute soak (`make chaos`), which did not fit before the deadline, and a heap profile of the engine.
+- The leak check needs to see the block pool: engines now export `kvfleet:num_free_kv_blocks` and
+  `kvfleet:num_cached_kv_blocks` (test: `tests/server/test_metrics.py`, every block free at idle).
+"""
+
+
+def table(verdicts: list[Verdict]) -> str:
+    rows = [("scenario", "verdict", "checks", "seconds")]
+    rows += [(v.scenario, "PASS" if v.passed else "FAIL", f"{sum(c.passed for c in v.checks)}/{len(v.checks)}",
+              f"{v.seconds:.0f}") for v in verdicts]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(_cell(x) for x in value) + ")"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {_cell(x)}" for k, x in value.items())
+    return fmt(value).replace("|", "\\|")
+
+
+def plot_soak(v: Verdict, path: str) -> bool:
+    series = v.figures.get("_series")
+    if not series or len(series.get("t", [])) < 2:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [x / 60 for x in series["t"]]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.6))
+    for k, ys in series.items():
+        if k.startswith("rss "):
+            a.plot(t, ys, label=k[4:])
+        elif k.startswith("free "):
+            b.plot(t, ys, label=k[5:])
+    a.set(title="RSS (MB)", xlabel="minutes")
+    b.set(title="free KV blocks", xlabel="minutes")
+    a.legend(fontsize=7)
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+def markdown(verdicts: list[Verdict], docs: dict[str, str], command: str, started: str, wall_s: float,
+             notes: list[str], plot: str | None) -> str:
+    ok = all(v.passed for v in verdicts)
+    out = ["# Reliability and security campaign", "",
+           f"Results of one run of `{command}`, started {started}, {wall_s / 60:.0f} minutes: "
+           f"**{'every scenario passed' if ok else 'some scenarios FAILED'}**. Regenerate with `make chaos` "
+           "(the scenarios live in `loadtest/chaos/`; `make chaos-quick` is a smaller smoke run that writes no report).", "",
+           f"Machine: {len(os.sched_getaffinity(0))} CPUs ({cpu_model() or platform.machine()}), Python "
+           f"{sys.version.split()[0]}, shared with other jobs while this ran, so latencies are noisy; this is a "
+           "correctness campaign, not a benchmark. The fleet: Redis, 2 engines of the bundled SmolLM2-135M on "
+           "the CPU (one thread each, 256 KV blocks of 16 tokens each, internal token required), 2 routers "
+           "(kv policy, tenants file, budgets in Redis), all on loopback, every process at its default log level.",
+           ""]
+    out += [f"- {n}" for n in notes]
+    out += ["", "| scenario | verdict | checks passed | seconds |", "|---|---|---|---|"]
+    out += [f"| [{v.scenario}](#{v.scenario.lower().replace(' ', '-')}) | {'PASS' if v.passed else '**FAIL**'} | "
+            f"{sum(c.passed for c in v.checks)}/{len(v.checks)} | {v.seconds:.0f} |" for v in verdicts]
+    out += ["", FINDINGS.strip()]
+    for v in verdicts:
+        out += ["", f"## {v.scenario}", "", docs.get(v.scenario, "").strip(), "", "| check | result | detail |",
+                "|---|---|---|"]
+        out += [f"| {c.name} | {'pass' if c.passed else '**FAIL**'} | {c.detail.replace('|', '/')} |" for c in v.checks]
+        out += ["", "| figure | value |", "|---|---|"]
+        out += [f"| {k} | {_cell(x)} |" for k, x in v.figures.items() if not k.startswith("_")]
+        out += [f"\n{n}" for n in v.notes]
+        if v.scenario == "soak" and plot:
+            out += ["", f"![soak: RSS and free blocks over time]({plot})"]
+    return "\n".join(out) + "\n"
+
+
+def write(out: str, verdicts: list[Verdict], docs: dict[str, str], command: str, started: str, wall_s: float,
+          notes: list[str]) -> None:
+    """The report at `out` (its folder made if missing), with the soak's plot beside it when there is one."""
+    folder = os.path.dirname(out) or "."
+    os.makedirs(folder, exist_ok=True)
+    plot = None
+    soak = next((v for v in verdicts if v.scenario == "soak"), None)
+    if soak is not None:
+        try:
+            if plot_soak(soak, os.path.join(folder, "reliability-soak.png")):
+                plot = "reliability-soak.png"
+        except Exception:  # a plot must never cost the report
+            traceback.print_exc()
+    with open(out, "w") as f:
+        f.write(markdown(verdicts, docs, command, started, wall_s, notes, plot))

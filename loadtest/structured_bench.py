@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory() as logs:
                 proc: Proc = start_server(name, peers_dir(), logs)
                 try:
-                    proc.wait_ready(timeout=900)
+                    proc.wait_ready(timeout=900, path="/health" if name == "vllm" else "/ready")
                     results[name] = asyncio.run(measure(proc.url, ns))
                 finally:
                     proc.stop()

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.model.cpu_layers import RopeTable
 from engine.model.cpu_linear import swap_modules
-from engine.model.llama import Attention, LlamaForCausalLM, RMSNorm, RotaryEmbedding, SiluAndMul
+from engine.model.llama import Attention, LlamaForCausalLM, RMSNorm, SiluAndMul
 
 
 def _kernels():
@@ -31,19 +32,6 @@ class TritonRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return self._op(x, residual, self.weight, self.eps)
-
-
-class TritonRopeTable(nn.Module):
-    """A step's rope for TritonAttention: (positions, float32 [max_len, D] table of cos halves | sin halves)."""
-
-    def __init__(self, rope: RotaryEmbedding):
-        super().__init__()
-        half = rope.cos.shape[-1] // 2
-        self.register_buffer("cos_sin", torch.cat((rope.cos[:, :half], rope.sin[:, :half]), dim=1).float().contiguous(),
-                             persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return positions, self.cos_sin
 
 
 class TritonAttention(nn.Module):
@@ -82,7 +70,7 @@ def use_triton_layers(model: LlamaForCausalLM) -> None:
     swap_modules(model, RMSNorm, lambda _, norm: TritonRMSNorm(norm))
     swap_modules(model, Attention, lambda _, attn: TritonAttention(attn))
     swap_modules(model, SiluAndMul, lambda _, act: TritonSiluAndMul())
-    model.rope = TritonRopeTable(model.rope)
+    model.rope = RopeTable(model.rope)  # the same (positions, cos|sin) table as the CPU kernels'
 
 
 def uses_triton_layers(model: nn.Module) -> bool:

@@ -16,13 +16,13 @@ import tempfile
 
 # id: (kernel, dtype, arch, consts, num_warps, num_stages); None for the launch = the module's default
 CASES = {
-    "decode-bf16-g4-d128-bs16": ("decode", "bf16", 90, dict(G=4, D=128, BS=16, DIRECT=False), None),
-    "decode-fp16-g3-d64-bs8-direct": ("decode", "fp16", 90, dict(G=3, D=64, BS=8, DIRECT=True), None),
-    "decode-bf16-g8-d128-bs32-bn128": ("decode", "bf16", 90, dict(G=8, D=128, BS=32, DIRECT=False), (128, 8, 4)),
-    "decode-fp32-g8-d128-bs64": ("decode", "fp32", 90, dict(G=8, D=128, BS=64, DIRECT=False), None),
-    "decode-bf16-g2-d256-bs16": ("decode", "bf16", 90, dict(G=2, D=256, BS=16, DIRECT=False), None),
-    "decode-fp16-g4-d128-sm80": ("decode", "fp16", 80, dict(G=4, D=128, BS=16, DIRECT=False), None),
-    "reduce-bf16-d128": ("reduce", "bf16", 90, dict(D=128, BLOCK_D=128, BLOCK_S=16), (0, 4, 1)),
+    "decode-bf16-g4-d128-bs16": ("decode", "bf16", 90, dict(G=4, D=128, BS=16), None),
+    "decode-fp16-g3-d64-bs8": ("decode", "fp16", 90, dict(G=3, D=64, BS=8), None),
+    "decode-bf16-g8-d128-bs32-bn128": ("decode", "bf16", 90, dict(G=8, D=128, BS=32), (128, 8, 4)),
+    "decode-fp32-g8-d128-bs64": ("decode", "fp32", 90, dict(G=8, D=128, BS=64), None),
+    "decode-bf16-g2-d256-bs16": ("decode", "bf16", 90, dict(G=2, D=256, BS=16), None),
+    "decode-fp16-g4-d128-sm80": ("decode", "fp16", 80, dict(G=4, D=128, BS=16), None),
+    "reduce-bf16-d128": ("reduce", "bf16", 90, dict(D=128, BLOCK_D=128, BLOCK_S=16, BLOCK_N=64), (0, 4, 1)),
     "extend-bf16-g4-d128": ("extend", "bf16", 90, dict(G=4, D=128, BS=16), None),
     "extend-fp32-g1-d128": ("extend", "fp32", 90, dict(G=1, D=128, BS=16), None),
     "extend-fp16-g2-d80": ("extend", "fp16", 90, dict(G=2, D=80, BS=16), None),

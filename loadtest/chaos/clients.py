@@ -36,6 +36,7 @@ class Result:
     chunks: int = 0
     broken: bool = False  # the connection broke (a transport error, not an answer)
     resent_after_cut: int = 0  # failover: earlier attempts whose answer (status 200) was cut mid-way
+    replica: str | None = None  # the engine a router placed the request on (its x-kvfleet-replica header)
 
     @property
     def ok(self) -> bool:
@@ -90,6 +91,7 @@ async def request(client: httpx.AsyncClient, url: str, body: dict, key: str | No
 async def _do(client, url, body, hdrs, res: Result, t0: float, cut: str | None, rng: random.Random) -> None:
     async with client.stream("POST", url + CHAT, json=body, headers=hdrs) as resp:
         res.status = resp.status_code
+        res.replica = resp.headers.get("x-kvfleet-replica")
         if resp.status_code != 200 or not res.stream:
             data = await resp.aread()
             try:

@@ -41,6 +41,7 @@ from engine.model.loader import load_hf_config, load_model, resolve_dtype
 from engine.model.registry import resolve_model
 from engine.model.triton_layers import use_triton_layers
 from engine.model_runner import ModelRunner, kv_bytes_per_token
+from engine.onednn_caches import bound_onednn_caches
 from engine.oom_backoff import GIVE_UP_AFTER
 from engine.outputs import CompletionDelta, RequestDelta, RequestMetrics
 from engine.sampler import Sampler
@@ -99,6 +100,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, model=None):
         """model: an already loaded (LlamaForCausalLM, hf_config) of args.model to reuse (tests, benchmarks)."""
         self.args = args
+        bound_onednn_caches()  # before the model's first oneDNN op reads them
         if args.cpu_cores is not None:  # first, so the torch threads below start on these cores
             pin_process(parse_cpu_list(args.cpu_cores))
         threads = args.num_threads or len(os.sched_getaffinity(0))

@@ -20,21 +20,21 @@ FINDINGS = """## What the campaign found, and what was fixed
   (the real `kvfleet router` and `kvfleet engine` processes). The hostile-clients scenario below shows the
   500 idle connections on each server closed by the header timeout.
 - The router's body limit existed in its configuration but had no flag: `kvfleet router --max-body-bytes`.
-- **Open, not fixed: multi-turn traffic alternating between two routers hits the prefix cache less than
-  traffic through one router.** Alternating / one router, in four runs on 2026-11-30: 0.592 / 0.608,
-  0.585 / 0.601, 0.578 / 0.608, 0.559 / 0.608 (2.6% to 8.1% lower, always lower; the 5% bound failed once).
-  Both routers' indexes equal the engines' caches at idle (checked), so the difference is in flight. Likely
-  causes, not yet confirmed: a turn sent to the other router right after the previous turn finished can
-  arrive before that router has received the engine's `stored` events for the previous turn (each router
-  learns of a placement only from KV events, so only the router that placed a turn routes the next turn on
-  fresh information), and each router counts only its own in-flight requests in the load side of the score.
-  The scenario sends no session id (`x-session-id`); whether one would make both routers place a session
-  alike was not measured.
-- **Open, not fixed: engine RSS rose through the 5-minute soak of the second full run** (engine-0 1,916 ->
-  1,996 MB, +45 MB fitted over the second half against a 39.5 MB bound; engine-1 +27 MB; routers and Redis
-  flat; no block leaked, zero 5xx). The first full run's 10-minute soak passed the same test (its figures
-  were lost, see the note above). Whether this is warm-up after the replica-death restarts or a leak needs
-  the 30-minute soak (`make chaos`), which did not fit before the deadline, and a heap profile of the engine.
+- **Engine memory grew with every new batch size** (the soak: engine RSS rising ~16 MB/min through the run,
+  routers and Redis flat, no block leaked). Not a Python leak (tracemalloc: under 1 MB of Python allocations
+  over 6 minutes of load; object counts flat) and not the allocator (jemalloc grew the same; glibc with 2
+  arenas too): oneDNN, which runs torch's CPU bf16 matmuls and our pre-packed projections, keeps a primitive
+  for every input shape in two caches of 1,024 entries each (ideep's `LRU_CACHE_CAPACITY`, oneDNN's
+  `ONEDNN_PRIMITIVE_CACHE_CAPACITY`), 0.6-1.5 MB each at SmolLM2's sizes, and an engine batches a different
+  number of tokens at almost every step: SmolLM2's four projections at 1,000 row counts grew a process from
+  0.25 to 3.0 GB. Fixed by `engine/onednn_caches.py`: the engine bounds both caches to 256 entries before it
+  loads a model (a user's own setting wins). Regression test: `tests/engine/test_onednn_caches.py` (80 new
+  row counts grow an unbounded process by more than 40 MB and a bounded one by under 12 MB).
+- **Alternating routers seemed to hit the cache less than one router** (2.6-8.1% lower in four runs); the
+  scenario compared two different workloads (two seeds), whose hit rates differ on their own. Run on the same
+  conversations (salted per run so none hits another's cache), three pairs gave one router 0.598 / 0.613 /
+  0.601 and alternating 0.601 / 0.600 / 0.599. The scenario now does that, in the order one, alternating,
+  alternating, one.
 - The leak check needs to see the block pool: engines now export `kvfleet:num_free_kv_blocks` and
   `kvfleet:num_cached_kv_blocks` (test: `tests/server/test_metrics.py`, every block free at idle).
 """

@@ -9,6 +9,12 @@
 - `--max-connections`: open connections beyond this are closed as soon as they are accepted (before any byte
   is read), so that descriptors and memory stay bounded whatever clients do. Idle ones age out by the
   timeouts above and uvicorn's keep-alive timeout.
+- Lingering close: a response sent before the request's body was read (a 413 for an announced 100 MB body,
+  a 408) used to be followed by a plain close while the client was still sending, so the kernel answered the
+  unread bytes with a reset, which also discards the response the client had not read yet: the client saw
+  "connection reset" instead of the 413. Now the server half-closes (its response and a FIN go out), reads and
+  drops what the client still sends for up to LINGER_S seconds (or until the client closes), then closes, as
+  nginx's `lingering_close` does.
 
 The limits are enforced by a subclass of uvicorn's httptools protocol, passed as `uvicorn.Config(http=...)`.
 Body *size* limits stay where they were (`--max-body-bytes` on each server), since they answer in the API's
@@ -27,6 +33,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from contract.errors import ConfigError
 
 logger = logging.getLogger("kvfleet.http")
+
+LINGER_S = 5.0  # how long a closing connection still reads (and drops) a request body it did not want
 
 _408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
         b"content-length: %d\r\n\r\n%s")
@@ -71,6 +79,19 @@ def protocol_class(limits: HttpLimits) -> type[HttpToolsProtocol]:
     return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), {"limits": limits})
 
 
+class _LingeringTransport:
+    """The connection's transport as the request cycles see it: close() lingers while a body is unread."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: LimitedHttpToolsProtocol):
+        self._transport, self._protocol = transport, protocol
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        self._protocol.close_connection()
+
+
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     limits: HttpLimits = HttpLimits()
 
@@ -78,10 +99,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._limit_timer: asyncio.TimerHandle | None = None
         self._in_headers = False
+        self._body_unread = False  # a request's headers arrived and the rest of its body has not
+        self._lingering = False
 
     # -- connection ----------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.transport = _LingeringTransport(transport, self)  # type: ignore[assignment]
         if len(self.connections) > self.limits.max_connections:
             logger.warning("connection refused: %d open, --max-connections %d", len(self.connections) - 1,
                            self.limits.max_connections)
@@ -93,6 +117,32 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm()
         super().connection_lost(exc)
 
+    def close_connection(self) -> None:
+        """Close; while the client may still be sending a body, half-close and drop what comes first."""
+        transport: asyncio.Transport = self.transport._transport  # type: ignore[attr-defined]
+        if self._lingering or transport.is_closing():
+            return
+        if not self._body_unread or not transport.can_write_eof():
+            transport.close()
+            return
+        self._lingering = True
+        self.pipeline.clear()  # no request after this one is answered
+        self._arm(LINGER_S, transport.close)
+        transport.write_eof()  # the response is out; a FIN follows it
+        transport.resume_reading()  # uvicorn pauses reading when a body piles up: the rest must drain
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:  # the rest of a body nobody will read
+            return
+        super().data_received(data)
+
+    def eof_received(self) -> None:
+        if self._lingering:  # the client has sent all it will
+            self._disarm()
+            self.transport._transport.close()  # type: ignore[attr-defined]
+            return
+        super().eof_received()
+
     # -- parser callbacks ----------------------------------------------------------------------------------
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -102,11 +152,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_headers = False
+        self._body_unread = True
         self._disarm()
         super().on_headers_complete()
         self._arm(self.limits.body_timeout_s, self._body_timed_out)  # disarmed by on_message_complete
 
     def on_message_complete(self) -> None:
+        self._body_unread = False
         self._disarm()
         super().on_message_complete()
 

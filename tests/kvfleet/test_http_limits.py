@@ -42,9 +42,23 @@ class EchoApp:
         await send({"type": "http.response.body", "body": body})
 
 
+class RefuseBigApp(EchoApp):
+    """Like the engine's body limit: a 413 with `connection: close` for an announced body over 1 MB, unread."""
+
+    async def __call__(self, scope, receive, send):
+        length = int(dict(scope.get("headers") or []).get(b"content-length", b"0"))
+        if scope["type"] != "http" or length <= 1 << 20:
+            await super().__call__(scope, receive, send)
+            return
+        body = b'{"error":{"code":"request_too_large"}}'
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
 @pytest.fixture
 def server():
-    app, port = EchoApp(), free_port()
+    app, port = RefuseBigApp(), free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off",
                                         http=http_limits.protocol_class(LIMITS)))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -124,6 +138,40 @@ def test_connections_beyond_the_cap_are_closed_at_once_and_the_cap_frees_up(serv
         s.close()
     time.sleep(0.1)
     assert _request(port).endswith(b"\r\n\r\n10")
+
+
+def test_a_refused_body_still_sending_gets_its_413_not_a_reset(server):
+    """The server answers 413 before reading a 32 MB body; the client keeps sending, then reads. Without the
+    lingering close the server's close with unread bytes resets the connection and the 413 is lost."""
+    _, port = server
+    for _ in range(3):
+        with _connect(port) as s:
+            s.sendall(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % (32 << 20))
+            time.sleep(0.1)  # the 413 and the server's close come now, while the body is still to be sent
+            sent = 0
+            try:
+                while sent < 32 << 20:
+                    s.sendall(b"x" * (1 << 20))
+                    sent += 1 << 20
+            except (BrokenPipeError, ConnectionResetError) as e:
+                pytest.fail(f"the server reset the connection after {sent >> 20} MB: {e!r}")
+            reply = _read_all(s)
+        assert reply.startswith(b"HTTP/1.1 413 ") and reply.endswith(b'"request_too_large"}}'), reply[:200]
+
+
+def test_a_refused_body_lingers_no_longer_than_linger_s(server, monkeypatch):
+    """A client that keeps trickling after the 413 is cut off after LINGER_S."""
+    monkeypatch.setattr(http_limits, "LINGER_S", 0.5)
+    _, port = server
+    with _connect(port) as s:
+        s.sendall(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % (32 << 20))
+        t0 = time.monotonic()
+        assert s.recv(65536).startswith(b"HTTP/1.1 413 ")
+        with pytest.raises((BrokenPipeError, ConnectionResetError)):
+            while time.monotonic() - t0 < 5:
+                s.sendall(b"x" * 1024)
+                time.sleep(0.05)
+        assert 0.4 < time.monotonic() - t0 < 2.0
 
 
 def test_well_behaved_requests_pass_including_keep_alive(server):

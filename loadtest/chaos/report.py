@@ -30,6 +30,16 @@ FINDINGS = """## What the campaign found, and what was fixed
   0.25 to 3.0 GB. Fixed by `engine/onednn_caches.py`: the engine bounds both caches to 256 entries before it
   loads a model (a user's own setting wins). Regression test: `tests/engine/test_onednn_caches.py` (80 new
   row counts grow an unbounded process by more than 40 MB and a bounded one by under 12 MB).
+- **A client still sending a refused body could read a connection reset instead of its 413.** The engine
+  answers an announced oversized body at once (`connection: close`) and uvicorn then closed the socket with
+  the body unread, so the kernel reset the connection and the client lost the response it had not read yet
+  (the full run of 2026-11-30 23:49 UTC: 2 of the engine's 3 announced 100 MB bodies ended in a reset after
+  3 MB; an earlier run had passed by timing). Fixed by a lingering close in `kvfleet/http_limits.py` (both
+  servers): after such a response the server half-closes, drops what the client still sends for up to 5 s,
+  then closes. Regression tests: `tests/kvfleet/test_http_limits.py` (a 32 MB body refused unread: the 413
+  arrives, no reset; a client that keeps trickling is cut off after the linger time). The hostile-clients
+  scenario rerun after the fix passed 7/7, every 100 MB body answered 413:
+  [`reliability-hostile-rerun.md`](reliability-hostile-rerun.md).
 - **Alternating routers seemed to hit the cache less than one router** (2.6-8.1% lower in four runs); the
   scenario compared two different workloads (two seeds), whose hit rates differ on their own. Run on the same
   conversations (salted per run so none hits another's cache), three pairs gave one router 0.598 / 0.613 /

@@ -67,3 +67,24 @@ def test_prepare_request(tok):
     prep = prepare_request("/v1/chat/completions", {"messages": [{"role": 3}]}, {}, pt, True)
     assert prep.token_ids is None and prep.block_hashes(16, 0) == []
     assert prepare_request("/v1/chat/completions", {"messages": msgs}, {}, pt, False).token_ids is None
+
+
+def test_piece_cache_costs_about_two_bytes_per_cached_character(tok):
+    """The router's biggest cache: token ids kept as 4-byte arrays, not tuples of Python ints (about 8 bytes
+    per character), so its 64 Mi-character bound is about 130 MB of router memory."""
+    import tracemalloc
+
+    from loadtest.workload import words
+
+    rng = random.Random(3)
+    texts = [f"<|im_start|>user\n{words(rng, rng.randint(20, 200))}<|im_end|>" for _ in range(400)]
+    pt = PromptTokenizer(tok)
+    tracemalloc.start()
+    try:
+        for text in texts:
+            pt.encode_text(text)
+        used, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert pt._cached_chars > 200_000
+    assert used / pt._cached_chars < 3.0, f"{used / pt._cached_chars:.2f} bytes per cached character"

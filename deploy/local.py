@@ -33,7 +33,7 @@ from deploy.gpus import ReplicaDevice, assign_gpus, cuda_device_count, describe,
 from deploy.ports import free_port
 from deploy.prometheus import INSTALL_HINT, find_binaries, prometheus_argv, scrape_config
 from engine.cpu_cores import core_slices, format_cpu_list
-from router.policies import POLICIES
+from router.routing.policies import POLICIES
 
 _PR_SET_PDEATHSIG = 1
 CPU_ONLY = ReplicaDevice(None, None)

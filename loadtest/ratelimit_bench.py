@@ -17,7 +17,7 @@ import httpx
 from deploy.redis_server import RedisServer
 from loadtest.router_overhead import latencies, pct, streamed_rps
 from loadtest.router_procs import Proc, start_fake_engines, start_router
-from router.tenants import key_sha256
+from router.tenants.registry import key_sha256
 
 KEY = "sk-bench-tenant-key"
 

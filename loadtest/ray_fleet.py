@@ -27,7 +27,7 @@ import sys
 from deploy.ray.cli import SERVE_CONFIG, plan
 from loadtest.ray_serve import deploy, engine_metrics, ray_serve, undeploy
 from loadtest.router_bench import build_sessions, run_sessions
-from router.replicas import parse_engine_metrics
+from router.routing.replicas import parse_engine_metrics
 
 
 def app_args(ns, policy: str, replicas: int, num_blocks: int, threads: int) -> dict:

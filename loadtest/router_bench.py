@@ -40,7 +40,7 @@ import httpx
 from loadtest.router_overhead import cmd_overhead, pct
 from loadtest.router_procs import Proc, start_engine, start_router
 from loadtest.workload import generate_trace, words
-from router.replicas import parse_engine_metrics
+from router.routing.replicas import parse_engine_metrics
 
 
 # -- workload ------------------------------------------------------------------------------------------------

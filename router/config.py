@@ -8,8 +8,8 @@ from urllib.parse import urlsplit
 
 from contract.errors import ConfigError
 from contract.hashing import DEFAULT_HASH_SEED
-from router.policies import POLICIES
-from router.shedding import SheddingConfig
+from router.admission.shedding import SheddingConfig
+from router.routing.policies import POLICIES
 
 DISCOVERY_KINDS = ("static", "dns", "k8s")
 ENGINE_TYPES = ("auto", "kvfleet", "vllm", "sglang")
@@ -25,7 +25,7 @@ class ScoringConfig:
     # are counted by their measured prefill), each running request (per-sequence overhead in every step).
     kv_token_cost: float = 0.0
     # The prefill a request would add (its uncached prompt) counts this many times against the prefill already
-    # queued ahead of it (measured per replica, see router/policies/load.py): a miss makes the fleet redo work.
+    # queued ahead of it (measured per replica, see router/routing/policies/load.py): a miss makes the fleet redo work.
     prefill_weight: float = 3.0
     waiting_cost_tokens: float = 256.0
     running_cost_tokens: float = 32.0
@@ -116,7 +116,7 @@ class RateLimitConfig:
 class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    policy: str = "kv"  # a name in router.policies.POLICIES
+    policy: str = "kv"  # a name in router.routing.policies.POLICIES
     model: str | None = "smollm2"  # tokenizer for prefix matching (same as the engines')
     tokenizer_from_engines: bool = False  # fetch the tokenizer from the first ready engine instead of `model`
     engine_type: str = "auto"  # what the replicas are; auto: /ready (else /health) and KV events if served

@@ -9,6 +9,7 @@ import sys
 
 from contract.errors import ConfigError
 from kvfleet import http_limits
+from router.admission.shedding import SheddingConfig
 from router.config import (
     DISCOVERY_KINDS,
     ENGINE_TYPES,
@@ -17,8 +18,7 @@ from router.config import (
     ScoringConfig,
     VllmEventsConfig,
 )
-from router.policies import POLICIES
-from router.shedding import SheddingConfig
+from router.routing.policies import POLICIES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(ns.log_level)
     import uvicorn
 
-    from router.app import RouterApp
+    from router.http.app import RouterApp
 
     try:
         app = RouterApp(cfg)

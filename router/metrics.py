@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from router.states import CircuitState, KVEventsState
+from router.routing.states import CircuitState, KVEventsState
 
 _DECISION_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1)
 _TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384)
@@ -51,7 +51,7 @@ class RouterMetrics:
                                          registry=r)
         self.kv_resyncs = Counter("kvfleet_router_kv_event_resyncs", "KV event stream resyncs by reason",
                                   ["replica", "reason"], registry=r)
-        # tenants and token budgets (router/ratelimit.py); labelled by tenant name, never by key
+        # tenants and token budgets (router/tenants/ratelimit.py); labelled by tenant name, never by key
         self.ratelimit_requests = Counter("kvfleet_router_ratelimit_requests", "Requests by tenant and admission "
                                           "outcome (admitted, rejected_tokens, rejected_concurrency, too_large, "
                                           "context_too_long, max_tokens_above_cap, shed, unavailable; tenant '-' "
@@ -68,7 +68,7 @@ class RouterMetrics:
         self.store_healthy.set(1)
         self.tenant_reloads = Counter("kvfleet_router_tenants_reloads", "Reloads of the tenants file by result "
                                       "(ok, failed: the previous tenants stay)", ["result"], registry=r)
-        # engine pools (router/pool_control.py), labelled by pool and configuration version
+        # engine pools (router/pools/control.py), labelled by pool and configuration version
         pv = ["pool", "version"]
         self.pool_requests = Counter("kvfleet_router_pool_requests", "Requests by pool, version and final status "
                                      "(HTTP code, 'error', 'cancelled')", [*pv, "status"], registry=r)

@@ -23,7 +23,7 @@ APP_NAME = "kvfleet"
 @dataclass(frozen=True)
 class RayAppConfig:
     engine: Mapping = field(default_factory=dict)  # EngineArgs fields (model, block_size, hash_seed, num_threads...)
-    policy: str = "kv"  # a router/policies name
+    policy: str = "kv"  # a router/routing/policies name
     scoring: Mapping = field(default_factory=dict)  # ScoringConfig fields
     replicas: int | None = None  # a fixed engine replica count; None: autoscaling
     autoscaling: Mapping = field(default_factory=lambda: {"min_replicas": 1, "max_replicas": 4})
@@ -37,7 +37,7 @@ class RayAppConfig:
     fake_engine: Mapping | None = None  # benchmarks: replicas run loadtest/fake_engine.py (these are its flags)
 
     def __post_init__(self):
-        from router.policies import POLICIES
+        from router.routing.policies import POLICIES
 
         if self.policy not in POLICIES:
             raise ConfigError("policy", f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
@@ -123,7 +123,7 @@ def build_app(args: Mapping | None = None):
     ingress = serve.deployment(Ingress).options(
         name=INGRESS_DEPLOYMENT, num_replicas=cfg.ingress_replicas, max_ongoing_requests=1000,
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus})
-    from router.policies import POLICIES
+    from router.routing.policies import POLICIES
 
     need_tokens = POLICIES[cfg.policy].needs.prompt_tokens
     engine_kwargs = {"fake_engine": dict(cfg.fake_engine)} if cfg.fake_engine is not None else {}

@@ -1,6 +1,6 @@
 """KV events from an engine replica to a request router over Ray: the engine's /v1/kv/events stream (the same
 NDJSON codec, contract/kv_wire.py) read through a streaming call of EngineReplica.kv_events on that one replica,
-applied to the router's exact PrefixIndex by the HTTP router's own EventApplier (router/kv_events.py).
+applied to the router's exact PrefixIndex by the HTTP router's own EventApplier (router/routing/kv_events.py).
 
 Recovery is the HTTP subscriber's: a gap in sequence numbers, a bad line, silence past the heartbeat timeout or
 a failed call drop the replica's blocks and resubscribe for a fresh snapshot.
@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator, Callable
 
 from contract.kv_events import Heartbeat, Snapshot
 from contract.kv_wire import KVWireError, decode_line
-from router.kv_events import EventApplier
-from router.prefix_index import PrefixIndex
-from router.states import KVEventsState
+from router.routing.kv_events import EventApplier
+from router.routing.prefix_index import PrefixIndex
+from router.routing.states import KVEventsState
 
 log = logging.getLogger("kvfleet.ray.kv_events")
 

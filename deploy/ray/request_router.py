@@ -1,4 +1,4 @@
-"""The Serve request router of the engine deployment: kvfleet's own routing policy objects (router/policies/:
+"""The Serve request router of the engine deployment: kvfleet's own routing policy objects (router/routing/policies/:
 `kv`, `approx-prefix`, `session`, `least-load`, `round-robin` - the code the HTTP router runs) deciding among
 Serve's RunningReplicas.
 

@@ -1,6 +1,6 @@
 """What one Serve request router knows and decides, free of Serve: the replicas (by Serve replica id), their
 load (routing stats plus this router's own requests), the exact PrefixIndex fed by KV event subscriptions, the
-ApproxPrefixIndex, the session ring - and `choose`, which asks kvfleet's policy object (router/policies/) for a
+ApproxPrefixIndex, the session ring - and `choose`, which asks kvfleet's policy object (router/routing/policies/) for a
 replica, exactly as the HTTP router's Fleet.route does. request_router.py adapts it to Serve's RequestRouter.
 """
 
@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 from deploy.ray.kv_subscription import ReplicaKVSubscription
 from deploy.ray.route_hint import RouteHint
-from router.approx_index import ApproxPrefixIndex
 from router.config import ScoringConfig
-from router.policies import POLICIES, Decision, HashRing, IndexKind, Policy, ReplicaView, RouteRequest
-from router.prefix_index import PrefixIndex
-from router.states import KVEventsState
+from router.routing.approx_index import ApproxPrefixIndex
+from router.routing.policies import POLICIES, Decision, HashRing, IndexKind, Policy, ReplicaView, RouteRequest
+from router.routing.prefix_index import PrefixIndex
+from router.routing.states import KVEventsState
 
 NO_HINT = RouteHint()
 
@@ -44,7 +44,7 @@ class ReplicaLoad:
     finished_since_stats: int = 0
 
     def view(self, key: str, now: float, stale_s: float, cached_tokens: int) -> ReplicaView:
-        """A pure view for the policy (as router/replicas.py ReplicaState.view)."""
+        """A pure view for the policy (as router/routing/replicas.py ReplicaState.view)."""
         s = self.stats or {}
         known = bool(s) and now - self.stats_seen_at <= stale_s
         new = [tokens for at, tokens in self.sent.values() if at > self.stats_seen_at]

@@ -15,7 +15,7 @@ from itertools import pairwise
 
 import httpx
 
-from router.replicas import parse_engine_metrics
+from router.routing.replicas import parse_engine_metrics
 
 _REPLICA = re.compile(r'^kvfleet_router_replica_ready\{[^}]*replica="([^"]+)"', re.M)
 

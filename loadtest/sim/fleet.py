@@ -1,7 +1,7 @@
 """The fleet simulator: a discrete-event loop that routes a `SimWorkload` with the router's real policy objects
 over simulated engines (loadtest/sim/engine.py), optionally autoscaled by the chart's HPA (deploy/hpa.py).
 
-The router side is the live router's own code, fed as router/fleet.py feeds it: one `ReplicaState` per replica
+The router side is the live router's own code, fed as router/routing/fleet.py feeds it: one `ReplicaState` per replica
 (scraped load every `scrape_interval_s`, this router's in-flight tickets, the staleness bound), the exact
 `PrefixIndex` fed from each engine's KV events at the end of every step (the `kv` policy), the
 `ApproxPrefixIndex` recording where requests went (`approx-prefix`), the session `HashRing`, and
@@ -22,12 +22,12 @@ from deploy.hpa import HPA, HPASpec, MetricTarget, ScalingRules
 from loadtest.sim.cost import CostModel
 from loadtest.sim.engine import SimEngine, SimSeq
 from loadtest.sim.workload import SimWorkload
-from router.approx_index import ApproxPrefixIndex
 from router.config import ScoringConfig
-from router.policies import POLICIES, HashRing, IndexKind, RouteRequest
-from router.prefix_index import PrefixIndex
-from router.replicas import CircuitBreaker, EngineLoad, ReplicaState
-from router.states import KVEventsState
+from router.routing.approx_index import ApproxPrefixIndex
+from router.routing.policies import POLICIES, HashRing, IndexKind, RouteRequest
+from router.routing.prefix_index import PrefixIndex
+from router.routing.replicas import CircuitBreaker, EngineLoad, ReplicaState
+from router.routing.states import KVEventsState
 
 
 @dataclass(frozen=True)

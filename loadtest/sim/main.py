@@ -20,7 +20,7 @@ from loadtest.sim.cost import COST_MODELS
 from loadtest.sim.fleet import Autoscale, SimConfig, Simulator
 from loadtest.sim.workload import mooncake, multi_turn
 from router.config import ScoringConfig
-from router.policies import POLICIES
+from router.routing.policies import POLICIES
 
 _SCORING = [f.name for f in dataclasses.fields(ScoringConfig)]
 

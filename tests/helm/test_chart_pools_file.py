@@ -1,12 +1,12 @@
 """The router's pools file that the chart renders (ConfigMap <release>-kvfleet-router-pools): the router's own
-parser (router/pools_file.py, what `kvfleet router --pools` reads) loads it under every toggle."""
+parser (router/pools/file.py, what `kvfleet router --pools` reads) loads it under every toggle."""
 
 from __future__ import annotations
 
 import pytest
 import yaml
 
-from router.pools_file import parse_pools
+from router.pools.file import parse_pools
 from tests.helm.chart import ALL_POOLS, NAMESPACE, RELEASE, TOGGLES, pools_file, render
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import httpx
 
-from router.replicas import EngineLoad, parse_engine_metrics
+from router.routing.replicas import EngineLoad, parse_engine_metrics
 from tests.router.conftest import fake_engine, metric, router, wait_for
 
 PROMPT = list(range(200, 264))  # 64 token ids: 3 cacheable blocks of 16

@@ -1,0 +1,443 @@
+"""The router's ASGI app: OpenAI endpoints proxied to the fleet, plus /health, /ready, /metrics.
+
+A plain ASGI callable (no framework) keeps the per-request path short: read the body, tokenize and hash,
+score, then stream through. Discovery, health checks, scrapes and KV event streams run as background tasks
+started by the ASGI lifespan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import NamedTuple
+
+import aiohttp
+
+from contract.errors import error_body, error_type
+from contract.structured import constrained_kind
+from router.admission.prepare import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    PreparedRequest,
+    max_tokens_field,
+    positive_int,
+    prepare_request,
+    prompt_token_counts,
+)
+from router.admission.shedding import Pressure, should_shed
+from router.admission.tokens import PromptTokenizer
+from router.config import RouterConfig
+from router.http.proxy import Attempts, Proxy
+from router.http.responses import send_bytes, send_json
+from router.http.usage import StreamUsage, ask_for_usage
+from router.metrics import RouterMetrics
+from router.pools.choice import PoolRefusal, PoolSpec, apply_caps
+from router.pools.control import Pools
+from router.routing.fleet import Fleet
+from router.tenants.ratelimit import Admitted, RateLimiter, Refusal
+from router.tenants.registry import Tenant
+
+log = logging.getLogger("kvfleet.router")
+access_log = logging.getLogger("kvfleet.router.access")
+
+_PROXIED = (CHAT_PATH, COMPLETIONS_PATH)
+_GET_PATHS = ("/v1/models", "/health", "/ready", "/metrics")
+_UNLOGGED = ("/health", "/ready", "/metrics")  # probes and scrapes stay out of the access log
+_SHUTDOWN_S = 10.0
+
+
+class Placement(NamedTuple):
+    pool: PoolSpec  # the pool as the request sees it (after degradation)
+    changed: bool  # the body's max_tokens was set or lowered
+    lowered: int | None  # the max_tokens a cap lowered the request's to
+
+
+class RouterApp:
+    def __init__(self, cfg: RouterConfig, tokenizer=None):
+        self.cfg = cfg
+        self.metrics = RouterMetrics(cfg.policy)
+        self.fleet = Fleet(cfg, self.metrics)
+        self.metrics.attach(self.fleet)
+        self.tokenizer = tokenizer
+        # engine pools and tenants (a bad pools or tenants file raises here, before the router serves)
+        self.pools = Pools(cfg, self.fleet, self.metrics)
+        self.ratelimit = (RateLimiter(cfg.ratelimit, self.metrics, self.fleet.load, cfg.request_timeout_s)
+                          if cfg.ratelimit.tenants_file else None)
+        self.need_tokens = (self.fleet.policy.needs.prompt_tokens or self.ratelimit is not None
+                            or cfg.pools_file is not None)
+        self.proxy: Proxy | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self.draining = False
+        self.inflight = 0  # completion requests being served
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._tokenizer_task: asyncio.Task | None = None
+        self._internal_headers = {"authorization": f"Bearer {cfg.internal_token}"} if cfg.internal_token else {}
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    async def startup(self) -> None:
+        cfg = self.cfg
+        if self.need_tokens and self.tokenizer is None and cfg.model and not cfg.tokenizer_from_engines:
+            from engine.tokenizer import load_tokenizer
+
+            tok = await asyncio.to_thread(load_tokenizer, cfg.model)
+            self.tokenizer = await asyncio.to_thread(PromptTokenizer, tok)
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, ttl_dns_cache=10),
+            timeout=aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout_s, sock_read=cfg.request_timeout_s),
+            auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
+        self.proxy = Proxy(self.metrics, self.session, cfg.max_attempts, cfg.internal_token,
+                           own_credentials=self.ratelimit is not None)
+        await self.fleet.start()
+        if self.ratelimit is not None:
+            await self.ratelimit.start()
+        await self.pools.start()
+        if self.need_tokens and self.tokenizer is None and cfg.tokenizer_from_engines:
+            self._tokenizer_task = asyncio.create_task(self._fetch_tokenizer())
+
+    @property
+    def waiting_for_tokenizer(self) -> bool:
+        return self.need_tokens and self.tokenizer is None and self.cfg.tokenizer_from_engines
+
+    async def _fetch_tokenizer(self) -> None:
+        """--tokenizer-from-engines: the tokenizer of the first ready engine that serves one (retried every
+        second until one does)."""
+        from engine.tokenizer import TokenizerError, load_tokenizer_archive
+
+        logged = set()
+        while self.tokenizer is None:
+            for url in self.fleet.ready_urls():
+                try:
+                    async with self.session.get(url + "/v1/kvfleet/tokenizer", headers=self._internal_headers,
+                                                timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                        if resp.status != 200:
+                            raise ValueError(f"HTTP {resp.status}")
+                        data = await resp.read()
+                    tok = await asyncio.to_thread(load_tokenizer_archive, data)
+                    self.tokenizer = await asyncio.to_thread(PromptTokenizer, tok)
+                    log.info("tokenizer from %s: vocab %d, %d bytes", url, tok.vocab_size, len(data))
+                    return
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TokenizerError) as e:
+                    if url not in logged:  # once per replica
+                        logged.add(url)
+                        log.warning("no tokenizer from %s yet: %s", url, e)
+            await asyncio.sleep(1.0)
+
+    async def drain(self, timeout: float) -> None:
+        """SIGTERM: /ready turns 503 (load balancers stop sending here), new completion requests get 503 +
+        Retry-After, running ones (streams too) finish for up to `timeout` s."""
+        self.draining = True
+        log.info("draining: %d requests in flight, up to %.1f s", self.inflight, timeout)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            log.info("drained")
+        except asyncio.TimeoutError:
+            log.warning("drain timeout: %d requests still running are cut", self.inflight)
+
+    async def shutdown(self) -> None:
+        if self._tokenizer_task is not None:
+            self._tokenizer_task.cancel()
+        await self.pools.stop()
+        await self.fleet.stop()
+        if self.ratelimit is not None:
+            await self.ratelimit.stop()
+        if self.session is not None:
+            await self.session.close()
+
+    # -- ASGI ----------------------------------------------------------------------------------------------
+    async def __call__(self, scope, receive, send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive, send) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as e:  # report it: uvicorn exits with the message
+                    log.exception("router startup failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(e)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                # bounded: a background task stuck on a dead peer must not keep the process from exiting
+                done, _ = await asyncio.wait({asyncio.ensure_future(self.shutdown())}, timeout=_SHUTDOWN_S)
+                if not done:
+                    log.warning("shutdown did not finish within %.0f s; exiting anyway", _SHUTDOWN_S)
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope, receive, send) -> None:
+        if not self.cfg.access_log or scope["path"] in _UNLOGGED:
+            await self._serve(scope, receive, send, Attempts())
+            return
+        t0 = time.perf_counter()
+        status = "-"  # the client went away before a response started
+
+        async def send_logged(msg) -> None:
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = str(msg["status"])
+            await send(msg)
+
+        attempts = Attempts()
+        try:
+            await self._serve(scope, receive, send_logged, attempts)
+        finally:
+            access_log.info("%s %s %s replica=%s latency_ms=%.1f cached_tokens=%d retries=%d", scope["method"],
+                            scope["path"], status, attempts.replica or "-", (time.perf_counter() - t0) * 1000,
+                            attempts.predicted_cached_tokens, attempts.retries)
+
+    async def _serve(self, scope, receive, send, attempts: Attempts) -> None:
+        path, method = scope["path"], scope["method"]
+        if path in _PROXIED:
+            if method != "POST":
+                await send_json(send, 405, error_body(f"{path} takes POST", error_type(405)))
+                return
+            if self.draining:
+                await send_json(send, 503, error_body("this router is shutting down; retry (another router "
+                                                      "takes it)", error_type(503), None, "draining"),
+                                [(b"retry-after", b"1")])
+                return
+            self.inflight += 1
+            self._idle.clear()
+            try:
+                await self._completion(scope, receive, send, path, attempts)
+            finally:
+                self.inflight -= 1
+                if self.inflight == 0:
+                    self._idle.set()
+            return
+        if path in _GET_PATHS:
+            if method not in ("GET", "HEAD"):
+                await send_json(send, 405, error_body(f"{path} takes GET", error_type(405)))
+            elif path == "/health":
+                await send_json(send, 200, {"status": "ok"})
+            elif path == "/ready" and self.draining:
+                await send_json(send, 503, {"status": "draining"})
+            elif path == "/ready" and self.waiting_for_tokenizer:
+                await send_json(send, 503, {"status": "waiting for the tokenizer from a ready engine"})
+            elif path == "/ready":
+                n = len(self.fleet.ready_urls())
+                await send_json(send, 200 if n else 503, {"status": "ready" if n else "no ready replica",
+                                                          "ready_replicas": n, "replicas": len(self.fleet.replicas)})
+            elif path == "/metrics":
+                await send_bytes(send, 200, self.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
+            else:
+                await self._models(send)
+            return
+        await send_json(send, 404, error_body(f"no route for {method} {path}", error_type(404)))
+
+    async def _models(self, send) -> None:
+        """Every model id the ready replicas serve (each replica's /v1/models, asked at once), first-seen
+        entry per id; the configured --model when none answers."""
+        async def ask(url: str) -> list:
+            try:
+                async with self.session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2.0),
+                                            headers=self._internal_headers) as resp:
+                    if resp.status == 200:
+                        data = (await resp.json(content_type=None)).get("data")
+                        return data if isinstance(data, list) else []
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+                pass
+            return []
+
+        models: dict[str, dict] = {}
+        for listing in await asyncio.gather(*(ask(u) for u in self.fleet.ready_urls())):
+            for m in listing:
+                if isinstance(m, dict) and isinstance(m.get("id"), str):
+                    models.setdefault(m["id"], m)
+        if not models and not self.cfg.model:
+            await send_json(send, 503, error_body("no ready replica to list models", error_type(503), None,
+                                                  "no_ready_replica"))
+            return
+        data = list(models.values()) or [{"id": self.cfg.model, "object": "model", "created": 0,
+                                          "owned_by": "kvfleet"}]
+        await send_json(send, 200, {"object": "list", "data": data})
+
+    async def _read_body(self, receive) -> bytes | None:
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return None
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.cfg.max_body_bytes:
+                raise ValueError(f"request body is larger than {self.cfg.max_body_bytes} bytes")
+            chunks.append(chunk)
+            if not msg.get("more_body"):
+                return b"".join(chunks)
+
+    async def _completion(self, scope, receive, send, path: str, attempts: Attempts) -> None:
+        try:
+            body = await self._read_body(receive)
+        except ValueError as e:
+            await send_json(send, 413, error_body(str(e), error_type(413), None, "request_too_large"))
+            return
+        if body is None:
+            return
+        try:
+            obj = json.loads(body)
+        except ValueError as e:
+            await send_json(send, 400, error_body(f"request body is not valid JSON: {e}", error_type(400), None,
+                                                  "invalid_value"))
+            return
+        if not isinstance(obj, dict):
+            await send_json(send, 400, error_body("request body must be a JSON object", error_type(400), None,
+                                                  "invalid_value"))
+            return
+        headers = scope["headers"]
+        tenant = None
+        if self.ratelimit is not None:
+            tenant = self.ratelimit.identify(headers)
+            if isinstance(tenant, Refusal):
+                await send_json(send, tenant.status, tenant.body, tenant.headers)
+                return
+        t0 = time.perf_counter()
+        hdr = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers if k in (b"x-session-id",)}
+        prep = prepare_request(path, obj, hdr, self.tokenizer, self.need_tokens)
+        kind = constrained_kind(obj)
+        if kind is not None:
+            self.metrics.constrained.labels(kind).inc()
+        if tenant is not None:
+            refused = self.ratelimit.shape(tenant, path, obj)
+            if refused is not None:
+                await send_json(send, refused.status, refused.body, refused.headers)
+                return
+            salt = obj.get("cache_salt")
+            prep.cache_salt = salt if isinstance(salt, str) and salt else None
+        counts = prompt_token_counts(path, obj, self.tokenizer, prep)
+        placed = await self._place(send, path, obj, prep, counts, tenant)
+        if placed is None:
+            return
+        pool = placed.pool
+        changed = placed.changed
+        extra = [(b"x-kvfleet-pool", pool.name.encode())]
+        admitted: Admitted | None = None
+        if tenant is not None:
+            got = await self.ratelimit.admit(tenant, path, obj, counts)
+            if isinstance(got, Refusal):
+                await send_json(send, got.status, got.body, got.headers)
+                return
+            admitted, body = got, got.body
+            extra.extend(got.headers)
+            prep.usage = got.usage
+        else:
+            if prep.stream and self.cfg.pools_file is not None:  # usage for the pool's hit rate and TPOT
+                prep.usage = StreamUsage(ask_for_usage(obj, continuous=False))
+                changed = True
+            if changed:
+                body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+        if placed.lowered is not None:
+            extra.append((b"x-kvfleet-max-tokens-lowered", str(placed.lowered).encode()))
+        prepared_s = time.perf_counter() - t0
+        metrics = self.metrics
+
+        def lease(p, tried):
+            t = time.perf_counter()
+            ls = self.fleet.lease(p, tried, pool.name)
+            metrics.decision_seconds.observe(time.perf_counter() - t + (prepared_s if not tried else 0.0))
+            if ls is not None:
+                metrics.decisions.labels(metrics.policy, ls.reason).inc()
+            return ls
+
+        try:
+            await self._forward(send, receive, path, body, headers, prep, lease, attempts, extra)
+        finally:
+            if admitted is not None:  # however it ended: charge what was used, refund the rest
+                await asyncio.shield(self.ratelimit.settle(admitted, attempts.answered))
+            self._observe(pool.name, prep, attempts, t0)
+
+    async def _place(self, send, path: str, obj: dict, prep: PreparedRequest, counts: list[int],
+                     tenant: Tenant | None) -> Placement | None:
+        """Choose the request's pool and apply its max_tokens default and cap to the body (in place); None
+        when the request was answered here (400 over every pool's context limit, 503 no pool / shed)."""
+        field = max_tokens_field(path, obj)
+        requested = positive_int(obj.get(field))
+        choice = self.pools.choose(prep.session_key, max(counts), requested)
+        if isinstance(choice, PoolRefusal):
+            self.metrics.pool_requests.labels("none", "-", str(choice.status)).inc()
+            param = ("messages" if path == CHAT_PATH else "prompt") if choice.status == 400 else None
+            await send_json(send, choice.status, error_body(choice.message, error_type(choice.status), param,
+                                                            choice.code))
+            return None
+        pool = choice.pool
+        version = self.pools.version(pool.name)
+        effective, lowered = apply_caps(pool, requested)
+        if self.pools.shedding(pool.name):
+            n = positive_int(obj.get("n")) or 1
+            cost = sum(counts) + n * len(counts) * (effective or 0)
+            lowest, highest = self.ratelimit.file.registry.priorities() if self.ratelimit is not None else (0, 0)
+            priority = tenant.priority if tenant is not None else 0
+            shed_cfg = self.cfg.ratelimit.shedding
+            if should_shed(Pressure.HIGH, cost, priority, lowest, highest, shed_cfg):
+                self.metrics.pool_requests.labels(pool.name, version, "503").inc()
+                await send_json(send, 503, error_body(
+                    f"pool {pool.name} is degraded and sheds requests of this size and priority: retry in "
+                    f"{shed_cfg.retry_after_s}s or lower max_tokens", error_type(503), None, "overloaded"),
+                    [(b"retry-after", str(shed_cfg.retry_after_s).encode())])
+                return None
+        if effective == requested or effective is None:
+            return Placement(pool, False, None)
+        obj[field] = effective
+        if lowered:
+            self.metrics.pool_lowered.labels(pool.name, version).inc()
+        return Placement(pool, True, effective if lowered else None)
+
+    def _observe(self, pool: str, prep: PreparedRequest, attempts: Attempts, t0: float) -> None:
+        """The request's outcome and latencies into its pool's metrics and degradation signals."""
+        status = attempts.status
+        if status is None:  # the client went away: says nothing about the pool
+            return
+        m, version = self.metrics, self.pools.version(pool)
+        m.pool_requests.labels(pool, version, status).inc()
+        usage = attempts.usage if isinstance(attempts.usage, dict) else {}
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if isinstance(prompt, int):
+            m.pool_prompt_tokens.labels(pool, version).inc(prompt)
+            if isinstance(cached, int):
+                m.pool_cached_tokens.labels(pool, version).inc(cached)
+        ttft = tpot = None
+        if prep.stream and attempts.first_token_at is not None:
+            ttft = attempts.first_token_at - t0
+            m.pool_ttft.labels(pool, version).observe(ttft)
+            if attempts.ended_at is not None and isinstance(completion, int) and completion > 1:
+                tpot = (attempts.ended_at - attempts.first_token_at) / (completion - 1)
+                m.pool_tpot.labels(pool, version).observe(tpot)
+        failed = status in ("error", "429") or status.startswith("5")
+        self.pools.record(pool, failed, ttft, tpot)
+
+    async def _forward(self, send, receive, path, body, headers, prep, lease, attempts, extra) -> None:
+        metrics = self.metrics
+        work = asyncio.ensure_future(self.proxy.forward(send, path, body, headers, prep, lease, attempts, extra))
+        disconnect = asyncio.ensure_future(_wait_disconnect(receive))
+        await asyncio.wait((work, disconnect), return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():  # the client went away: cancelling closes the upstream stream, the engine aborts
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await work
+            metrics.requests.labels("any", metrics.policy, "cancelled").inc()
+            return
+        disconnect.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await disconnect
+        exc = work.exception()
+        if exc is not None and not isinstance(exc, OSError):
+            log.error("proxy failed", exc_info=exc)
+
+
+async def _wait_disconnect(receive) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return

@@ -1,0 +1,47 @@
+"""`kv` and `approx-prefix`: the lowest-cost replica by predicted prefix-cache hit against load.
+
+Affinity yields per request: an overloaded replica is left out, and a cache miss never goes to one. When no
+routable replica holds any of the prompt, a session key picks a replica on the hash ring (bounded load),
+otherwise the least-loaded one wins. The two policies differ only in where the hits come from: the exact
+index mirrored from KV events (the approximate one for replicas without them), or the approximate index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from router.routing.policies.base import Decision, PolicyNeeds, Reason, ReplicaView, RouteRequest
+from router.routing.policies.load import cost, decision, effective_loads, least_load, pick, pool
+
+if TYPE_CHECKING:
+    from router.config import ScoringConfig
+    from router.routing.policies.ring import HashRing
+
+
+@dataclass(frozen=True, slots=True)
+class CachePolicy:
+    name: str
+    needs: PolicyNeeds
+
+    def choose(self, views: Sequence[ReplicaView], req: RouteRequest, cfg: ScoringConfig, ring: HashRing,
+               turn: int) -> Decision | None:
+        idx, all_overloaded = pool(views, cfg)
+        if not idx:
+            return None
+        loads = effective_loads(views)
+        if all_overloaded:
+            best = pick(idx, lambda i: cost(views[i], loads[i], req, cfg), turn)
+            return decision(views, loads, req, cfg, best, Reason.ALL_OVERLOADED)
+        if any(views[i].cached_tokens > 0 for i in idx):
+            best = pick(idx, lambda i: (cost(views[i], loads[i], req, cfg), -views[i].cached_tokens), turn)
+            return decision(views, loads, req, cfg, best, Reason.CACHE)
+        if req.session_key is not None:
+            best = ring.choose(req.session_key, views, loads, idx, cfg.session_load_factor)
+            return decision(views, loads, req, cfg, best, Reason.SESSION)
+        return decision(views, loads, req, cfg, least_load(views, loads, idx, turn), Reason.LEAST_LOAD)
+
+
+KV = CachePolicy("kv", PolicyNeeds(kv_events=True, approx_index=True))
+APPROX_PREFIX = CachePolicy("approx-prefix", PolicyNeeds(approx_index=True))

@@ -1,0 +1,214 @@
+"""Per-replica state: readiness, scraped load (with a staleness bound), this router's in-flight work, and a
+circuit breaker. Pure state with the clock passed in; the I/O that feeds it lives in fleet.py."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from router.routing.policies import ReplicaView
+from router.routing.states import CircuitState, KVEventsState
+
+
+class CircuitBreaker:
+    """closed --N consecutive failures--> open --open_s elapsed--> half-open (one probe request)
+    --probe succeeds--> closed / --probe fails--> open again."""
+
+    def __init__(self, failure_threshold: int, open_s: float):
+        self.failure_threshold = failure_threshold
+        self.open_s = open_s
+        self._state = CircuitState.CLOSED
+        self.failures = 0
+        self.opened_at = -math.inf
+        self.probing = False
+
+    def state(self, now: float) -> CircuitState:
+        if self._state is CircuitState.OPEN and now - self.opened_at >= self.open_s:
+            return CircuitState.HALF_OPEN
+        return self._state
+
+    def can_try(self, now: float) -> bool:
+        s = self.state(now)
+        return s is CircuitState.CLOSED or (s is CircuitState.HALF_OPEN and not self.probing)
+
+    def on_attempt(self, now: float) -> None:
+        if self.state(now) is CircuitState.HALF_OPEN:
+            self._state = CircuitState.HALF_OPEN
+            self.probing = True
+
+    def on_abandoned(self) -> None:
+        """The attempt ended without a verdict on the replica (client gone): free the probe slot."""
+        self.probing = False
+
+    def on_success(self) -> None:
+        self._state, self.failures, self.probing = CircuitState.CLOSED, 0, False
+
+    def on_failure(self, now: float) -> None:
+        if self.state(now) is CircuitState.HALF_OPEN:
+            self._open(now)
+            return
+        if self._state is CircuitState.OPEN:
+            return
+        self.failures += 1
+        if self.failures >= self.failure_threshold:
+            self._open(now)
+
+    def _open(self, now: float) -> None:
+        self._state, self.opened_at, self.probing = CircuitState.OPEN, now, False
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    kv_usage: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
+    kv_capacity_tokens: float = 0.0  # num_gpu_blocks * block_size from vllm:cache_config_info (0: unknown)
+    engine: str = "unknown"  # kvfleet | vllm | sglang, from the metric names it exports
+    oom_events: float = 0.0  # kvfleet:oom_events_total: steps that failed for memory (and were recovered)
+    alloc_failures: float = 0.0  # kvfleet:block_allocation_failures_total
+
+    @property
+    def kv_tokens(self) -> float:
+        """Tokens of KV cache held by running requests (their whole contexts)."""
+        return self.kv_usage * self.kv_capacity_tokens
+
+
+_LOAD_METRICS = {
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:gpu_cache_usage_perc": "kv_usage",  # older vLLM name
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:prefix_cache_queries_total": "prefix_queries",
+    "vllm:prefix_cache_queries": "prefix_queries",
+    "vllm:prefix_cache_hits_total": "prefix_hits",
+    "vllm:prefix_cache_hits": "prefix_hits",
+    "sglang:token_usage": "kv_usage",  # SGLang: fraction of its KV token pool in use
+    "sglang:num_running_reqs": "running",
+    "sglang:num_queue_reqs": "waiting",
+    "sglang:max_total_num_tokens": "kv_capacity_tokens",
+    "kvfleet:oom_events_total": "oom_events",
+    "kvfleet:block_allocation_failures_total": "alloc_failures",
+}
+
+
+_BLOCK_SIZE = re.compile(r'[{,]block_size="(\d+)"')
+_NUM_BLOCKS = re.compile(r'[{,]num_gpu_blocks="(\d+)"')
+
+
+_ENGINE_PREFIXES = (("kvfleet:", "kvfleet"), ("sglang:", "sglang"), ("vllm:", "vllm"))
+
+
+def parse_engine_metrics(text: str) -> EngineLoad:
+    """The load figures from an engine's Prometheus text (vLLM's names, or SGLang's), summed over label sets,
+    and which engine exported them (kvfleet exports kvfleet:* beside vllm:*)."""
+    sums: dict[str, float] = {}
+    engine = "unknown"
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        end = len(line)
+        for ch in "{ ":
+            k = line.find(ch)
+            if 0 <= k < end:
+                end = k
+        name = line[:end]
+        if engine == "unknown" or engine == "vllm":
+            for prefix, kind in _ENGINE_PREFIXES:
+                if name.startswith(prefix):
+                    engine = kind if engine == "unknown" or kind == "kvfleet" else engine
+                    break
+        if name == "vllm:cache_config_info":
+            bs, nb = _BLOCK_SIZE.search(line), _NUM_BLOCKS.search(line)
+            if bs and nb:
+                sums["kv_capacity_tokens"] = float(bs.group(1)) * float(nb.group(1))
+            continue
+        field = _LOAD_METRICS.get(name)
+        if field is None:
+            continue
+        value_part = line[line.rfind("}") + 1:] if line[end:end + 1] == "{" else line[end:]
+        try:
+            value = float(value_part.split()[0])
+        except (ValueError, IndexError):
+            continue
+        sums[field] = sums.get(field, 0.0) + value
+    return EngineLoad(kv_usage=sums.get("kv_usage", 0.0), running=int(sums.get("running", 0)),
+                      waiting=int(sums.get("waiting", 0)), prefix_queries=sums.get("prefix_queries", 0.0),
+                      prefix_hits=sums.get("prefix_hits", 0.0), kv_capacity_tokens=sums.get("kv_capacity_tokens", 0.0),
+                      oom_events=sums.get("oom_events", 0.0), alloc_failures=sums.get("alloc_failures", 0.0),
+                      engine=engine)
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One request this router has in flight on a replica."""
+
+    dispatched_at: float
+    tokens: int  # uncached prompt tokens (predicted)
+    prefilling: bool = True  # no token streamed back yet (a non-streamed request stays so until it ends)
+
+
+class ReplicaState:
+    """A scrape is taken to count the requests dispatched at least `grace_s` before it was sent (they had
+    time to reach the engine); later ones are this router's "new" load on top of it, and counted ones that
+    finished since are subtracted, so load is neither lost nor counted twice between scrapes."""
+
+    def __init__(self, url: str, breaker: CircuitBreaker, grace_s: float = 0.2):
+        self.url = url
+        self.breaker = breaker
+        self.grace_s = grace_s
+        self.ready: bool = False  # the last /ready check answered 200
+        self.load: EngineLoad | None = None
+        self.scraped_at: float = -math.inf
+        self.covered_until: float = -math.inf  # requests dispatched up to here are in the scrape
+        self.tickets: set[Ticket] = set()
+        self.finished = 0  # covered by the last scrape, finished after it
+        self.kv_events = KVEventsState.CONNECTING
+        self.ready_path = "/ready"  # /health for engines without /ready (vLLM, SGLang)
+        self.engine: str | None = None  # what its metrics say it is, once scraped
+
+    @property
+    def inflight(self) -> int:
+        return len(self.tickets)
+
+    def routable(self, now: float) -> bool:
+        return self.ready and self.breaker.can_try(now)
+
+    def load_known(self, now: float, stale_s: float) -> bool:
+        return self.load is not None and now - self.scraped_at <= stale_s
+
+    def view(self, now: float, stale_s: float, cached_tokens: int = 0, excluded: bool = False) -> ReplicaView:
+        known = self.load_known(now, stale_s)
+        load = self.load if known and self.load is not None else EngineLoad()
+        new = [t for t in self.tickets if t.dispatched_at > self.covered_until]
+        pending = [t for t in self.tickets if t.prefilling]
+        return ReplicaView(url=self.url, routable=not excluded and self.routable(now), load_known=known,
+                           kv_usage=load.kv_usage, kv_tokens=load.kv_tokens, running=load.running,
+                           waiting=load.waiting,
+                           new_requests=len(new), new_tokens=sum(t.tokens for t in new), finished=self.finished,
+                           inflight=len(self.tickets), pending=len(pending),
+                           pending_tokens=sum(t.tokens for t in pending), cached_tokens=cached_tokens)
+
+    def on_scrape(self, load: EngineLoad, sent_at: float, now: float | None = None) -> None:
+        """A scrape sent at `sent_at` (answered at `now`)."""
+        self.load, self.scraped_at = load, sent_at if now is None else now
+        self.covered_until = sent_at - self.grace_s
+        self.finished = 0
+
+    def on_scrape_failed(self) -> None:
+        self.load = None
+
+    def on_dispatch(self, uncached_tokens: int, now: float) -> Ticket:
+        ticket = Ticket(now, uncached_tokens)
+        self.tickets.add(ticket)
+        return ticket
+
+    def on_first_token(self, ticket: Ticket) -> None:
+        ticket.prefilling = False
+
+    def on_done(self, ticket: Ticket) -> None:
+        self.tickets.discard(ticket)
+        if ticket.dispatched_at <= self.covered_until:  # the last scrape counted it; it is gone now
+            self.finished += 1

@@ -1,0 +1,139 @@
+"""The tenants file (`kvfleet router --tenants tenants.yaml`): parsed and validated once, reloaded on change.
+
+    tenants:
+      acme:
+        api_key_sha256: ["<hex sha256 of a key>"]   # `kvfleet keys hash`; plain keys never go in the file
+        tokens_per_minute: 20000                   # required
+        max_concurrent_requests: 8                 # optional (default: no limit)
+        max_tokens: 1024                           # optional: cap, and default for requests without one
+        max_context_tokens: 4096                   # optional
+        priority: 1                                # optional (default 0): higher is shed last
+        isolate_cache: true                        # optional (default false)
+    anonymous: null                                # or the tenant that requests without a key use
+
+Every error names the file, the line and the field (`tenants.yaml:7: tenants.acme.tokens_per_minute: must
+be a positive integer, got -5`): the YAML is composed into nodes, which keep their marks, and each value is
+checked against its node. Unknown fields, repeated keys and a key hash listed under two tenants are errors.
+Error messages never quote a key hash field's value (it might be a plain key pasted by mistake).
+
+`TenantsFile` holds the registry read from the file and reloads it when its content changes
+(router/config_file.py): a file that fails to load is logged with its error, and the previous tenants stay
+in force.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import yaml
+
+from router.config_file import ConfigFileError, NodeReader, WatchedFile, read_file, show
+from router.tenants.registry import Tenant, TenantRegistry
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+HEX64 = re.compile(r"[0-9a-fA-F]{64}")
+TOP_FIELDS = ("tenants", "anonymous")
+TENANT_FIELDS = ("api_key_sha256", "tokens_per_minute", "max_concurrent_requests", "max_tokens",
+                 "max_context_tokens", "priority", "isolate_cache")
+
+TenantsFileError = ConfigFileError
+
+
+class _KeyReader(NodeReader):
+    def key_hashes(self, node: yaml.Node, field: str) -> list[tuple[str, yaml.Node]]:
+        if not isinstance(node, yaml.SequenceNode):
+            what = "a mapping" if isinstance(node, yaml.MappingNode) else "a single value"
+            raise self.error(node, field, f"must be a list of hex sha256 digests (`kvfleet keys hash`), got {what}")
+        out = []
+        for i, item in enumerate(node.value):
+            # the raw text, not the constructed value: a digest of decimal digits only would read as an int
+            text = item.value if isinstance(item, yaml.ScalarNode) else None
+            if text is None or not HEX64.fullmatch(text):
+                got = f"{len(text)} characters" if text is not None else self.kind(item)
+                raise self.error(item, f"{field}[{i}]", f"must be the 64-character hex sha256 of a key "
+                                 f"(`kvfleet keys hash`), got {got}")
+            out.append((text.lower(), item))
+        return out
+
+
+@dataclass
+class _Seen:
+    tenant: str
+    node: yaml.Node
+
+
+def parse_tenants(text: str | bytes, path: str = "<tenants>") -> TenantRegistry:
+    """The registry a tenants file describes; raises TenantsFileError naming the line and field."""
+    p = _KeyReader(path)
+    _, top, entries = p.document(text, "tenants", TOP_FIELDS)
+
+    anonymous = None
+    if "anonymous" in top:
+        node = top["anonymous"][1]
+        anonymous = p.scalar(node, "anonymous") if isinstance(node, yaml.ScalarNode) else node
+        if anonymous is not None and not isinstance(anonymous, str):
+            raise p.error(node, "anonymous", f"must be a tenant name or null, got {p.kind(node)}")
+        if anonymous is not None and anonymous not in entries:
+            raise p.error(node, "anonymous", f"names no tenant defined under `tenants`: {show(anonymous)}")
+
+    tenants = []
+    seen: dict[str, _Seen] = {}
+    for name, (name_node, body_node) in entries.items():
+        field = f"tenants.{name}"
+        if not NAME.fullmatch(name):
+            raise p.error(name_node, field, "a tenant name is 1-64 letters, digits, '_', '.' or '-', starting "
+                                            "with a letter or digit")
+        body = p.mapping(body_node, field, "a mapping of settings")
+        p.known(body, field, TENANT_FIELDS, "a tenant has")
+        if "tokens_per_minute" not in body:
+            raise p.error(name_node, f"{field}.tokens_per_minute", "missing: every tenant needs a token budget")
+        hashes = p.key_hashes(body["api_key_sha256"][1], f"{field}.api_key_sha256") if "api_key_sha256" in body else []
+        for i, (h, node) in enumerate(hashes):
+            first = seen.setdefault(h, _Seen(name, node))
+            if first.node is not node:
+                owner = "this tenant" if first.tenant == name else f"tenant {first.tenant}"
+                raise p.error(node, f"{field}.api_key_sha256[{i}]", f"this key hash is already a key of {owner} "
+                                                                    f"(line {first.node.start_mark.line + 1})")
+        if not hashes and name != anonymous:
+            raise p.error(name_node, f"{field}.api_key_sha256", "missing: a tenant that is not the `anonymous` "
+                                                               "one needs at least one key hash")
+
+        tenants.append(_tenant(p, name, field, body, frozenset(h for h, _ in hashes)))
+    return TenantRegistry(tenants, anonymous)
+
+
+def _tenant(p: _KeyReader, name: str, field: str, body: dict[str, tuple[yaml.Node, yaml.Node]],
+            hashes: frozenset[str]) -> Tenant:
+    def get(key: str, check, *args, default=None):
+        return check(body[key][1], f"{field}.{key}", *args) if key in body else default
+
+    max_tokens = get("max_tokens", p.int_field, 1, True)
+    max_context = get("max_context_tokens", p.int_field, 1, True)
+    if max_tokens is not None and max_context is not None and max_tokens >= max_context:
+        raise p.error(body["max_tokens"][1], f"{field}.max_tokens", f"must be less than max_context_tokens "
+                      f"({max_context}): a request's prompt and max_tokens must fit in it, got {max_tokens}")
+    return Tenant(name=name, api_key_sha256=hashes,
+                  tokens_per_minute=get("tokens_per_minute", p.int_field, 1, False),
+                  max_concurrent_requests=get("max_concurrent_requests", p.int_field, 1, True),
+                  max_tokens=max_tokens, max_context_tokens=max_context,
+                  priority=get("priority", p.int_field, None, False, default=0),
+                  isolate_cache=get("isolate_cache", p.bool_field, default=False))
+
+
+def load_tenants(path: str) -> TenantRegistry:
+    """Read and parse a tenants file; TenantsFileError names what is wrong (also an unreadable file)."""
+    return parse_tenants(read_file(path, "tenants"), path)
+
+
+class TenantsFile(WatchedFile[TenantRegistry]):
+    """The tenants file and the registry last read from it (reloaded on change, see WatchedFile)."""
+
+    def __init__(self, path: str, interval_s: float = 1.0, on_reload: Callable[[bool], None] | None = None):
+        super().__init__(path, parse_tenants, "tenants", interval_s, on_reload,
+                         lambda r: f"{len(r)} tenants ({', '.join(r.tenants)})")
+
+    @property
+    def registry(self) -> TenantRegistry:
+        return self.value

@@ -1,0 +1,130 @@
+"""The rate limiter the router calls: a budget store plus the policy for when that store fails
+(`--ratelimit-on-store-error open|closed`).
+
+- `closed`: a reservation the store cannot make raises `LimiterUnavailable` (answer 503).
+- `open`: it is made in a local in-process store instead, with this router's share of the tenant's budget
+  (capacity, rate and concurrency divided by the number of live routers last seen in Redis).
+
+While failing, the shared store is tried again at most every `retry_s` seconds, by one call at a time
+(the others meanwhile take the failing path without waiting on it); the first call that
+succeeds returns to it (its budgets are authoritative) and drops the local state. A settle that fails is
+dropped, never raised: the tokens stay charged and the lease expires by itself. Each store error is counted
+(`store_errors`, and `on_store_error` if given, for Prometheus); the change healthy -> failing and back is
+logged once each. Nothing else is raised (but ValueError for a negative token count, a caller's bug).
+
+    limiter = Limiter(RedisStore.from_url(url), OnStoreError.OPEN)
+    got = await limiter.reserve(tenant, spec, amount)     # Reservation | Rejection, or LimiterUnavailable
+    ...
+    await limiter.settle(got, used)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from router.routing.states import StrEnum
+from router.tenants.budget import BudgetSpec, Quota
+from router.tenants.store import BudgetStore, InProcessStore, Rejection, Reservation, StoreError
+
+log = logging.getLogger("kvfleet.router.limiter")
+T = TypeVar("T")
+_DOWN = object()  # the shared store failed or is not being tried
+
+
+class OnStoreError(StrEnum):
+    OPEN = "open"  # fall back to local limits: the budget divided among the routers
+    CLOSED = "closed"  # refuse: LimiterUnavailable (503)
+
+
+class LimiterUnavailable(Exception):
+    """The budget store failed and the policy is `closed`."""
+
+
+class Limiter:
+    def __init__(self, store: BudgetStore, on_error: OnStoreError = OnStoreError.CLOSED, routers: int = 1,
+                 retry_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 on_store_error: Callable[[StoreError], None] | None = None):
+        self.store, self.on_error = store, OnStoreError(on_error)
+        self.routers = max(1, routers)
+        self.retry_s, self.clock = retry_s, clock
+        self.on_store_error = on_store_error
+        self.healthy = True
+        self.store_errors = 0
+        self._retry_at = 0.0
+        self._probing = False
+        self._local: InProcessStore | None = None
+
+    def live_routers(self) -> int:
+        """Routers sharing the budget, as last counted by `heartbeat` (or given at construction)."""
+        return self.routers
+
+    async def heartbeat(self, router_id: str, ttl_s: float) -> int:
+        """Register this router in the shared store (if it keeps heartbeats) and refresh the router count;
+        call it every few seconds, well within `ttl_s`. Returns the count: the last one seen while the store
+        fails (a heartbeat is then one more probe, under the same `retry_s`)."""
+        beat = getattr(self.store, "heartbeat", None)
+        if beat is not None:
+            count = await self._shared(lambda: beat(router_id, ttl_s))
+            if count is not _DOWN:
+                self.routers = max(1, count)
+        return self.routers
+
+    async def reserve(self, tenant: str, spec: BudgetSpec, amount: int,
+                      now: float | None = None) -> Reservation | Rejection:
+        got = await self._shared(lambda: self.store.reserve(tenant, spec, amount, now))
+        if got is not _DOWN:
+            return got
+        if self.on_error is OnStoreError.CLOSED:
+            raise LimiterUnavailable("the rate-limit store is unavailable")
+        if self._local is None:
+            self._local = InProcessStore(self.store.lease_s, self.clock)
+        got = await self._local.reserve(tenant, spec.share(self.routers), amount, now)
+        return dataclasses.replace(got, local=True) if isinstance(got, Reservation) else got
+
+    async def settle(self, reservation: Reservation, used: int, now: float | None = None) -> Quota | None:
+        """Charge the real usage; None where it was dropped (store failing, or a local reservation whose
+        local state was dropped when the shared store came back)."""
+        if reservation.local:
+            return None if self._local is None else await self._local.settle(reservation, used, now)
+        quota = await self._shared(lambda: self.store.settle(reservation, used, now))
+        return None if quota is _DOWN else quota
+
+    async def _shared(self, call: Callable[[], Awaitable[T]]) -> T | object:
+        """`await call()` on the shared store; `_DOWN` where it failed or, while failing, is not tried."""
+        probe = not self.healthy  # while failing, one call at a time probes, every retry_s at most
+        if probe:
+            if self._probing or self.clock() < self._retry_at:
+                return _DOWN
+            self._probing = True
+        try:
+            result = await call()
+        except StoreError as e:
+            self._failed(e)
+            return _DOWN
+        finally:
+            if probe:
+                self._probing = False
+        self._recovered()
+        return result
+
+    def _failed(self, e: StoreError) -> None:
+        self.store_errors += 1
+        self._retry_at = self.clock() + self.retry_s
+        if self.on_store_error is not None:
+            self.on_store_error(e)
+        if self.healthy:
+            self.healthy = False
+            log.warning("rate-limit store failing (%s); policy %s: %s", e, self.on_error,
+                        f"local limits, 1/{self.routers} of each budget" if self.on_error is OnStoreError.OPEN
+                        else "requests get 503")
+
+    def _recovered(self) -> None:
+        if not self.healthy:
+            self.healthy = True
+            self._local = None
+            log.warning("rate-limit store healthy again after %d errors; shared budgets apply",
+                        self.store_errors)

@@ -1,0 +1,101 @@
+"""Where budgets live: the `BudgetStore` interface, its results, and the in-process store (one router).
+router/tenants/redis_store.py is the shared store (every router replica, one budget); router/tenants/limiter.py picks
+between them when Redis fails.
+
+    got = await store.reserve(tenant, spec, prompt_tokens + n * max_tokens)
+    if isinstance(got, Rejection): ...            # 400 if got.reason is TOO_LARGE, else 429 + Retry-After
+    try: ... proxy ...
+    finally: await store.settle(got, used)        # refund reserved - used, release the concurrency lease
+
+A reservation's lease expires `lease_s` after admission (the request timeout) even if it is never settled,
+so a router that dies leaks no concurrency slot; its reserved tokens stay charged.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from router.tenants.budget import Bucket, BudgetSpec, Denial, Leases, Quota, Reason, admit
+
+
+class StoreError(Exception):
+    """The store could not be reached or failed (router/tenants/limiter.py applies the store-error policy)."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    tenant: str
+    spec: BudgetSpec
+    amount: int  # tokens reserved
+    lease_id: str | None  # None where concurrency is unlimited
+    quota: Quota  # header values right after admission
+    local: bool = False  # made by router/tenants/limiter.py's fallback store, not the shared one
+
+
+@dataclass(frozen=True)
+class Rejection:
+    tenant: str
+    reason: Reason
+    retry_after_s: float | None  # None for Reason.TOO_LARGE
+    quota: Quota
+
+
+class BudgetStore(Protocol):
+    lease_s: float  # a concurrency lease expires this long after admission (the request timeout)
+
+    async def reserve(self, tenant: str, spec: BudgetSpec, amount: int,
+                      now: float | None = None) -> Reservation | Rejection:
+        """Admit `amount` tokens (and a concurrency lease) for `tenant`, atomically, or say why not.
+        `now` (seconds) is for tests; stores read their own clock without it."""
+        ...
+
+    async def settle(self, reservation: Reservation, used: int, now: float | None = None) -> Quota:
+        """Charge the real usage: refund `amount - used` (or charge the excess) and release the lease."""
+        ...
+
+    async def state(self, tenant: str) -> tuple[Bucket | None, Leases]:
+        """The tenant's stored bucket (None: never used or expired, i.e. full) and leases, expired ones
+        included (for tests and inspection)."""
+        ...
+
+
+def new_lease_id() -> str:
+    return uuid.uuid4().hex
+
+
+class InProcessStore:
+    """Budgets in this process's memory, through router/tenants/budget.py directly. Coroutines for the interface's
+    sake; nothing awaits, so each call is atomic on the event loop."""
+
+    def __init__(self, lease_s: float = 600.0, clock: Callable[[], float] = time.monotonic):
+        self.lease_s, self.clock = lease_s, clock
+        self._buckets: dict[str, Bucket] = {}
+        self._leases: dict[str, Leases] = {}
+
+    async def reserve(self, tenant: str, spec: BudgetSpec, amount: int,
+                      now: float | None = None) -> Reservation | Rejection:
+        now = self.clock() if now is None else now
+        bucket = self._buckets.get(tenant) or Bucket.full(spec, now)
+        lease_id = new_lease_id() if spec.max_concurrent_requests is not None else None
+        got = admit(bucket, self._leases.get(tenant, Leases()), spec, amount, now, lease_id or "",
+                    now + self.lease_s)
+        if isinstance(got, Denial):
+            return Rejection(tenant, got.reason, got.retry_after_s, bucket.refill(spec, now).quota(spec))
+        self._buckets[tenant], self._leases[tenant] = got
+        return Reservation(tenant, spec, amount, lease_id, got[0].quota(spec))
+
+    async def settle(self, reservation: Reservation, used: int, now: float | None = None) -> Quota:
+        now = self.clock() if now is None else now
+        tenant, spec = reservation.tenant, reservation.spec
+        bucket = (self._buckets.get(tenant) or Bucket.full(spec, now)).settle(spec, reservation.amount, used, now)
+        self._buckets[tenant] = bucket
+        if reservation.lease_id is not None and tenant in self._leases:
+            self._leases[tenant] = self._leases[tenant].remove(reservation.lease_id)
+        return bucket.quota(spec)
+
+    async def state(self, tenant: str) -> tuple[Bucket | None, Leases]:
+        return self._buckets.get(tenant), self._leases.get(tenant, Leases())

@@ -13,9 +13,9 @@ COMMANDS = {
     "ray": ("deploy.ray.cli", "kvfleet on Ray Serve: `kvfleet ray up` runs deploy/ray/serve_config.yaml locally"),
     "sim": ("loadtest.sim.main", "simulate a fleet: a trace through the router's policies over modelled engines"),
     "keys": ("router.tenants.keys", "API keys for the router's tenants file: hash a key, or make a new one"),
-    "bench": ("loadtest.bench.cli", "load an OpenAI-compatible endpoint (presets, traces, rates) and report it"),
-    "profile": ("loadtest.bench.profile", "profile a JSONL trace: lengths, multi-turn and shared-prefix shares, burstiness"),
-    "capacity": ("loadtest.bench.capacity", "KV bytes per token, sequences that fit, replicas for a target rate"),
+    "bench": ("kvfleet.bench.cli", "load an OpenAI-compatible endpoint (presets, traces, rates) and report it"),
+    "profile": ("kvfleet.profile", "profile a JSONL trace: lengths, multi-turn and shared-prefix shares, burstiness"),
+    "capacity": ("kvfleet.capacity", "KV bytes per token, sequences that fit, replicas for a target rate"),
 }
 
 

@@ -4,7 +4,7 @@
     python -m loadtest.http_bench --with-kvfleet --with-vllm --concurrency 1 16 64 --num-requests 64
     python -m loadtest.http_bench --with-kvfleet --with-vllm --rounds 2   # alternate A B A B on a noisy machine
 
-Every target gets the same seeded chat trace (`loadtest.workload`) at every concurrency level
+Every target gets the same seeded chat trace (`kvfleet.workload`) at every concurrency level
 (closed loop: C workers, each sends its next request when the previous one ends). EOS is banned
 (`logit_bias {2: -100}` plus `ignore_eos`) so each request produces exactly its `max_tokens`,
 whichever server answers. Targets run one after the other; `--start NAME=CMD` (or --with-kvfleet /
@@ -18,9 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import shlex
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,27 +25,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
-import httpx
 
-from loadtest.bench.metrics import percentile as bench_percentile
-from loadtest.bench.records import record_from_sse
-from loadtest.peers import peers_dir, vllm_model_dir, vllm_python
-from loadtest.workload import MODES, ChatRequest, generate_trace
+from kvfleet.bench.metrics import percentile as bench_percentile
+from kvfleet.bench.records import record_from_sse
+from kvfleet.bench.targets import Turn, vllm_cmd
+from kvfleet.peers import peers_dir
+from kvfleet.workload import MODES, ChatRequest, generate_trace
 
 VLLM_DTYPES = ("float32", "bfloat16")
-
-
-def vllm_cmd(dtype: str = "bfloat16", threads_bind: str | None = "0-1", peers: Path | None = None,
-             max_model_len: int = 2048) -> str:
-    """vLLM-CPU as ../shared/peers/README.md starts it (from `peers`, see loadtest/peers.py); bf16 on both
-    cores is its best setting here."""
-    peers = peers or peers_dir()
-    bind = f"VLLM_CPU_OMP_THREADS_BIND={threads_bind} " if threads_bind else ""
-    return (f"HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=4 {bind}{shlex.quote(str(vllm_python(peers)))} -m "
-            f"vllm.entrypoints.openai.api_server --model {shlex.quote(str(vllm_model_dir(peers, dtype)))} "
-            f"--served-model-name smollm2 --host 127.0.0.1 --port 8200 --dtype {dtype} --max-model-len {max_model_len}")
-
-
 KVFLEET_CMD = f"{sys.executable} -m kvfleet engine --model smollm2 --host 127.0.0.1 --port 8001"
 
 
@@ -80,12 +64,12 @@ class LevelResult:
 
 
 def percentile(xs: list[float], q: float) -> float:
-    """q in 0..1 (loadtest.bench.metrics.percentile takes 0..100: one interpolation rule for both)."""
+    """q in 0..1 (kvfleet.bench.metrics.percentile takes 0..100: one interpolation rule for both)."""
     return bench_percentile(xs, q * 100)
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> RequestResult:
-    """One streamed request; its SSE lines are read by loadtest.bench.records (one parser for both benches)."""
+    """One streamed request; its SSE lines are read by kvfleet.bench.records (one parser for both benches)."""
     t0 = time.perf_counter()
     lines: list[tuple[float, str]] = []
     try:
@@ -128,39 +112,6 @@ async def run_level(url: str, model: str, trace: list[ChatRequest], concurrency:
                        percentile([r.ttft for r in ok], 0.5), percentile([r.ttft for r in ok], 0.99),
                        percentile([r.tpot for r in ok], 0.5), percentile([r.tpot for r in ok], 0.99),
                        sorted({r.error for r in results if not r.ok})[:5])
-
-
-async def wait_ready(url: str, timeout: float, proc: subprocess.Popen | None) -> None:
-    deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient(timeout=5) as client:
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
-            try:
-                ready = (await client.get(f"{url}/ready")).status_code  # kvfleet; vLLM has no /ready
-                if ready == 200 or (ready == 404 and (await client.get(f"{url}/health")).status_code == 200
-                                    and (await client.get(f"{url}/v1/models")).status_code == 200):
-                    return
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(1.0)
-    raise RuntimeError(f"{url} not ready after {timeout:.0f} s")
-
-
-def start_server(cmd: str, log_path: str) -> subprocess.Popen:
-    log = open(log_path, "w")  # noqa: SIM115 (closed with the process)
-    return subprocess.Popen(["bash", "-c", cmd], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def print_table(results: list[LevelResult]) -> None:
@@ -217,28 +168,6 @@ def add_target_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--peers-dir", default=str(peers_dir()),
                     help="where vLLM's venv and the converted model are (env KVFLEET_PEERS_DIR; default: .peers/)")
     ap.add_argument("--model", default="smollm2")
-
-
-class Turn:
-    """One target's turn: `async with` starts its server (if it has a start command), waits until it is
-    ready, and stops it afterwards; `name` is the target, with `#round` when there are several rounds."""
-
-    def __init__(self, name: str, cmd: str | None, url: str, timeout: float, log: str):
-        self.name, self._cmd, self._url, self._timeout, self._log = name, cmd, url, timeout, log
-        self._proc: subprocess.Popen | None = None
-
-    async def __aenter__(self) -> Turn:
-        self._proc = start_server(self._cmd, self._log) if self._cmd else None
-        try:
-            await wait_ready(self._url, self._timeout, self._proc)
-        except BaseException:
-            await self.__aexit__()
-            raise
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        if self._proc is not None:
-            stop_server(self._proc)
 
 
 def turns(targets: dict[str, str], starts: dict[str, str], rounds: int, timeout: float,

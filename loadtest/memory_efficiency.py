@@ -29,7 +29,7 @@ from engine.kv.manager import KVCacheManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
-from loadtest.workload import lognormal_length
+from kvfleet.workload import lognormal_length
 
 TARGET = 0.96
 

@@ -1,6 +1,6 @@
 """Offline throughput: kvfleet's continuous batching vs Hugging Face `generate` with static batches.
 
-Both run the same seeded chat-like trace (loadtest.workload, mode "single": log-normal prompt lengths
+Both run the same seeded chat-like trace (kvfleet.workload, mode "single": log-normal prompt lengths
 around 60 tokens, outputs of 16-128 tokens, EOS suppressed so every request produces exactly its
 length). HF runs it in static batches of --hf-batch (left-padded, contiguous KV, every batch runs until
 its longest request is done); kvfleet gets every request at once. Prints output tokens/s of each and
@@ -26,7 +26,7 @@ from engine.llm import LLM  # noqa: E402
 from engine.model.loader import load_model, resolve_dtype  # noqa: E402
 from engine.model.registry import resolve_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from loadtest.workload import generate_trace  # noqa: E402
+from kvfleet.workload import generate_trace  # noqa: E402
 
 
 def build_trace(tokenizer, n: int, seed: int, prompt_mean: float, min_out: int, max_out: int

@@ -37,9 +37,9 @@ import time
 
 import httpx
 
+from kvfleet.workload import generate_trace, words
 from loadtest.router_overhead import cmd_overhead, pct
 from loadtest.router_procs import Proc, start_engine, start_router
-from loadtest.workload import generate_trace, words
 from router.routing.replicas import parse_engine_metrics
 
 

@@ -14,8 +14,8 @@ import time
 
 import httpx
 
+from kvfleet.workload import words
 from loadtest.router_procs import start_fake_engines, start_router
-from loadtest.workload import words
 
 
 def pct(xs, p) -> float:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import httpx
 import jsonschema
 
-from loadtest.peers import peers_dir
+from kvfleet.peers import peers_dir
 from loadtest.router_procs import Proc
 from loadtest.ttft_clients import start_server
 

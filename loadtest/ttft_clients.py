@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from deploy.ports import free_port
-from loadtest.peers import peers_dir, shared_dir, vllm_model_dir, vllm_python
+from kvfleet.peers import peers_dir, shared_dir, vllm_model_dir, vllm_python
 from loadtest.router_procs import PY, Proc
 
 PROMPT_TOKENS, OUTPUT_TOKENS, REQUESTS, CONCURRENCY = 128, 64, 64, 16

@@ -13,7 +13,7 @@ requests between the engines, TTFT, and the ratios: kv hit rate over the single 
 the largest engine's share (target <= 0.75), and, for the exact index, predicted over reported cached tokens
 (target 1.000). It also sends a chat request, streamed and not, with the official `openai` client.
 
-vLLM comes from the peers folder (loadtest/peers.py); when absent, `--install` runs
+vLLM comes from the peers folder (kvfleet/peers.py); when absent, `--install` runs
 `../shared/peers/setup_vllm_cpu.sh` and `convert_gguf_to_hf.py` into it (minutes). Each engine is started with
 
     --enable-prompt-tokens-details --block-size 32 --kv-events-config \
@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 
 from deploy.ports import free_port
-from loadtest.peers import peers_dir, shared_dir, vllm_model_dir, vllm_python
+from kvfleet.peers import peers_dir, shared_dir, vllm_model_dir, vllm_python
 from loadtest.router_bench import build_sessions, measure, print_row
 from loadtest.router_procs import PY, Proc
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from kvfleet.workload import words
 from loadtest.chaos.fleet import MODEL
-from loadtest.workload import words
 
 CHAT = "/v1/chat/completions"
 CUT_POINTS = ("before_headers", "mid_prefill", "mid_decode")

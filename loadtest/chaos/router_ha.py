@@ -12,12 +12,12 @@ import asyncio
 import random
 import time
 
+from kvfleet.workload import generate_trace
 from loadtest.chaos.clients import failover
 from loadtest.chaos.common import Options, check_exact_views, client
 from loadtest.chaos.fleet import KEYS, MODEL, Fleet
 from loadtest.chaos.load import Load
 from loadtest.chaos.verdict import Verdict
-from loadtest.workload import generate_trace
 
 NAME = "router death and HA"
 HIT_RATE_TOLERANCE = 0.05

@@ -13,11 +13,11 @@ import asyncio
 import random
 import time
 
+from kvfleet.workload import generate_trace
 from loadtest.chaos.clients import Tally, chat_body, failover, prompt, request
 from loadtest.chaos.common import Options, check_no_leak, client
 from loadtest.chaos.fleet import KEYS, MODEL, Fleet, rss_bytes
 from loadtest.chaos.verdict import Verdict, second_half_growth
-from loadtest.workload import generate_trace
 
 NAME = "soak"
 MIN_GROWTH = 16 << 20

@@ -3,7 +3,7 @@ chained hashes of its cacheable prompt blocks.
 
 - `mooncake()`: the Mooncake conversation trace (one-turn sessions at the trace's arrival times; its
   `hash_ids` are the block hashes, 512 tokens each); located by `--trace` or KVFLEET_MOONCAKE_TRACE.
-- `multi_turn()`: generated chat sessions from loadtest/workload.py's seeded generator (the same shape as
+- `multi_turn()`: generated chat sessions from kvfleet/workload.py's seeded generator (the same shape as
   loadtest/router_bench.py's and vllm_fleet.py's: a few shared system prompts, user turns, stand-in replies),
   turned into token ids (one per word, role markers around each message) and hashed with the engines' own
   chained block hash (contract/hashing.py). Turn k+1 is sent `think_s` after turn k's last token.
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from contract.cacheable import cacheable_blocks
 from contract.hashing import hash_blocks
-from loadtest.peers import mooncake_trace
-from loadtest.workload import generate_trace, words
+from kvfleet.peers import mooncake_trace
+from kvfleet.workload import generate_trace, words
 
 MOONCAKE_BLOCK_TOKENS = 512
 

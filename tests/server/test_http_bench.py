@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import math
 
+from kvfleet.workload import generate_trace
 from loadtest.http_bench import percentile, run_level
-from loadtest.workload import generate_trace
 
 
 def test_percentile():

@@ -74,7 +74,7 @@ def test_piece_cache_costs_about_two_bytes_per_cached_character(tok):
     per character), so its 64 Mi-character bound is about 130 MB of router memory."""
     import tracemalloc
 
-    from loadtest.workload import words
+    from kvfleet.workload import words
 
     rng = random.Random(3)
     texts = [f"<|im_start|>user\n{words(rng, rng.randint(20, 200))}<|im_end|>" for _ in range(400)]

@@ -21,7 +21,7 @@ import pytest
 
 from contract.cacheable import cacheable_blocks
 from contract.hashing import DEFAULT_HASH_SEED, hash_blocks
-from loadtest.workload import words
+from kvfleet.workload import words
 from tests.router.conftest import free_port, metric, router, wait_for
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]

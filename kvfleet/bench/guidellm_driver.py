@@ -28,10 +28,10 @@ import os
 import tempfile
 from pathlib import Path
 
-from loadtest.bench.records import RequestRecord
-from loadtest.bench.runner import Load
-from loadtest.bench.scenarios import PRESETS
-from loadtest.peers import peers_dir
+from kvfleet.bench.records import RequestRecord
+from kvfleet.bench.runner import Load
+from kvfleet.bench.scenarios import PRESETS
+from kvfleet.peers import peers_dir
 
 
 def guidellm_exe() -> Path:
@@ -129,7 +129,7 @@ def records_from_report(report: dict, scenario_name: str) -> tuple[list[RequestR
 def run_guidellm(a, preset: str, load: Load, metric_urls: list[str]) -> dict:
     import asyncio
 
-    from loadtest.bench.fleet_metrics import Scraper
+    from kvfleet.bench.fleet_metrics import Scraper
 
     tokenizer = a.guidellm_tokenizer or str(peers_dir() / "smollm2-hf")
     spec = scenario(a, preset, load, tokenizer)

@@ -31,8 +31,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest.bench.metrics import percentile
-from loadtest.peers import mooncake_trace
+from kvfleet.bench.metrics import percentile
+from kvfleet.peers import mooncake_trace
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
-r"""The stress matrix: every preset (loadtest/bench/scenarios.py) against kvfleet's local fleet (`kvfleet up`: a
+r"""The stress matrix: every preset (kvfleet/bench/scenarios.py) against kvfleet's local fleet (`kvfleet up`: a
 KV-aware router + 2 engines, one core each), one kvfleet engine (all cores), and vLLM-CPU (the peer venv,
-loadtest/peers.py) where the preset fits its context; one table, one row per scenario.
+kvfleet/peers.py) where the preset fits its context; one table, one row per scenario.
 
     kvfleet bench matrix --small                                 # a quick proof: kvfleet rows, tiny sizes
     kvfleet bench matrix --targets fleet,single,vllm --num 16 --scale 0.5 --concurrency 4 --out-dir matrix/
@@ -23,11 +23,11 @@ from pathlib import Path
 import httpx
 
 from deploy.ports import free_port
-from loadtest.bench import cli
-from loadtest.bench.report import load_result, markdown
-from loadtest.bench.scenarios import MATRIX, PRESETS, build
-from loadtest.http_bench import Turn, vllm_cmd
-from loadtest.peers import peers_dir
+from kvfleet.bench import cli
+from kvfleet.bench.report import load_result, markdown
+from kvfleet.bench.scenarios import MATRIX, PRESETS, build
+from kvfleet.bench.targets import Turn, vllm_cmd
+from kvfleet.peers import peers_dir
 
 TARGETS = ("fleet", "single", "vllm")
 SMALL = {"num": 3, "scale": 0.125, "concurrency": 2, "targets": "fleet,single"}

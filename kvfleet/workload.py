@@ -1,4 +1,4 @@
-"""Seeded chat workloads shared by every benchmark (offline, HTTP, router, fleet simulator).
+"""Seeded chat workloads shared by `kvfleet bench` and every benchmark (offline, HTTP, router, fleet simulator).
 
 A trace is a list of `ChatRequest`s: OpenAI chat messages, an output length, a session id and an
 arrival offset. The same seed always gives the same trace, so kvfleet and its peers see identical
@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtest.peers import mooncake_trace
+from kvfleet.peers import mooncake_trace
 
 MODES = ("single", "shared_system", "multi_turn")
 

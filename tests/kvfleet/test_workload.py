@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from loadtest.peers import mooncake_trace
-from loadtest.workload import generate_trace, read_mooncake
+from kvfleet.peers import mooncake_trace
+from kvfleet.workload import generate_trace, read_mooncake
 
 
 def test_same_seed_same_trace_other_seed_other_trace():

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from loadtest.bench.guidellm_driver import records_from_report, synthetic_data
-from loadtest.bench.metrics import summarize
+from kvfleet.bench.guidellm_driver import records_from_report, synthetic_data
+from kvfleet.bench.metrics import summarize
 
 
 def test_presets_as_synthetic_data():

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench.runner import Load, arrival_times
-from loadtest.bench.scenarios import MATRIX, PRESETS, build, read_trace
+from kvfleet.bench.runner import Load, arrival_times
+from kvfleet.bench.scenarios import MATRIX, PRESETS, build, read_trace
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def n_words(s: str) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loadtest.bench.records import RequestRecord
+from kvfleet.bench.records import RequestRecord
 
 
 def _plt():

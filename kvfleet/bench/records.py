@@ -2,7 +2,7 @@
 
 A `RequestRecord` holds times only as offsets (seconds): when the request was sent, relative to the run's
 start, and when each content chunk and the end arrived, relative to the send. Everything the reports show
-is computed from these records (loadtest/bench/metrics.py), so a recorded stream gives exact figures.
+is computed from these records (kvfleet/bench/metrics.py), so a recorded stream gives exact figures.
 With parallel sampling (n > 1) every choice's chunks count: TPOT and ITL are then over the interleaved
 streams of all choices (the request's token rate), not one choice's.
 """

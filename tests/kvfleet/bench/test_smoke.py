@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from loadtest.bench import cli
-from loadtest.bench.records import RequestRecord
+from kvfleet.bench import cli
+from kvfleet.bench.records import RequestRecord
 from tests.router.conftest import fake_engine, free_port, module_procs, procs, router  # noqa: F401 (fixtures)
 
 

@@ -5,7 +5,7 @@
     kvfleet bench run --target URL --trace my_trace.jsonl --replay-times --out replay.json
     kvfleet bench run --target URL --scenario short-short --rate 2 --driver guidellm --out g.json
     kvfleet bench report a.json b.json --plots plots/        # Markdown table, side by side
-    kvfleet bench matrix --small                             # the stress matrix (loadtest/bench/matrix.py)
+    kvfleet bench matrix --small                             # the stress matrix (kvfleet/bench/matrix.py)
 
 Results are JSON (summary per run, fleet metrics from /metrics, every request's record); `report` prints
 the Markdown table and writes PNG plots.
@@ -20,12 +20,12 @@ import os
 import sys
 from pathlib import Path
 
-from loadtest.bench.fleet_metrics import Scraper, engine_metric_urls
-from loadtest.bench.metrics import Slo, summarize
-from loadtest.bench.report import load_result, markdown
-from loadtest.bench.runner import Load, RequestOptions, run_load
-from loadtest.bench.scenarios import PRESETS, build, read_trace
-from loadtest.peers import mooncake_trace
+from kvfleet.bench.fleet_metrics import Scraper, engine_metric_urls
+from kvfleet.bench.metrics import Slo, summarize
+from kvfleet.bench.report import load_result, markdown
+from kvfleet.bench.runner import Load, RequestOptions, run_load
+from kvfleet.bench.scenarios import PRESETS, build, read_trace
+from kvfleet.peers import mooncake_trace
 
 
 def add_run_args(ap: argparse.ArgumentParser) -> None:
@@ -126,7 +126,7 @@ def run(a: argparse.Namespace) -> dict:
               "requests_per_run": sum(len(c.turns) for c in convs), "metrics_urls": metric_urls, "runs": []}
     for load in loads(a):
         if a.driver == "guidellm":
-            from loadtest.bench.guidellm_driver import run_guidellm
+            from kvfleet.bench.guidellm_driver import run_guidellm
             got = run_guidellm(a, scenario, load, metric_urls)
         else:
             got = asyncio.run(run_native(a, scenario, convs, load, metric_urls))
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--plots", default=None, help="write PNG plots into this folder")
     sub.add_parser("matrix", help="the stress matrix on the local fleet (see --help)", add_help=False)
     if argv and argv[0] == "matrix":
-        from loadtest.bench.matrix import main as matrix_main
+        from kvfleet.bench.matrix import main as matrix_main
         return matrix_main(argv[1:])
     a = ap.parse_args(argv)
     if a.cmd == "report":
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"report: {e}") from e
         print(markdown(results))
         if a.plots:
-            from loadtest.bench.plots import write_plots
+            from kvfleet.bench.plots import write_plots
             for p in write_plots(results, a.plots):
                 print(f"wrote {p}")
         return 0
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.out).write_text(json.dumps(result, indent=1))
         print(f"wrote {a.out}")
     if a.plots:
-        from loadtest.bench.plots import write_plots
+        from kvfleet.bench.plots import write_plots
         for p in write_plots([result], a.plots):
             print(f"wrote {p}")
     return 0 if all(run["summary"]["failed"] == 0 for run in result["runs"]) else 1

@@ -1,4 +1,5 @@
-"""`kvfleet bench`, `kvfleet profile`, `kvfleet capacity`: judge a serving stack on your traffic's shape.
+"""`kvfleet bench` (with `kvfleet profile` and `kvfleet capacity` beside it: kvfleet/profile.py,
+kvfleet/capacity.py): judge a serving stack on your traffic's shape.
 
 | file | holds |
 |---|---|
@@ -10,7 +11,8 @@
 | fleet_metrics.py | prefix-cache hit rate and KV usage over the run, from the engines' vLLM-style /metrics |
 | report.py, plots.py | the side-by-side Markdown table; latency CDFs, rate sweeps, KV/hit rate over time (PNG) |
 | matrix.py | the stress matrix on the local fleet vs one engine vs vLLM-CPU |
-| profile.py, capacity.py | a trace's shape; KV bytes per token, sequences that fit, replicas needed |
+| targets.py | a target server's turn (started, ready, stopped); vLLM-CPU's start command |
+| ../profile.py, ../capacity.py | a trace's shape; KV bytes per token, sequences that fit, replicas needed |
 
 What comes from guidellm and what is ours. guidellm 0.8.1 is a complete load generator: Poisson/constant
 rates, concurrent streams, sweeps, synthetic data with shared prefixes and multi-turn conversations (it

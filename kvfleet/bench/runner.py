@@ -4,7 +4,7 @@ Closed loop (`concurrency` workers, each takes the next conversation when its la
 (conversations start at Poisson arrivals of `rate` per second, seeded; or at a replayed trace's own times),
 and multi-turn conversations: turn k is sent when turn k-1 has ended, with the whole history, the reply
 the server actually streamed included. guidellm drives the single-turn loads as well (see
-loadtest/bench/guidellm_driver.py); this driver exists for what guidellm lacks: sessions that resend their
+kvfleet/bench/guidellm_driver.py); this driver exists for what guidellm lacks: sessions that resend their
 real history, per-chunk records for exact figures, and no second venv.
 """
 
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from loadtest.bench.records import RequestRecord, error_type, record_from_sse
-from loadtest.bench.scenarios import Conversation
-from loadtest.workload import words
+from kvfleet.bench.records import RequestRecord, error_type, record_from_sse
+from kvfleet.bench.scenarios import Conversation
+from kvfleet.workload import words
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench import profile as prof
+from kvfleet import profile as prof
 
 DATA = Path(__file__).parent / "data"
 
@@ -50,7 +50,7 @@ def test_mooncake_format_exact():
 def test_json_feeds_capacity(capsys):
     assert prof.main([str(DATA / "tiny_mooncake.jsonl"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    from loadtest.bench.capacity import lengths_from_profile
+    from kvfleet.capacity import lengths_from_profile
     lengths, mean_out = lengths_from_profile(out)
     assert lengths["p50"] == 1700 and mean_out == 210  # 1500 + 200
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.bench import matrix
-from loadtest.bench.matrix import TEMPLATE_TOKENS, longest_context, table
+from kvfleet.bench import matrix
+from kvfleet.bench.matrix import TEMPLATE_TOKENS, longest_context, table
 
 
 def test_longest_context_counts_history_and_outputs():

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench import capacity
-from loadtest.bench.capacity import Arch, Budget, load_model, plan
+from kvfleet import capacity
+from kvfleet.capacity import Arch, Budget, load_model, plan
 
 DATA = Path(__file__).parent / "data"
 USABLE = 77_309_411_328  # int(80 * 2**30 * 0.9)

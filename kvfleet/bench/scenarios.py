@@ -3,7 +3,7 @@
 A workload is a list of `Conversation`s: messages every turn starts with (a system prompt, a RAG template
 with its retrieved chunks, or a replayed request's history), then one or more user turns. The runner sends
 turn k with the conversation so far, the replies the server really gave included (multi-turn resends its
-history). Lengths are in words of loadtest.workload's vocabulary, about one token each for the
+history). Lengths are in words of kvfleet.workload's vocabulary, about one token each for the
 SmolLM2/Llama tokenizers. The same (preset, count, seed, scale) always gives the same workload.
 
 Stress matrix (lengths at --scale 1; every length is multiplied by the scale, at least 4):
@@ -28,7 +28,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest.workload import lognormal_length, read_mooncake, words
+from kvfleet.workload import lognormal_length, read_mooncake, words
 
 
 @dataclass(frozen=True)

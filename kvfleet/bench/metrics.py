@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from loadtest.bench.records import RequestRecord
+from kvfleet.bench.records import RequestRecord
 
 QUANTILES = (50, 95, 99)
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from loadtest.bench.fleet_metrics import Sample, router_replicas, sample_from, summarize_samples
-from loadtest.bench.metrics import Slo, percentile, summarize
-from loadtest.bench.records import RequestRecord, record_from_sse
+from kvfleet.bench.fleet_metrics import Sample, router_replicas, sample_from, summarize_samples
+from kvfleet.bench.metrics import Slo, percentile, summarize
+from kvfleet.bench.records import RequestRecord, record_from_sse
 
 
 def chat_stream(times: list[float], pieces: list[str], prompt: int, cached: int = 0) -> list[tuple[float, str]]:

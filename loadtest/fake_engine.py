@@ -288,6 +288,15 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def make_app(instance_id: str, **options) -> FakeEngine:
+    """The app for in-process use, e.g. by Ray Serve's engine replicas (deploy/ray/app.py's
+    `app_factory: loadtest.fake_engine:make_app`); `options` are its flags (chunks, delay_ms, block_size, ...)."""
+    argv = ["--port", "0", "--instance-id", instance_id]
+    for k, v in options.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return FakeEngine(parser().parse_args(argv))
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parser().parse_args(argv)
     import uvicorn

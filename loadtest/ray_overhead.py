@@ -3,7 +3,8 @@ r"""What the Ray Serve path costs next to the plain kvfleet router, both in fron
 
 - plain: client -> `kvfleet router` (HTTP, policy kv) -> 2 fake engine processes (HTTP);
 - serve: client -> Serve's HTTP proxy -> the ingress (tokenizes, hashes) -> KVRequestRouter -> 2 EngineReplicas,
-  each running the same fake engine app in-process (deploy/ray/app.py with `fake_engine` args).
+  each running the same fake engine app in-process (deploy/ray/app.py's `app_factory`:
+  loadtest.fake_engine:make_app).
 
 Prints added latency per request over a fake engine called directly (p50/p99, sequential, JSON and streamed,
 the two paths interleaved) and the streamed requests/s each path sustains (separate client processes), with
@@ -29,7 +30,8 @@ from loadtest.router_procs import start_fake_engines, start_router
 
 def serve_args(ns) -> dict:
     return {"engine": {"model": ns.model}, "policy": ns.policy, "replicas": 2, "num_cpus": 0.5,
-            "fake_engine": {"chunks": ns.chunks}, "max_ongoing_requests": 1000}
+            "app_factory": "loadtest.fake_engine:make_app", "app_options": {"chunks": ns.chunks},
+            "max_ongoing_requests": 1000}
 
 
 def run(ns) -> dict:

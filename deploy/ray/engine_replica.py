@@ -15,9 +15,11 @@ Methods Serve itself calls: `record_routing_stats` (load for the request routers
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
+from contract.errors import ConfigError
 from deploy.ray.asgi_call import Head, Lifespan, call
 
 log = logging.getLogger("kvfleet.ray.engine")
@@ -37,27 +39,32 @@ def replica_id() -> str:
         return uuid.uuid4().hex[:8]
 
 
-def fake_engine_app(instance_id: str, options: Mapping):
-    """loadtest/fake_engine.py's app (the engine's HTTP surface without a model), for the overhead benchmark;
-    `options` are its flags (chunks, delay_ms, block_size, ...)."""
-    from loadtest.fake_engine import FakeEngine, parser
-
-    argv = ["--port", "0", "--instance-id", instance_id]
-    for k, v in options.items():
-        argv += [f"--{k.replace('_', '-')}", str(v)]
-    return FakeEngine(parser().parse_args(argv))
+def load_app_factory(spec: str) -> Callable:
+    """The function a "module:function" string names (RayAppConfig.app_factory): called as
+    function(instance_id, **app_options), it returns the ASGI app a replica serves instead of an engine (the
+    overhead benchmark passes loadtest's fake engine). A ConfigError says what is wrong with the string."""
+    module, sep, name = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if not (sep and module and name.isidentifier()):
+        raise ConfigError("app_factory", f"app_factory must be a 'module:function' string, got {spec!r}")
+    try:
+        found = getattr(importlib.import_module(module), name, None)
+    except ImportError as e:
+        raise ConfigError("app_factory", f"app_factory {spec!r}: cannot import {module}: {e}") from None
+    if not callable(found):
+        raise ConfigError("app_factory", f"app_factory {spec!r}: {module} has no function {name}")
+    return found
 
 
 class EngineReplica:
     async def __init__(self, engine: Mapping | None = None, sse_keepalive: float = 10.0,
-                       fake_engine: Mapping | None = None):
+                       app_factory: str | None = None, app_options: Mapping | None = None):
         from engine.args import EngineArgs
         from engine.server.app import build_app
         from engine.server.serving import ServerConfig
 
         self.id = replica_id()
-        if fake_engine is not None:
-            self.app, self.state = fake_engine_app(self.id, fake_engine), None
+        if app_factory is not None:  # no engine: the app that function builds (benchmarks)
+            self.app, self.state = load_app_factory(app_factory)(self.id, **dict(app_options or {})), None
             self.lifespan = Lifespan(self.app)
             await self.lifespan.start()
             return

@@ -14,7 +14,7 @@ from deploy.ray.engine_replica import REPLICA_HEADER, EngineReplica
 def test_generate_and_kv_events_through_the_replica_class():
     async def main():
         rep = EngineReplica.__new__(EngineReplica)
-        await rep.__init__(fake_engine={"chunks": 3, "block_size": 16})
+        await rep.__init__(app_factory="loadtest.fake_engine:make_app", app_options={"chunks": 3, "block_size": 16})
         events = rep.kv_events()
         first = decode_line((await events.__anext__()).split(b"\n")[0])
         assert first.instance_id == rep.id and isinstance(first.message, Snapshot) and not first.message.block_hashes

@@ -66,6 +66,24 @@ def test_bad_args_name_the_field(args, field):
     assert e.value.field == field or field in str(e.value)
 
 
+@pytest.mark.parametrize("spec, says", [("loadtest.fake_engine", "must be a 'module:function' string"),
+                                        (42, "must be a 'module:function' string"),
+                                        ("no_such_module_here:make_app", "cannot import no_such_module_here"),
+                                        ("loadtest.fake_engine:no_such_function", "has no function no_such_function")])
+def test_a_bad_app_factory_is_a_clear_error(spec, says):
+    with pytest.raises(ConfigError) as e:
+        RayAppConfig.from_args({"app_factory": spec})
+    assert e.value.field == "app_factory" and says in str(e.value)
+
+
+def test_an_app_factory_builds_the_replicas_app():
+    from deploy.ray.engine_replica import load_app_factory
+
+    cfg = RayAppConfig.from_args({"app_factory": "loadtest.fake_engine:make_app", "app_options": {"chunks": 2}})
+    app = load_app_factory(cfg.app_factory)("r1", **cfg.app_options)
+    assert callable(app) and app.ns.instance_id == "r1" and app.ns.chunks == 2
+
+
 def test_ray_up_runs_the_serve_config_with_the_flags_applied():
     config = yaml.safe_load(SERVE_CONFIG.read_text())["applications"][0]
     up = plan(SERVE_CONFIG, replicas=2, port=8123, policy="round-robin", cpu_count=2)

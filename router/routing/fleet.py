@@ -1,7 +1,8 @@
 """The fleet as this router sees it: the replicas from discovery, grouped in pools, their background checks
-(/ready, /metrics, KV events), both prefix indexes, and `lease()` - the per-request decision inside one pool
-(no I/O on that path), handed to the proxy as a Lease. A replica belongs to one pool; prefix-cache affinity
-and session hashing stay inside a pool."""
+(/ready, /metrics, KV events), and `lease()` - the per-request decision inside one pool, handed to the proxy
+as a Lease. The decision and its bookkeeping are the placement core's (placement.py: both prefix indexes,
+replica views, `policy.choose`, what was routed); this file is its HTTP edge. A replica belongs to one pool;
+prefix-cache affinity and session hashing stay inside a pool."""
 
 from __future__ import annotations
 
@@ -15,17 +16,16 @@ import httpx
 from router.admission.prepare import PreparedRequest
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
-from router.routing.approx_index import ApproxPrefixIndex
 from router.routing.kv_events import KVEventSubscriber
 from router.routing.lease import Lease
-from router.routing.policies import POLICIES, Decision, HashRing, IndexKind, RouteRequest
-from router.routing.prefix_index import PrefixIndex
-from router.routing.replicas import CircuitBreaker, EngineLoad, ReplicaState, parse_engine_metrics
-from router.routing.states import CircuitState, KVEventsState
+from router.routing.placement import DEFAULT_POOL, Placement, PlacementConfig
+from router.routing.policies import POLICIES, Decision
+from router.routing.replicas import EngineLoad, ReplicaState, parse_engine_metrics
+from router.routing.states import KVEventsState
 
 log = logging.getLogger("kvfleet.router.fleet")
 
-DEFAULT_POOL = "default"  # the one pool of a router started without --pools
+__all__ = ["DEFAULT_POOL", "Fleet"]
 
 
 class Fleet:
@@ -34,16 +34,16 @@ class Fleet:
         self.metrics = metrics
         self.clock = clock
         self.policy = POLICIES[cfg.policy]
-        self.replicas: dict[str, ReplicaState] = {}
-        self.index = PrefixIndex()
-        self.approx = ApproxPrefixIndex(cfg.approx_max_blocks)
-        self.members: dict[str, list[str]] = {}  # pool -> its replica URLs
-        self.pool_of: dict[str, str] = {}  # replica URL -> pool
-        self.rings: dict[str, HashRing] = {}
-        self._turn = 0  # advanced once per decision: rotates ties (and round-robin)
+        self.placement = Placement(self.policy, PlacementConfig(
+            cfg.scoring, cfg.block_size, cfg.hash_seed, cfg.approx_max_blocks, cfg.scrape_stale_s,
+            breaker_failures=cfg.breaker_failures, breaker_open_s=cfg.breaker_open_s))
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self._client: httpx.AsyncClient | None = None
         self.changed = asyncio.Event()  # set whenever readiness or membership changes (tests, `kvfleet up`)
+        # the placement core's state, under the names the rest of the router reads (the same objects)
+        p = self.placement
+        self.replicas, self.members, self.pool_of, self.rings = p.replicas, p.members, p.pool_of, p.rings
+        self.index, self.approx = p.index, p.approx
 
     # -- membership ----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -55,73 +55,65 @@ class Fleet:
 
     async def stop(self) -> None:
         for url in list(self.replicas):
-            await self._remove(url)
+            await self._stop_checks(url)
+            self.placement.remove(url)
         if self._client is not None:
             await self._client.aclose()
 
     async def set_replicas(self, urls, pool: str = DEFAULT_POOL) -> None:
         """A pool's current list from its discovery: new replicas join, missing ones leave (their in-flight
         requests finish). A URL that another pool already holds stays there (logged)."""
-        wanted = []
-        for u in dict.fromkeys(u.rstrip("/") for u in urls):
-            owner = self.pool_of.get(u, pool)
-            if owner != pool:
-                log.warning("replica %s is listed by pools %s and %s; it stays in %s", u, owner, pool, owner)
-            else:
-                wanted.append(u)
-        for url in [u for u in self.members.get(pool, []) if u not in wanted]:
+        change = self.placement.set_members(pool, (u.rstrip("/") for u in urls))
+        for url in change.elsewhere:
+            owner = self.pool_of[url]
+            log.warning("replica %s is listed by pools %s and %s; it stays in %s", url, owner, pool, owner)
+        for url in change.left:
             log.info("replica left pool %s: %s", pool, url)
-            await self._remove(url)
-        for url in wanted:
-            if url not in self.replicas:
-                log.info("replica joined pool %s: %s", pool, url)
-                self._add(url, pool)
-        self.members[pool] = wanted
-        self.rings[pool] = HashRing(wanted, self.cfg.scoring.session_vnodes)
+            await self._stop_checks(url)
+        for url in change.joined:
+            log.info("replica joined pool %s: %s", pool, url)
+            self._start_checks(self.replicas[url])
         self._notify()
 
     async def drop_pool(self, pool: str) -> None:
         """A pool left the configuration: its replicas leave."""
         await self.set_replicas([], pool)
-        self.members.pop(pool, None)
-        self.rings.pop(pool, None)
+        self.placement.drop_pool(pool)
 
-    def _add(self, url: str, pool: str) -> None:
-        cfg = self.cfg
-        self.pool_of[url] = pool
-        st = self.replicas[url] = ReplicaState(url, CircuitBreaker(cfg.breaker_failures, cfg.breaker_open_s))
+    def _start_checks(self, st: ReplicaState) -> None:
+        cfg, url = self.cfg, st.url
         if cfg.engine_type in ("vllm", "sglang"):  # declared: no /ready, no kvfleet KV event stream to probe
             st.ready_path = "/health"
             st.kv_events = KVEventsState.UNAVAILABLE
         tasks = [asyncio.create_task(self._health_loop(st)), asyncio.create_task(self._scrape_loop(st))]
         vllm_events = cfg.vllm_events.endpoints(url)
+
+        def on_status(s, url=url):
+            self.placement.on_kv_events(url, KVEventsState(s))
+
+        def on_resync(reason, url=url):
+            self.metrics.kv_resyncs.labels(url, reason).inc()
+
         if self.policy.needs.kv_events and vllm_events is not None:  # vLLM's own KV events, over ZMQ
             from router.routing.vllm_kv_events import VllmKVSubscriber
 
             st.kv_events = KVEventsState.CONNECTING
             sub = VllmKVSubscriber(url, vllm_events[0], vllm_events[1], self.index, cfg.hash_seed,
-                                   on_status=lambda s, st=st: setattr(st, "kv_events", KVEventsState(s)),
-                                   on_resync=lambda reason, u=url: self.metrics.kv_resyncs.labels(u, reason).inc())
+                                   on_status=on_status, on_resync=on_resync)
             tasks.append(asyncio.create_task(sub.run()))
         elif self.policy.needs.kv_events and cfg.engine_type in ("auto", "kvfleet"):
             sub = KVEventSubscriber(url, self.index, self._client, cfg.kv_heartbeat_timeout_s, cfg.internal_token,
-                                    on_status=lambda s, st=st: setattr(st, "kv_events", KVEventsState(s)),
-                                    on_resync=lambda reason, u=url: self.metrics.kv_resyncs.labels(u, reason).inc())
+                                    on_status=on_status, on_resync=on_resync)
             tasks.append(asyncio.create_task(sub.run()))
         self._tasks[url] = tasks
 
-    async def _remove(self, url: str) -> None:
+    async def _stop_checks(self, url: str) -> None:
         tasks = self._tasks.pop(url, [])
         for t in tasks:
             t.cancel()
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        self.replicas.pop(url, None)
-        self.pool_of.pop(url, None)
-        if self.index.has(url):
-            self.index.drop(url)
-        self.approx.drop(url)
 
     def _notify(self) -> None:
         self.changed.set()
@@ -140,11 +132,8 @@ class Fleet:
                 ready = resp.status_code == 200
             except httpx.HTTPError:
                 ready = False
-            if ready != st.ready:
+            if self.placement.on_health(st.url, ready, self.clock()):
                 log.info("replica %s is %s", st.url, "ready" if ready else "NOT ready")
-                st.ready = ready
-                if ready and st.breaker.state(self.clock()) is not CircuitState.CLOSED:
-                    st.breaker.on_success()  # it came back: give it traffic again at once
                 self._notify()
             await asyncio.sleep(self.cfg.health_interval_s)
 
@@ -158,31 +147,21 @@ class Fleet:
                     if load.engine != st.engine:
                         st.engine = load.engine
                         log.info("replica %s is a %s engine (by the metric names it exports)", st.url, load.engine)
-                    st.on_scrape(load, sent_at, self.clock())
+                    self.placement.on_load(st.url, load, sent_at, self.clock())
                 else:
-                    st.on_scrape_failed()
+                    self.placement.on_load_failed(st.url)
             except httpx.HTTPError:
-                st.on_scrape_failed()
+                self.placement.on_load_failed(st.url)
             await asyncio.sleep(self.cfg.scrape_interval_s)
 
     # -- routing -------------------------------------------------------------------------------------------
-    def _urls(self, pool: str | None) -> list[str]:
-        return list(self.replicas) if pool is None else self.members.get(pool, [])
-
     def ready_urls(self, pool: str | None = None) -> list[str]:
         """Routable replicas, of one pool or (None) of all."""
-        now = self.clock()
-        return [u for u in self._urls(pool) if self.replicas[u].routable(now)]
+        return self.placement.ready_urls(self.clock(), pool)
 
     def fresh_loads(self, pool: str | None = None) -> dict[str, EngineLoad]:
         """The scraped load of each routable replica (of one pool, or all) whose scrape is fresh."""
-        now = self.clock()
-        out = {}
-        for u in self._urls(pool):
-            st = self.replicas[u]
-            if st.routable(now) and st.load_known(now, self.cfg.scrape_stale_s) and st.load is not None:
-                out[u] = st.load
-        return out
+        return self.placement.fresh_loads(self.clock(), pool)
 
     def load(self, pool: str | None = None) -> tuple[float | None, float | None]:
         """Mean KV usage and waiting requests per routable replica whose scraped load is fresh (None, None
@@ -194,39 +173,11 @@ class Fleet:
 
     def predict_cached(self, prep: PreparedRequest, urls: list[str]) -> dict[str, int]:
         """Per replica, the prompt tokens its prefix cache holds (exact index, or approximate fallback)."""
-        if prep.token_ids is None or not urls:
-            return {}
-        cfg, needs = self.cfg, self.policy.needs
-        out: dict[str, int] = {}
-        approx_urls: list[str] = []
-        groups: dict[tuple[int, int], list[str]] = {}
-        for u in urls:
-            kind = needs.index_for(self.replicas[u].kv_events)
-            if kind is IndexKind.APPROX:
-                approx_urls.append(u)
-            elif kind is IndexKind.EXACT and (params := self.index.params.get(u)) is not None:
-                groups.setdefault(params, []).append(u)
-        for (bs, seed), members in groups.items():
-            for u, n in self.index.matched_blocks(prep.block_hashes(bs, seed), members).items():
-                out[u] = n * bs
-        if approx_urls:
-            hashes = prep.block_hashes(cfg.block_size, cfg.hash_seed)
-            for u, n in self.approx.matched_blocks(hashes, approx_urls).items():
-                out[u] = n * cfg.block_size
-        return out
+        return self.placement.predict_cached(prep, urls)
 
     def route(self, prep: PreparedRequest, excluded: set[str] | frozenset[str] = frozenset(),
               pool: str = DEFAULT_POOL) -> Decision | None:
-        cfg, now = self.cfg, self.clock()
-        urls = self.members.get(pool, [])
-        ring = self.rings.get(pool)
-        if not urls or ring is None:
-            return None
-        cached = self.predict_cached(prep, urls)
-        views = [self.replicas[u].view(now, cfg.scrape_stale_s, cached.get(u, 0), u in excluded) for u in urls]
-        self._turn += 1
-        return self.policy.choose(views, RouteRequest(prep.num_prompt_tokens, prep.session_key), cfg.scoring,
-                                  ring, self._turn - 1)
+        return self.placement.choose(prep, self.clock(), pool, excluded)
 
     def lease(self, prep: PreparedRequest, excluded: set[str] | frozenset[str] = frozenset(),
               pool: str = DEFAULT_POOL) -> Lease | None:
@@ -235,9 +186,5 @@ class Fleet:
         decision = self.route(prep, excluded, pool)
         if decision is None:
             return None
-        cfg, st, now = self.cfg, self.replicas[decision.url], self.clock()
-        ticket = st.on_dispatch(max(prep.num_prompt_tokens - decision.predicted_cached_tokens, 0), now)
-        st.breaker.on_attempt(now)
-        if prep.token_ids is not None and self.policy.needs.index_for(st.kv_events) is IndexKind.APPROX:
-            self.approx.record(st.url, prep.block_hashes(cfg.block_size, cfg.hash_seed))  # where it went
-        return Lease(decision, st, ticket, self.clock)
+        ticket = self.placement.on_routed(decision.url, prep, decision.predicted_cached_tokens, self.clock())
+        return Lease(decision, self.replicas[decision.url], ticket, self.clock)

@@ -1,0 +1,268 @@
+"""The placement core: which replica of a pool takes one request, and the bookkeeping of what went where.
+
+The HTTP router (fleet.py), the Ray Serve request router (deploy/ray/routing_state.py) and the fleet simulator
+(kvfleet/sim/) drive this one object. Each feeds it what it observes - membership, readiness, load readings,
+KV events (into `index`, through kv_events.EventApplier), first tokens and finishes - and asks it to place
+requests. It owns the exact index (from KV events) and the approximate one (from where it sent prompts), one
+`ReplicaState` per replica (router/routing/replicas.py: readiness, load, this router's in-flight and pending
+prefill, circuit breaker), the pools' members and session rings, and the turn counter that rotates ties.
+Pure: no I/O, and no clock of its own (every call that needs the time takes `now`).
+
+    placement = Placement(POLICIES["kv"], PlacementConfig(scoring, block_size=16))
+    placement.set_members(DEFAULT_POOL, urls)                      # -> Membership(joined, left, elsewhere)
+    placement.on_health(url, True, now); placement.on_load(url, load, sent_at, now)
+    d = placement.choose(prompt, now)                              # predicted hits, views, policy.choose
+    ticket = placement.on_routed(d.url, prompt, d.predicted_cached_tokens, now)
+    placement.on_first_token(d.url, ticket); placement.on_done(d.url, ticket)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from contract.hashing import DEFAULT_HASH_SEED
+from router.config import ScoringConfig
+from router.routing.approx_index import ApproxPrefixIndex
+from router.routing.policies import Decision, HashRing, IndexKind, Policy, ReplicaView, RouteRequest
+from router.routing.prefix_index import PrefixIndex
+from router.routing.replicas import CircuitBreaker, EngineLoad, ReplicaState, Ticket
+from router.routing.states import CircuitState, KVEventsState
+
+DEFAULT_POOL = "default"  # the one pool of a router started without --pools (and of Ray and the simulator)
+
+
+class Prompt(Protocol):
+    """A request as placement reads it. router/admission/prepare.py's PreparedRequest is one; HashedPrompt
+    below stands for prompts hashed once elsewhere (a Ray route hint, a simulated turn)."""
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def session_key(self) -> str | None: ...
+
+    def block_hashes(self, block_size: int, hash_seed: int) -> Sequence[int] | None:
+        """The chained hashes of the prompt's cacheable blocks for these hashing parameters; None (or empty)
+        when they are not known: an untokenized prompt, or one hashed with other parameters only."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class HashedPrompt:
+    """A prompt whose block hashes were computed once, with one block size and hash seed."""
+
+    num_prompt_tokens: int = 0
+    session_key: str | None = None
+    block_size: int = 16
+    hash_seed: int = DEFAULT_HASH_SEED
+    hashes: tuple[int, ...] | None = None  # None: not tokenized
+
+    def block_hashes(self, block_size: int, hash_seed: int) -> Sequence[int] | None:
+        return self.hashes if (block_size, hash_seed) == (self.block_size, self.hash_seed) else None
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementConfig:
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    block_size: int = 16  # the fleet's block hashing: what the approximate index records
+    hash_seed: int = DEFAULT_HASH_SEED
+    approx_max_blocks: int = 200_000
+    stale_s: float = 3.0  # a load reading older than this is unknown load
+    grace_s: float = 0.2  # requests dispatched this long before a reading was taken are not in it yet
+    breaker_failures: int = 3
+    breaker_open_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "approx_max_blocks", "breaker_failures"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("stale_s", "grace_s", "breaker_open_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True)
+class Membership:
+    """What one set_members call changed."""
+
+    joined: tuple[str, ...] = ()
+    left: tuple[str, ...] = ()
+    elsewhere: tuple[str, ...] = ()  # listed, but another pool holds them: they stay there
+
+
+class Placement:
+    def __init__(self, policy: Policy, cfg: PlacementConfig | None = None):
+        self.policy = policy
+        self.cfg = cfg = cfg or PlacementConfig()
+        self.index = PrefixIndex()
+        self.approx = ApproxPrefixIndex(cfg.approx_max_blocks)
+        self.replicas: dict[str, ReplicaState] = {}
+        self.members: dict[str, list[str]] = {}  # pool -> its replicas, in the order the driver listed them
+        self.pool_of: dict[str, str] = {}  # replica -> its pool
+        self.rings: dict[str, HashRing] = {}  # pool -> the session ring over its members
+        self.turn = 0  # advanced once per decision: rotates ties (and round-robin)
+
+    # -- membership ----------------------------------------------------------------------------------------
+    def set_members(self, pool: str, replicas: Iterable[str]) -> Membership:
+        """A pool's current replicas: new ones join (not ready until on_health says so), missing ones leave
+        (their blocks leave both indexes; their in-flight requests may still finish). A replica belongs to
+        one pool: one that another pool holds stays there."""
+        wanted, elsewhere = [], []
+        for r in dict.fromkeys(replicas):
+            (wanted if self.pool_of.get(r, pool) == pool else elsewhere).append(r)
+        left = [r for r in self.members.get(pool, []) if r not in wanted]
+        for r in left:
+            self._forget(r)
+        joined = [r for r in wanted if r not in self.replicas]
+        for r in joined:
+            self.pool_of[r] = pool
+            self.replicas[r] = ReplicaState(r, CircuitBreaker(self.cfg.breaker_failures, self.cfg.breaker_open_s),
+                                            self.cfg.grace_s)
+        self.members[pool] = wanted
+        self.rings[pool] = HashRing(wanted, self.cfg.scoring.session_vnodes)
+        return Membership(tuple(joined), tuple(left), tuple(elsewhere))
+
+    def drop_pool(self, pool: str) -> Membership:
+        """The pool is gone: its replicas leave."""
+        m = self.set_members(pool, ())
+        self.members.pop(pool, None)
+        self.rings.pop(pool, None)
+        return m
+
+    def remove(self, replica: str) -> None:
+        """One replica leaves its pool."""
+        pool = self.pool_of.get(replica)
+        if pool is not None and replica in self.members.get(pool, ()):
+            self.set_members(pool, [r for r in self.members[pool] if r != replica])
+        else:
+            self._forget(replica)
+
+    def _forget(self, replica: str) -> None:
+        self.replicas.pop(replica, None)
+        self.pool_of.pop(replica, None)
+        if self.index.has(replica):
+            self.index.drop(replica)
+        self.approx.drop(replica)
+
+    # -- what the drivers observe --------------------------------------------------------------------------
+    def on_health(self, replica: str, ready: bool, now: float) -> bool:
+        """A readiness check; True when it changed the replica's readiness. A replica that comes back gets
+        traffic again at once (its circuit closes)."""
+        st = self.replicas.get(replica)
+        if st is None or st.ready == ready:
+            return False
+        st.ready = ready
+        if ready and st.breaker.state(now) is not CircuitState.CLOSED:
+            st.breaker.on_success()
+        return True
+
+    def on_kv_events(self, replica: str, state: KVEventsState) -> None:
+        """The state of the replica's KV event stream (which index predicts its hits: PolicyNeeds.index_for)."""
+        st = self.replicas.get(replica)
+        if st is not None:
+            st.kv_events = state
+
+    def on_load(self, replica: str, load: EngineLoad, sent_at: float, now: float) -> None:
+        """A load reading asked for at `sent_at`, answered at `now`."""
+        st = self.replicas.get(replica)
+        if st is not None:
+            st.on_scrape(load, sent_at, now)
+
+    def on_load_failed(self, replica: str) -> None:
+        st = self.replicas.get(replica)
+        if st is not None:
+            st.on_scrape_failed()
+
+    # -- queries -------------------------------------------------------------------------------------------
+    def _urls(self, pool: str | None) -> list[str]:
+        return list(self.replicas) if pool is None else self.members.get(pool, [])
+
+    def ready_urls(self, now: float, pool: str | None = None) -> list[str]:
+        """Routable replicas, of one pool or (None) of all."""
+        return [u for u in self._urls(pool) if self.replicas[u].routable(now)]
+
+    def fresh_loads(self, now: float, pool: str | None = None) -> dict[str, EngineLoad]:
+        """The load of each routable replica (of one pool, or all) whose reading is fresh."""
+        out = {}
+        for u in self._urls(pool):
+            st = self.replicas[u]
+            if st.routable(now) and st.load_known(now, self.cfg.stale_s) and st.load is not None:
+                out[u] = st.load
+        return out
+
+    def predict_cached(self, prompt: Prompt, replicas: Sequence[str]) -> dict[str, int]:
+        """Per replica, the prompt tokens its prefix cache holds: from the exact index where its KV events are
+        live (hashed with the block size and seed of its snapshot), from the approximate index where the policy
+        falls back to it; no entry where neither predicts."""
+        needs = self.policy.needs
+        out: dict[str, int] = {}
+        approx: list[str] = []
+        exact: dict[tuple[int, int], list[str]] = {}
+        for r in replicas:
+            kind = needs.index_for(self.replicas[r].kv_events)
+            if kind is IndexKind.APPROX:
+                approx.append(r)
+            elif kind is IndexKind.EXACT and (params := self.index.params.get(r)) is not None:
+                exact.setdefault(params, []).append(r)
+        for (bs, seed), group in exact.items():
+            hashes = prompt.block_hashes(bs, seed)
+            if hashes is not None:
+                out.update((r, n * bs) for r, n in self.index.matched_blocks(hashes, group).items())
+        if approx and (hashes := prompt.block_hashes(self.cfg.block_size, self.cfg.hash_seed)) is not None:
+            bs = self.cfg.block_size
+            out.update((r, n * bs) for r, n in self.approx.matched_blocks(hashes, approx).items())
+        return out
+
+    def views(self, prompt: Prompt, replicas: Sequence[str], now: float,
+              excluded: set[str] | frozenset[str] = frozenset()) -> list[ReplicaView]:
+        """What the policy sees of each replica for this request (an excluded one is not routable)."""
+        cached = self.predict_cached(prompt, replicas)
+        return [self.replicas[r].view(now, self.cfg.stale_s, cached.get(r, 0), r in excluded) for r in replicas]
+
+    # -- placing -------------------------------------------------------------------------------------------
+    def choose(self, prompt: Prompt, now: float, pool: str = DEFAULT_POOL,
+               excluded: set[str] | frozenset[str] = frozenset(),
+               candidates: Sequence[str] | None = None) -> Decision | None:
+        """The policy's replica of `pool` for the request (among `candidates` only, in their order, when
+        given), or None when none is routable. Nothing is booked: on_routed does that."""
+        replicas = self.members.get(pool, [])
+        ring = self.rings.get(pool)
+        if candidates is not None:
+            mine = set(replicas)
+            replicas = [r for r in candidates if r in mine]
+        if not replicas or ring is None:
+            return None
+        views = self.views(prompt, replicas, now, excluded)
+        turn, self.turn = self.turn, self.turn + 1
+        return self.policy.choose(views, RouteRequest(prompt.num_prompt_tokens, prompt.session_key),
+                                  self.cfg.scoring, ring, turn)
+
+    def on_routed(self, replica: str, prompt: Prompt, predicted_cached_tokens: int, now: float) -> Ticket | None:
+        """The request went to `replica` (None: the replica is not known, nothing to book). Its uncached prompt
+        tokens are in flight there, pending prefill until on_first_token; the attempt counts for the circuit;
+        the approximate index learns where the prompt went, for replicas the policy predicts from it."""
+        st = self.replicas.get(replica)
+        if st is None:
+            return None
+        ticket = st.on_dispatch(max(prompt.num_prompt_tokens - predicted_cached_tokens, 0), now)
+        st.breaker.on_attempt(now)
+        if self.policy.needs.index_for(st.kv_events) is IndexKind.APPROX:
+            hashes = prompt.block_hashes(self.cfg.block_size, self.cfg.hash_seed)
+            if hashes:
+                self.approx.record(replica, hashes)
+        return ticket
+
+    def on_first_token(self, replica: str, ticket: Ticket) -> None:
+        """The replica streamed the request's first token: its prefill is no longer ahead there. A driver that
+        cannot see first tokens leaves the request pending until on_done."""
+        st = self.replicas.get(replica)
+        if st is not None:
+            st.on_first_token(ticket)
+
+    def on_done(self, replica: str, ticket: Ticket) -> None:
+        """The request left the replica (finished, failed or abandoned)."""
+        st = self.replicas.get(replica)
+        if st is not None:
+            st.on_done(ticket)

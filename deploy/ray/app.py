@@ -100,7 +100,8 @@ class RayAppConfig:
             "max_ongoing_requests": self.max_ongoing_requests,
             "request_router_config": RequestRouterConfig(
                 request_router_class="deploy.ray.request_router:KVRequestRouter",
-                request_router_kwargs={"policy": self.policy, "scoring": dict(self.scoring)},
+                request_router_kwargs={"policy": self.policy, "scoring": dict(self.scoring),
+                                       "block_size": args.block_size, "hash_seed": args.hash_seed},
                 request_routing_stats_period_s=self.routing_stats_period_s),
             "health_check_period_s": 5.0,
             "graceful_shutdown_timeout_s": 30.0,

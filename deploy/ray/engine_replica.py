@@ -115,7 +115,8 @@ class EngineReplica:
         s = self._stats()
         if s is None:
             return {}
-        return {"kv_usage": s.kv_usage, "kv_tokens": s.kv_usage * s.num_total_blocks * s.block_size,
+        capacity = s.num_total_blocks * s.block_size
+        return {"kv_usage": s.kv_usage, "kv_tokens": s.kv_usage * capacity, "kv_capacity_tokens": capacity,
                 "running": s.num_running, "waiting": s.num_waiting}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

@@ -5,10 +5,10 @@ Serve's RunningReplicas.
 Configured in the deployment's `request_router_config` (app.py sets it):
 
     request_router_class: deploy.ray.request_router:KVRequestRouter
-    request_router_kwargs: {policy: kv, scoring: {...}}
+    request_router_kwargs: {policy: kv, scoring: {...}, block_size: 16, hash_seed: ...}
 
 Serve builds one instance per DeploymentHandle (here: one per ingress replica), so each keeps its own
-RoutingState (routing_state.py):
+RoutingState (routing_state.py), around the HTTP router's own placement core (router/routing/placement.py):
 - the exact PrefixIndex, fed by a KV event subscription to every engine replica over Ray (kv_subscription.py)
   when the policy needs KV events; the ApproxPrefixIndex (where this router sent prompts) for `approx-prefix`;
 - load: each replica's `record_routing_stats` (KV usage, running, waiting; refreshed every

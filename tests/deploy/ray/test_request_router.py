@@ -44,10 +44,10 @@ def streams(held: dict[str, tuple[int, ...]], later: dict[str, tuple[int, ...]] 
 
 async def live(state: RoutingState, keys) -> None:
     for _ in range(200):
-        if all(state.loads[k].kv_events is KVEventsState.LIVE for k in keys):
+        if all(state.replicas[k].kv_events is KVEventsState.LIVE for k in keys):
             return
         await asyncio.sleep(0.01)
-    raise AssertionError({k: state.loads[k].kv_events for k in keys})
+    raise AssertionError({k: state.replicas[k].kv_events for k in keys})
 
 
 def test_kv_policy_sends_a_prompt_to_the_replica_holding_its_prefix():
@@ -117,9 +117,10 @@ def test_round_robin_alternates_and_tracks_in_flight_requests():
         urls = [state.choose(["a", "b"], hint([1] * 40)).url for _ in range(4)]
         assert sorted(urls) == ["a", "a", "b", "b"] and urls[0] != urls[1]
         state.on_routed("a", "q", hint([1] * 40), 0)
-        assert state.loads["a"].sent["q"][1] == 40
+        v = state.replicas["a"].view(state.clock(), state.stats_stale_s)
+        assert (v.inflight, v.new_tokens, v.pending_tokens) == (1, 40, 40)  # pending prefill until it completes
         state.on_completed("a", "q")
-        assert not state.loads["a"].sent and state.loads["a"].finished_since_stats == 1
+        assert not state.sent and state.replicas["a"].inflight == 0
 
     asyncio.run(main())
 
@@ -140,7 +141,7 @@ def test_least_load_reads_routing_stats_and_what_this_router_sent_since():
         state.on_routed("b", f"r{i}", hint([1] * 40), 0)
     assert state.choose(["a", "b"], None).url == "a"
     t[0] += 60  # the reports went stale: load unknown, only in-flight counts
-    assert not state.loads["a"].view("a", t[0], state.stats_stale_s, 0).load_known
+    assert not state.replicas["a"].view(t[0], state.stats_stale_s).load_known
 
 
 def test_unknown_policy_names_the_field():

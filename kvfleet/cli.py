@@ -11,7 +11,7 @@ COMMANDS = {
     "router": ("router.main", "start a KV-aware router in front of engine replicas"),
     "up": ("deploy.local", "start a router and N engine replicas of the bundled model on this machine"),
     "ray": ("deploy.ray.cli", "kvfleet on Ray Serve: `kvfleet ray up` runs deploy/ray/serve_config.yaml locally"),
-    "sim": ("loadtest.sim.main", "simulate a fleet: a trace through the router's policies over modelled engines"),
+    "sim": ("kvfleet.sim.main", "simulate a fleet: a trace through the router's policies over modelled engines"),
     "keys": ("router.tenants.keys", "API keys for the router's tenants file: hash a key, or make a new one"),
     "bench": ("kvfleet.bench.cli", "load an OpenAI-compatible endpoint (presets, traces, rates) and report it"),
     "profile": ("kvfleet.profile", "profile a JSONL trace: lengths, multi-turn and shared-prefix shares, burstiness"),

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from kvfleet.cli import main as kvfleet_main
-from loadtest.sim.cost import CostModel
-from loadtest.sim.fleet import Autoscale, SimConfig, Simulator
-from loadtest.sim.workload import Session, SimWorkload, Turn, mooncake, multi_turn
+from kvfleet.sim.cost import CostModel
+from kvfleet.sim.fleet import Autoscale, SimConfig, Simulator
+from kvfleet.sim.workload import Session, SimWorkload, Turn, mooncake, multi_turn
 from router.config import ScoringConfig
 
 COST = CostModel(base_s=0.01, prefill_token_s=0.001, decode_seq_s=0.002)

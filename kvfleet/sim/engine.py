@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.kv.block_pool import BlockPool, KVCacheBlock
-from loadtest.sim.cost import CostModel
+from kvfleet.sim.cost import CostModel
 
 
 class SimSeq:

@@ -1,12 +1,9 @@
-"""The fleet simulator: a discrete-event loop that routes a `SimWorkload` with the router's real policy objects
-over simulated engines (loadtest/sim/engine.py), optionally autoscaled by the chart's HPA (deploy/hpa.py).
+"""The fleet simulator: a discrete-event loop that routes a `SimWorkload` over simulated engines
+(kvfleet/sim/engine.py), optionally autoscaled by the chart's HPA (deploy/hpa.py).
 
-The router side is the live router's own code, fed as router/routing/fleet.py feeds it: one `ReplicaState` per replica
-(scraped load every `scrape_interval_s`, this router's in-flight tickets, the staleness bound), the exact
-`PrefixIndex` fed from each engine's KV events at the end of every step (the `kv` policy), the
-`ApproxPrefixIndex` recording where requests went (`approx-prefix`), the session `HashRing`, and
-`policy.choose(views, RouteRequest, ScoringConfig, ring, turn)`. Requests reach an engine the instant they are
-routed (no network), and the router sees the engines only through scrapes and KV events, as it does live.
+The router side (router.py) is the live router's own placement core (router/routing/placement.py), fed as the
+HTTP router feeds it: a scrape of every replica's load each `scrape_interval_s` and each engine's KV events at
+the end of every step it runs. Requests reach an engine the instant they are routed (no network).
 """
 
 from __future__ import annotations
@@ -17,17 +14,17 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from contract.kv_events import KVEventKind
+from contract.kv_events import Snapshot
 from deploy.hpa import HPA, HPASpec, MetricTarget, ScalingRules
-from loadtest.sim.cost import CostModel
-from loadtest.sim.engine import SimEngine, SimSeq
-from loadtest.sim.workload import SimWorkload
+from kvfleet.sim.cost import CostModel
+from kvfleet.sim.engine import SimEngine, SimSeq
+from kvfleet.sim.router import SIM_HASH_SEED, SimRouter
+from kvfleet.sim.workload import SimWorkload
 from router.config import ScoringConfig
-from router.routing.approx_index import ApproxPrefixIndex
-from router.routing.policies import POLICIES, HashRing, IndexKind, RouteRequest
+from router.routing.placement import HashedPrompt
+from router.routing.policies import POLICIES
 from router.routing.prefix_index import PrefixIndex
-from router.routing.replicas import CircuitBreaker, EngineLoad, ReplicaState
-from router.routing.states import KVEventsState
+from router.routing.replicas import EngineLoad
 
 
 @dataclass(frozen=True)
@@ -88,18 +85,13 @@ class Simulator:
     def __init__(self, cfg: SimConfig, workload: SimWorkload):
         self.cfg = cfg
         self.wl = workload
-        self.policy = POLICIES[cfg.policy]
         self.bs = workload.block_size
         self.num_blocks = max(cfg.kv_tokens_per_replica // self.bs, 1)
-        self.index = PrefixIndex()
-        self.approx = ApproxPrefixIndex(cfg.approx_max_blocks)
+        self.router = SimRouter(cfg.policy, cfg.scoring, self.bs, SIM_HASH_SEED, cfg.scrape_stale_s,
+                                cfg.approx_max_blocks)
         self.engines: dict[str, SimEngine] = {}
-        self.states: dict[str, ReplicaState] = {}
-        self.members: list[str] = []  # routable replicas, in order
-        self.ring = HashRing([], cfg.scoring.session_vnodes)
         self._events: list[tuple[float, int, Callable[[float], None]]] = []
         self._seq = itertools.count()
-        self._turn = 0
         self._rid = itertools.count()
         self.results: list[TurnResult] = []
         self.dropped = 0
@@ -111,6 +103,16 @@ class Simulator:
         self._starting = 0  # replicas the HPA added that are not ready yet
         self._cancelled = 0  # of those, the ones a later scale-down removed
         self._pending_sessions = 0
+
+    @property
+    def members(self) -> list[str]:
+        """The routable replicas, in the order they joined."""
+        return self.router.members
+
+    @property
+    def index(self) -> PrefixIndex:
+        """The router's exact index."""
+        return self.router.placement.index
 
     # -- event loop ----------------------------------------------------------------------------------------
     def at(self, t: float, fn: Callable[[float], None]) -> None:
@@ -149,26 +151,17 @@ class Simulator:
         cfg = self.cfg
         self.engines[url] = SimEngine(url, self.num_blocks, self.bs, cfg.cost, cfg.max_num_seqs,
                                       cfg.max_batched_tokens)
-        st = ReplicaState(url, CircuitBreaker(5, 10.0))
-        st.ready = True
-        st.kv_events = KVEventsState.LIVE
-        self.states[url] = st
-        self.index.reset(url, [], self.bs, 0)
+        self.router.join(url, t)
         self._scrape_one(url, t)
-        self.members.append(url)
-        self.ring = HashRing(self.members, cfg.scoring.session_vnodes)
 
     def _remove_replica(self) -> None:
-        url = self.members.pop()  # the newest; its running requests finish, nothing new is routed there
-        self.ring = HashRing(self.members, self.cfg.scoring.session_vnodes)
-        self.index.drop(url)
-        self.approx.drop(url)
+        self.router.leave(self.members[-1])  # the newest; its running requests finish, nothing new goes there
 
     def _scrape_one(self, url: str, t: float) -> None:
         e = self.engines[url]
         load = EngineLoad(kv_usage=e.pool.usage, running=len(e.running), waiting=len(e.waiting),
                           kv_capacity_tokens=float(e.pool.num_blocks * self.bs), engine="kvfleet")
-        self.states[url].on_scrape(load, t, t)
+        self.router.on_scrape(url, load, t)
 
     def _scrape(self, t: float) -> None:
         for url in self.members:
@@ -218,22 +211,9 @@ class Simulator:
     def _arrive(self, t: float, si: int, ti: int) -> None:
         session = self.wl.sessions[si]
         turn = session.turns[ti]
-        urls = self.members
-        needs = self.policy.needs
-        cached: dict[str, int] = {}
-        if needs.index_for(KVEventsState.LIVE) is IndexKind.EXACT:
-            cached = {u: n * self.bs for u, n in self.index.matched_blocks(turn.block_hashes, urls).items()}
-        elif needs.approx_index:
-            cached = {u: n * self.bs for u, n in self.approx.matched_blocks(turn.block_hashes, urls).items()}
-        views = [self.states[u].view(t, self.cfg.scrape_stale_s, cached.get(u, 0)) for u in urls]
-        self._turn += 1
-        d = self.policy.choose(views, RouteRequest(turn.prompt_tokens, session.key), self.cfg.scoring, self.ring,
-                               self._turn - 1)
-        assert d is not None
-        st, engine = self.states[d.url], self.engines[d.url]
-        ticket = st.on_dispatch(max(turn.prompt_tokens - d.predicted_cached_tokens, 0), t)
-        if needs.approx_index and not needs.kv_events:
-            self.approx.record(d.url, turn.block_hashes)
+        prompt = HashedPrompt(turn.prompt_tokens, session.key, self.bs, SIM_HASH_SEED, turn.block_hashes)
+        d, ticket = self.router.route(prompt, t)
+        engine, router = self.engines[d.url], self.router
         res = TurnResult(si, ti, d.url, t, num_blocks=turn.num_blocks,
                          predicted_cached_tokens=d.predicted_cached_tokens)
         self.results.append(res)
@@ -243,16 +223,16 @@ class Simulator:
         self._last_replica[si] = d.url
 
         def done(seq: SimSeq) -> None:
-            st.on_done(ticket)
+            router.on_done(d.url, ticket)
             res.ttft_s = seq.first_token_s - seq.arrival
             res.hit_blocks = seq.hit_blocks
             self._turn_done(seq.done_s, si, ti)
 
         seq = SimSeq(next(self._rid), turn.block_hashes, turn.prompt_tokens, turn.output_tokens, t,
-                     lambda _: st.on_first_token(ticket), done)
+                     lambda _: router.on_first_token(d.url, ticket), done)
         if not engine.fits(seq):
             self.dropped += 1
-            st.on_done(ticket)
+            router.on_done(d.url, ticket)
             self._turn_done(t, si, ti)
             return
         self._schedule(engine, engine.add(seq, t))
@@ -277,15 +257,10 @@ class Simulator:
         if version != engine.version:
             return  # the stretch was cut short by an arrival; its new end is scheduled
         engine.finish(t)
-        for ev in engine.pool.events.drain_events():
-            if not self.index.has(engine.name):
-                continue  # scaled down: the router forgot it
-            if ev.kind is KVEventKind.STORED:
-                self.index.store(engine.name, ev.block_hashes)
-            elif ev.kind is KVEventKind.REMOVED:
-                self.index.remove(engine.name, ev.block_hashes)
-            else:
-                self.index.clear(engine.name)
+        pool = engine.pool
+        if not self.router.on_kv_events(engine.name, pool.events.drain_events()):  # events were dropped: resync
+            self.router.on_kv_events(engine.name, [Snapshot(pool.events.last_seq, self.bs, SIM_HASH_SEED,
+                                                            tuple(pool.cached))])
         self._schedule(engine, engine.start(t))
 
     # -- results -------------------------------------------------------------------------------------------

@@ -16,9 +16,9 @@ import json
 import sys
 import time
 
-from loadtest.sim.cost import COST_MODELS
-from loadtest.sim.fleet import Autoscale, SimConfig, Simulator
-from loadtest.sim.workload import mooncake, multi_turn
+from kvfleet.sim.cost import COST_MODELS
+from kvfleet.sim.fleet import Autoscale, SimConfig, Simulator
+from kvfleet.sim.workload import mooncake, multi_turn
 from router.config import ScoringConfig
 from router.routing.policies import POLICIES
 

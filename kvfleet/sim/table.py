@@ -1,9 +1,9 @@
 """Many `kvfleet sim` runs on one workload, as a markdown table (the tables in loadtest/RESULTS.md).
 
-    python -m loadtest.sim.table --format mooncake --replicas 8,16,64 --offered-load 0.9
-    python -m loadtest.sim.table --format sessions --sessions 10000 --session-rate 20 --replicas 8,16,64 \\
+    python -m kvfleet.sim.table --format mooncake --replicas 8,16,64 --offered-load 0.9
+    python -m kvfleet.sim.table --format sessions --sessions 10000 --session-rate 20 --replicas 8,16,64 \\
         --offered-load 0.9
-    python -m loadtest.sim.table --format sessions --sessions 16 --concurrency 4 --output-tokens 8 \\
+    python -m kvfleet.sim.table --format sessions --sessions 16 --concurrency 4 --output-tokens 8 \\
         --replicas 2 --policies kv,round-robin --seeds 0-9 --reference      # issue 15's two slow engines
 
 `--offered-load L` sets each run's engine speed so that the workload's prompt tokens, prefilled with no cache
@@ -20,9 +20,9 @@ import statistics
 import sys
 import time
 
-from loadtest.sim.cost import COST_MODELS
-from loadtest.sim.fleet import SimConfig, Simulator
-from loadtest.sim.workload import SimWorkload, mooncake, multi_turn
+from kvfleet.sim.cost import COST_MODELS
+from kvfleet.sim.fleet import SimConfig, Simulator
+from kvfleet.sim.workload import SimWorkload, mooncake, multi_turn
 from router.config import ScoringConfig
 
 ALL = "kv,approx-prefix,session,least-load,round-robin"

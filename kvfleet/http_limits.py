@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 from dataclasses import dataclass
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from contract.errors import ConfigError
+from contract.errors import ConfigError, error_body, error_type
 
 logger = logging.getLogger("kvfleet.http")
 
@@ -194,6 +195,5 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
     def _reply_408(self, message: str) -> None:
-        body = (b'{"error":{"message":"%s","type":"invalid_request_error","param":null,"code":"request_timeout"}}'
-                % message.encode())
+        body = json.dumps(error_body(message, error_type(408), None, "request_timeout"), separators=(",", ":")).encode()
         self.transport.write(_408 % (len(body), body))

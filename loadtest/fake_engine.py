@@ -29,6 +29,7 @@ import sys
 import time
 
 from contract.cacheable import cacheable_blocks
+from contract.errors import error_body, error_type
 from contract.hashing import DEFAULT_HASH_SEED, hash_blocks
 from contract.kv_events import Heartbeat, KVEvent, KVEventKind, Snapshot
 from contract.kv_wire import encode_line
@@ -122,7 +123,7 @@ class FakeEngine:
             self.ready = scope["query_string"] != b"0"
             await _json(send, 200, {"ready": self.ready})
         else:
-            await _json(send, 404, {"error": {"message": f"no route {path}", "type": "not_found", "code": 404}})
+            await _json(send, 404, error_body(f"no route {path}", error_type(404)))
 
     def metrics(self) -> str:
         n = self.ns.model
@@ -140,7 +141,7 @@ class FakeEngine:
 
     async def kv_events(self, receive, send):
         if self.ns.no_kv_events or self.ns.flavor != "kvfleet":
-            await _json(send, 404, {"error": {"message": "no KV events here", "type": "not_found", "code": 404}})
+            await _json(send, 404, error_body("no KV events here", error_type(404)))
             return
         q: asyncio.Queue = asyncio.Queue()
         self.subscribers.append(q)
@@ -175,8 +176,7 @@ class FakeEngine:
         self.stats["requests"] += 1
         if status != 200:
             retry_after = [(b"retry-after", b"1")] if status in (429, 503) else []  # as the engine sends them
-            await _json(send, status, {"error": {"message": f"fake failure {status}", "type": "fake", "code": status}},
-                        retry_after)
+            await _json(send, status, error_body(f"fake failure {status}", error_type(status)), retry_after)
             return
         req = json.loads(body)
         prompt = req.get("prompt")

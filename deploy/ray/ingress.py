@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
+from contract.errors import error_body, error_type
 from deploy.ray.asgi_call import Head
 from deploy.ray.route_hint import RouteHint
 from router.admission.prepare import CHAT_PATH, COMPLETIONS_PATH, prepare_request
@@ -60,8 +61,8 @@ class Ingress:
         try:
             head = await gen.__anext__()
         except StopAsyncIteration:
-            return JSONResponse({"error": {"message": "the engine replica sent no response", "type": "server_error",
-                                           "param": None, "code": "no_response"}}, status_code=502)
+            return JSONResponse(error_body("the engine replica sent no response", error_type(502), None, "no_response"),
+                                status_code=502)
         if not isinstance(head, Head):
             gen.cancel()
             raise RuntimeError(f"engine replica answered {type(head).__name__} before its response head")

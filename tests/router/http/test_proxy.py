@@ -139,7 +139,7 @@ def test_queue_full_429_is_retried_elsewhere_and_handed_on_when_every_replica_re
     r2.wait_ready()
     resp = httpx.post(r2.url + "/v1/chat/completions", json=CHAT, timeout=10)
     assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
-    assert resp.json()["error"] == {"message": "fake failure 429", "type": "fake", "code": 429}
+    assert resp.json()["error"] == {"message": "fake failure 429", "type": "rate_limit_error", "param": None, "code": None}
     assert httpx.get(full2.url + "/fake/stats").json()["requests"] == 1  # each replica tried once
     assert metric(httpx.get(r2.url + "/metrics").text, "kvfleet_router_requests_total", replica="none",
                   status="429") == 1

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 
 from kvfleet.peers import mooncake_trace
 from kvfleet.workload import generate_trace, read_mooncake
+
+DATA = Path(__file__).parent / "data"
 
 
 def test_same_seed_same_trace_other_seed_other_trace():
@@ -63,9 +66,7 @@ def test_bad_arguments():
         generate_trace(1, min_output_tokens=10, max_output_tokens=5)
 
 
-def test_mooncake_prefix_reuse_carries_over():
-    trace = read_mooncake(mooncake_trace(), limit=200, token_scale=1 / 16)
-    assert len(trace) == 200
+def _check_prefix_reuse(trace) -> None:
     assert all(r.approx_prompt_tokens <= 1536 and r.max_tokens >= 1 for r in trace)
     assert [r.arrival_s for r in trace] == sorted(r.arrival_s for r in trace)
     # requests whose trace block 0 is the same share their first 32 words (512 tokens / 16)
@@ -75,6 +76,22 @@ def test_mooncake_prefix_reuse_carries_over():
     assert len(heads) == 1
     others = {" ".join(r.messages[0]["content"].split()[:32]) for r in trace if r.extra["hash_ids"][:1] != [0]}
     assert heads.isdisjoint(others)
+
+
+def test_mooncake_prefix_reuse_carries_over():
+    trace = read_mooncake(DATA / "mooncake_excerpt.jsonl", token_scale=1 / 16)
+    assert len(trace) == 200
+    _check_prefix_reuse(trace)
+
+
+@pytest.mark.slow
+def test_mooncake_prefix_reuse_carries_over_on_the_whole_trace():
+    path = mooncake_trace()
+    if not path.is_file():
+        pytest.skip(f"the Mooncake trace is not at {path} (set KVFLEET_MOONCAKE_TRACE or KVFLEET_SHARED_DIR)")
+    trace = read_mooncake(path, token_scale=1 / 16)
+    assert len(trace) == sum(1 for _ in path.open(encoding="utf-8"))
+    _check_prefix_reuse(trace)
 
 
 def test_multi_turn_reply_tokens_sets_the_history_replies():

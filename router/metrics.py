@@ -83,6 +83,9 @@ class RouterMetrics:
                                           "served from their prefix cache, by pool", pv, registry=r)
         self.pool_changes = Counter("kvfleet_router_pool_degradation_changes", "Degradation level changes "
                                     "by pool", ["pool", "from", "to"], registry=r)
+        self.pool_no_replica = Counter("kvfleet_router_pool_no_ready_replica", "Requests answered 503 because "
+                                       "no replica of the pool was ready (start-up, a rollout): capacity, not the "
+                                       "pool's health", ["pool", "version"], registry=r)
         self.pool_lowered = Counter("kvfleet_router_pool_max_tokens_lowered", "Requests whose max_tokens a "
                                     "pool's cap lowered", pv, registry=r)
         self.pool_reloads = Counter("kvfleet_router_pools_reloads", "Reloads of the pools file by result (ok, "

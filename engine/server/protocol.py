@@ -16,9 +16,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from contract.request import COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_N, lone_surrogate_path, max_tokens_of
 from engine.sampling_params import SamplingParams
 
-MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP = 16
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
@@ -213,6 +213,14 @@ class _SamplingRequest(BaseModel):
             skip_special_tokens=self.skip_special_tokens)
 
 
+def _unicode_text(v, field: str):
+    """No lone UTF-16 surrogate in the text the tokenizer reads (valid JSON, but no tokenizer can encode it)."""
+    path = lone_surrogate_path(v, field)
+    if path is not None:
+        raise ValueError(f"{path} holds a lone UTF-16 surrogate (not valid Unicode text)")
+    return v
+
+
 def _nothing_asked(v, field: str):
     if v in _NO_OPS[field]:
         return v
@@ -230,6 +238,11 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
 
+    @field_validator("messages", "tools", mode="before")
+    @classmethod
+    def _valid_text(cls, v, info: ValidationInfo):
+        return _unicode_text(v, info.field_name)
+
     @field_validator("top_logprobs")
     @classmethod
     def _check_top_logprobs(cls, v, info: ValidationInfo):
@@ -238,7 +251,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return v
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return max_tokens_of(self.max_completion_tokens, self.max_tokens)
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -257,7 +270,7 @@ class CompletionRequest(_SamplingRequest):
     @classmethod
     def _no_tools(cls, v, info: ValidationInfo):
         return _nothing_asked(v, info.field_name)
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
@@ -266,6 +279,7 @@ class CompletionRequest(_SamplingRequest):
     @field_validator("prompt")
     @classmethod
     def _check_prompt(cls, v):
+        _unicode_text(v, "prompt")
         if isinstance(v, list) and v and not isinstance(v[0], int) and len(v) > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
         return v

@@ -9,36 +9,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-from typing import NamedTuple
 
 import aiohttp
 
 from contract.errors import error_body, error_type
+from contract.request import Endpoint, RequestError, parse_request
 from contract.structured import constrained_kind
+from router.admission.pipeline import Admission
 from router.admission.prepare import (
     CHAT_PATH,
     COMPLETIONS_PATH,
     PreparedRequest,
-    max_tokens_field,
-    positive_int,
     prepare_request,
     prompt_token_counts,
 )
-from router.admission.shedding import Pressure, should_shed
+from router.admission.stages import Refusal
 from router.admission.tokens import PromptTokenizer
 from router.config import RouterConfig
+from router.http.models import fleet_models
 from router.http.proxy import Attempts, Proxy
 from router.http.responses import send_bytes, send_json
+from router.http.tokenizer_fetch import tokenizer_from_engines
 from router.http.usage import StreamUsage, ask_for_usage
 from router.metrics import RouterMetrics
-from router.pools.choice import PoolRefusal, PoolSpec, apply_caps
 from router.pools.control import Pools
 from router.routing.fleet import Fleet
-from router.tenants.ratelimit import Admitted, RateLimiter, Refusal
-from router.tenants.registry import Tenant
+from router.tenants.ratelimit import RateLimiter
 
 log = logging.getLogger("kvfleet.router")
 access_log = logging.getLogger("kvfleet.router.access")
@@ -47,12 +45,6 @@ _PROXIED = (CHAT_PATH, COMPLETIONS_PATH)
 _GET_PATHS = ("/v1/models", "/health", "/ready", "/metrics")
 _UNLOGGED = ("/health", "/ready", "/metrics")  # probes and scrapes stay out of the access log
 _SHUTDOWN_S = 10.0
-
-
-class Placement(NamedTuple):
-    pool: PoolSpec  # the pool as the request sees it (after degradation)
-    changed: bool  # the body's max_tokens was set or lowered
-    lowered: int | None  # the max_tokens a cap lowered the request's to
 
 
 class RouterApp:
@@ -66,6 +58,7 @@ class RouterApp:
         self.pools = Pools(cfg, self.fleet, self.metrics)
         self.ratelimit = (RateLimiter(cfg.ratelimit, self.metrics, self.fleet.load, cfg.request_timeout_s)
                           if cfg.ratelimit.tenants_file else None)
+        self.admission = Admission(self.pools, self.ratelimit, self.metrics, cfg.ratelimit.shedding)
         self.need_tokens = (self.fleet.policy.needs.prompt_tokens or self.ratelimit is not None
                             or cfg.pools_file is not None)
         self.proxy: Proxy | None = None
@@ -103,28 +96,15 @@ class RouterApp:
         return self.need_tokens and self.tokenizer is None and self.cfg.tokenizer_from_engines
 
     async def _fetch_tokenizer(self) -> None:
-        """--tokenizer-from-engines: the tokenizer of the first ready engine that serves one (retried every
-        second until one does)."""
-        from engine.tokenizer import TokenizerError, load_tokenizer_archive
+        self.tokenizer = await tokenizer_from_engines(self.session, self.fleet.ready_urls, self._internal_headers)
 
-        logged = set()
-        while self.tokenizer is None:
-            for url in self.fleet.ready_urls():
-                try:
-                    async with self.session.get(url + "/v1/kvfleet/tokenizer", headers=self._internal_headers,
-                                                timeout=aiohttp.ClientTimeout(total=30)) as resp:
-                        if resp.status != 200:
-                            raise ValueError(f"HTTP {resp.status}")
-                        data = await resp.read()
-                    tok = await asyncio.to_thread(load_tokenizer_archive, data)
-                    self.tokenizer = await asyncio.to_thread(PromptTokenizer, tok)
-                    log.info("tokenizer from %s: vocab %d, %d bytes", url, tok.vocab_size, len(data))
-                    return
-                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TokenizerError) as e:
-                    if url not in logged:  # once per replica
-                        logged.add(url)
-                        log.warning("no tokenizer from %s yet: %s", url, e)
-            await asyncio.sleep(1.0)
+    def not_serving(self) -> str | None:
+        """Why a chat through this router cannot succeed now (None: it can): /ready and /v1/models say so."""
+        if self.draining:
+            return "draining"
+        if self.waiting_for_tokenizer:
+            return "waiting for the tokenizer from a ready engine"
+        return None if self.fleet.ready_urls() else "no ready replica"
 
     async def drain(self, timeout: float) -> None:
         """SIGTERM: /ready turns 503 (load balancers stop sending here), new completion requests get 503 +
@@ -220,14 +200,12 @@ class RouterApp:
                 await send_json(send, 405, error_body(f"{path} takes GET", error_type(405)))
             elif path == "/health":
                 await send_json(send, 200, {"status": "ok"})
-            elif path == "/ready" and self.draining:
-                await send_json(send, 503, {"status": "draining"})
-            elif path == "/ready" and self.waiting_for_tokenizer:
-                await send_json(send, 503, {"status": "waiting for the tokenizer from a ready engine"})
             elif path == "/ready":
+                why = self.not_serving()
                 n = len(self.fleet.ready_urls())
-                await send_json(send, 200 if n else 503, {"status": "ready" if n else "no ready replica",
-                                                          "ready_replicas": n, "replicas": len(self.fleet.replicas)})
+                counts = {"ready_replicas": n, "replicas": len(self.fleet.replicas)}
+                await send_json(send, 503 if why else 200, {"status": why or "ready",
+                                                            **(counts if why in (None, "no ready replica") else {})})
             elif path == "/metrics":
                 await send_bytes(send, 200, self.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
             else:
@@ -236,31 +214,18 @@ class RouterApp:
         await send_json(send, 404, error_body(f"no route for {method} {path}", error_type(404)))
 
     async def _models(self, send) -> None:
-        """Every model id the ready replicas serve (each replica's /v1/models, asked at once), first-seen
-        entry per id; the configured --model when none answers."""
-        async def ask(url: str) -> list:
-            try:
-                async with self.session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2.0),
-                                            headers=self._internal_headers) as resp:
-                    if resp.status == 200:
-                        data = (await resp.json(content_type=None)).get("data")
-                        return data if isinstance(data, list) else []
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
-                pass
-            return []
-
-        models: dict[str, dict] = {}
-        for listing in await asyncio.gather(*(ask(u) for u in self.fleet.ready_urls())):
-            for m in listing:
-                if isinstance(m, dict) and isinstance(m.get("id"), str):
-                    models.setdefault(m["id"], m)
-        if not models and not self.cfg.model:
-            await send_json(send, 503, error_body("no ready replica to list models", error_type(503), None,
-                                                  "no_ready_replica"))
+        """The union of the models the ready replicas serve; 503 + Retry-After until a chat can succeed (so a
+        client polling /v1/models for readiness never sees 200 too early)."""
+        why = self.not_serving()
+        models = [] if why else await fleet_models(self.session, self.fleet.ready_urls(), self._internal_headers)
+        if not models and self.cfg.model and not why:  # replicas that list no models (a third-party engine)
+            models = [{"id": self.cfg.model, "object": "model", "created": 0, "owned_by": "kvfleet"}]
+        if not models:
+            await send_json(send, 503, error_body(f"no model to list yet ({why or 'no replica lists one'}); retry",
+                                                  error_type(503), None, "no_ready_replica"),
+                            [(b"retry-after", b"1")])
             return
-        data = list(models.values()) or [{"id": self.cfg.model, "object": "model", "created": 0,
-                                          "owned_by": "kvfleet"}]
-        await send_json(send, 200, {"object": "list", "data": data})
+        await send_json(send, 200, {"object": "list", "data": models})
 
     async def _read_body(self, receive) -> bytes | None:
         chunks, size = [], 0
@@ -278,66 +243,44 @@ class RouterApp:
 
     async def _completion(self, scope, receive, send, path: str, attempts: Attempts) -> None:
         try:
-            body = await self._read_body(receive)
+            raw = await self._read_body(receive)
         except ValueError as e:
             await send_json(send, 413, error_body(str(e), error_type(413), None, "request_too_large"))
             return
-        if body is None:
+        if raw is None:
             return
-        try:
-            obj = json.loads(body)
-        except ValueError as e:
-            await send_json(send, 400, error_body(f"request body is not valid JSON: {e}", error_type(400), None,
-                                                  "invalid_value"))
-            return
-        if not isinstance(obj, dict):
-            await send_json(send, 400, error_body("request body must be a JSON object", error_type(400), None,
-                                                  "invalid_value"))
+        try:  # parsed once: the typed request of contract/request.py
+            req = parse_request(Endpoint(path), raw)
+        except RequestError as e:
+            await send_json(send, e.status, error_body(str(e), error_type(e.status), e.param, e.code))
             return
         headers = scope["headers"]
-        tenant = None
-        if self.ratelimit is not None:
-            tenant = self.ratelimit.identify(headers)
-            if isinstance(tenant, Refusal):
-                await send_json(send, tenant.status, tenant.body, tenant.headers)
-                return
+        tenant = self.admission.identify(headers)
+        if isinstance(tenant, Refusal):
+            await send_json(send, tenant.status, tenant.body, tenant.headers)
+            return
         t0 = time.perf_counter()
         hdr = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers if k in (b"x-session-id",)}
-        prep = prepare_request(path, obj, hdr, self.tokenizer, self.need_tokens)
-        kind = constrained_kind(obj)
+        prep = prepare_request(path, req.body, hdr, self.tokenizer, self.need_tokens)
+        kind = constrained_kind(req.body)
         if kind is not None:
             self.metrics.constrained.labels(kind).inc()
-        if tenant is not None:
-            refused = self.ratelimit.shape(tenant, path, obj)
-            if refused is not None:
-                await send_json(send, refused.status, refused.body, refused.headers)
-                return
-            salt = obj.get("cache_salt")
-            prep.cache_salt = salt if isinstance(salt, str) and salt else None
-        counts = prompt_token_counts(path, obj, self.tokenizer, prep)
-        placed = await self._place(send, path, obj, prep, counts, tenant)
-        if placed is None:
+        counts = prompt_token_counts(path, req.body, self.tokenizer, prep)
+        admitted = await self.admission.admit(req, tenant, prep.session_key, counts)
+        if isinstance(admitted, Refusal):
+            await send_json(send, admitted.status, admitted.body, admitted.headers)
             return
-        pool = placed.pool
-        changed = placed.changed
-        extra = [(b"x-kvfleet-pool", pool.name.encode())]
-        admitted: Admitted | None = None
-        if tenant is not None:
-            got = await self.ratelimit.admit(tenant, path, obj, counts)
-            if isinstance(got, Refusal):
-                await send_json(send, got.status, got.body, got.headers)
-                return
-            admitted, body = got, got.body
-            extra.extend(got.headers)
-            prep.usage = got.usage
-        else:
-            if prep.stream and self.cfg.pools_file is not None:  # usage for the pool's hit rate and TPOT
-                prep.usage = StreamUsage(ask_for_usage(obj, continuous=False))
-                changed = True
-            if changed:
-                body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-        if placed.lowered is not None:
-            extra.append((b"x-kvfleet-max-tokens-lowered", str(placed.lowered).encode()))
+        req, pool = admitted.request, admitted.pool
+        prep.cache_salt = req.cache_salt
+        if req.stream and (tenant is not None or self.cfg.pools_file is not None):
+            # usage in the stream: every chunk for a tenant (a cancelled stream is charged what it used), the
+            # last one for a pool's hit rate and TPOT; what the client did not ask for is taken out again
+            wanted, options = ask_for_usage(req.get("stream_options"), continuous=tenant is not None)
+            req = req.with_fields(stream_options=options)
+            prep.usage = StreamUsage(wanted)
+        elif tenant is not None:
+            prep.usage = StreamUsage()
+        body = req.upstream_body()  # written once, here
         prepared_s = time.perf_counter() - t0
         metrics = self.metrics
 
@@ -350,47 +293,11 @@ class RouterApp:
             return ls
 
         try:
-            await self._forward(send, receive, path, body, headers, prep, lease, attempts, extra)
+            await self._forward(send, receive, path, body, headers, prep, lease, attempts, admitted.headers)
         finally:
-            if admitted is not None:  # however it ended: charge what was used, refund the rest
-                await asyncio.shield(self.ratelimit.settle(admitted, attempts.answered))
+            if admitted.budget is not None:  # however it ended: charge what was used, refund the rest
+                await asyncio.shield(self.ratelimit.settle(admitted.budget, prep.usage, attempts.answered))
             self._observe(pool.name, prep, attempts, t0)
-
-    async def _place(self, send, path: str, obj: dict, prep: PreparedRequest, counts: list[int],
-                     tenant: Tenant | None) -> Placement | None:
-        """Choose the request's pool and apply its max_tokens default and cap to the body (in place); None
-        when the request was answered here (400 over every pool's context limit, 503 no pool / shed)."""
-        field = max_tokens_field(path, obj)
-        requested = positive_int(obj.get(field))
-        choice = self.pools.choose(prep.session_key, max(counts), requested)
-        if isinstance(choice, PoolRefusal):
-            self.metrics.pool_requests.labels("none", "-", str(choice.status)).inc()
-            param = ("messages" if path == CHAT_PATH else "prompt") if choice.status == 400 else None
-            await send_json(send, choice.status, error_body(choice.message, error_type(choice.status), param,
-                                                            choice.code))
-            return None
-        pool = choice.pool
-        version = self.pools.version(pool.name)
-        effective, lowered = apply_caps(pool, requested)
-        if self.pools.shedding(pool.name):
-            n = positive_int(obj.get("n")) or 1
-            cost = sum(counts) + n * len(counts) * (effective or 0)
-            lowest, highest = self.ratelimit.file.registry.priorities() if self.ratelimit is not None else (0, 0)
-            priority = tenant.priority if tenant is not None else 0
-            shed_cfg = self.cfg.ratelimit.shedding
-            if should_shed(Pressure.HIGH, cost, priority, lowest, highest, shed_cfg):
-                self.metrics.pool_requests.labels(pool.name, version, "503").inc()
-                await send_json(send, 503, error_body(
-                    f"pool {pool.name} is degraded and sheds requests of this size and priority: retry in "
-                    f"{shed_cfg.retry_after_s}s or lower max_tokens", error_type(503), None, "overloaded"),
-                    [(b"retry-after", str(shed_cfg.retry_after_s).encode())])
-                return None
-        if effective == requested or effective is None:
-            return Placement(pool, False, None)
-        obj[field] = effective
-        if lowered:
-            self.metrics.pool_lowered.labels(pool.name, version).inc()
-        return Placement(pool, True, effective if lowered else None)
 
     def _observe(self, pool: str, prep: PreparedRequest, attempts: Attempts, t0: float) -> None:
         """The request's outcome and latencies into its pool's metrics and degradation signals."""
@@ -398,6 +305,9 @@ class RouterApp:
         if status is None:  # the client went away: says nothing about the pool
             return
         m, version = self.metrics, self.pools.version(pool)
+        if attempts.no_replica:  # no replica ready (start-up, a rollout): capacity's signal, not the pool's
+            m.pool_no_replica.labels(pool, version).inc()
+            return
         m.pool_requests.labels(pool, version, status).inc()
         usage = attempts.usage if isinstance(attempts.usage, dict) else {}
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")

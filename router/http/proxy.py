@@ -122,6 +122,7 @@ class Attempts:
     first_token_at: float | None = None  # perf_counter when a stream's first token went out
     ended_at: float | None = None  # perf_counter when a stream's last byte went out
     usage: dict | None = None  # the usage the replica reported (the last one of a stream)
+    no_replica: bool = False  # no replica could be leased at all (none ready): not the pool's failure
 
 
 class Proxy:
@@ -192,8 +193,10 @@ class Proxy:
             return
         metrics.requests.labels("none", metrics.policy, "error").inc()
         attempts.status = "error"
+        attempts.no_replica = not tried
         await send_json(send, 503, error_body(f"no replica could serve the request ({last_error})",
-                                              error_type(503), None, "no_replica_available"), list(extra_headers))
+                                              error_type(503), None, "no_replica_available"),
+                        list(extra_headers) + ([(b"retry-after", b"1")] if not tried else []))
 
     async def _attempt(self, send, url: str, path: str, body: bytes, fwd_headers, prep: PreparedRequest,
                        ls: Lease, extra_headers, attempts: Attempts) -> _Result:

@@ -27,15 +27,12 @@ class UsageWanted:
         return self.include_usage and self.continuous
 
 
-def ask_for_usage(body: dict, continuous: bool = True) -> UsageWanted:
-    """Turn on usage in a streamed request (in place): in every chunk, or (continuous=False) in a final chunk
-    only; returns what the client asked for."""
-    opts = body.get("stream_options")
-    opts = opts if isinstance(opts, dict) else {}
+def ask_for_usage(stream_options, continuous: bool = True) -> tuple[UsageWanted, dict]:
+    """A streamed request's `stream_options` with usage turned on: in every chunk, or (continuous=False) in a
+    final chunk only; with what the client's own options asked for."""
+    opts = stream_options if isinstance(stream_options, dict) else {}
     wanted = UsageWanted(opts.get("include_usage") is True, opts.get("continuous_usage_stats") is True)
-    body["stream_options"] = {**opts, "include_usage": True,
-                              "continuous_usage_stats": continuous or wanted.continuous}
-    return wanted
+    return wanted, {**opts, "include_usage": True, "continuous_usage_stats": continuous or wanted.continuous}
 
 
 def total_tokens(usage) -> int | None:

@@ -4,7 +4,7 @@ passes the pools, the request's session key and sizes, and a random source in.
 Choice, in order:
 1. A pool *admits* a request when prompt_tokens + its effective max_tokens (after `apply_caps` for that
    pool) is at most the pool's `max_context_tokens` (None: no limit). A request without max_tokens in a
-   pool without a default counts its prompt only.
+   pool with neither a default nor a cap counts its prompt only.
 2. Among the regular (not long-context) pools with weight > 0 that admit the request, a weighted choice.
    If none admits it but some regular pool has weight > 0, the long-context pools with weight > 0 that
    admit it are tried the same way; failing those, a 400 refusal naming the largest context limit.
@@ -103,12 +103,16 @@ class PoolRefusal:
 
 
 def apply_caps(pool: PoolSpec, requested_max_tokens: int | None) -> tuple[int | None, bool]:
-    """(effective max_tokens, lowered): the pool's default when none was requested, its cap when the
-    request asks for more (lowered=True only then); None when neither the request nor the pool sets one."""
+    """(effective max_tokens, lowered) in this pool; a cap holds whatever the client sends or omits: its
+    cap when the request asks for more (lowered); with none requested, the pool's default, else its cap
+    (lowered: the request had no limit), else None (the engine's own default applies)."""
+    cap = pool.max_tokens_cap
     if requested_max_tokens is None:
-        return pool.default_max_tokens, False
-    if pool.max_tokens_cap is not None and requested_max_tokens > pool.max_tokens_cap:
-        return pool.max_tokens_cap, True
+        if pool.default_max_tokens is not None:
+            return pool.default_max_tokens, False
+        return cap, cap is not None
+    if cap is not None and requested_max_tokens > cap:
+        return cap, True
     return requested_max_tokens, False
 
 

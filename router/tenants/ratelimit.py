@@ -1,16 +1,14 @@
 """The router's tenant admission edge: who is calling, what the request may cost, whether the tenant's token
-budget (router/budget*.py, router/tenants/limiter.py) and the fleet's pressure (router/admission/shedding.py) let it through,
+budget (router/tenants/budget.py, store.py, limiter.py) lets it through,
 and, once it is answered, what it really used.
 
-Per client request, before it is routed (once, however many replicas it is retried on):
-1. the API key names the tenant (router/tenants/registry.py): none or unknown -> 401 `invalid_api_key`;
-2. the tenant's limits shape the body: `max_tokens` defaults to the tenant's cap, a larger one -> 400; an
-   isolated tenant's `cache_salt` is forced; a stream asks the engine for usage in every chunk;
-3. its cost, `sum over prompts of (prompt tokens + n x max_tokens)` (prompts counted with the engines'
-   tokenizer), against the tenant's `max_context_tokens` (400) and the fleet's pressure (503 + Retry-After
-   for the expensive requests of low priority);
-4. the reservation: 400 if it could never fit the budget, 429 + Retry-After (`rate_limit_exceeded`) if not
-   now, 503 if the store failed under `--ratelimit-on-store-error closed`.
+Per client request, before it is routed (once, however many replicas it is retried on; the stages between
+these two steps are router/admission/):
+1. `identify`: the API key names the tenant (router/tenants/registry.py): none or unknown -> 401
+   `invalid_api_key`;
+2. `reserve`: the request's cost (router/admission/stages.py `request_cost`) from the tenant's budget: 400
+   if it could never fit the budget, 429 + Retry-After (`rate_limit_exceeded`) if not now, 503 if the
+   store failed under `--ratelimit-on-store-error closed`.
 `settle` charges what the engine reported (usage.total_tokens; the last streamed chunk's for a cancelled
 stream), 0 if no replica answered with success (refused, failed, or an error answer), the whole reservation
 if one answered 200 without usage. Every response to
@@ -21,19 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from contract.errors import error_body, error_type
-from router.admission.prepare import CHAT_PATH, max_tokens_field, positive_int
-from router.admission.shedding import fleet_pressure, should_shed
+from router.admission.shedding import Pressure, fleet_pressure
+from router.admission.stages import Refusal, refuse
 from router.config import RateLimitConfig
-from router.http.usage import StreamUsage, ask_for_usage
+from router.http.usage import StreamUsage
 from router.tenants.budget import BudgetSpec, Quota, Reason
 from router.tenants.file import TenantsFile
 from router.tenants.limiter import Limiter, LimiterUnavailable, OnStoreError
@@ -43,20 +39,13 @@ from router.tenants.store import BudgetStore, InProcessStore, Rejection, Reserva
 log = logging.getLogger("kvfleet.router.ratelimit")
 
 
-class Refusal(NamedTuple):
-    status: int
-    body: dict
-    headers: list[tuple[bytes, bytes]]
-    outcome: str  # metrics label
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """A tenant's admitted request: its reservation and the x-ratelimit-* headers of the response."""
 
-
-@dataclass(slots=True)
-class Admitted:
     tenant: Tenant
     reservation: Reservation | None  # None: the store failed open without a budget (never: see Limiter)
-    body: bytes  # what goes upstream
-    usage: StreamUsage
-    headers: list[tuple[bytes, bytes]]  # x-ratelimit-* for the response
+    headers: list[tuple[bytes, bytes]]
 
 
 def reset_text(seconds: float) -> str:
@@ -125,71 +114,26 @@ class RateLimiter:
             self.metrics.ratelimit_requests.labels("-", "unauthorized").inc()
             return Refusal(401, e.body(), list(e.headers), "unauthorized")
 
-    def shape(self, tenant: Tenant, path: str, obj: dict) -> Refusal | None:
-        """The tenant's max_tokens cap and default and its cache salt, in the parsed body (in place); a
-        refusal if the request asks for more than the cap. Before `admit`, which reserves what the body
-        then asks for."""
-        refused = self._shape(tenant, path, obj)
-        return None if refused is None else self._refused(tenant, refused)
-
-    async def admit(self, tenant: Tenant, path: str, obj: dict, prompt_tokens: list[int]) -> Admitted | Refusal:
-        """`obj` is the parsed body, shaped (`shape`), `prompt_tokens` the token count of each prompt."""
-        registry = self.file.registry
-        max_tokens = positive_int(obj.get(max_tokens_field(path, obj)))
-        n = positive_int(obj.get("n")) or 1
-        prompts = prompt_tokens or [0]
-        if max_tokens is None and tenant.max_context_tokens is not None:
-            max_tokens = max(0, tenant.max_context_tokens - max(prompts))  # what the engine could generate
-        cost = sum(p + n * (max_tokens or 0) for p in prompts)
-        if tenant.max_context_tokens is not None and max(prompts) + (max_tokens or 0) > tenant.max_context_tokens:
-            return self._refused(tenant, Refusal(400, error_body(
-                f"this request needs {max(prompts)} prompt tokens + {max_tokens} max_tokens, more than this API "
-                f"key's context limit of {tenant.max_context_tokens} tokens", error_type(400),
-                "messages" if path == CHAT_PATH else "prompt", "context_length_exceeded"), [], "context_too_long"))
-        lowest, highest = registry.priorities()
+    def pressure(self) -> Pressure:
+        """The fleet's pressure from its scraped load (router/admission/shedding.py)."""
         kv, waiting = self.load()
-        pressure = fleet_pressure(kv, waiting, self.cfg.shedding)
-        if should_shed(pressure, cost, tenant.priority, lowest, highest, self.cfg.shedding):
-            retry = self.cfg.shedding.retry_after_s
-            return self._refused(tenant, Refusal(503, error_body(
-                f"the fleet is under {pressure} load; requests of this size and priority are shed: retry in "
-                f"{retry}s or lower max_tokens", error_type(503), None, "overloaded"),
-                [(b"retry-after", str(retry).encode())], "shed"))
+        return fleet_pressure(kv, waiting, self.cfg.shedding)
+
+    async def reserve(self, tenant: Tenant, cost: int) -> Budget | Refusal:
+        """Reserve `cost` tokens (router/admission/stages.py `request_cost`) of the tenant's budget."""
         spec = BudgetSpec(tenant.tokens_per_minute, tenant.max_concurrent_requests)
         try:
             got = await self.limiter.reserve(tenant.name, spec, cost)
         except LimiterUnavailable:
-            return self._refused(tenant, Refusal(503, error_body(
-                "the rate limiter's store is unavailable; retry shortly", error_type(503), None,
-                "ratelimit_unavailable"), [(b"retry-after", b"1")], "unavailable"))
+            return self.refused(tenant, refuse(503, "the rate limiter's store is unavailable; retry shortly",
+                                               "unavailable", None, "ratelimit_unavailable", [(b"retry-after", b"1")]))
         if isinstance(got, Rejection):
-            return self._refused(tenant, self._rejection(got, cost, spec))
+            return self.refused(tenant, self._rejection(got, cost, spec))
         m = self.metrics
         m.ratelimit_requests.labels(tenant.name, "admitted").inc()
         m.ratelimit_tokens.labels(tenant.name, "reserved").inc(cost)
         m.reserved_outstanding.labels(tenant.name).inc(cost)
-        stream = obj.get("stream") is True
-        usage = StreamUsage(ask_for_usage(obj) if stream else None)
-        body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-        return Admitted(tenant, got, body, usage, quota_headers(got.quota))
-
-    def _shape(self, tenant: Tenant, path: str, obj: dict) -> Refusal | None:
-        """The tenant's cap and default for max_tokens and its cache salt, in the body; a refusal if the
-        request asks for more than the cap."""
-        cap = tenant.max_tokens
-        names = ("max_completion_tokens", "max_tokens") if path == CHAT_PATH else ("max_tokens",)
-        asked = [(k, obj[k]) for k in names if obj.get(k) is not None]
-        if cap is not None:
-            for k, v in asked:
-                if positive_int(v) is not None and v > cap:
-                    return Refusal(400, error_body(f"{k} is {v}, above this API key's limit of {cap}",
-                                                   error_type(400), k, "invalid_value"), [], "max_tokens_above_cap")
-            if not asked:
-                obj[names[0]] = cap
-        salt = tenant.request_cache_salt(obj.get("cache_salt") if isinstance(obj.get("cache_salt"), str) else None)
-        if salt is not None:
-            obj["cache_salt"] = salt
-        return None
+        return Budget(tenant, got, quota_headers(got.quota))
 
     def _rejection(self, got: Rejection, cost: int, spec: BudgetSpec) -> Refusal:
         if got.reason is Reason.TOO_LARGE:
@@ -208,18 +152,20 @@ class RateLimiter:
                    (b"retry-after-ms", str(math.ceil(retry * 1000)).encode()), *quota_headers(got.quota)]
         return Refusal(429, body, headers, f"rejected_{got.reason}")
 
-    def _refused(self, tenant: Tenant, r: Refusal) -> Refusal:
+    def refused(self, tenant: Tenant, r: Refusal) -> Refusal:
+        """Count a refusal of the tenant's request (by any admission stage) and hand it on."""
         self.metrics.ratelimit_requests.labels(tenant.name, r.outcome).inc()
         return r
 
     # -- settlement ----------------------------------------------------------------------------------------
-    async def settle(self, a: Admitted, answered: bool) -> None:
+    async def settle(self, a: Budget, usage: StreamUsage | None, answered: bool) -> None:
         """Charge what the request used: the engine's usage, else the whole reservation if a replica answered
         200 (`answered`), else nothing."""
         r = a.reservation
         if r is None:
             return
-        used = a.usage.used if a.usage.used is not None else (r.amount if answered else 0)
+        reported = usage.used if usage is not None else None
+        used = reported if reported is not None else (r.amount if answered else 0)
         m, name = self.metrics, a.tenant.name
         m.reserved_outstanding.labels(name).dec(r.amount)
         m.ratelimit_tokens.labels(name, "used").inc(used)

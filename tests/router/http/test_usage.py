@@ -23,10 +23,12 @@ U2 = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
 
 
 def test_ask_for_usage_keeps_the_clients_wishes():
-    body = {"stream": True, "stream_options": {"include_usage": True}}
-    assert ask_for_usage(body) == UsageWanted(True, False)
-    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
-    assert ask_for_usage({"stream": True}) == UsageWanted(False, False)
+    client = {"include_usage": True}
+    assert ask_for_usage(client) == (UsageWanted(True, False), {"include_usage": True,
+                                                                "continuous_usage_stats": True})
+    assert client == {"include_usage": True}  # the client's options are not changed in place
+    assert ask_for_usage(None) == (UsageWanted(False, False), {"include_usage": True, "continuous_usage_stats": True})
+    assert ask_for_usage(None, continuous=False)[1] == {"include_usage": True, "continuous_usage_stats": False}
 
 
 @pytest.mark.parametrize("usage_last", [True, False])  # the fast path and the parsing one

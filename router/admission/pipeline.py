@@ -1,0 +1,94 @@
+"""The admission pipeline: router/admission/stages.py in order, with the metrics each refusal counts under and
+the one step that does I/O (the budget reservation, router/tenants/ratelimit.py).
+
+  identify tenant (401) -> tenant limits (cap, default, salt) -> choose pool (model, context, weights)
+  -> pool caps (default, cap; + the tenant's context limit) -> shedding (one pressure reading)
+  -> budget reservation (429 / 400 / 503)
+
+The request is never changed in place: each stage returns a new typed request (contract/request.py), and
+`Admitted.request` is what goes upstream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from contract.request import OpenAIRequest
+from router.admission.shedding import Pressure, SheddingConfig
+from router.admission.stages import (
+    Refusal,
+    pool_caps,
+    pool_choice,
+    pressure,
+    request_cost,
+    shed,
+    tenant_context,
+    tenant_limits,
+)
+from router.pools.choice import PoolSpec
+from router.pools.control import Pools
+from router.tenants.ratelimit import Budget, RateLimiter
+from router.tenants.registry import Tenant
+
+LOWERED_HEADER = b"x-kvfleet-max-tokens-lowered"
+POOL_HEADER = b"x-kvfleet-pool"
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    request: OpenAIRequest  # as it goes upstream
+    pool: PoolSpec
+    budget: Budget | None  # the tenant's reservation (None: no tenants file)
+    headers: list[tuple[bytes, bytes]]  # for the response: pool, max_tokens lowered, x-ratelimit-*
+
+
+class Admission:
+    def __init__(self, pools: Pools, ratelimit: RateLimiter | None, metrics, shedding: SheddingConfig):
+        self.pools, self.ratelimit, self.metrics, self.shedding = pools, ratelimit, metrics, shedding
+
+    def identify(self, headers) -> Tenant | Refusal | None:
+        """The caller's tenant (None without a tenants file), or the 401."""
+        return self.ratelimit.identify(headers) if self.ratelimit is not None else None
+
+    async def admit(self, req: OpenAIRequest, tenant: Tenant | None, session_key: str | None,
+                    prompt_tokens: Sequence[int]) -> Admitted | Refusal:
+        m = self.metrics
+        if tenant is not None:
+            got = tenant_limits(req, tenant)
+            if isinstance(got, Refusal):
+                return self.ratelimit.refused(tenant, got)
+            req = got
+        pool = pool_choice(self.pools.choose(session_key, max(prompt_tokens, default=0), req.max_tokens), req)
+        if isinstance(pool, Refusal):
+            m.pool_requests.labels("none", "-", str(pool.status)).inc()
+            return self.ratelimit.refused(tenant, pool) if tenant is not None else pool
+        version = self.pools.version(pool.name)
+        req, lowered = pool_caps(req, pool)
+        if lowered is not None:
+            m.pool_lowered.labels(pool.name, version).inc()
+        if tenant is not None:
+            too_long = tenant_context(req, tenant, prompt_tokens)
+            if too_long is not None:
+                return self.ratelimit.refused(tenant, too_long)
+        cost = request_cost(req, prompt_tokens, tenant.max_context_tokens if tenant is not None else None)
+        sheds = self.pools.shedding(pool.name)
+        reading = pressure(self.ratelimit.pressure() if self.ratelimit is not None else Pressure.NONE, sheds)
+        priority, priorities = ((tenant.priority, self.ratelimit.file.registry.priorities()) if tenant is not None
+                                else (0, (0, 0)))
+        refused = shed(reading, cost, priority, priorities, pool.name, sheds, self.shedding)
+        if refused is not None:
+            if sheds:
+                m.pool_requests.labels(pool.name, version, "503").inc()
+            return self.ratelimit.refused(tenant, refused) if tenant is not None else refused
+        headers = [(POOL_HEADER, pool.name.encode())]
+        if lowered is not None:
+            headers.append((LOWERED_HEADER, str(lowered).encode()))
+        budget = None
+        if tenant is not None:
+            got_budget = await self.ratelimit.reserve(tenant, cost)
+            if isinstance(got_budget, Refusal):
+                return got_budget
+            budget = got_budget
+            headers.extend(budget.headers)
+        return Admitted(req, pool, budget, headers)

@@ -20,7 +20,7 @@ class ScoringConfig:
     """Weights and limits of the routing score (pure policy inputs)."""
 
     # Load in prefill-token equivalents: each KV token held by running requests (their contexts being
-    # decoded; off by default: at 0.5 it sent follow-ups away from their history, see loadtest/RESULTS.md),
+    # decoded; off by default: at 0.5 it sent follow-ups away from their history, see docs/results.md),
     # each waiting request another router sent (a whole unknown prompt to prefill first; this router's own
     # are counted by their measured prefill), each running request (per-sequence overhead in every step).
     kv_token_cost: float = 0.0

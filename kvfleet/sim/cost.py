@@ -13,7 +13,7 @@ task), `LLM.generate` timed whole (2026-11-30):
 A line through the decode steps gives base 17 ms and 1.2 ms per decoding sequence; the 2,048-token prefill
 gives 2.9 ms per prefill token (the 512-token one 2.6, the 128-token one 1.9).
 The kvfleet engine and vLLM-CPU were within a factor of 1.6 of each other on single-request TTFT on this
-machine (loadtest/RESULTS.md), so the same model stands in for the one-core vLLM-CPU engines of issue 15.
+machine (docs/results.md), so the same model stands in for the one-core vLLM-CPU engines of issue 15.
 
 Limits: linear in prefill tokens (attention's quadratic term is folded in: the 2,048-token prefill costs
 about 1.2x the per-token figure of the 128-token one), no dependence on context length in decode, one

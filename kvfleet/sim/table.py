@@ -1,4 +1,4 @@
-"""Many `kvfleet sim` runs on one workload, as a markdown table (the tables in loadtest/RESULTS.md).
+"""Many `kvfleet sim` runs on one workload, as a markdown table (the tables in docs/results.md).
 
     python -m kvfleet.sim.table --format mooncake --replicas 8,16,64 --offered-load 0.9
     python -m kvfleet.sim.table --format sessions --sessions 10000 --session-rate 20 --replicas 8,16,64 \\

@@ -21,7 +21,7 @@ constant each; a running request adds a little per-sequence overhead.
 a prefix the fleet already holds, and that work delays the requests queued behind it and, in a session,
 splits the history between two replicas. So a request leaves the replica holding its prefix only when the
 prefill ahead of it there exceeds the alternative's by more than `prefill_weight` times the tokens it would
-have to recompute. Chosen on the fleet simulator (kvfleet/sim, loadtest/RESULTS.md): 1 let transient queues
+have to recompute. Chosen on the fleet simulator (kvfleet/sim, docs/results.md): 1 let transient queues
 send follow-ups away on slow engines and lost the Mooncake hit rate (0.26 at 64 replicas); 3 keeps both.
 The active KV tokens weigh the contexts being decoded there (off by default; Dynamo's KV router uses 1:1).
 

@@ -7,7 +7,6 @@ unchanged, with `x-kvfleet-replica` naming the replica that served it.
 """
 
 import asyncio
-import json
 import logging
 from collections.abc import Mapping
 
@@ -16,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from contract.errors import error_body, error_type
+from contract.request import Endpoint, RequestError, parse_request
 from deploy.ray.asgi_call import Head
 from deploy.ray.route_hint import RouteHint
 from router.admission.prepare import CHAT_PATH, COMPLETIONS_PATH, prepare_request
@@ -44,14 +44,14 @@ class Ingress:
         self.need_tokens = need_tokens
         self.tokenizer = PromptTokenizer(load_tokenizer(engine.get("model", "smollm2"))) if need_tokens else None
 
-    def hint(self, path: str, raw: bytes, headers: Mapping[str, str]) -> RouteHint | None:
+    def hint(self, path: str, raw: bytes, headers: Mapping[str, str]) -> RouteHint | JSONResponse:
+        """The routing hint of a request, parsed once as the HTTP router parses it (contract/request.py), or
+        the same 400 the HTTP router answers."""
         try:
-            body = json.loads(raw)
-        except ValueError:
-            return None  # the engine answers with its own 400
-        if not isinstance(body, dict):
-            return None
-        prep = prepare_request(path, body, headers, self.tokenizer, self.need_tokens)
+            req = parse_request(Endpoint(path), raw)
+        except RequestError as e:
+            return JSONResponse(error_body(str(e), error_type(e.status), e.param, e.code), status_code=e.status)
+        prep = prepare_request(path, req.body, headers, self.tokenizer, self.need_tokens)
         return RouteHint.of(prep, self.block_size, self.hash_seed)
 
     async def forward(self, method: str, path: str, raw: bytes, request: Request,
@@ -83,12 +83,16 @@ class Ingress:
     async def chat(self, request: Request) -> Response:
         raw = await request.body()
         hint = self.hint(CHAT_PATH, raw, request.headers)
+        if isinstance(hint, JSONResponse):
+            return hint
         return await self.forward("POST", CHAT_PATH, raw, request, hint)
 
     @api.post(COMPLETIONS_PATH)
     async def completions(self, request: Request) -> Response:
         raw = await request.body()
         hint = self.hint(COMPLETIONS_PATH, raw, request.headers)
+        if isinstance(hint, JSONResponse):
+            return hint
         return await self.forward("POST", COMPLETIONS_PATH, raw, request, hint)
 
     @api.get("/v1/models")

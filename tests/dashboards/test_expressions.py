@@ -30,7 +30,7 @@ def test_every_expression_is_listed_once_per_place():
     assert kinds == {"panel", "record", "alert"}
     assert len({e.source for e in exprs}) == len(exprs)
     rules = rule_expressions()
-    assert sum(e.kind == "alert" for e in rules) == 11 and sum(e.kind == "record" for e in rules) == 22
+    assert sum(e.kind == "alert" for e in rules) == 12 and sum(e.kind == "record" for e in rules) == 22
 
 
 def test_legend_format():

@@ -1,5 +1,6 @@
 """Import layering, read from the source (ast): contract/ sits under engine/ and router/, which do not import
 each other; the folders inside engine/ import each other one way only; nothing in the product imports loadtest/.
+And tests/ mirrors the folders of the repository.
 
 Every import counts, including those inside functions.
 """
@@ -139,3 +140,18 @@ def test_engine_folders_import_each_other_one_way_only():
 ])
 def test_cycle_finder(graph, cycle):
     assert _cycle(graph) == cycle
+
+
+def _test_folders() -> list[Path]:
+    """Folders under tests/ that hold files, but data/ folders (test data) and caches."""
+    tests = ROOT / "tests"
+    return [d.relative_to(tests) for d in sorted(tests.rglob("*")) if d.is_dir()
+            and not any(p == "data" or p == "__pycache__" or p.startswith(".") for p in d.relative_to(tests).parts)
+            and any(f.is_file() for f in d.iterdir())]
+
+
+def test_tests_mirror_the_packages():
+    """tests/X/Y holds the tests of X/Y: every folder under tests/ names a folder of the repository."""
+    folders = _test_folders()
+    assert {Path("engine/kv"), Path("engine/server"), Path("kvfleet/bench")} <= set(folders)
+    assert [f"tests/{f.as_posix()}" for f in folders if not (ROOT / f).is_dir()] == []

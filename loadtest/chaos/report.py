@@ -53,7 +53,7 @@ FINDINGS = """## What the campaign found, and what was fixed
   0.601 and alternating 0.601 / 0.600 / 0.599. The scenario now does that, in the order one, alternating,
   alternating, one.
 - The leak check needs to see the block pool: engines now export `kvfleet:num_free_kv_blocks` and
-  `kvfleet:num_cached_kv_blocks` (test: `tests/server/test_metrics.py`, every block free at idle).
+  `kvfleet:num_cached_kv_blocks` (test: `tests/engine/server/test_metrics.py`, every block free at idle).
 """
 
 

@@ -1,6 +1,7 @@
 """Triton decides when it is first imported whether its own library functions are interpreted, so the
-Triton kernel tests (tests/engine/test_triton_*.py) need TRITON_INTERPRET=1 set before anything imports
-triton on machines without CUDA. loadtest/gpu_check.sh sets TRITON_INTERPRET=0 to run them compiled.
+Triton tests (tests/engine/kernels/test_triton_*.py, tests/engine/test_triton_engine.py) need
+TRITON_INTERPRET=1 set before anything imports triton on machines without CUDA. This conftest, above both,
+does it. loadtest/gpu_check.sh sets TRITON_INTERPRET=0 to run them compiled.
 Nothing else in the engine tests uses Triton (the engine's "auto" backend is torch on CPUs).
 """
 

@@ -1,4 +1,4 @@
-"""Validate custom resources against the CRDs vendored under tests/helm/crds/ (sources in crds/SOURCES.md).
+"""Validate custom resources against the CRDs vendored under tests/helm/data/crds/ (sources in data/crds/SOURCES.md).
 
 A CRD's `openAPIV3Schema` is OpenAPI, not quite JSON Schema: `to_json_schema` turns `nullable` and
 `x-kubernetes-int-or-string` into JSON Schema and, like the API server's strict field validation (what
@@ -14,7 +14,7 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-CRDS = Path(__file__).resolve().parent / "crds"
+CRDS = Path(__file__).resolve().parent / "data" / "crds"
 
 
 def to_json_schema(node):

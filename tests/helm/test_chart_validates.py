@@ -1,7 +1,7 @@
 """Every manifest the chart renders, with default values and with each feature toggled, validates: built-in
 kinds against Kubernetes' own schemas (kubernetes-validate, strict: unknown fields are errors) for the
 chart's oldest and newest supported Kubernetes versions, custom resources against their projects' published
-CRDs (crds/SOURCES.md). And `helm lint --strict` finds nothing but the missing icon."""
+CRDs (data/crds/SOURCES.md). And `helm lint --strict` finds nothing but the missing icon."""
 
 from __future__ import annotations
 

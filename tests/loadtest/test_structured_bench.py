@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from loadtest import structured_bench
-from tests.server.conftest import API_FLAGS, start_engine
+from tests.engine.server.conftest import API_FLAGS, start_engine
 
 
 def test_schemas_are_valid_json_schemas():

@@ -11,8 +11,8 @@ from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.routing.fleet import Fleet
 from router.routing.states import KVEventsState
+from tests.engine.server.test_internal_token import TOKEN, guarded_app
 from tests.router.conftest import free_port
-from tests.server.test_internal_token import TOKEN, guarded_app
 
 
 async def _fleet_against_guarded_engine(token: str | None) -> tuple[bool, bool, KVEventsState]:

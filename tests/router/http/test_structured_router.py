@@ -10,8 +10,8 @@ import jsonschema
 import openai
 import pytest
 
+from tests.engine.server.test_structured_api import PARAMS, TOOLS, WEATHER, _calls_from_stream
 from tests.router.conftest import free_port, metric
-from tests.server.test_structured_api import PARAMS, TOOLS, WEATHER, _calls_from_stream
 
 pytestmark = pytest.mark.model
 

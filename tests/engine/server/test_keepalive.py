@@ -17,7 +17,7 @@ from httpx_sse import connect_sse
 
 from contract.errors import ConfigError
 from engine.server.serving import ServerConfig
-from tests.server.conftest import API_FLAGS, start_engine
+from tests.engine.server.conftest import API_FLAGS, start_engine
 
 STEP_MS = 1200
 KEEPALIVE = 0.3

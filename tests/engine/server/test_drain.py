@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from tests.server.conftest import start_engine
+from tests.engine.server.conftest import start_engine
 
 DRAIN_TIMEOUT = 10.0
 

@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from tests.server.conftest import ROOT, start_engine
+from tests.engine.server.conftest import ROOT, start_engine
 
 
 def test_bad_flag_names_it():

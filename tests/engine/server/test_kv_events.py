@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import start_engine
+from tests.engine.server.conftest import start_engine
 
 TOKEN = "s3cret-internal-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from engine.oom_backoff import GIVE_UP_AFTER
-from tests.server.conftest import API_FLAGS, start_engine
+from tests.engine.server.conftest import API_FLAGS, start_engine
 
 BODY = {"model": "smollm2", "max_tokens": 8, "messages": [{"role": "user", "content": "Name three harbours."}]}
 

@@ -17,7 +17,7 @@ from contract.errors import ConfigError
 from engine.server.app import build_app
 from engine.server.auth import token_matches
 from engine.server.serving import ServerConfig
-from tests.server.conftest import ROOT
+from tests.engine.server.conftest import ROOT
 
 TOKEN = "s3cret-internal"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -18,7 +18,7 @@ from engine.model.registry import ModelNotFoundError, resolve_model
 from tests.engine._checkpoints import INDEX, hub_cache, random_bf16_llama, reshard
 from tests.engine._tiny_llama import make_tiny_llama
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 @pytest.fixture(scope="module")

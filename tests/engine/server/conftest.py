@@ -20,7 +20,7 @@ import pytest
 
 from deploy.ports import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 # small max_num_seqs so a handful of requests queue up (num_requests_waiting > 0)
 API_FLAGS = ("--max-num-seqs", "4", "--num-blocks", "1024", "--max-model-len", "2048",
              "--dtype", "float32")  # float32: greedy text is robust to batch composition

@@ -13,7 +13,7 @@ from torch import nn
 from engine.kernels import cpu_ops
 from engine.model import cpu_layers, cpu_linear, llama
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 if os.environ.get(cpu_ops.ENV) == "torch":
     pytest.skip("fused CPU kernels turned off", allow_module_level=True)

@@ -19,7 +19,7 @@ import pytest
 
 from tests.engine.triton_compile_probe import CASES
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 MAX_SHARED = {90: 227 * 1024, 80: 163 * 1024}  # per-block opt-in limits: H100/H200, A100
 
 

@@ -33,6 +33,7 @@ from contract.errors import error_body, error_type
 from contract.hashing import DEFAULT_HASH_SEED, hash_blocks
 from contract.kv_events import Heartbeat, KVEvent, KVEventKind, Snapshot
 from contract.kv_wire import encode_line
+from contract.request import max_tokens_of
 
 
 class FakeEngine:
@@ -184,7 +185,7 @@ class FakeEngine:
         cached = self.admit(tokens, req.get("cache_salt"))
         n_prompt = len(tokens) if tokens else 8
         chunks = int(hdr.get("x-fake-chunks", self.ns.chunks))
-        max_tokens = req.get("max_completion_tokens", req.get("max_tokens"))
+        max_tokens = max_tokens_of(req.get("max_completion_tokens"), req.get("max_tokens"))  # the engine's rule
         self.stats["last_max_tokens"] = max_tokens
         if isinstance(max_tokens, int) and max_tokens > 0:
             chunks = min(chunks, max_tokens)

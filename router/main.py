@@ -90,13 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overload-kv-usage", type=float, default=s.overload_kv_usage)
     p.add_argument("--pools", metavar="FILE", help="engine pools YAML: per pool its replicas (static, DNS or "
                    "Kubernetes), version label, canary weight, max_tokens limits, context limit, and the automatic "
-                   "degradation thresholds; reloaded when it changes (see README). Instead of --replicas, "
+                   "degradation thresholds; reloaded when it changes (see docs/router.md). Instead of --replicas, "
                    "--dns-name, --k8s-service")
     sh = SheddingConfig()
     g = p.add_argument_group("tenants and token budgets")
     g.add_argument("--tenants", metavar="FILE", help="tenants YAML (API key hashes, tokens_per_minute, limits, "
                    "priority, isolate_cache), reloaded when it changes; without it every request is admitted "
-                   "with no key (see README)")
+                   "with no key (see docs/router.md)")
     g.add_argument("--redis-url", default=os.environ.get("KVFLEET_REDIS_URL"),
                    help="redis://HOST:PORT/DB holding the budgets every router replica shares (env "
                    "KVFLEET_REDIS_URL); without it, budgets live in this router's memory")

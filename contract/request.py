@@ -198,8 +198,9 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> OpenAIRequest:
     return request_from(endpoint, obj, raw)
 
 
-def request_from(endpoint: Endpoint, obj: Mapping, raw: bytes) -> OpenAIRequest:
-    """The typed request of an already parsed body (`raw` its bytes)."""
+def request_from(endpoint: Endpoint, obj: dict, raw: bytes) -> OpenAIRequest:
+    """The typed request of an already parsed body (`raw` its bytes); the request keeps `obj` as it is, so the
+    caller hands it over and changes it no more."""
     prompt = endpoint.prompt_field
     value = obj.get(prompt)
     if value is None:
@@ -215,7 +216,7 @@ def request_from(endpoint: Endpoint, obj: Mapping, raw: bytes) -> OpenAIRequest:
     if salt is not None and not 1 <= len(salt) <= 256:
         raise RequestError("cache_salt must be 1 to 256 characters long", "cache_salt")
     return OpenAIRequest(
-        endpoint=endpoint, body=MappingProxyType(dict(obj)), raw=raw,
+        endpoint=endpoint, body=MappingProxyType(obj), raw=raw,  # a read-only view, no copy
         model=_typed(obj, "model", str, "a string"),
         max_tokens=max_tokens_of(max_completion, _int(obj, "max_tokens", 1)),
         n=_int(obj, "n", 1, MAX_N) or 1, stream=stream is True, cache_salt=salt,

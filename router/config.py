@@ -8,8 +8,9 @@ from urllib.parse import urlsplit
 
 from contract.errors import ConfigError
 from contract.hashing import DEFAULT_HASH_SEED
-from router.admission.shedding import SheddingConfig
-from router.routing.policies import POLICIES
+
+# the routing policies by name (router/routing/policies/ registers one object for each)
+POLICY_NAMES = ("kv", "approx-prefix", "session", "least-load", "round-robin")
 
 DISCOVERY_KINDS = ("static", "dns", "k8s")
 ENGINE_TYPES = ("auto", "kvfleet", "vllm", "sglang")
@@ -93,6 +94,24 @@ class VllmEventsConfig:
 
 
 @dataclass(frozen=True)
+class SheddingConfig:
+    kv_high: float = 0.90
+    waiting_high: float = 2.0
+    kv_critical: float = 0.98
+    waiting_critical: float = 8.0
+    min_cost_tokens: int = 2048
+    retry_after_s: int = 2
+
+    def validate(self) -> None:
+        if not 0 < self.kv_high <= self.kv_critical <= 1:
+            raise ConfigError("shed_kv_high", "needs 0 < kv_high <= kv_critical <= 1")
+        if not 0 <= self.waiting_high <= self.waiting_critical:
+            raise ConfigError("shed_waiting_high", "needs 0 <= waiting_high <= waiting_critical")
+        if self.min_cost_tokens < 1 or self.retry_after_s < 1:
+            raise ConfigError("shed_min_cost_tokens", "min_cost_tokens and retry_after_s must be >= 1")
+
+
+@dataclass(frozen=True)
 class RateLimitConfig:
     tenants_file: str | None = None  # None: no tenants, no keys, no budgets
     redis_url: str | None = None  # None: budgets in this router's memory
@@ -116,7 +135,7 @@ class RateLimitConfig:
 class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    policy: str = "kv"  # a name in router.routing.policies.POLICIES
+    policy: str = "kv"  # one of POLICY_NAMES (router/routing/policies/ holds the objects)
     model: str | None = "smollm2"  # tokenizer for prefix matching (same as the engines')
     tokenizer_from_engines: bool = False  # fetch the tokenizer from the first ready engine instead of `model`
     engine_type: str = "auto"  # what the replicas are; auto: /ready (else /health) and KV events if served
@@ -155,8 +174,8 @@ class RouterConfig:
         self.validate()
 
     def validate(self) -> None:
-        if self.policy not in POLICIES:
-            raise ConfigError("policy", f"must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.policy not in POLICY_NAMES:
+            raise ConfigError("policy", f"must be one of {', '.join(POLICY_NAMES)}, got {self.policy!r}")
         if self.engine_type not in ENGINE_TYPES:
             raise ConfigError("engine_type", f"must be one of {', '.join(ENGINE_TYPES)}, got {self.engine_type!r}")
         if self.discovery not in DISCOVERY_KINDS:

@@ -9,13 +9,13 @@ import sys
 
 from contract.errors import ConfigError
 from kvfleet import http_limits
-from router.admission.shedding import SheddingConfig
 from router.config import (
     DISCOVERY_KINDS,
     ENGINE_TYPES,
     RateLimitConfig,
     RouterConfig,
     ScoringConfig,
+    SheddingConfig,
     VllmEventsConfig,
 )
 from router.routing.policies import POLICIES

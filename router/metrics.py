@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from router.routing.states import CircuitState, KVEventsState
+from router.states import CircuitState, KVEventsState
 
 _DECISION_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1)
 _TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384)

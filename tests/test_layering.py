@@ -84,26 +84,24 @@ def test_engine_does_not_import_the_router():
     assert _offending("engine", {"router", "deploy"}) == []
 
 
-def _engine_unit(name: str) -> str | None:
+def _unit(package: str, name: str) -> str | None:
     """engine.kv.manager -> engine.kv (a folder); engine.sequence -> engine.sequence (a module at the top)."""
     parts = name.split(".")
-    if parts[0] != "engine" or len(parts) < 2:
+    if parts[0] != package or len(parts) < 2:
         return None
     return ".".join(parts[:2])
 
 
-def _engine_folder_graph() -> dict[str, set[str]]:
+def _folder_graph(package: str) -> dict[str, set[str]]:
+    units = {u for u in (_unit(package, m) for m in GRAPH) if u is not None}
     graph: dict[str, set[str]] = {}
     for mod, names in GRAPH.items():
-        src = _engine_unit(mod)
+        src = _unit(package, mod)
         if src is None:
             continue
-        targets = {u for u in map(_engine_unit, names) if u is not None and u != src and u in _UNITS}
+        targets = {u for u in (_unit(package, n) for n in names) if u is not None and u != src and u in units}
         graph.setdefault(src, set()).update(targets)
     return graph
-
-
-_UNITS = {u for u in map(_engine_unit, GRAPH) if u is not None}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -129,9 +127,19 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_engine_folders_import_each_other_one_way_only():
-    graph = _engine_folder_graph()
+    graph = _folder_graph("engine")
     assert {"engine.kv", "engine.server", "engine.model"} <= set(graph)
     assert _cycle(graph) is None
+
+
+def test_router_folders_import_each_other_one_way_only():
+    """http -> admission -> pools, tenants -> routing -> the modules at the top (config, states, metrics,
+    refusal); router.main, the command, sits above them all."""
+    graph = _folder_graph("router")
+    assert {"router.http", "router.admission", "router.routing", "router.pools", "router.tenants"} <= set(graph)
+    assert _cycle(graph) is None
+    for low in ("router.config", "router.states", "router.refusal", "router.config_file"):
+        assert not graph.get(low, set()) - {"router.states", "router.config", "router.config_file"}, low
 
 
 @pytest.mark.parametrize("graph, cycle", [

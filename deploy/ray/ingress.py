@@ -1,6 +1,6 @@
 """The OpenAI-compatible ingress of the Serve application: takes /v1/chat/completions and /v1/completions
-(streaming or not) and /v1/models, prepares each request once as the HTTP router does (router/admission/prepare.py: the
-engines' tokenizer and chat template, router/admission/tokens.py piece cache, chained block hashes for the fleet's block
+(streaming or not) and /v1/models, prepares each request once as the HTTP router does (router/routing/prepare.py: the
+engines' tokenizer and chat template, router/routing/tokens.py piece cache, chained block hashes for the fleet's block
 size and hash seed) and hands it to the engine deployment with that RouteHint; the request router
 (request_router.py) picks the replica. The engine's response (its status, headers, body, SSE stream) comes back
 unchanged, with `x-kvfleet-replica` naming the replica that served it.
@@ -18,7 +18,7 @@ from contract.errors import error_body, error_type
 from contract.request import Endpoint, RequestError, parse_request
 from deploy.ray.asgi_call import Head
 from deploy.ray.route_hint import RouteHint
-from router.admission.prepare import CHAT_PATH, COMPLETIONS_PATH, prepare_request
+from router.routing.prepare import CHAT_PATH, COMPLETIONS_PATH, prepare_request
 
 log = logging.getLogger("kvfleet.ray.ingress")
 
@@ -35,7 +35,7 @@ class Ingress:
     def __init__(self, engine_handle, engine: Mapping | None = None, need_tokens: bool = True):
         from contract.hashing import DEFAULT_HASH_SEED
         from engine.tokenizer import load_tokenizer
-        from router.admission.tokens import PromptTokenizer
+        from router.routing.tokens import PromptTokenizer
 
         engine = dict(engine or {})
         self.engine = engine_handle

@@ -21,7 +21,7 @@ from contract.kv_events import Heartbeat, Snapshot
 from contract.kv_wire import KVWireError, decode_line
 from router.routing.kv_events import EventApplier
 from router.routing.prefix_index import PrefixIndex
-from router.routing.states import KVEventsState
+from router.states import KVEventsState
 
 log = logging.getLogger("kvfleet.ray.kv_events")
 

@@ -1,13 +1,13 @@
 """What the ingress computes once per request and passes along with it, so the request router only looks it up:
 the prompt's token count, its session key and its chained block hashes (for the fleet-wide block size and hash
-seed). Built from the HTTP router's own PreparedRequest (router/admission/prepare.py)."""
+seed). Built from the HTTP router's own PreparedRequest (router/routing/prepare.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from contract.hashing import DEFAULT_HASH_SEED
-from router.admission.prepare import PreparedRequest
+from router.routing.prepare import PreparedRequest
 
 ROUTE_KWARG = "route"  # the keyword argument of EngineReplica.generate that carries the hint
 PIN_KWARG = "replica"  # a call with replica=<Serve replica id> goes to that replica only (e.g. its metrics)

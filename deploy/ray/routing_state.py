@@ -21,7 +21,7 @@ from router.config import ScoringConfig
 from router.routing.placement import DEFAULT_POOL, HashedPrompt, Placement, PlacementConfig
 from router.routing.policies import POLICIES, Decision, Policy
 from router.routing.replicas import EngineLoad, ReplicaState, Ticket
-from router.routing.states import KVEventsState
+from router.states import KVEventsState
 
 NO_HINT = RouteHint()
 

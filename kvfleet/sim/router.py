@@ -15,7 +15,7 @@ from router.routing.kv_events import EventApplier
 from router.routing.placement import DEFAULT_POOL, Placement, PlacementConfig, Prompt
 from router.routing.policies import POLICIES, Decision
 from router.routing.replicas import EngineLoad, Ticket
-from router.routing.states import KVEventsState
+from router.states import KVEventsState
 
 SIM_HASH_SEED = 0  # the workloads' block hashes are computed beforehand; the seed only labels them
 

@@ -43,10 +43,10 @@ FINDINGS = """## What the campaign found, and what was fixed
 - **Router RSS rose slowly through the soak** (30-minute run: router-0 355 -> 377 MB, router-1 331 -> 360 MB;
   fitted rise over the second half 10.6 and 12 MB, under the 16 MB bound, so the check passed). Traced after
   the run with tracemalloc on a router under the soak's load: the growing Python allocations were all the
-  router's piece -> token-ids cache (`router/admission/tokens.py`), which is bounded at 64 Mi characters but was filling
+  router's piece -> token-ids cache (`router/routing/tokens.py`), which is bounded at 64 Mi characters but was filling
   with the soak's never-repeating prompts at about 8.8 bytes per cached character (tuples of Python ints), so
   about 560 MB at its bound. Its ids are now 4-byte arrays: under 3 bytes per character (test:
-  `tests/router/admission/test_tokens.py`), about 130 MB at the bound. Not rerun through a 30-minute soak since.
+  `tests/router/routing/test_tokens.py`), about 130 MB at the bound. Not rerun through a 30-minute soak since.
 - **Alternating routers seemed to hit the cache less than one router** (2.6-8.1% lower in four runs); the
   scenario compared two different workloads (two seeds), whose hit rates differ on their own. Run on the same
   conversations (salted per run so none hits another's cache), three pairs gave one router 0.598 / 0.613 /

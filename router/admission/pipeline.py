@@ -15,9 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from contract.request import OpenAIRequest
-from router.admission.shedding import Pressure, SheddingConfig
+from router.admission.shedding import Pressure, fleet_pressure
 from router.admission.stages import (
-    Refusal,
     pool_caps,
     pool_choice,
     pressure,
@@ -26,8 +25,10 @@ from router.admission.stages import (
     tenant_context,
     tenant_limits,
 )
+from router.config import SheddingConfig
 from router.pools.choice import PoolSpec
 from router.pools.control import Pools
+from router.refusal import Refusal
 from router.tenants.ratelimit import Budget, RateLimiter
 from router.tenants.registry import Tenant
 
@@ -73,7 +74,8 @@ class Admission:
                 return self.ratelimit.refused(tenant, too_long)
         cost = request_cost(req, prompt_tokens, tenant.max_context_tokens if tenant is not None else None)
         sheds = self.pools.shedding(pool.name)
-        reading = pressure(self.ratelimit.pressure() if self.ratelimit is not None else Pressure.NONE, sheds)
+        fleet = fleet_pressure(*self.ratelimit.load(), self.shedding) if self.ratelimit is not None else Pressure.NONE
+        reading = pressure(fleet, sheds)
         priority, priorities = ((tenant.priority, self.ratelimit.file.registry.priorities()) if tenant is not None
                                 else (0, (0, 0)))
         refused = shed(reading, cost, priority, priorities, pool.name, sheds, self.shedding)

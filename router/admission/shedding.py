@@ -17,34 +17,14 @@ the lowest apply to everyone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from contract.errors import ConfigError
-from router.routing.states import StrEnum
+from router.config import SheddingConfig
+from router.states import StrEnum
 
 
 class Pressure(StrEnum):
     NONE = "none"
     HIGH = "high"
     CRITICAL = "critical"
-
-
-@dataclass(frozen=True)
-class SheddingConfig:
-    kv_high: float = 0.90
-    waiting_high: float = 2.0
-    kv_critical: float = 0.98
-    waiting_critical: float = 8.0
-    min_cost_tokens: int = 2048
-    retry_after_s: int = 2
-
-    def validate(self) -> None:
-        if not 0 < self.kv_high <= self.kv_critical <= 1:
-            raise ConfigError("shed_kv_high", "needs 0 < kv_high <= kv_critical <= 1")
-        if not 0 <= self.waiting_high <= self.waiting_critical:
-            raise ConfigError("shed_waiting_high", "needs 0 <= waiting_high <= waiting_critical")
-        if self.min_cost_tokens < 1 or self.retry_after_s < 1:
-            raise ConfigError("shed_min_cost_tokens", "min_cost_tokens and retry_after_s must be >= 1")
 
 
 def fleet_pressure(kv_usage: float | None, waiting_per_replica: float | None, cfg: SheddingConfig) -> Pressure:

@@ -8,28 +8,13 @@ router/admission/pipeline.py runs them in order and reserves the budget.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
-from contract.errors import error_body, error_type
 from contract.request import OpenAIRequest
-from router.admission.shedding import Pressure, SheddingConfig, should_shed
+from router.admission.shedding import Pressure, should_shed
+from router.config import SheddingConfig
 from router.pools.choice import PoolChoice, PoolRefusal, PoolSpec, apply_caps
+from router.refusal import Refusal, refuse
 from router.tenants.registry import Tenant
-
-
-class Refusal(NamedTuple):
-    """A request answered by the router itself: status, OpenAI error body, response headers, and the outcome
-    label its metrics count it under."""
-
-    status: int
-    body: dict
-    headers: list[tuple[bytes, bytes]]
-    outcome: str
-
-
-def refuse(status: int, message: str, outcome: str, param: str | None = None, code: str | None = None,
-           headers: Sequence[tuple[bytes, bytes]] = ()) -> Refusal:
-    return Refusal(status, error_body(message, error_type(status), param, code), list(headers), outcome)
 
 
 def tenant_limits(req: OpenAIRequest, tenant: Tenant) -> OpenAIRequest | Refusal:

@@ -18,15 +18,6 @@ from contract.errors import error_body, error_type
 from contract.request import Endpoint, RequestError, parse_request
 from contract.structured import constrained_kind
 from router.admission.pipeline import Admission
-from router.admission.prepare import (
-    CHAT_PATH,
-    COMPLETIONS_PATH,
-    PreparedRequest,
-    prepare_request,
-    prompt_token_counts,
-)
-from router.admission.stages import Refusal
-from router.admission.tokens import PromptTokenizer
 from router.config import RouterConfig
 from router.http.models import fleet_models
 from router.http.proxy import Attempts, Proxy
@@ -35,7 +26,16 @@ from router.http.tokenizer_fetch import tokenizer_from_engines
 from router.http.usage import StreamUsage, ask_for_usage
 from router.metrics import RouterMetrics
 from router.pools.control import Pools
+from router.refusal import Refusal
 from router.routing.fleet import Fleet
+from router.routing.prepare import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    PreparedRequest,
+    prepare_request,
+    prompt_token_counts,
+)
+from router.routing.tokens import PromptTokenizer
 from router.tenants.ratelimit import RateLimiter
 
 log = logging.getLogger("kvfleet.router")
@@ -277,9 +277,9 @@ class RouterApp:
             # last one for a pool's hit rate and TPOT; what the client did not ask for is taken out again
             wanted, options = ask_for_usage(req.get("stream_options"), continuous=tenant is not None)
             req = req.with_fields(stream_options=options)
-            prep.usage = StreamUsage(wanted)
+            attempts.follower = StreamUsage(wanted)
         elif tenant is not None:
-            prep.usage = StreamUsage()
+            attempts.follower = StreamUsage()
         body = req.upstream_body()  # written once, here
         prepared_s = time.perf_counter() - t0
         metrics = self.metrics
@@ -296,7 +296,8 @@ class RouterApp:
             await self._forward(send, receive, path, body, headers, prep, lease, attempts, admitted.headers)
         finally:
             if admitted.budget is not None:  # however it ended: charge what was used, refund the rest
-                await asyncio.shield(self.ratelimit.settle(admitted.budget, prep.usage, attempts.answered))
+                reported = attempts.follower.used if attempts.follower is not None else None
+                await asyncio.shield(self.ratelimit.settle(admitted.budget, reported, attempts.answered))
             self._observe(pool.name, prep, attempts, t0)
 
     def _observe(self, pool: str, prep: PreparedRequest, attempts: Attempts, t0: float) -> None:

@@ -26,10 +26,11 @@ from typing import NamedTuple
 import aiohttp
 
 from contract.errors import error_body, error_type
-from router.admission.prepare import PreparedRequest
 from router.http.responses import send_json
+from router.http.usage import StreamUsage
 from router.routing.lease import Lease
-from router.routing.states import StrEnum
+from router.routing.prepare import PreparedRequest
+from router.states import StrEnum
 from router.tenants.registry import strip_client_credentials
 
 log = logging.getLogger("kvfleet.router.proxy")
@@ -123,6 +124,7 @@ class Attempts:
     ended_at: float | None = None  # perf_counter when a stream's last byte went out
     usage: dict | None = None  # the usage the replica reported (the last one of a stream)
     no_replica: bool = False  # no replica could be leased at all (none ready): not the pool's failure
+    follower: StreamUsage | None = None  # set by the app: reads what was used, gives the client the usage it asked for
 
 
 class Proxy:
@@ -228,8 +230,8 @@ class Proxy:
                         metrics.observe_usage(url, predicted, attempts.usage)
                     except (ValueError, AttributeError):
                         pass
-                    if prep.usage is not None:
-                        prep.usage.body(data)
+                    if attempts.follower is not None:
+                        attempts.follower.body(data)
                 attempts.answered = status == 200  # an error answer generated nothing
                 await send({"type": "http.response.start", "status": status,
                             "headers": response_headers(resp.raw_headers, url, len(data), extra_headers)})
@@ -244,7 +246,7 @@ class Proxy:
                 return _Result(End.READ, _describe(e))
             if not first:
                 return _Result(End.READ, "empty response")
-            usage = prep.usage
+            usage = attempts.follower
             attempts.answered = True
             await send({"type": "http.response.start", "status": 200,
                         "headers": response_headers(resp.raw_headers, url, None, extra_headers)})

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 
 import aiohttp
 
-from router.admission.tokens import PromptTokenizer
+from router.routing.tokens import PromptTokenizer
 
 log = logging.getLogger("kvfleet.router")
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields, replace
 
 from contract.errors import ConfigError
 from router.pools.choice import PoolSpec
-from router.routing.states import StrEnum
+from router.states import StrEnum
 
 
 class Level(StrEnum):

@@ -13,15 +13,15 @@ import time
 
 import httpx
 
-from router.admission.prepare import PreparedRequest
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.routing.kv_events import KVEventSubscriber
 from router.routing.lease import Lease
 from router.routing.placement import DEFAULT_POOL, Placement, PlacementConfig
 from router.routing.policies import POLICIES, Decision
+from router.routing.prepare import PreparedRequest
 from router.routing.replicas import EngineLoad, ReplicaState, parse_engine_metrics
-from router.routing.states import KVEventsState
+from router.states import KVEventsState
 
 log = logging.getLogger("kvfleet.router.fleet")
 

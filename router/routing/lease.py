@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from router.routing.policies import Decision, Reason
 from router.routing.replicas import ReplicaState, Ticket
-from router.routing.states import StrEnum
+from router.states import StrEnum
 
 
 class Verdict(StrEnum):

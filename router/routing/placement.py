@@ -28,13 +28,13 @@ from router.routing.approx_index import ApproxPrefixIndex
 from router.routing.policies import Decision, HashRing, IndexKind, Policy, ReplicaView, RouteRequest
 from router.routing.prefix_index import PrefixIndex
 from router.routing.replicas import CircuitBreaker, EngineLoad, ReplicaState, Ticket
-from router.routing.states import CircuitState, KVEventsState
+from router.states import CircuitState, KVEventsState
 
 DEFAULT_POOL = "default"  # the one pool of a router started without --pools (and of Ray and the simulator)
 
 
 class Prompt(Protocol):
-    """A request as placement reads it. router/admission/prepare.py's PreparedRequest is one; HashedPrompt
+    """A request as placement reads it. router/routing/prepare.py's PreparedRequest is one; HashedPrompt
     below stands for prompts hashed once elsewhere (a Ray route hint, a simulated turn)."""
 
     @property

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 
 from router.routing.policies import ReplicaView
-from router.routing.states import CircuitState, KVEventsState
+from router.states import CircuitState, KVEventsState
 
 
 class CircuitBreaker:

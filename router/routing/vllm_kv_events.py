@@ -25,7 +25,6 @@ from zmq.utils.monitor import parse_monitor_message
 
 from contract.hashing import hash_blocks
 from router.routing.prefix_index import PrefixIndex
-from router.routing.states import KVEventsState
 from router.routing.vllm_kv_wire import (
     END_SEQ,
     Removed,
@@ -35,6 +34,7 @@ from router.routing.vllm_kv_wire import (
     VllmHash,
     decode_batch,
 )
+from router.states import KVEventsState
 
 log = logging.getLogger("kvfleet.router.vllm_kv_events")
 

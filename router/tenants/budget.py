@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from router.routing.states import StrEnum
+from router.states import StrEnum
 
 CONCURRENCY_RETRY_S = 1.0  # Retry-After for a request refused for concurrency: when a slot frees is unknown
 

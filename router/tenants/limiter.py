@@ -26,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from router.routing.states import StrEnum
+from router.states import StrEnum
 from router.tenants.budget import BudgetSpec, Quota
 from router.tenants.store import BudgetStore, InProcessStore, Rejection, Reservation, StoreError
 

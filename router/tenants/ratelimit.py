@@ -26,10 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from contract.errors import error_body, error_type
-from router.admission.shedding import Pressure, fleet_pressure
-from router.admission.stages import Refusal, refuse
 from router.config import RateLimitConfig
-from router.http.usage import StreamUsage
+from router.refusal import Refusal, refuse
 from router.tenants.budget import BudgetSpec, Quota, Reason
 from router.tenants.file import TenantsFile
 from router.tenants.limiter import Limiter, LimiterUnavailable, OnStoreError
@@ -114,11 +112,6 @@ class RateLimiter:
             self.metrics.ratelimit_requests.labels("-", "unauthorized").inc()
             return Refusal(401, e.body(), list(e.headers), "unauthorized")
 
-    def pressure(self) -> Pressure:
-        """The fleet's pressure from its scraped load (router/admission/shedding.py)."""
-        kv, waiting = self.load()
-        return fleet_pressure(kv, waiting, self.cfg.shedding)
-
     async def reserve(self, tenant: Tenant, cost: int) -> Budget | Refusal:
         """Reserve `cost` tokens (router/admission/stages.py `request_cost`) of the tenant's budget."""
         spec = BudgetSpec(tenant.tokens_per_minute, tenant.max_concurrent_requests)
@@ -158,13 +151,12 @@ class RateLimiter:
         return r
 
     # -- settlement ----------------------------------------------------------------------------------------
-    async def settle(self, a: Budget, usage: StreamUsage | None, answered: bool) -> None:
-        """Charge what the request used: the engine's usage, else the whole reservation if a replica answered
-        200 (`answered`), else nothing."""
+    async def settle(self, a: Budget, reported: int | None, answered: bool) -> None:
+        """Charge what the request used: the tokens the engine reported, else the whole reservation if a replica
+        answered 200 (`answered`), else nothing."""
         r = a.reservation
         if r is None:
             return
-        reported = usage.used if usage is not None else None
         used = reported if reported is not None else (r.amount if answered else 0)
         m, name = self.metrics, a.tenant.name
         m.reserved_outstanding.labels(name).dec(r.amount)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from router.routing.states import KVEventsState, StrEnum
+from router.states import KVEventsState, StrEnum
 
 if TYPE_CHECKING:
     from router.config import ScoringConfig

@@ -12,8 +12,8 @@ from contract.kv_events import Heartbeat, KVEvent, KVEventKind, Snapshot
 from contract.kv_wire import encode_line
 from deploy.ray.route_hint import RouteHint
 from deploy.ray.routing_state import RoutingState, close_all
-from router.admission.prepare import PreparedRequest
-from router.routing.states import KVEventsState
+from router.routing.prepare import PreparedRequest
+from router.states import KVEventsState
 
 BS = 16
 

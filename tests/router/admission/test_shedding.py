@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from contract.errors import ConfigError
-from router.admission.shedding import Pressure, SheddingConfig, fleet_pressure, should_shed
+from router.admission.shedding import Pressure, fleet_pressure, should_shed
+from router.config import SheddingConfig
 
 CFG = SheddingConfig(kv_high=0.9, waiting_high=2, kv_critical=0.98, waiting_critical=8, min_cost_tokens=2048)
 

@@ -11,9 +11,8 @@ import pytest
 
 from contract.request import Endpoint, parse_request
 from router.admission.pipeline import Admission, Admitted
-from router.admission.shedding import Pressure, SheddingConfig
+from router.admission.shedding import Pressure
 from router.admission.stages import (
-    Refusal,
     pool_caps,
     pressure,
     request_cost,
@@ -21,9 +20,10 @@ from router.admission.stages import (
     tenant_context,
     tenant_limits,
 )
-from router.config import RateLimitConfig
+from router.config import RateLimitConfig, SheddingConfig
 from router.metrics import RouterMetrics
 from router.pools.choice import PoolSpec, choose_pool
+from router.refusal import Refusal
 from router.tenants.ratelimit import RateLimiter
 from router.tenants.registry import Tenant, key_sha256
 

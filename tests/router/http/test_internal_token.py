@@ -10,7 +10,7 @@ import uvicorn
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.routing.fleet import Fleet
-from router.routing.states import KVEventsState
+from router.states import KVEventsState
 from tests.engine.server.test_internal_token import TOKEN, guarded_app
 from tests.router.conftest import free_port
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import ast
 import pathlib
 
-from router.admission.prepare import PreparedRequest
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.routing.fleet import DEFAULT_POOL, Fleet
 from router.routing.policies import HashRing
+from router.routing.prepare import PreparedRequest
 from router.routing.replicas import CircuitBreaker, ReplicaState
-from router.routing.states import CircuitState
+from router.states import CircuitState
 
 A, B = "http://a:1", "http://b:1"
 

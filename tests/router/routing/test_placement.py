@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 
 from contract.hashing import DEFAULT_HASH_SEED
-from router.admission.prepare import PreparedRequest
 from router.config import ScoringConfig
 from router.routing.placement import DEFAULT_POOL, HashedPrompt, Membership, Placement, PlacementConfig
 from router.routing.policies import POLICIES
+from router.routing.prepare import PreparedRequest
 from router.routing.replicas import EngineLoad
-from router.routing.states import CircuitState, KVEventsState
+from router.states import CircuitState, KVEventsState
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 BS, SEED = 4, 0

@@ -24,15 +24,15 @@ from contract.kv_wire import encode_line
 from deploy.ray.route_hint import RouteHint
 from deploy.ray.routing_state import RoutingState
 from kvfleet.sim.router import SimRouter
-from router.admission.prepare import PreparedRequest
 from router.config import RouterConfig, ScoringConfig
 from router.metrics import RouterMetrics
 from router.routing.fleet import DEFAULT_POOL, Fleet
 from router.routing.kv_events import EventApplier
 from router.routing.placement import HashedPrompt
 from router.routing.policies import Decision
+from router.routing.prepare import PreparedRequest
 from router.routing.replicas import EngineLoad
-from router.routing.states import KVEventsState
+from router.states import KVEventsState
 
 BS, SEED = 16, DEFAULT_HASH_SEED
 URLS = ["http://a:1", "http://b:1", "http://c:1"]

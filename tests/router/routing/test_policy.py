@@ -15,7 +15,7 @@ from router.routing.policies import (
     RouteRequest,
 )
 from router.routing.policies.load import cost, effective_loads, is_overloaded
-from router.routing.states import KVEventsState
+from router.states import KVEventsState
 
 CFG = ScoringConfig(kv_token_cost=0.5, prefill_weight=1.0, waiting_cost_tokens=256, running_cost_tokens=32,
                     overload_waiting=8, overload_kv_usage=0.95)
@@ -336,3 +336,10 @@ def test_round_robin_policy_exact_choices():
     views = [ReplicaView(A, routable=False), ReplicaView(B, waiting=20), ReplicaView(C)]
     assert [ROUND_ROBIN.choose(views, RouteRequest(10, "user-42"), CFG, RING, k).url for k in range(3)] == \
         [B, C, B]
+
+
+def test_every_configurable_policy_name_has_its_object():
+    from router.config import POLICY_NAMES
+    from router.routing.policies import POLICIES
+
+    assert tuple(POLICIES) == POLICY_NAMES

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from contract.errors import ConfigError
 from router.config import RouterConfig, ScoringConfig
 from router.routing.replicas import CircuitBreaker, EngineLoad, ReplicaState, parse_engine_metrics
-from router.routing.states import CircuitState
+from router.states import CircuitState
 
 CLOSED, OPEN, HALF_OPEN = CircuitState.CLOSED, CircuitState.OPEN, CircuitState.HALF_OPEN
 

@@ -13,9 +13,9 @@ import msgpack
 from contract.hashing import DEFAULT_HASH_SEED
 from deploy.ports import free_port
 from router.routing.prefix_index import PrefixIndex, request_block_hashes
-from router.routing.states import KVEventsState
 from router.routing.vllm_kv_events import VllmEventApplier, VllmKVSubscriber
 from router.routing.vllm_kv_wire import END_SEQ, Cleared, Removed, Stored, decode_batch
+from router.states import KVEventsState
 from tests.router.routing.test_vllm_kv_events import FakeVllmPublisher, until
 
 DATA = Path(__file__).parent / "data" / "sglang_kv_events"

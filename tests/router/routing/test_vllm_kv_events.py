@@ -17,7 +17,6 @@ import zmq.asyncio
 from contract.hashing import DEFAULT_HASH_SEED, hash_blocks
 from deploy.ports import free_port
 from router.routing.prefix_index import PrefixIndex, request_block_hashes
-from router.routing.states import KVEventsState
 from router.routing.vllm_kv_events import VllmEventApplier, VllmKVSubscriber
 from router.routing.vllm_kv_wire import (
     END_SEQ,
@@ -28,6 +27,7 @@ from router.routing.vllm_kv_wire import (
     VllmEventError,
     decode_batch,
 )
+from router.states import KVEventsState
 
 DATA = Path(__file__).parent / "data" / "vllm_kv_events"
 R = "http://vllm-a:8000"

@@ -11,9 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from contract.messages import chat_messages
-from router.admission.tokens import PromptTokenizer
-from router.http.usage import StreamUsage
 from router.routing.prefix_index import request_block_hashes
+from router.routing.tokens import PromptTokenizer
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -25,7 +24,6 @@ class PreparedRequest:
     cache_salt: str | None
     session_key: str | None
     stream: bool
-    usage: StreamUsage | None = None  # follows the usage of a tenant's request (router/tenants/ratelimit.py)
     _hashes: dict[tuple[int, int], list[int]] = field(default_factory=dict)
 
     @property

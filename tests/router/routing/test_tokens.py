@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from router.admission.prepare import prepare_request
-from router.admission.tokens import PromptTokenizer
+from router.routing.prepare import prepare_request
+from router.routing.tokens import PromptTokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.model

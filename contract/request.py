@@ -57,23 +57,24 @@ def max_tokens_of(max_completion_tokens: int | None, max_tokens: int | None) -> 
 
 
 def lone_surrogate_path(value: Any, path: str = "") -> str | None:
-    """The path (`messages[0].content`) of the first string in `value` holding a lone surrogate, or None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    if isinstance(value, dict):
-        for k, v in value.items():
-            found = lone_surrogate_path(k, path) or lone_surrogate_path(v, f"{path}.{k}" if path else str(k))
-            if found:
-                return found
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            found = lone_surrogate_path(v, f"{path}[{i}]")
-            if found:
-                return found
+    """The path (`messages[0].content`) of the first string in `value` holding a lone surrogate, or None.
+    Iterative: a body nested as deep as a JSON reader allows costs no Python recursion."""
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return where or "body"
+        elif isinstance(item, dict):
+            children = []
+            for k, v in item.items():
+                children.append((k, where))
+                children.append((v, f"{where}.{k}" if where else str(k)))
+            stack.extend(reversed(children))
+        elif isinstance(item, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in reversed(list(enumerate(item))))
     return None
 
 
@@ -183,10 +184,7 @@ def check_text(obj: Mapping, raw: bytes | None = None) -> None:
     """RequestError naming the first string that holds a lone surrogate (cheap unless `raw` has an escape)."""
     if raw is not None and not _SURROGATE_ESCAPE.search(raw):
         return
-    try:
-        path = lone_surrogate_path(obj)
-    except RecursionError:
-        raise RequestError("request body is nested too deeply", None) from None
+    path = lone_surrogate_path(obj)
     if path is not None:
         raise RequestError(f"{path} holds a lone UTF-16 surrogate (not valid Unicode text)", path)
 

@@ -8,7 +8,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from contract.request import Endpoint, RequestError, parse_request
+from contract.request import Endpoint, RequestError, lone_surrogate_path, parse_request
 from engine.server.errors import validation_message
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -121,3 +121,18 @@ def test_bodies_that_are_no_json_object(raw, message):
     with pytest.raises(RequestError) as e:
         parse_request(Endpoint.CHAT, raw)
     assert message in str(e.value) and e.value.param is None
+
+
+def test_the_surrogate_walk_needs_no_recursion():
+    """The engine walks every request's messages: a body nested as deep as JSON allows must be a 400 from
+    its validation, never a RecursionError (a 500) inside it."""
+    deep: list = ["x\ud800"]
+    for _ in range(100_000):
+        deep = [deep]
+    assert lone_surrogate_path(deep, "messages") == "messages" + "[0]" * 100_001
+    clean: list = []
+    for _ in range(100_000):
+        clean = [clean]
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({"messages": [clean]})
+    assert validation_message(e.value.errors())[1] == "messages[0]"  # a 400 naming the field

@@ -56,9 +56,29 @@ def max_tokens_of(max_completion_tokens: int | None, max_tokens: int | None) -> 
     return max_completion_tokens if max_completion_tokens is not None else max_tokens
 
 
+def _has_lone_surrogate(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
 def lone_surrogate_path(value: Any, path: str = "") -> str | None:
     """The path (`messages[0].content`) of the first string in `value` holding a lone surrogate, or None.
-    Iterative: a body nested as deep as a JSON reader allows costs no Python recursion."""
+    Iterative (a body nested as deep as a JSON reader allows costs no Python recursion), and paths are only
+    written once a bad string is known to be there."""
+    if not _has_lone_surrogate(value):
+        return None
     stack: list[tuple[Any, str]] = [(value, path)]
     while stack:
         item, where = stack.pop()

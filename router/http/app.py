@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 
@@ -90,6 +91,11 @@ class RouterApp:
         await self.pools.start()
         if self.need_tokens and self.tokenizer is None and cfg.tokenizer_from_engines:
             self._tokenizer_task = asyncio.create_task(self._fetch_tokenizer())
+        # What start-up built (the tokenizer, its chat template, the libraries) lives as long as the process: out of
+        # the collector's reach, a full collection no longer walks it (measured under 64 streamed connections: 22
+        # full collections of ~100 ms each in 10 s, a fifth of the router's CPU; with the freeze 0.27 s in all)
+        gc.freeze()
+
 
     @property
     def waiting_for_tokenizer(self) -> bool:
@@ -97,6 +103,7 @@ class RouterApp:
 
     async def _fetch_tokenizer(self) -> None:
         self.tokenizer = await tokenizer_from_engines(self.session, self.fleet.ready_urls, self._internal_headers)
+        gc.freeze()
 
     def not_serving(self) -> str | None:
         """Why a chat through this router cannot succeed now (None: it can): /ready and /v1/models say so."""

@@ -63,6 +63,27 @@ def pools_file(r: Rendered) -> dict:
 # Values that switch every feature on, each toggle a name the tests iterate over.
 TENANTS = {"tenants": {"acme": {"api_key_sha256": ["a" * 64], "tokens_per_minute": 20000}}}
 ALL_POOLS = {"pools": {"canary": {"enabled": True}, "long": {"enabled": True}}}
+# Several models in one release, one pool per engine: kvfleet (the bundled SmolLM2), vLLM with tensor parallelism
+# over 4 GPUs (model on a PVC that the routers mount too, for its tokenizer) and SGLang (model downloaded).
+MIXED = {
+    "hashSeed": 12345,
+    "router": {"model": "/models/SmolLM2-135M-Instruct", "modelSource": {"type": "pvc", "pvc": {"claimName": "models"}}},
+    "pools": {
+        "stable": {"enabled": False},
+        "small": {"version": "v1", "weight": 100},
+        "large": {"version": "v1", "weight": 100, "engine": "vllm", "gpus": 4, "servedModelName": "llama-3.3-70b",
+                  "model": "/models/Llama-3.3-70B-Instruct", "maxContextTokens": 32768,
+                  "modelSource": {"type": "pvc", "pvc": {"claimName": "models"}},
+                  "routerTokenizer": "/models/Llama-3.3-70B-Instruct",
+                  "vllm": {"extraArgs": ["--gpu-memory-utilization", "0.92"]}},
+        "medium": {"version": "v1", "weight": 100, "engine": "sglang", "servedModelName": "qwen2.5-7b",
+                   "model": "/models/Qwen2.5-7B-Instruct", "maxContextTokens": 16384,
+                   "modelSource": {"type": "download", "download": {"repo": "Qwen/Qwen2.5-7B-Instruct"}},
+                   "sglang": {"pageSize": 32, "extraArgs": ["--mem-fraction-static", "0.85"]}},
+    },
+}
+MIXED_ALL_ON = {**MIXED, "engineDefaults": {"autoscaling": {"enabled": True}}, "networkPolicy": {"enabled": True},
+                "monitoring": {"serviceMonitors": {"enabled": True}, "prometheusRule": {"enabled": True}}}
 TOGGLES: dict[str, dict] = {
     "default": {},
     "all-pools": ALL_POOLS,
@@ -94,4 +115,6 @@ TOGGLES: dict[str, dict] = {
     "dns-discovery": {"router": {"discovery": "dns"}, "hashSeed": 12345},
     "monitoring": {"monitoring": {"serviceMonitors": {"enabled": True, "labels": {"release": "kps"}},
                                   "prometheusRule": {"enabled": True}, "dashboards": {"enabled": True}}},
+    "mixed-hpa": {**MIXED_ALL_ON, "autoscaling": {"mode": "hpa", "hpa": {"adapterRulesConfigMap": True}}},
+    "mixed-keda": {**MIXED_ALL_ON, "autoscaling": {"mode": "keda"}},
 }

@@ -20,12 +20,13 @@ def test_pools_carry_weights_flags_limits_and_k8s_discovery():
     doc = pools_file(render({**ALL_POOLS, "pools": {**ALL_POOLS["pools"], "stable": {"maxTokensCap": 4096,
                                                                                      "defaultMaxTokens": 512}}}))
     svc = f"{RELEASE}-kvfleet-engine"
+    model = {"model": "smollm2", "engine": "kvfleet"}  # every pool names its model and engine
     assert doc == {"pools": {
-        "stable": {"version": "v1", "weight": 95, "max_tokens_cap": 4096, "default_max_tokens": 512,
+        "stable": {"version": "v1", "weight": 95, "max_tokens_cap": 4096, "default_max_tokens": 512, **model,
                    "k8s": {"service": f"{svc}-stable", "namespace": NAMESPACE, "port_name": "http"}},
-        "canary": {"version": "v2", "weight": 5, "canary": True,
+        "canary": {"version": "v2", "weight": 5, "canary": True, **model,
                    "k8s": {"service": f"{svc}-canary", "namespace": NAMESPACE, "port_name": "http"}},
-        "long": {"version": "v1", "weight": 1, "long_context": True, "max_context_tokens": 32768,
+        "long": {"version": "v1", "weight": 1, "long_context": True, "max_context_tokens": 32768, **model,
                  "k8s": {"service": f"{svc}-long", "namespace": NAMESPACE, "port_name": "http"}}}}
 
 

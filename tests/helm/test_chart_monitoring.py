@@ -75,8 +75,9 @@ def _go_replacement(template: str, match: re.Match) -> str:
 
 def test_adapter_rules_rename_the_engine_series_to_the_hpa_metric_names():
     rules = yaml.safe_load(ADAPTER_RULES.read_text())["rules"]
-    hpa = render(TOGGLES["hpa"]).of("HorizontalPodAutoscaler")[0]
-    wanted = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]}
+    # the HPAs of a fleet with every engine (kvfleet, vLLM, SGLang) name every metric the adapter serves
+    wanted = {m["pods"]["metric"]["name"] for hpa in render(TOGGLES["mixed-hpa"]).of("HorizontalPodAutoscaler")
+              for m in hpa["spec"]["metrics"]}
     served = set()
     for rule in rules:
         series = re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", rule["seriesQuery"]).group(0)
@@ -95,11 +96,13 @@ def test_adapter_and_keda_read_series_the_engines_export():
     source = (ROOT / "engine" / "server" / "metrics.py").read_text()
     rules = yaml.safe_load(ADAPTER_RULES.read_text())["rules"]
     series = {re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", r["seriesQuery"]).group(0) for r in rules}
-    so = render(TOGGLES["keda"]).of("ScaledObject")[0]
-    series |= {re.match(r"sum\(([a-zA-Z_:][a-zA-Z0-9_:]*)\{", t["metadata"]["query"]).group(1)
-               for t in so["spec"]["triggers"]}
-    assert series == {"vllm:kv_cache_usage_perc", "vllm:num_requests_waiting"}
-    for name in series:
+    for so in render(TOGGLES["mixed-keda"]).of("ScaledObject"):
+        series |= {re.match(r"sum\(([a-zA-Z_:][a-zA-Z0-9_:]*)\{", t["metadata"]["query"]).group(1)
+                   for t in so["spec"]["triggers"]}
+    # SGLang's own names (its scheduler's gauges); kvfleet's engine exports vLLM's, which vLLM pools share
+    assert series == {"vllm:kv_cache_usage_perc", "vllm:num_requests_waiting",
+                      "sglang:token_usage", "sglang:num_queue_reqs"}
+    for name in sorted(series - {"sglang:token_usage", "sglang:num_queue_reqs"}):
         assert f'"{name}"' in source, f"{name} is not an engine metric (engine/server/metrics.py)"
 
 

@@ -142,10 +142,9 @@ app.kubernetes.io/component: router
 {{- end }}
 {{- end -}}
 
-{{/* Names of the two scaling signals in the custom metrics API (prometheus-adapter renames the engines'
-     vllm:* series to these; files/prometheus-adapter-rules.yaml). */}}
-{{- define "kvfleet.metric.kvUsage" -}}vllm_kv_cache_usage_perc{{- end -}}
-{{- define "kvfleet.metric.waiting" -}}vllm_num_requests_waiting{{- end -}}
+{{/* A series' name in the custom metrics API: prometheus-adapter renames the engines' `vllm:x` / `sglang:x` to
+     `vllm_x` / `sglang_x` (files/prometheus-adapter-rules.yaml): metric names are URL path segments there. */}}
+{{- define "kvfleet.customMetricName" -}}{{ replace ":" "_" . }}{{- end -}}
 
 {{/* PromQL of one pool's signal summed over its pods (KEDA divides by the replica count: AverageValue). The
      labels namespace and service are those the Prometheus Operator puts on targets of a ServiceMonitor. */}}

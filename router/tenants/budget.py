@@ -27,6 +27,10 @@ its lease expires (a router that died cannot hold a slot forever); a request fin
 rejected with `retry_after_s = CONCURRENCY_RETRY_S`. When a request is short of both tokens and a slot, the
 token rejection is reported (its retry time is known).
 
+Per-model token weights (the tenants file's `model_token_weights`): a request for a model of weight `w` reserves
+and is charged `weighted(tokens, w) = ceil(tokens * w)` budget tokens, computed exactly (w is read as the
+decimal it is written as), so a 70B model's token may cost 8 of an 8B model's.
+
 Header values (OpenAI's `x-ratelimit-*-tokens`): limit `T`, remaining `max(0, floor(level))`, reset `(C -
 level) / r` seconds until the bucket is full.
 """
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 from router.states import StrEnum
 
@@ -173,3 +178,16 @@ def admit(bucket: Bucket, leases: Leases, spec: BudgetSpec, amount: int, now: fl
     if len(live) >= spec.max_concurrent_requests:
         return Denial(Reason.CONCURRENCY, CONCURRENCY_RETRY_S)
     return taken, live.add(lease_id, expiry)
+
+
+def token_weight(value: float | int | str) -> Fraction:
+    """A model's token weight as the exact decimal it is written as (0.1 is 1/10, not the nearest double)."""
+    w = Fraction(str(value))
+    if w <= 0:
+        raise ValueError(f"a token weight must be > 0, got {value}")
+    return w
+
+
+def weighted(tokens: int, weight: Fraction) -> int:
+    """Budget tokens for `tokens` tokens of a model of this weight: ceil(tokens * weight), exactly."""
+    return math.ceil(tokens * weight)

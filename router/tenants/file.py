@@ -9,7 +9,10 @@
         max_context_tokens: 4096                   # optional
         priority: 1                                # optional (default 0): higher is shed last
         isolate_cache: true                        # optional (default false)
+        models: [smollm2, llama-70b]               # optional: the models it may use (others: 404); default all
     anonymous: null                                # or the tenant that requests without a key use
+    model_token_weights:                           # optional: budget tokens one token of a model costs
+      llama-70b: 8                                 #   (default 1; reserved and charged ceil(tokens x weight))
 
 Every error names the file, the line and the field (`tenants.yaml:7: tenants.acme.tokens_per_minute: must
 be a positive integer, got -5`): the YAML is composed into nodes, which keep their marks, and each value is
@@ -26,17 +29,19 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 
 import yaml
 
 from router.config_file import ConfigFileError, NodeReader, WatchedFile, read_file, show
+from router.tenants.budget import token_weight
 from router.tenants.registry import Tenant, TenantRegistry
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 HEX64 = re.compile(r"[0-9a-fA-F]{64}")
-TOP_FIELDS = ("tenants", "anonymous")
+TOP_FIELDS = ("tenants", "anonymous", "model_token_weights")
 TENANT_FIELDS = ("api_key_sha256", "tokens_per_minute", "max_concurrent_requests", "max_tokens",
-                 "max_context_tokens", "priority", "isolate_cache")
+                 "max_context_tokens", "priority", "isolate_cache", "models")
 
 TenantsFileError = ConfigFileError
 
@@ -101,7 +106,25 @@ def parse_tenants(text: str | bytes, path: str = "<tenants>") -> TenantRegistry:
                                                                "one needs at least one key hash")
 
         tenants.append(_tenant(p, name, field, body, frozenset(h for h, _ in hashes)))
-    return TenantRegistry(tenants, anonymous)
+    weights = _weights(p, top["model_token_weights"][1]) if "model_token_weights" in top else {}
+    return TenantRegistry(tenants, anonymous, weights)
+
+
+def _weights(p: _KeyReader, node: yaml.Node) -> dict[str, Fraction]:
+    field = "model_token_weights"
+    out = {}
+    for model, (_, value) in p.mapping(node, field, "a mapping of model name to weight").items():
+        number = p.scalar(value, f"{field}.{model}") if isinstance(value, yaml.ScalarNode) else None
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 < number < float("inf"):
+            raise p.error(value, f"{field}.{model}", f"must be a number > 0, got {p.kind(value)}")
+        out[model] = token_weight(value.value)  # the text as written: 0.1 is exactly 1/10
+    return out
+
+
+def _models(p: _KeyReader, node: yaml.Node, field: str) -> frozenset[str]:
+    if not isinstance(node, yaml.SequenceNode) or not node.value:
+        raise p.error(node, field, f"must be a non-empty list of model names, got {p.kind(node)}")
+    return frozenset(p.str_field(item, f"{field}[{i}]") for i, item in enumerate(node.value))
 
 
 def _tenant(p: _KeyReader, name: str, field: str, body: dict[str, tuple[yaml.Node, yaml.Node]],
@@ -119,7 +142,8 @@ def _tenant(p: _KeyReader, name: str, field: str, body: dict[str, tuple[yaml.Nod
                   max_concurrent_requests=get("max_concurrent_requests", p.int_field, 1, True),
                   max_tokens=max_tokens, max_context_tokens=max_context,
                   priority=get("priority", p.int_field, None, False, default=0),
-                  isolate_cache=get("isolate_cache", p.bool_field, default=False))
+                  isolate_cache=get("isolate_cache", p.bool_field, default=False),
+                  models=get("models", lambda node, f: _models(p, node, f)))
 
 
 def load_tenants(path: str) -> TenantRegistry:

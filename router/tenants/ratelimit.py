@@ -24,11 +24,12 @@ import math
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 
 from contract.errors import error_body, error_type
 from router.config import RateLimitConfig
 from router.refusal import Refusal, refuse
-from router.tenants.budget import BudgetSpec, Quota, Reason
+from router.tenants.budget import BudgetSpec, Quota, Reason, weighted
 from router.tenants.file import TenantsFile
 from router.tenants.limiter import Limiter, LimiterUnavailable, OnStoreError
 from router.tenants.registry import AuthError, Tenant
@@ -44,6 +45,7 @@ class Budget:
     tenant: Tenant
     reservation: Reservation | None  # None: the store failed open without a budget (never: see Limiter)
     headers: list[tuple[bytes, bytes]]
+    weight: Fraction = Fraction(1)  # budget tokens per token of the request's model (router/tenants/budget.py)
 
 
 def reset_text(seconds: float) -> str:
@@ -112,8 +114,11 @@ class RateLimiter:
             self.metrics.ratelimit_requests.labels("-", "unauthorized").inc()
             return Refusal(401, e.body(), list(e.headers), "unauthorized")
 
-    async def reserve(self, tenant: Tenant, cost: int) -> Budget | Refusal:
-        """Reserve `cost` tokens (router/admission/stages.py `request_cost`) of the tenant's budget."""
+    async def reserve(self, tenant: Tenant, tokens: int, model: str | None = None) -> Budget | Refusal:
+        """Reserve what `tokens` tokens (router/admission/stages.py `request_cost`) of `model` cost in the tenant's
+        budget: `weighted(tokens, the model's token weight)`."""
+        weight = self.file.registry.token_weight(model)
+        cost = weighted(tokens, weight)
         spec = BudgetSpec(tenant.tokens_per_minute, tenant.max_concurrent_requests)
         try:
             got = await self.limiter.reserve(tenant.name, spec, cost)
@@ -126,7 +131,7 @@ class RateLimiter:
         m.ratelimit_requests.labels(tenant.name, "admitted").inc()
         m.ratelimit_tokens.labels(tenant.name, "reserved").inc(cost)
         m.reserved_outstanding.labels(tenant.name).inc(cost)
-        return Budget(tenant, got, quota_headers(got.quota))
+        return Budget(tenant, got, quota_headers(got.quota), weight)
 
     def _rejection(self, got: Rejection, cost: int, spec: BudgetSpec) -> Refusal:
         if got.reason is Reason.TOO_LARGE:
@@ -152,12 +157,12 @@ class RateLimiter:
 
     # -- settlement ----------------------------------------------------------------------------------------
     async def settle(self, a: Budget, reported: int | None, answered: bool) -> None:
-        """Charge what the request used: the tokens the engine reported, else the whole reservation if a replica
-        answered 200 (`answered`), else nothing."""
+        """Charge what the request used: the tokens the engine reported (weighted as reserved), else the whole
+        reservation if a replica answered 200 (`answered`), else nothing."""
         r = a.reservation
         if r is None:
             return
-        used = reported if reported is not None else (r.amount if answered else 0)
+        used = weighted(reported, a.weight) if reported is not None else (r.amount if answered else 0)
         m, name = self.metrics, a.tenant.name
         m.reserved_outstanding.labels(name).dec(r.amount)
         m.ratelimit_tokens.labels(name, "used").inc(used)

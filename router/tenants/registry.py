@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from types import MappingProxyType
 
 from contract.errors import ConfigError, error_body
@@ -23,6 +24,7 @@ from contract.errors import ConfigError, error_body
 TENANT_SALT_PREFIX = "kvfleet-tenant-"
 _SALT_DOMAIN = b"kvfleet tenant cache salt\0"
 _CREDENTIAL_HEADERS = frozenset({b"authorization", b"api-key"})
+_ONE = Fraction(1)
 
 
 def key_sha256(key: str | bytes) -> str:
@@ -40,6 +42,7 @@ class Tenant:
     max_context_tokens: int | None = None  # prompt + max_tokens; None: no limit of the tenant's own
     priority: int = 0  # higher is shed last
     isolate_cache: bool = False
+    models: frozenset[str] | None = None  # the models it may use (others: 404 as if unknown); None: all
 
     def cache_salt(self) -> str | None:
         """The `cache_salt` forced into every request of an isolated tenant (None for the others): the same
@@ -121,7 +124,8 @@ def strip_client_credentials(headers: Iterable[tuple[bytes | str, bytes | str]])
 class TenantRegistry:
     """Tenants by name and by key digest; immutable once built (a reload builds a new one)."""
 
-    def __init__(self, tenants: Iterable[Tenant], anonymous: str | None = None):
+    def __init__(self, tenants: Iterable[Tenant], anonymous: str | None = None,
+                 model_token_weights: Mapping[str, Fraction] | None = None):
         by_name: dict[str, Tenant] = {}
         by_digest: dict[bytes, Tenant] = {}
         for t in tenants:
@@ -138,8 +142,13 @@ class TenantRegistry:
         self.tenants: Mapping[str, Tenant] = MappingProxyType(by_name)
         self.anonymous: Tenant | None = by_name[anonymous] if anonymous is not None else None
         self._by_digest = by_digest
+        self.model_token_weights: Mapping[str, Fraction] = MappingProxyType(dict(model_token_weights or {}))
         prios = [t.priority for t in by_name.values()] or [0]
         self._priorities = (min(prios), max(prios))
+
+    def token_weight(self, model: str | None) -> Fraction:
+        """What one token of `model` costs in a tenant's budget (tenants file `model_token_weights`; default 1)."""
+        return self.model_token_weights.get(model, _ONE) if model is not None else _ONE
 
     def priorities(self) -> tuple[int, int]:
         """The lowest and highest priority among the tenants (load shedding starts at the lowest)."""

@@ -169,4 +169,4 @@ def test_the_arithmetic_is_pure():
     tree = ast.parse(pathlib.Path(router.tenants.budget.__file__).read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    assert imported <= {"__future__", "math", "dataclasses", "router.states"}
+    assert imported <= {"__future__", "math", "dataclasses", "fractions", "router.states"}

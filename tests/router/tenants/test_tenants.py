@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import asyncio
 import hashlib
 import logging
@@ -11,6 +13,7 @@ import textwrap
 import pytest
 
 from contract.errors import ConfigError
+from router.tenants.budget import weighted
 from router.tenants.file import TenantsFile, TenantsFileError, load_tenants, parse_tenants
 from router.tenants.registry import (
     TENANT_SALT_PREFIX,
@@ -77,6 +80,10 @@ BAD = [
     ("tenants:\n  acme:\n    api_key_sha256: [\"" + H_A + "\"]\n    tokens_per_minute: -5\n",
      4, "tenants.acme.tokens_per_minute", "must be a positive integer, got -5"),
     (_tenant("    max_tokens: 0\n"), 5, "tenants.acme.max_tokens", "must be a positive integer or null, got 0"),
+    (_tenant("    models: small\n"), 5, "tenants.acme.models", "must be a non-empty list of model names, got \"small\""),
+    (_tenant("    models: [small, 3]\n"), 5, "tenants.acme.models[1]", "must be a non-empty string, got 3"),
+    (_tenant("model_token_weights:\n  big: 0\n"), 6, "model_token_weights.big", "must be a number > 0, got 0"),
+    (_tenant("model_token_weights:\n  big: lots\n"), 6, "model_token_weights.big", 'must be a number > 0, got "lots"'),
     (_tenant("    max_tokens: 1.5\n"), 5, "tenants.acme.max_tokens", "must be a positive integer or null, got 1.5"),
     (_tenant("    max_concurrent_requests: '8'\n"), 5, "tenants.acme.max_concurrent_requests",
      'must be a positive integer or null, got "8"'),
@@ -87,10 +94,10 @@ BAD = [
     (_tenant("    max_tokens: 4096\n    max_context_tokens: 4096\n"), 5, "tenants.acme.max_tokens",
      "must be less than max_context_tokens (4096): a request's prompt and max_tokens must fit in it, got 4096"),
     (_tenant("    rpm: 5\n"), 5, "tenants.acme.rpm", "unknown field (a tenant has api_key_sha256, "
-     "tokens_per_minute, max_concurrent_requests, max_tokens, max_context_tokens, priority, isolate_cache)"),
+     "tokens_per_minute, max_concurrent_requests, max_tokens, max_context_tokens, priority, isolate_cache, models)"),
     (_tenant("    priority: 1\n    priority: 2\n"), 6, "tenants.acme.priority", "given twice (first on line 5)"),
     (_tenant("  acme:\n    tokens_per_minute: 1\n"), 5, "tenants.acme", "given twice (first on line 2)"),
-    (_tenant("default: x\n"), 5, "default", "unknown field (the file holds tenants, anonymous)"),
+    (_tenant("default: x\n"), 5, "default", "unknown field (the file holds tenants, anonymous, model_token_weights)"),
     (_tenant("anonymous: nobody\n"), 5, "anonymous", 'names no tenant defined under `tenants`: "nobody"'),
     (_tenant("anonymous: [a]\n"), 5, "anonymous", "must be a tenant name or null, got a list"),
     ("tenants:\n  acme:\n    api_key_sha256: [\"abc123\"]\n    tokens_per_minute: 1\n", 3,
@@ -115,7 +122,7 @@ BAD = [
     ("tenants:\n  acme: 5\n", 2, "tenants.acme", "must be a mapping of settings, got 5"),
     ("tenants:\n", 1, "tenants", "must be a mapping of tenant name to settings, got null"),
     ("anonymous: null\n", 1, "tenants", "missing: the file needs a `tenants:` mapping of name to settings"),
-    ("- tenants\n", 1, "", "must be a mapping with `tenants:` (and `anonymous:`), got a list"),
+    ("- tenants\n", 1, "", "must be a mapping with `tenants:` (and `anonymous:` and `model_token_weights:`), got a list"),
     ("", 1, "", "the file is empty; it needs a `tenants:` mapping"),
     ("tenants:\n  acme:\n    tokens_per_minute: [1\n", 4, "", "not valid YAML: did not find expected ',' or ']'"),
     (_tenant("    priority: !!python/object:os.system x\n"), 5, "tenants.acme.priority", "cannot read this value: "
@@ -332,3 +339,13 @@ def test_bad_file_at_start_up_raises(tmp_path):
         """))
     with pytest.raises(TenantsFileError, match=r"tenants\.yaml:4: tenants\.acme\.colour: unknown field"):
         TenantsFile(str(path))
+
+
+def test_models_and_token_weights_are_read_exactly():
+    reg = parse_tenants(_tenant("    models: [small, big]\nmodel_token_weights:\n  big: 2.5\n  tiny: 0.1\n"))
+    assert reg.get("acme").models == frozenset({"small", "big"})
+    assert reg.token_weight("big") == Fraction(5, 2) and reg.token_weight("tiny") == Fraction(1, 10)
+    assert reg.token_weight("other") == 1 and reg.token_weight(None) == 1
+    assert weighted(30, reg.token_weight("tiny")) == 3  # exactly 3: 30 x 0.1 in doubles is 3.0000000000000004
+    assert weighted(31, reg.token_weight("tiny")) == 4 and weighted(7, reg.token_weight("big")) == 18
+    assert parse_tenants(_tenant("")).get("acme").models is None  # no list: every model

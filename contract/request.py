@@ -161,8 +161,9 @@ class OpenAIRequest:
         """A new request with these fields set upstream (None: the field is sent as null)."""
         changes = {**self.changes, **fields}
         salt = changes.get("cache_salt", self.cache_salt)
-        return replace(self, changes=MappingProxyType(changes),
-                       cache_salt=salt if isinstance(salt, str) and salt else None)
+        model = changes.get("model", self.model)
+        return replace(self, changes=MappingProxyType(changes), cache_salt=salt if isinstance(salt, str) and salt else None,
+                       model=model if isinstance(model, str) else None)
 
     def with_max_tokens(self, value: int) -> OpenAIRequest:
         """A new request limited to `value` tokens, in exactly one field upstream: the one the client used

@@ -138,6 +138,7 @@ class RouterConfig:
     policy: str = "kv"  # one of POLICY_NAMES (router/routing/policies/ holds the objects)
     model: str | None = "smollm2"  # tokenizer for prefix matching (same as the engines')
     tokenizer_from_engines: bool = False  # fetch the tokenizer from the first ready engine instead of `model`
+    default_model: str | None = None  # written into requests that name no model (None: they get 400)
     engine_type: str = "auto"  # what the replicas are; auto: /ready (else /health) and KV events if served
     discovery: str = "static"
     replicas: tuple[str, ...] = ()  # static discovery
@@ -176,6 +177,8 @@ class RouterConfig:
     def validate(self) -> None:
         if self.policy not in POLICY_NAMES:
             raise ConfigError("policy", f"must be one of {', '.join(POLICY_NAMES)}, got {self.policy!r}")
+        if self.default_model is not None and not self.default_model:
+            raise ConfigError("default_model", "must be a model name")
         if self.engine_type not in ENGINE_TYPES:
             raise ConfigError("engine_type", f"must be one of {', '.join(ENGINE_TYPES)}, got {self.engine_type!r}")
         if self.discovery not in DISCOVERY_KINDS:

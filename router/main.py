@@ -33,11 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how each request picks a replica (default kv: the prefix-cache hit predicted from the "
                    "engines' KV events, weighed against load; the others are described in the README)")
     p.add_argument("--model", default=d["model"].default,
-                   help="model whose tokenizer and chat template the engines use (for prefix matching)")
+                   help="the tokenizer and chat template of models that have no other (pools file `tokenizer:`, "
+                   "--tokenizer-from-engines): the prompt tokens of a single-model fleet, for prefix matching")
     p.add_argument("--tokenizer-from-engines", action="store_true",
                    help="fetch the tokenizer and chat template from the first ready engine "
                    "(GET /v1/kvfleet/tokenizer) instead of loading --model here: the router needs no model "
                    "files; /ready says 503 until it has it")
+    p.add_argument("--default-model", metavar="MODEL",
+                   help="the model of requests that name none (without it they get 400, as OpenAI answers); "
+                   "a request's `model` chooses among the pools that serve it, an unknown one gets 404")
     p.add_argument("--engine-type", default=d["engine_type"].default, choices=ENGINE_TYPES,
                    help="what the replicas are: auto (default: readiness from /ready, else /health; the exact "
                    "index from kvfleet KV events where an engine serves them, else the approximate index), "
@@ -133,7 +137,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
                             overload_kv_usage=ns.overload_kv_usage)
     return RouterConfig(
         host=ns.host, port=ns.port, policy=ns.policy, model=ns.model or None,
-        tokenizer_from_engines=ns.tokenizer_from_engines, engine_type=ns.engine_type, discovery=discovery,
+        tokenizer_from_engines=ns.tokenizer_from_engines, default_model=ns.default_model, engine_type=ns.engine_type, discovery=discovery,
         replicas=replicas, dns_name=ns.dns_name, dns_port=ns.dns_port, dns_interval_s=ns.dns_interval_s,
         dns_nameserver=ns.dns_nameserver, k8s_service=ns.k8s_service, k8s_namespace=ns.k8s_namespace,
         k8s_port_name=ns.k8s_port_name, scheme=ns.scheme, health_interval_s=ns.health_interval_s,

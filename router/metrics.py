@@ -68,8 +68,9 @@ class RouterMetrics:
         self.store_healthy.set(1)
         self.tenant_reloads = Counter("kvfleet_router_tenants_reloads", "Reloads of the tenants file by result "
                                       "(ok, failed: the previous tenants stay)", ["result"], registry=r)
-        # engine pools (router/pools/control.py), labelled by pool and configuration version
-        pv = ["pool", "version"]
+        # engine pools (router/pools/control.py), labelled by pool, configuration version and model ("-": the
+        # model is unknown, so a client cannot grow the label set)
+        pv = ["pool", "version", "model"]
         self.pool_requests = Counter("kvfleet_router_pool_requests", "Requests by pool, version and final status "
                                      "(HTTP code, 'error', 'cancelled')", [*pv, "status"], registry=r)
         self.pool_ttft = Histogram("kvfleet_router_pool_ttft_seconds", "Time to first token as the router "
@@ -85,7 +86,7 @@ class RouterMetrics:
                                     "by pool", ["pool", "from", "to"], registry=r)
         self.pool_no_replica = Counter("kvfleet_router_pool_no_ready_replica", "Requests answered 503 because "
                                        "no replica of the pool was ready (start-up, a rollout): capacity, not the "
-                                       "pool's health", ["pool", "version"], registry=r)
+                                       "pool's health", pv, registry=r)
         self.pool_lowered = Counter("kvfleet_router_pool_max_tokens_lowered", "Requests whose max_tokens a "
                                     "pool's cap lowered", pv, registry=r)
         self.pool_reloads = Counter("kvfleet_router_pools_reloads", "Reloads of the pools file by result (ok, "

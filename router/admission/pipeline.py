@@ -1,7 +1,8 @@
 """The admission pipeline: router/admission/stages.py in order, with the metrics each refusal counts under and
 the one step that does I/O (the budget reservation, router/tenants/ratelimit.py).
 
-  identify tenant (401) -> tenant limits (cap, default, salt) -> choose pool (model, context, weights)
+  identify tenant (401) -> model (400 / 404 / 503: router/pools/models.py)
+  -> tenant limits (cap, default, salt) -> choose pool (among the model's: context, weights)
   -> pool caps (default, cap; + the tenant's context limit) -> shedding (one pressure reading)
   -> budget reservation (429 / 400 / 503)
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from contract.request import OpenAIRequest
 from router.admission.shedding import Pressure, fleet_pressure
 from router.admission.stages import (
+    model_choice,
     pool_caps,
     pool_choice,
     pressure,
@@ -45,29 +47,42 @@ class Admitted:
 
 
 class Admission:
-    def __init__(self, pools: Pools, ratelimit: RateLimiter | None, metrics, shedding: SheddingConfig):
+    def __init__(self, pools: Pools, ratelimit: RateLimiter | None, metrics, shedding: SheddingConfig,
+                 default_model: str | None = None):
         self.pools, self.ratelimit, self.metrics, self.shedding = pools, ratelimit, metrics, shedding
+        self.default_model = default_model
 
     def identify(self, headers) -> Tenant | Refusal | None:
         """The caller's tenant (None without a tenants file), or the 401."""
         return self.ratelimit.identify(headers) if self.ratelimit is not None else None
 
+    def model(self, req: OpenAIRequest, tenant: Tenant | None) -> OpenAIRequest | Refusal:
+        """The request with the model it names (or `--default-model`), one some pool serves and the tenant may
+        use; else the refusal (before the prompt is tokenized: the model decides the tokenizer)."""
+        got = model_choice(req, tenant, self.default_model, self.pools.catalog)
+        if isinstance(got, Refusal):
+            self.metrics.pool_requests.labels("none", "-", "-", str(got.status)).inc()
+            return self.ratelimit.refused(tenant, got) if tenant is not None else got
+        return got
+
     async def admit(self, req: OpenAIRequest, tenant: Tenant | None, session_key: str | None,
                     prompt_tokens: Sequence[int]) -> Admitted | Refusal:
+        """`req` is one `model()` passed: its model is served."""
         m = self.metrics
+        model = req.model
         if tenant is not None:
             got = tenant_limits(req, tenant)
             if isinstance(got, Refusal):
                 return self.ratelimit.refused(tenant, got)
             req = got
-        pool = pool_choice(self.pools.choose(session_key, max(prompt_tokens, default=0), req.max_tokens), req)
+        pool = pool_choice(self.pools.choose(model, session_key, max(prompt_tokens, default=0), req.max_tokens), req)
         if isinstance(pool, Refusal):
-            m.pool_requests.labels("none", "-", str(pool.status)).inc()
+            m.pool_requests.labels("none", "-", model, str(pool.status)).inc()
             return self.ratelimit.refused(tenant, pool) if tenant is not None else pool
         version = self.pools.version(pool.name)
         req, lowered = pool_caps(req, pool)
         if lowered is not None:
-            m.pool_lowered.labels(pool.name, version).inc()
+            m.pool_lowered.labels(pool.name, version, model).inc()
         if tenant is not None:
             too_long = tenant_context(req, tenant, prompt_tokens)
             if too_long is not None:
@@ -81,14 +96,14 @@ class Admission:
         refused = shed(reading, cost, priority, priorities, pool.name, sheds, self.shedding)
         if refused is not None:
             if sheds:
-                m.pool_requests.labels(pool.name, version, "503").inc()
+                m.pool_requests.labels(pool.name, version, model, "503").inc()
             return self.ratelimit.refused(tenant, refused) if tenant is not None else refused
         headers = [(POOL_HEADER, pool.name.encode())]
         if lowered is not None:
             headers.append((LOWERED_HEADER, str(lowered).encode()))
         budget = None
         if tenant is not None:
-            got_budget = await self.ratelimit.reserve(tenant, cost)
+            got_budget = await self.ratelimit.reserve(tenant, cost, model)
             if isinstance(got_budget, Refusal):
                 return got_budget
             budget = got_budget

@@ -2,7 +2,7 @@
 and returns a new request or a `Refusal` (an OpenAI error with its status and headers). No I/O, no clock:
 router/admission/pipeline.py runs them in order and reserves the budget.
 
-  identify tenant -> tenant limits -> choose pool -> pool caps (+ tenant context) -> shedding -> budget
+  identify tenant -> model -> tenant limits -> choose pool -> pool caps (+ tenant context) -> shedding -> budget
 """
 
 from __future__ import annotations
@@ -13,8 +13,19 @@ from contract.request import OpenAIRequest
 from router.admission.shedding import Pressure, should_shed
 from router.config import SheddingConfig
 from router.pools.choice import PoolChoice, PoolRefusal, PoolSpec, apply_caps
+from router.pools.models import ModelCatalog, resolve_model
 from router.refusal import Refusal, refuse
 from router.tenants.registry import Tenant
+
+
+def model_choice(req: OpenAIRequest, tenant: Tenant | None, default_model: str | None,
+                 cat: ModelCatalog) -> OpenAIRequest | Refusal:
+    """The request for a model some pool serves and the tenant may use (router/pools/models.py), with
+    `--default-model` written in when it named none; else 400 / 404 / 503."""
+    got = resolve_model(req.model, default_model, tenant.models if tenant is not None else None, cat)
+    if isinstance(got, Refusal):
+        return got
+    return req if got[0] == req.model else req.with_fields(model=got[0])
 
 
 def tenant_limits(req: OpenAIRequest, tenant: Tenant) -> OpenAIRequest | Refusal:

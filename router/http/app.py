@@ -23,7 +23,7 @@ from router.config import RouterConfig
 from router.http.models import fleet_models
 from router.http.proxy import Attempts, Proxy
 from router.http.responses import send_bytes, send_json
-from router.http.tokenizer_fetch import tokenizer_from_engines
+from router.http.tokenizers import THIRD_PARTY, Tokenizers
 from router.http.usage import StreamUsage, ask_for_usage
 from router.metrics import RouterMetrics
 from router.pools.control import Pools
@@ -54,12 +54,12 @@ class RouterApp:
         self.metrics = RouterMetrics(cfg.policy)
         self.fleet = Fleet(cfg, self.metrics)
         self.metrics.attach(self.fleet)
-        self.tokenizer = tokenizer
+        self.tokenizers = Tokenizers(tokenizer)
         # engine pools and tenants (a bad pools or tenants file raises here, before the router serves)
         self.pools = Pools(cfg, self.fleet, self.metrics)
         self.ratelimit = (RateLimiter(cfg.ratelimit, self.metrics, self.fleet.load, cfg.request_timeout_s)
                           if cfg.ratelimit.tenants_file else None)
-        self.admission = Admission(self.pools, self.ratelimit, self.metrics, cfg.ratelimit.shedding)
+        self.admission = Admission(self.pools, self.ratelimit, self.metrics, cfg.ratelimit.shedding, cfg.default_model)
         self.need_tokens = (self.fleet.policy.needs.prompt_tokens or self.ratelimit is not None
                             or cfg.pools_file is not None)
         self.proxy: Proxy | None = None
@@ -68,17 +68,17 @@ class RouterApp:
         self.inflight = 0  # completion requests being served
         self._idle = asyncio.Event()
         self._idle.set()
-        self._tokenizer_task: asyncio.Task | None = None
         self._internal_headers = {"authorization": f"Bearer {cfg.internal_token}"} if cfg.internal_token else {}
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     async def startup(self) -> None:
         cfg = self.cfg
-        if self.need_tokens and self.tokenizer is None and cfg.model and not cfg.tokenizer_from_engines:
+        toks = self.tokenizers
+        if self.need_tokens and toks.fallback is None and cfg.model and not cfg.tokenizer_from_engines:
             from engine.tokenizer import load_tokenizer
 
             tok = await asyncio.to_thread(load_tokenizer, cfg.model)
-            self.tokenizer = await asyncio.to_thread(PromptTokenizer, tok)
+            toks.fallback = await asyncio.to_thread(PromptTokenizer, tok)
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, ttl_dns_cache=10),
             timeout=aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout_s, sock_read=cfg.request_timeout_s),
@@ -88,22 +88,38 @@ class RouterApp:
         await self.fleet.start()
         if self.ratelimit is not None:
             await self.ratelimit.start()
+        if self.need_tokens:
+            self.pools.catalog_listeners.append(self._models_changed)
         await self.pools.start()
-        if self.need_tokens and self.tokenizer is None and cfg.tokenizer_from_engines:
-            self._tokenizer_task = asyncio.create_task(self._fetch_tokenizer())
         # What start-up built (the tokenizer, its chat template, the libraries) lives as long as the process: out of
         # the collector's reach, a full collection no longer walks it (measured under 64 streamed connections: 22
         # full collections of ~100 ms each in 10 s, a fifth of the router's CPU; with the freeze 0.27 s in all)
         gc.freeze()
 
 
+    def _models_changed(self) -> None:
+        """The models served changed: load their pools' `tokenizer:` paths, fetch the others' from their engines."""
+        self.tokenizers.load_paths(self.pools.tokenizer_paths())
+        if not self.cfg.tokenizer_from_engines:
+            return
+        for model, pools in self.pools.catalog.pools_of.items():
+            if all(self.fleet.engine_of(p).kind in THIRD_PARTY for p in pools):
+                continue  # none of its engines serves a tokenizer
+            self.tokenizers.fetch(model, self.session, lambda m=model: self._kvfleet_urls(m), self._internal_headers)
+
+    def _kvfleet_urls(self, model: str) -> list[str]:
+        """The ready replicas serving `model` that may serve kvfleet's tokenizer endpoint."""
+        out = []
+        for pool in self.pools.catalog.pools_of.get(model, ()):
+            if self.fleet.engine_of(pool).kind not in THIRD_PARTY:
+                unfit = self.fleet.not_serving(pool, model)
+                out.extend(u for u in self.fleet.ready_urls(pool) if u not in unfit)
+        return out
+
     @property
     def waiting_for_tokenizer(self) -> bool:
-        return self.need_tokens and self.tokenizer is None and self.cfg.tokenizer_from_engines
-
-    async def _fetch_tokenizer(self) -> None:
-        self.tokenizer = await tokenizer_from_engines(self.session, self.fleet.ready_urls, self._internal_headers)
-        gc.freeze()
+        """No model's tokenizer is there yet, and one is on its way (a single-model fleet's start-up)."""
+        return self.need_tokens and not self.tokenizers.any_ready() and self.tokenizers.any_pending()
 
     def not_serving(self) -> str | None:
         """Why a chat through this router cannot succeed now (None: it can): /ready and /v1/models say so."""
@@ -125,8 +141,7 @@ class RouterApp:
             log.warning("drain timeout: %d requests still running are cut", self.inflight)
 
     async def shutdown(self) -> None:
-        if self._tokenizer_task is not None:
-            self._tokenizer_task.cancel()
+        self.tokenizers.stop()
         await self.pools.stop()
         await self.fleet.stop()
         if self.ratelimit is not None:
@@ -216,17 +231,30 @@ class RouterApp:
             elif path == "/metrics":
                 await send_bytes(send, 200, self.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
             else:
-                await self._models(send)
+                await self._models(send, scope["headers"])
             return
         await send_json(send, 404, error_body(f"no route for {method} {path}", error_type(404)))
 
-    async def _models(self, send) -> None:
-        """The union of the models the ready replicas serve; 503 + Retry-After until a chat can succeed (so a
-        client polling /v1/models for readiness never sees 200 too early)."""
+    async def _models(self, send, headers) -> None:
+        """Every model the ready replicas serve, once each (those the caller's tenant may use); 503 +
+        Retry-After until a chat can succeed (so a client polling /v1/models for readiness never sees 200 too
+        early)."""
+        tenant = self.admission.identify(headers)
+        if isinstance(tenant, Refusal):
+            await send_json(send, tenant.status, tenant.body, tenant.headers)
+            return
         why = self.not_serving()
         models = [] if why else await fleet_models(self.session, self.fleet.ready_urls(), self._internal_headers)
-        if not models and self.cfg.model and not why:  # replicas that list no models (a third-party engine)
-            models = [{"id": self.cfg.model, "object": "model", "created": 0, "owned_by": "kvfleet"}]
+        served = self.pools.catalog.pools_of
+        models = [m for m in models if m["id"] in served]
+        for model, pools in served.items():  # declared models of replicas that list none (a third-party engine)
+            if not why and not any(m["id"] == model for m in models) and any(self.fleet.ready_urls(p) for p in pools):
+                models.append({"id": model, "object": "model", "created": 0, "owned_by": "kvfleet"})
+        if tenant is not None and tenant.models is not None:
+            models = [m for m in models if m["id"] in tenant.models]
+        if not models and why is None and served and tenant is not None and tenant.models is not None:
+            await send_json(send, 200, {"object": "list", "data": []})  # nothing this key may use
+            return
         if not models:
             await send_json(send, 503, error_body(f"no model to list yet ({why or 'no replica lists one'}); retry",
                                                   error_type(503), None, "no_ready_replica"),
@@ -267,12 +295,22 @@ class RouterApp:
             await send_json(send, tenant.status, tenant.body, tenant.headers)
             return
         t0 = time.perf_counter()
+        req = self.admission.model(req, tenant)  # the model decides the pools and the tokenizer
+        if isinstance(req, Refusal):
+            await send_json(send, req.status, req.body, req.headers)
+            return
+        if self.need_tokens and self.tokenizers.pending(req.model):
+            await send_json(send, 503, error_body(f"the router is still fetching the tokenizer of {req.model} "
+                                                  "from its engines; retry", error_type(503), None, "no_ready_replica"),
+                            [(b"retry-after", b"1")])
+            return
+        tokenizer = self.tokenizers.get(req.model)
         hdr = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers if k in (b"x-session-id",)}
-        prep = prepare_request(path, req.body, hdr, self.tokenizer, self.need_tokens)
+        prep = prepare_request(path, req.body, hdr, tokenizer, self.need_tokens)
         kind = constrained_kind(req.body)
         if kind is not None:
             self.metrics.constrained.labels(kind).inc()
-        counts = prompt_token_counts(path, req.body, self.tokenizer, prep)
+        counts = prompt_token_counts(path, req.body, tokenizer, prep)
         admitted = await self.admission.admit(req, tenant, prep.session_key, counts)
         if isinstance(admitted, Refusal):
             await send_json(send, admitted.status, admitted.body, admitted.headers)
@@ -291,9 +329,11 @@ class RouterApp:
         prepared_s = time.perf_counter() - t0
         metrics = self.metrics
 
+        unfit = self.fleet.not_serving(pool.name, req.model)  # replicas of the pool that list other models
+
         def lease(p, tried):
             t = time.perf_counter()
-            ls = self.fleet.lease(p, tried, pool.name)
+            ls = self.fleet.lease(p, tried | unfit if unfit else tried, pool.name)
             metrics.decision_seconds.observe(time.perf_counter() - t + (prepared_s if not tried else 0.0))
             if ls is not None:
                 metrics.decisions.labels(metrics.policy, ls.reason).inc()
@@ -305,33 +345,33 @@ class RouterApp:
             if admitted.budget is not None:  # however it ended: charge what was used, refund the rest
                 reported = attempts.follower.used if attempts.follower is not None else None
                 await asyncio.shield(self.ratelimit.settle(admitted.budget, reported, attempts.answered))
-            self._observe(pool.name, prep, attempts, t0)
+            self._observe(pool.name, req.model, prep, attempts, t0)
 
-    def _observe(self, pool: str, prep: PreparedRequest, attempts: Attempts, t0: float) -> None:
+    def _observe(self, pool: str, model: str, prep: PreparedRequest, attempts: Attempts, t0: float) -> None:
         """The request's outcome and latencies into its pool's metrics and degradation signals."""
         status = attempts.status
         if status is None:  # the client went away: says nothing about the pool
             return
         m, version = self.metrics, self.pools.version(pool)
         if attempts.no_replica:  # no replica ready (start-up, a rollout): capacity's signal, not the pool's
-            m.pool_no_replica.labels(pool, version).inc()
+            m.pool_no_replica.labels(pool, version, model).inc()
             return
-        m.pool_requests.labels(pool, version, status).inc()
+        m.pool_requests.labels(pool, version, model, status).inc()
         usage = attempts.usage if isinstance(attempts.usage, dict) else {}
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         if isinstance(prompt, int):
-            m.pool_prompt_tokens.labels(pool, version).inc(prompt)
+            m.pool_prompt_tokens.labels(pool, version, model).inc(prompt)
             if isinstance(cached, int):
-                m.pool_cached_tokens.labels(pool, version).inc(cached)
+                m.pool_cached_tokens.labels(pool, version, model).inc(cached)
         ttft = tpot = None
         if prep.stream and attempts.first_token_at is not None:
             ttft = attempts.first_token_at - t0
-            m.pool_ttft.labels(pool, version).observe(ttft)
+            m.pool_ttft.labels(pool, version, model).observe(ttft)
             if attempts.ended_at is not None and isinstance(completion, int) and completion > 1:
                 tpot = (attempts.ended_at - attempts.first_token_at) / (completion - 1)
-                m.pool_tpot.labels(pool, version).observe(tpot)
+                m.pool_tpot.labels(pool, version, model).observe(tpot)
         failed = status in ("error", "429") or status.startswith("5")
         self.pools.record(pool, failed, ttft, tpot)
 

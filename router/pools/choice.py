@@ -53,12 +53,17 @@ class PoolSpec:
     max_context_tokens: int | None = None
     long_context: bool = False
     canary: bool = False  # degradation may roll it back (weight -> 0) when it misbehaves
+    models: tuple[str, ...] = ()  # the model names it serves; (): learned from its replicas' /v1/models
 
     def __post_init__(self) -> None:
         for field in ("name", "version"):
             value = getattr(self, field)
             if not isinstance(value, str) or not value:
                 raise ConfigError(field, f"pool {field} must be a non-empty string, got {value!r}")
+        if not isinstance(self.models, tuple) or not all(isinstance(m, str) and m for m in self.models) \
+                or len(set(self.models)) != len(self.models):
+            raise ConfigError("models", f"pool {self.name}: models must be distinct non-empty names, got "
+                              f"{self.models!r}")
         if isinstance(self.weight, bool) or not isinstance(self.weight, int) or self.weight < 0:
             raise ConfigError("weight", f"pool {self.name}: weight must be an integer >= 0, got {self.weight!r}")
         _optional_positive("max_tokens_cap", self.max_tokens_cap)

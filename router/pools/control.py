@@ -23,9 +23,10 @@ from router.metrics import RouterMetrics
 from router.pools.choice import PoolChoice, PoolRefusal, PoolSpec, choose_pool
 from router.pools.degradation import LEVELS, Level, State, actions, degraded, step
 from router.pools.file import PoolConfig, PoolsConfig, PoolsFile
+from router.pools.models import ModelCatalog, catalog
 from router.pools.signals import SignalWindow
 from router.routing.discovery import flag_source, make_discovery
-from router.routing.fleet import DEFAULT_POOL, Fleet
+from router.routing.fleet import DEFAULT_POOL, Fleet, PoolEngine
 
 log = logging.getLogger("kvfleet.router.pools")
 
@@ -70,7 +71,11 @@ class Pools:
         self.config = self.file.value if self.file else default_pools(cfg)
         self.live: dict[str, LivePool] = {}
         self._order: list[PoolSpec] = []  # effective specs in file order, for choose_pool
+        self._of_model: dict[str, list[PoolSpec]] = {}  # the same, per model (the pools that serve it)
+        self.catalog = ModelCatalog({}, ())
+        self.catalog_listeners: list = []  # called after the catalog changed
         self._tasks: list[asyncio.Task] = []
+        fleet.listeners.append(self._recatalog)
         metrics.attach_pools(self)
 
     # -- lifecycle -----------------------------------------------------------------------------------------
@@ -112,8 +117,12 @@ class Pools:
                 old.state = State(canary=pc.spec.canary)  # a new configuration starts afresh
             if (old.window.window_s, old.window.min_requests) != (d.window_s, d.min_requests):
                 old.window = SignalWindow(d.window_s, d.min_requests)
-            source_changed = old.config.source != pc.source
+            engine_changed = (old.config.engine, old.config.kv_events) != (pc.engine, pc.kv_events)
+            source_changed = old.config.source != pc.source or engine_changed
             old.config = pc
+            self.fleet.engines[name] = PoolEngine(pc.engine, pc.kv_events)
+            if engine_changed and old.discovery is not None:  # replicas rejoin: their checks follow the new engine
+                await self.fleet.drop_pool(name)
             if old.discovery is None or source_changed:
                 if old.discovery is not None:
                     old.discovery.cancel()
@@ -121,7 +130,25 @@ class Pools:
                 old.discovery = asyncio.create_task(
                     discovery.run(lambda urls, pool=name: self.fleet.set_replicas(urls, pool)))
             self._refresh(old)
-        self._order = [self.live[p.spec.name].effective for p in config.pools]
+        self._recatalog()
+        self._reorder()
+
+    def _reorder(self) -> None:
+        self._order = [self.live[p.spec.name].effective for p in self.config.pools if p.spec.name in self.live]
+        by_name = {p.name: p for p in self._order}
+        self._of_model = {m: [by_name[n] for n in names if n in by_name] for m, names in self.catalog.pools_of.items()}
+
+    def _recatalog(self) -> None:
+        """The models each pool serves changed (pools file, or what replicas list): the catalog follows."""
+        cat = catalog([p.spec for p in self.config.pools], self.fleet.learned_models())
+        if cat != self.catalog:
+            if cat.models != self.catalog.models:
+                log.info("models served: %s", ", ".join(f"{m} ({', '.join(ps)})" for m, ps in cat.pools_of.items())
+                         or "none yet")
+            self.catalog = cat
+            self._reorder()
+            for listener in self.catalog_listeners:
+                listener()
 
     def _refresh(self, pool: LivePool) -> None:
         act = actions(self.config.degradation.thresholds, pool.state)
@@ -151,7 +178,7 @@ class Pools:
             pool.state = step(thresholds, pool.state, signals, now)
             if pool.state.level is not before:
                 self._changed(name, pool, before, signals)
-        self._order = [self.live[p.spec.name].effective for p in self.config.pools]
+        self._reorder()
 
     def _changed(self, name: str, pool: LivePool, before: Level, signals) -> None:
         self._refresh(pool)
@@ -171,17 +198,29 @@ class Pools:
             log.warning("pool %s sets no default_max_tokens or max_tokens_cap: there is no max_tokens to lower", name)
 
     # -- per request ---------------------------------------------------------------------------------------
-    def choose(self, session_key: str | None, prompt_tokens: int, max_tokens: int | None
+    def choose(self, model: str, session_key: str | None, prompt_tokens: int, max_tokens: int | None
                ) -> PoolChoice | PoolRefusal:
-        """The pool for a request (router/pools/choice.py), among the pools with a routable replica when one of
-        them can take it; otherwise the choice over all pools stands (the proxy then answers 503)."""
+        """The pool for a request for `model` (router/pools/choice.py) among the pools that serve it, among
+        those with a routable replica when one of them can take it; otherwise the choice over all of them
+        stands (the proxy then answers 503)."""
         seed = self.cfg.hash_seed
-        choice = choose_pool(self._order, session_key, prompt_tokens, max_tokens, seed, self.rng)
+        pools = self._of_model.get(model, ())
+        choice = choose_pool(pools, session_key, prompt_tokens, max_tokens, seed, self.rng)
         if isinstance(choice, PoolRefusal) or self.fleet.ready_urls(choice.pool.name):
             return choice
-        up = [p for p in self._order if self.fleet.ready_urls(p.name)]
+        up = [p for p in pools if self.fleet.ready_urls(p.name)]
         other = choose_pool(up, session_key, prompt_tokens, max_tokens, seed, self.rng) if up else choice
         return other if isinstance(other, PoolChoice) else choice
+
+    def tokenizer_paths(self) -> dict[str, str]:
+        """model -> the `tokenizer:` of the first pool serving it that names one."""
+        named = {pc.spec.name: pc.tokenizer for pc in self.config.pools if pc.tokenizer}
+        out = {}
+        for model, pools in self.catalog.pools_of.items():
+            path = next((named[p] for p in pools if p in named), None)
+            if path is not None:
+                out[model] = path
+        return out
 
     def shedding(self, pool: str) -> bool:
         live = self.live.get(pool)

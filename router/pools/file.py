@@ -5,7 +5,13 @@ update: `helm upgrade` / `helm rollback` change weights without restarting route
     pools:
       stable:
         version: "v1"                 # configuration version label (metrics label `version`)
-        weight: 95                    # share of new sessions; 0 drains the pool
+        weight: 95                    # share of new sessions (of its model's); 0 drains the pool
+        model: smollm2                # the model name it serves (`models: [a, b]` for several); absent:
+                                      #   learned from its replicas' /v1/models
+        engine: kvfleet               # kvfleet | vllm | sglang | auto (default: --engine-type, i.e. auto)
+        # kv_events: "tcp://{host}:5557|tcp://{host}:5558"   # vllm / sglang: their ZMQ KV events (publisher|replay)
+        # tokenizer: /models/llama    # this pool's models are tokenized with it (default: fetched from its
+        #                             #   kvfleet engines with --tokenizer-from-engines, else --model)
         replicas: [http://10.0.0.1:8000, http://10.0.0.2:8000]      # exactly one discovery source:
         # dns: {name: kvfleet-engine-stable.ns.svc.cluster.local, port: 8000}
         # k8s: {service: kvfleet-engine-stable, namespace: ns, port_name: http}
@@ -36,6 +42,9 @@ update: `helm upgrade` / `helm rollback` change weights without restarting route
       alloc_failures: {trip: 500, clear: 50}
       kv_usage: {trip: 0.98, clear: 0.90}
 
+A request's `model` chooses among the pools that serve it (router/pools/models.py); weights, canaries, the
+long-context pool and degradation then work among those, per model.
+
 Every error names the file, the line and the field (`pools.yaml:6: pools.canary.weight: must be an integer
 >= 0, got -5`). A replica URL listed in two pools, unknown fields and repeated keys are errors.
 """
@@ -49,7 +58,7 @@ from dataclasses import dataclass
 import yaml
 
 from contract.errors import ConfigError
-from router.config import check_replica_url
+from router.config import ENGINE_TYPES, VllmEventsConfig, check_replica_url
 from router.config_file import NodeReader, WatchedFile
 from router.pools.choice import PoolSpec
 from router.pools.degradation import SIGNALS, DegradationConfig
@@ -58,7 +67,7 @@ from router.routing.discovery import DnsSource, K8sSource, Source, StaticSource
 NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # a DNS label: pool names become k8s names and labels
 TOP_FIELDS = ("pools", "degradation")
 POOL_FIELDS = ("version", "weight", "canary", "long_context", "max_tokens_cap", "default_max_tokens",
-               "max_context_tokens", "replicas", "dns", "k8s")
+               "max_context_tokens", "model", "models", "engine", "kv_events", "tokenizer", "replicas", "dns", "k8s")
 SOURCES = ("replicas", "dns", "k8s")
 DEGRADATION_FIELDS = ("window_s", "min_requests", "interval_s", "dwell_s", "max_tokens_factor", *SIGNALS)
 
@@ -67,6 +76,9 @@ DEGRADATION_FIELDS = ("window_s", "min_requests", "interval_s", "dwell_s", "max_
 class PoolConfig:
     spec: PoolSpec
     source: Source
+    engine: str = "auto"  # one of ENGINE_TYPES: how readiness, KV events and load are read
+    kv_events: VllmEventsConfig | None = None  # vLLM / SGLang ZMQ KV events; None: the --vllm-kv-events flags
+    tokenizer: str | None = None  # tokenizer of the pool's models (a path or bundled name); None: fetched or --model
 
 
 @dataclass(frozen=True)
@@ -143,7 +155,11 @@ def _pool(r: NodeReader, name: str, name_node: yaml.Node, body_node: yaml.Node) 
         version = version_node.value  # `version: 2` or `1.10` means the text as written
     if not isinstance(version, str) or not version:
         raise r.error(version_node, f"{field}.version", f"must be a non-empty string, got {r.kind(version_node)}")
-    values = dict(weight=get("weight", r.int_field, 0, False),
+    if "model" in body and "models" in body:
+        raise r.error(body["models"][0], f"{field}.models", "give `model` (one name) or `models` (a list), not both")
+    models = (r.str_field(body["model"][1], f"{field}.model"),) if "model" in body else \
+        _names(r, body["models"][1], f"{field}.models") if "models" in body else ()
+    values = dict(weight=get("weight", r.int_field, 0, False), models=models,
                   max_tokens_cap=get("max_tokens_cap", r.int_field, 1, True),
                   default_max_tokens=get("default_max_tokens", r.int_field, 1, True),
                   max_context_tokens=get("max_context_tokens", r.int_field, 1, True),
@@ -153,8 +169,33 @@ def _pool(r: NodeReader, name: str, name_node: yaml.Node, body_node: yaml.Node) 
         spec = PoolSpec(name=name, version=version, **values)
     except ConfigError as e:  # a rule between two fields (e.g. default above cap)
         raise r.error(body[e.field][1] if e.field in body else name_node, f"{field}.{e.field}", str(e)) from None
+    engine = get("engine", r.str_field, default="auto")
+    if engine not in ENGINE_TYPES:
+        raise r.error(body["engine"][1], f"{field}.engine", f"must be one of {', '.join(ENGINE_TYPES)}, got {engine!r}")
+    kv_events = None
+    if "kv_events" in body:
+        spec_text = r.str_field(body["kv_events"][1], f"{field}.kv_events")
+        try:
+            kv_events = VllmEventsConfig.parse([spec_text])
+        except ConfigError as e:
+            raise r.error(body["kv_events"][1], f"{field}.kv_events", str(e)) from None
+        if engine == "kvfleet":
+            raise r.error(body["kv_events"][1], f"{field}.kv_events", "kvfleet engines serve their KV events over "
+                          "HTTP; kv_events (ZMQ) is for vllm and sglang pools")
+    tokenizer = get("tokenizer", r.str_field)
     source_key = sources[0]
-    return PoolConfig(spec, _source(r, source_key, body[source_key][1], f"{field}.{source_key}"))
+    return PoolConfig(spec, _source(r, source_key, body[source_key][1], f"{field}.{source_key}"), engine, kv_events,
+                      tokenizer)
+
+
+def _names(r: NodeReader, node: yaml.Node, field: str) -> tuple[str, ...]:
+    if not isinstance(node, yaml.SequenceNode) or not node.value:
+        raise r.error(node, field, f"must be a non-empty list of model names, got {r.kind(node)}")
+    names = [r.str_field(item, f"{field}[{i}]") for i, item in enumerate(node.value)]
+    for i, name in enumerate(names):
+        if names.index(name) != i:
+            raise r.error(node.value[i], f"{field}[{i}]", f"{name!r} is listed twice")
+    return tuple(names)
 
 
 def _source(r: NodeReader, kind: str, node: yaml.Node, field: str) -> Source:

@@ -10,10 +10,12 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import httpx
 
-from router.config import RouterConfig
+from router.config import RouterConfig, VllmEventsConfig
 from router.metrics import RouterMetrics
 from router.routing.kv_events import KVEventSubscriber
 from router.routing.lease import Lease
@@ -25,7 +27,18 @@ from router.states import KVEventsState
 
 log = logging.getLogger("kvfleet.router.fleet")
 
-__all__ = ["DEFAULT_POOL", "Fleet"]
+__all__ = ["DEFAULT_POOL", "Fleet", "PoolEngine"]
+
+MODELS_INTERVAL_S = 5.0  # how often a ready replica's /v1/models is asked again (adapters come and go)
+
+
+@dataclass(frozen=True)
+class PoolEngine:
+    """What a pool's replicas are: `kind` (router/config.py ENGINE_TYPES) decides readiness and the KV event
+    source; `kv_events` where vLLM / SGLang publish theirs (None: the --vllm-kv-events flags)."""
+
+    kind: str = "auto"
+    kv_events: VllmEventsConfig | None = None
 
 
 class Fleet:
@@ -39,7 +52,9 @@ class Fleet:
             breaker_failures=cfg.breaker_failures, breaker_open_s=cfg.breaker_open_s))
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self._client: httpx.AsyncClient | None = None
-        self.changed = asyncio.Event()  # set whenever readiness or membership changes (tests, `kvfleet up`)
+        self.changed = asyncio.Event()  # set whenever readiness, membership or models change (tests, `kvfleet up`)
+        self.listeners: list[Callable[[], None]] = []  # called on the same changes (the pools' model catalog)
+        self.engines: dict[str, PoolEngine] = {}  # pool -> its engine kind (absent: the --engine-type flags)
         # the placement core's state, under the names the rest of the router reads (the same objects)
         p = self.placement
         self.replicas, self.members, self.pool_of, self.rings = p.replicas, p.members, p.pool_of, p.rings
@@ -80,13 +95,21 @@ class Fleet:
         await self.set_replicas([], pool)
         self.placement.drop_pool(pool)
 
+    def engine_of(self, pool: str) -> PoolEngine:
+        """The pool's engine settings: its own (pools file), else the --engine-type / --vllm-kv-events flags'."""
+        own = self.engines.get(pool)
+        kind = own.kind if own is not None and own.kind != "auto" else self.cfg.engine_type
+        events = own.kv_events if own is not None and own.kv_events is not None else self.cfg.vllm_events
+        return PoolEngine(kind, events)
+
     def _start_checks(self, st: ReplicaState) -> None:
         cfg, url = self.cfg, st.url
-        if cfg.engine_type in ("vllm", "sglang"):  # declared: no /ready, no kvfleet KV event stream to probe
+        engine = self.engine_of(self.pool_of.get(url, DEFAULT_POOL))
+        if engine.kind in ("vllm", "sglang"):  # declared: no /ready, no kvfleet KV event stream to probe
             st.ready_path = "/health"
             st.kv_events = KVEventsState.UNAVAILABLE
         tasks = [asyncio.create_task(self._health_loop(st)), asyncio.create_task(self._scrape_loop(st))]
-        vllm_events = cfg.vllm_events.endpoints(url)
+        vllm_events = engine.kv_events.endpoints(url)
 
         def on_status(s, url=url):
             self.placement.on_kv_events(url, KVEventsState(s))
@@ -101,7 +124,7 @@ class Fleet:
             sub = VllmKVSubscriber(url, vllm_events[0], vllm_events[1], self.index, cfg.hash_seed,
                                    on_status=on_status, on_resync=on_resync)
             tasks.append(asyncio.create_task(sub.run()))
-        elif self.policy.needs.kv_events and cfg.engine_type in ("auto", "kvfleet"):
+        elif self.policy.needs.kv_events and engine.kind in ("auto", "kvfleet"):
             sub = KVEventSubscriber(url, self.index, self._client, cfg.kv_heartbeat_timeout_s, cfg.internal_token,
                                     on_status=on_status, on_resync=on_resync)
             tasks.append(asyncio.create_task(sub.run()))
@@ -118,9 +141,12 @@ class Fleet:
     def _notify(self) -> None:
         self.changed.set()
         self.changed = asyncio.Event()
+        for listener in self.listeners:
+            listener()
 
     # -- background checks ---------------------------------------------------------------------------------
     async def _health_loop(self, st: ReplicaState) -> None:
+        models_at = -float("inf")
         while True:
             try:
                 timeout = min(2.0, self.cfg.health_interval_s * 2)
@@ -132,10 +158,37 @@ class Fleet:
                 ready = resp.status_code == 200
             except httpx.HTTPError:
                 ready = False
-            if self.placement.on_health(st.url, ready, self.clock()):
+            changed = self.placement.on_health(st.url, ready, self.clock())
+            if changed:
                 log.info("replica %s is %s", st.url, "ready" if ready else "NOT ready")
+            if ready and (changed or st.models is None or self.clock() - models_at >= MODELS_INTERVAL_S):
+                models_at = self.clock()
+                changed = await self._models(st) or changed
+            if changed:
                 self._notify()
             await asyncio.sleep(self.cfg.health_interval_s)
+
+    async def _models(self, st: ReplicaState) -> bool:
+        """Ask the replica which models it serves (/v1/models); True when that changed."""
+        try:
+            resp = await self._client.get(st.url + "/v1/models", timeout=2.0)
+            data = resp.json().get("data") if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return False  # unknown this time: what it listed before stays
+        ids = frozenset(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)) \
+            if isinstance(data, list) else None
+        if not self.placement.on_models(st.url, ids or None):
+            return False
+        log.info("replica %s serves %s", st.url, ", ".join(sorted(ids)) if ids else "no listed model")
+        return True
+
+    def learned_models(self) -> dict[str, frozenset[str]]:
+        """Per pool, the models its replicas list (router/pools/models.py decides what they serve)."""
+        return self.placement.learned_models()
+
+    def not_serving(self, pool: str, model: str) -> frozenset[str]:
+        """The pool's replicas that list their models, without this one."""
+        return self.placement.not_serving(pool, model)
 
     async def _scrape_loop(self, st: ReplicaState) -> None:
         while True:

@@ -164,6 +164,14 @@ class Placement:
         if st is not None:
             st.kv_events = state
 
+    def on_models(self, replica: str, models: frozenset[str] | None) -> bool:
+        """The model ids the replica's /v1/models lists (None: it lists none); True when that changed."""
+        st = self.replicas.get(replica)
+        if st is None or st.models == models:
+            return False
+        st.models = models
+        return True
+
     def on_load(self, replica: str, load: EngineLoad, sent_at: float, now: float) -> None:
         """A load reading asked for at `sent_at`, answered at `now`."""
         st = self.replicas.get(replica)
@@ -182,6 +190,20 @@ class Placement:
     def ready_urls(self, now: float, pool: str | None = None) -> list[str]:
         """Routable replicas, of one pool or (None) of all."""
         return [u for u in self._urls(pool) if self.replicas[u].routable(now)]
+
+    def learned_models(self) -> dict[str, frozenset[str]]:
+        """Per pool, the models its replicas list (the union over those that answered; absent: none has)."""
+        out: dict[str, frozenset[str]] = {}
+        for pool, urls in self.members.items():
+            listed = [self.replicas[u].models for u in urls if self.replicas[u].models is not None]
+            if listed:
+                out[pool] = frozenset().union(*listed)
+        return out
+
+    def not_serving(self, pool: str, model: str) -> frozenset[str]:
+        """The pool's replicas that list models, but not this one (a request for it must not go there)."""
+        return frozenset(u for u in self.members.get(pool, ())
+                         if (m := self.replicas[u].models) is not None and model not in m)
 
     def fresh_loads(self, now: float, pool: str | None = None) -> dict[str, EngineLoad]:
         """The load of each routable replica (of one pool, or all) whose reading is fresh."""

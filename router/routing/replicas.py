@@ -168,6 +168,7 @@ class ReplicaState:
         self.kv_events = KVEventsState.CONNECTING
         self.ready_path = "/ready"  # /health for engines without /ready (vLLM, SGLang)
         self.engine: str | None = None  # what its metrics say it is, once scraped
+        self.models: frozenset[str] | None = None  # the model ids its /v1/models lists (None: not answered yet)
 
     @property
     def inflight(self) -> int:

@@ -103,10 +103,13 @@ def fake_engine(procs, name: str, *extra: str, port: int | None = None, host: st
 
 
 def router(procs, replicas: list[str] | None, *extra: str, policy: str = "kv", model: str = "",
-           env: dict | None = None) -> Proc:
+           env: dict | None = None, default_model: str | None = "smollm2") -> Proc:
+    """A router process; requests that name no model get `default_model` (as `kvfleet up` starts one)."""
     port = free_port()
     args = ["-m", "router.main", "--port", str(port), "--policy", policy, "--model", model,
             "--health-interval", "0.2", "--scrape-interval", "0.2", "--log-level", "warning", *extra]
+    if default_model is not None:
+        args += ["--default-model", default_model]
     if replicas:
         args += ["--replicas", ",".join(replicas)]
     return procs(args, f"http://127.0.0.1:{port}", f"router-{port}", env)

@@ -38,16 +38,18 @@ def test_vllm_and_sglang_flavoured_engines_behind_the_router(procs):
              in r.tail(), what="engine types logged")
     ids = [m["id"] for m in httpx.get(r.url + "/v1/models").json()["data"]]
     assert sorted(ids) == ["llama-a", "llama-b"]
-    # no KV event stream: the approximate index sends a repeated prompt back where it went
-    served = set()
-    for _ in range(4):
-        resp = httpx.post(r.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
-        assert resp.status_code == 200
-        served.add(resp.headers["x-kvfleet-replica"])
-    assert len(served) == 1
+    # each model goes to the replica that lists it; no KV event stream: the approximate index predicts the
+    # repeated prompt's blocks there, and never on the other model's replica (which saw the same prompt)
+    for model, replica in (("llama-a", v.url), ("llama-b", s.url)):
+        for _ in range(4):
+            resp = httpx.post(r.url + "/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 2})
+            assert resp.status_code == 200 and resp.headers["x-kvfleet-replica"] == replica
     text = httpx.get(r.url + "/metrics").text
     assert metric(text, "kvfleet_router_kv_events_live") == 0
-    assert metric(text, "kvfleet_router_predicted_cached_tokens_total") == 3 * 48  # 3 follow-ups x 3 blocks
+    for replica in (v.url, s.url):  # 3 follow-ups x 3 blocks each
+        assert metric(text, "kvfleet_router_predicted_cached_tokens_total", replica=replica) == 3 * 48
+    resp = httpx.post(r.url + "/v1/completions", json={"model": "llama-c", "prompt": PROMPT, "max_tokens": 2})
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
 
 
 def test_declared_engine_type_skips_the_probes(procs):

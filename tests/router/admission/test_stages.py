@@ -23,6 +23,7 @@ from router.admission.stages import (
 from router.config import RateLimitConfig, SheddingConfig
 from router.metrics import RouterMetrics
 from router.pools.choice import PoolSpec, choose_pool
+from router.pools.models import catalog
 from router.refusal import Refusal
 from router.tenants.ratelimit import RateLimiter
 from router.tenants.registry import Tenant, key_sha256
@@ -103,17 +104,22 @@ def test_one_pressure_reading_and_shedding():
 
 
 # -- the pipeline, as a table ---------------------------------------------------------------------------------
-KEY_CAPPED, KEY_SMALL = "sk-capped-1", "sk-small-2"
+KEY_CAPPED, KEY_SMALL, KEY_NARROW = "sk-capped-1", "sk-small-2", "sk-narrow-3"
+BIG = PoolSpec("b", "v1", 1, models=("big",))
 
 
 class StaticPools:
-    """The Pools interface the pipeline calls (choose, version, shedding) over fixed specs: the real choice."""
+    """The Pools interface the pipeline calls (catalog, choose, version, shedding) over fixed specs: the real
+    catalog and choice; a pool that declares no model serves "m"."""
 
     def __init__(self, specs, shedding=()):
         self.specs, self.shed = specs, set(shedding)
+        self.catalog = catalog(specs, {s.name: frozenset({"m"}) for s in specs})
 
-    def choose(self, session_key, prompt_tokens, max_tokens):
-        return choose_pool(self.specs, session_key, prompt_tokens, max_tokens, 0, random.Random(0))
+    def choose(self, model, session_key, prompt_tokens, max_tokens):
+        served = self.catalog.pools_of.get(model, ())
+        return choose_pool([s for s in self.specs if s.name in served], session_key, prompt_tokens, max_tokens, 0,
+                           random.Random(0))
 
     def version(self, pool):
         return "v1"
@@ -133,6 +139,12 @@ def ratelimit(tmp_path):
   small:
     api_key_sha256: ["{key_sha256(KEY_SMALL)}"]
     tokens_per_minute: 100
+  narrow:
+    api_key_sha256: ["{key_sha256(KEY_NARROW)}"]
+    tokens_per_minute: 100000
+    models: [big]
+model_token_weights:
+  big: 2.5
 """)
     cfg = RateLimitConfig(tenants_file=str(path), shedding=SheddingConfig(min_cost_tokens=100))
     return RateLimiter(cfg, RouterMetrics("kv"), lambda: (None, None), 30.0)
@@ -155,28 +167,57 @@ PIPELINE = [  # (key or None, pools, shedding pools, request fields, prompt toke
     (KEY_CAPPED, [PoolSpec("p", "v1", 1)], (), {}, [10], ("ok", 40, None)),
     (KEY_CAPPED, [CAPPED], (), {}, [10], ("ok", 8, 8)),  # tenant first (40), then the pool (8)
     (KEY_SMALL, [CAPPED], (), {"max_tokens": 8, "n": 20}, [10], (400, "request_too_large")),
+    # the model: named, the default ("m"), unknown, not this tenant's, and its pools only
+    (None, [CAPPED, BIG], (), {"model": "big", "max_tokens": 60}, [10], ("ok", 60, None, "b")),
+    (None, [CAPPED, BIG], (), {"model": "nope"}, [10], (404, "model_not_found")),
+    (KEY_NARROW, [CAPPED, BIG], (), {"max_tokens": 5}, [10], (404, "model_not_found")),  # "m": not its model
+    (KEY_NARROW, [CAPPED, BIG], (), {"model": "big", "max_tokens": 5}, [10], ("ok", 5, None, "b")),
+    (None, [PoolSpec("p", "v1", 0), BIG], (), {}, [10], (503, "no_pool")),  # "m": its only pool is drained
 ]
 
 
 @pytest.mark.parametrize("key, specs, shedding, fields, prompts, expected", PIPELINE)
 def test_pipeline_table(ratelimit, key, specs, shedding, fields, prompts, expected):
-    admission = Admission(StaticPools(specs, shedding), ratelimit, RouterMetrics("kv"), SheddingConfig(min_cost_tokens=100))
+    admission = Admission(StaticPools(specs, shedding), ratelimit, RouterMetrics("kv"), SheddingConfig(min_cost_tokens=100),
+                          default_model="m")
     if key is None:
         admission.ratelimit = None
         who = None
     else:
         who = admission.identify(auth(key) if key != "nokey" else [])
-    if isinstance(who, Refusal):
-        got = who
-    else:
-        got = asyncio.run(admission.admit(chat(**fields), who, None, prompts))
+    got = who if isinstance(who, Refusal) else admission.model(chat(**fields), who)
+    if not isinstance(got, Refusal):
+        got = asyncio.run(admission.admit(got, who, None, prompts))
     if expected[0] == "ok":
         assert isinstance(got, Admitted), got
-        _, max_tokens, lowered = expected
+        _, max_tokens, lowered, *pool = expected
         assert got.request.max_tokens == max_tokens
+        assert upstream(got.request)["model"] == fields.get("model", "m") == got.request.model
         headers = dict(got.headers)
-        assert headers[b"x-kvfleet-pool"] == b"p"
+        assert headers[b"x-kvfleet-pool"] == (pool[0] if pool else "p").encode()
         assert headers.get(b"x-kvfleet-max-tokens-lowered") == (str(lowered).encode() if lowered else None)
     else:
         assert isinstance(got, Refusal), got
         assert (got.status, got.body["error"]["code"]) == expected
+
+
+def test_weighted_models_reserve_and_charge_their_weight(ratelimit):
+    """`big` weighs 2.5: 10 prompt + 5 max_tokens reserve ceil(15 x 2.5) = 38 budget tokens; an answer that used
+    7 tokens is charged ceil(7 x 2.5) = 18, and the rest is refunded."""
+    admission = Admission(StaticPools([CAPPED, BIG]), ratelimit, RouterMetrics("kv"), SheddingConfig(), default_model="m")
+    who = admission.identify(auth(KEY_NARROW))
+    got = asyncio.run(admission.admit(admission.model(chat(model="big", max_tokens=5), who), who, None, [10]))
+    assert isinstance(got, Admitted) and got.budget.reservation.amount == 38
+    assert dict(got.headers)[b"x-ratelimit-remaining-tokens"] == b"99962"
+    asyncio.run(ratelimit.settle(got.budget, 7, True))
+    metrics = ratelimit.metrics.render().decode()
+    assert 'kvfleet_router_ratelimit_tokens_total{kind="used",tenant="narrow"} 18.0' in metrics
+    assert 'kvfleet_router_ratelimit_tokens_total{kind="refunded",tenant="narrow"} 20.0' in metrics
+
+
+def test_a_request_without_a_model_needs_the_default():
+    admission = Admission(StaticPools([CAPPED]), None, RouterMetrics("kv"), SheddingConfig())
+    got = admission.model(chat(), None)
+    assert isinstance(got, Refusal) and got.status == 400
+    assert got.body["error"]["param"] == "model" and got.body["error"]["code"] == "missing_required_parameter"
+    assert "model" not in json.loads(chat().upstream_body())

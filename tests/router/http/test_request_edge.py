@@ -16,6 +16,7 @@ pools:
   default:
     version: v1
     weight: 1
+    model: smollm2
     replicas: [{replica}]
 degradation:
   window_s: 5

@@ -93,6 +93,15 @@ def _bad(old: str, new: str) -> str:
     (_bad("http://127.0.0.1:8002/", "http://10.0.0.9:1").replace("dns: {name: engine-long.ns.svc.cluster.local, "
                                                                   "port: 8080}", "replicas: [http://10.0.0.9:1]"),
      19, "pools.long.replicas", "http://10.0.0.9:1 is already a replica of pool stable"),
+    (_bad("    canary: true", "    model: a\n    models: [b]"), 13, "pools.canary.models", "not both"),
+    (_bad("    canary: true", "    models: [a, a]"), 12, "pools.canary.models[1]", "'a' is listed twice"),
+    (_bad("    canary: true", "    models: a"), 12, "pools.canary.models", "must be a non-empty list of model names"),
+    (_bad("    canary: true", "    engine: tensorrt"), 12, "pools.canary.engine",
+     "must be one of auto, kvfleet, vllm, sglang, got 'tensorrt'"),
+    (_bad("    canary: true", "    engine: vllm\n    kv_events: http://x:5557"), 13, "pools.canary.kv_events",
+     "endpoints are tcp://HOST:PORT"),
+    (_bad("    canary: true", "    engine: kvfleet\n    kv_events: tcp://{host}:5557"), 13, "pools.canary.kv_events",
+     "kv_events (ZMQ) is for vllm and sglang pools"),
     ("pools: {}\n", 1, "pools", "at least one pool"),
     ("pool:\n  a: {}\n", 1, "pool", "unknown field (the file holds pools, degradation)"),
     ("", 1, "", "the file is empty"),
@@ -123,3 +132,27 @@ def test_the_file_reloads_and_keeps_the_pools_in_force_on_a_bad_change(tmp_path)
     path.write_text(_bad("weight: 20", "weight: -1"))
     assert not f.poll() and f.value.pools[1].spec.weight == 0 and f.value is not first
     assert seen == [True, False]
+
+
+def test_models_engines_and_tokenizers_per_pool():
+    cfg = parse_pools(textwrap.dedent("""\
+        pools:
+          small:
+            version: v1
+            weight: 1
+            model: smollm2
+            replicas: [http://h:1]
+          large:
+            version: v1
+            weight: 1
+            models: [llama-70b, llama-70b-chat]
+            engine: vllm
+            kv_events: "tcp://{host}:5557|tcp://{host}:5558"
+            tokenizer: /models/llama
+            replicas: [http://10.0.0.5:8000]
+        """))
+    small, large = cfg.pools
+    assert (small.spec.models, small.engine, small.kv_events, small.tokenizer) == (("smollm2",), "auto", None, None)
+    assert large.spec.models == ("llama-70b", "llama-70b-chat") and large.engine == "vllm"
+    assert large.kv_events.endpoints("http://10.0.0.5:8000") == ("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558")
+    assert large.tokenizer == "/models/llama"

@@ -107,18 +107,18 @@ ERRORS = [
 
 POOLS = [
     Panel("Requests/s per pool", "Requests the routers sent to each pool and configuration version.",
-          (q("pool_version:kvfleet_router_pool_requests:rate2m", "{{pool}} {{version}}"),), unit="reqps", min=0),
+          (q("pool_version_model:kvfleet_router_pool_requests:rate2m", "{{pool}} {{version}} {{model}}"),), unit="reqps", min=0),
     Panel("Error ratio per pool", "Share of a pool's requests answered 5xx or failed.",
-          (q("pool_version:kvfleet_router_pool_error_ratio:rate5m", "{{pool}} {{version}}"),),
+          (q("pool_version_model:kvfleet_router_pool_error_ratio:rate5m", "{{pool}} {{version}} {{model}}"),),
           unit="percentunit", min=0),
     Panel("TTFT p99 per pool", "Time to first token p99 as the routers measure it, per pool and version.",
-          (q("pool_version:kvfleet_router_pool_ttft_seconds:quantile_rate5m", "{{pool}} {{version}}"),),
+          (q("pool_version_model:kvfleet_router_pool_ttft_seconds:quantile_rate5m", "{{pool}} {{version}} {{model}}"),),
           unit="s", min=0),
     Panel("TPOT p99 per pool", "Time per output token p99 as the routers measure it, per pool and version.",
-          (q("pool_version:kvfleet_router_pool_tpot_seconds:quantile_rate5m", "{{pool}} {{version}}"),),
+          (q("pool_version_model:kvfleet_router_pool_tpot_seconds:quantile_rate5m", "{{pool}} {{version}} {{model}}"),),
           unit="s", min=0),
     Panel("Cache hit ratio per pool", "Cached / prompt tokens the engines reported, per pool and version.",
-          (q("pool_version:kvfleet_router_pool_hit_ratio:rate5m", "{{pool}} {{version}}"),),
+          (q("pool_version_model:kvfleet_router_pool_hit_ratio:rate5m", "{{pool}} {{version}} {{model}}"),),
           unit="percentunit", min=0, max=1),
     Panel("Pool weights", "Configured and effective (after degradation) share of new sessions.",
           (q("max by (pool, version, kind) (kvfleet_router_pool_weight)", "{{pool}} {{version}} {{kind}}"),),
@@ -133,8 +133,8 @@ POOLS = [
           "the router lowered.",
           (q(f"sum by (pool, from, to) (increase(kvfleet_router_pool_degradation_changes_total[{RATE}]))",
              "{{pool}} {{from}} -> {{to}}"),
-           q(f"sum by (pool, version) (rate(kvfleet_router_pool_max_tokens_lowered_total[{RATE}]))",
-             "lowered/s {{pool}} {{version}}")), min=0),
+           q(f"sum by (pool, version, model) (rate(kvfleet_router_pool_max_tokens_lowered_total[{RATE}]))",
+             "lowered/s {{pool}} {{version}} {{model}}")), min=0),
 ]
 
 

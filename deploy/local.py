@@ -3,6 +3,11 @@
     kvfleet up                      # router on http://127.0.0.1:8000, engines on :8001 and :8002
     kvfleet up --replicas 3 --policy round-robin -- --max-num-seqs 8   # flags after -- go to every engine
     kvfleet up --prometheus         # also a Prometheus scraping them, with kvfleet's recording rules and alerts
+    kvfleet up --models smollm2,tiny=/data/tiny-llama               # two models, a pool of --replicas each
+    kvfleet up --models smollm2,vllm:smollm2-hf=/tmp/smollm2-hf --vllm-python /tmp/vllm-venv/bin/python
+
+With several models (deploy/local_models.py) the router gets a pools file with one pool per model: a request's
+`model` picks the pool; one without a model gets 400 (with one model, the router fills it in).
 
 Each engine is pinned to its own slice of the usable cores (--cpu-cores), so replicas do not compete for the
 same ones; with fewer cores than replicas nothing is pinned (--no-pin-cores turns pinning off).
@@ -30,6 +35,7 @@ import httpx
 import yaml
 
 from deploy.gpus import ReplicaDevice, assign_gpus, cuda_device_count, describe, parse_gpu_list, visible_gpus
+from deploy.local_models import ENGINES, LocalModel, parse_models, pools_file, vllm_argv
 from deploy.ports import free_port
 from deploy.prometheus import INSTALL_HINT, find_binaries, prometheus_argv, scrape_config
 from engine.cpu_cores import core_slices, format_cpu_list
@@ -105,11 +111,19 @@ class Fleet:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvfleet up", description="Start a router and N engine replicas of the "
                                 "bundled model on this machine; Ctrl-C stops everything.")
-    p.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
+    p.add_argument("--replicas", type=int, default=2, help="engine replicas (of each model; default 2)")
     p.add_argument("--host", default="127.0.0.1", help="address every process binds")
     p.add_argument("--port", type=int, default=8000, help="router port")
     p.add_argument("--engine-port", type=int, default=8001, help="first engine port (then +1 per replica)")
-    p.add_argument("--model", default="smollm2")
+    p.add_argument("--model", default="smollm2", help="the one model to serve (default: the bundled smollm2)")
+    p.add_argument("--models", default=None, metavar="LIST",
+                   help="several models, a pool each behind one router: [ENGINE:][NAME=]SOURCE,... e.g. "
+                        "smollm2,tiny=/data/tiny-llama or smollm2,vllm:smollm2-hf=/tmp/smollm2-hf (SOURCE: a bundled "
+                        "alias, HF directory or GGUF file; vLLM takes an HF directory)")
+    p.add_argument("--engine", default="kvfleet", choices=ENGINES,
+                   help="the engine of models that name none (vllm: vLLM's CPU build, see --vllm-python)")
+    p.add_argument("--vllm-python", default=os.environ.get("KVFLEET_VLLM_PYTHON", sys.executable), metavar="PATH",
+                   help="the python that runs vLLM engines (env KVFLEET_VLLM_PYTHON; default this one)")
     p.add_argument("--policy", default="kv", choices=list(POLICIES))
     p.add_argument("--threads-per-engine", type=int, default=None,
                    help="torch threads per engine (default: the usable cores split evenly)")
@@ -144,10 +158,6 @@ def _check(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     for name in ("port", "engine_port"):
         if not 1 <= getattr(ns, name) <= 65535:
             parser.error(f"--{name.replace('_', '-')} must be in 1..65535")
-    if ns.engine_port + ns.replicas - 1 > 65535:
-        parser.error("--engine-port + --replicas runs past port 65535")
-    if ns.port in range(ns.engine_port, ns.engine_port + ns.replicas):
-        parser.error(f"--port {ns.port} collides with the engine ports {ns.engine_port}..")
     if ns.threads_per_engine is not None and ns.threads_per_engine < 1:
         parser.error("--threads-per-engine must be >= 1")
     if not 0 < ns.gpu_memory_fraction <= 1:
@@ -161,14 +171,42 @@ def _check(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--prometheus-interval must be > 0")
     if ns.prometheus and find_binaries() is None:
         parser.error(f"--prometheus: {INSTALL_HINT}")
+    try:
+        ns.served = local_models(ns)
+    except ValueError as e:
+        parser.error(f"--models: {e}")
+    total = ns.replicas * len(ns.served)
+    if ns.engine_port + total - 1 > 65535:
+        parser.error("--engine-port + engines runs past port 65535")
+    if ns.port in range(ns.engine_port, ns.engine_port + total):
+        parser.error(f"--port {ns.port} collides with the engine ports {ns.engine_port}..")
+    if any(m.engine == "vllm" for m in ns.served):
+        if ns.engine_module:
+            parser.error("--engine-module runs kvfleet-like engines; it cannot stand in for vLLM")
+        probe = subprocess.run([ns.vllm_python, "-c", "import vllm"], capture_output=True)
+        if probe.returncode != 0:
+            parser.error(f"--vllm-python {ns.vllm_python} cannot import vllm (docs/peers.md installs vLLM's CPU "
+                         "build in its own venv)")
+
+
+def local_models(ns: argparse.Namespace) -> list[LocalModel]:
+    """The models to serve: --models, else --model with --engine."""
+    if ns.models is not None:
+        return parse_models(ns.models, ns.engine)
+    if ns.engine == "vllm":
+        raise ValueError("--engine vllm needs --models NAME=HF_DIRECTORY (vLLM loads no kvfleet alias)")
+    return [LocalModel(ns.model, ns.model, "kvfleet")]
 
 
 def engine_argv(ns: argparse.Namespace, py: str, i: int, threads: int, cores: tuple[int, ...] | None,
-                device: ReplicaDevice = CPU_ONLY) -> list[str]:
+                device: ReplicaDevice = CPU_ONLY, model: LocalModel | None = None) -> list[str]:
     """Replica i's command line (before the flags after --); threads, cores and GPU share only for the real engine."""
     base = [py, "-m", ns.engine_module] if ns.engine_module else [py, "-m", "kvfleet", "engine"]
-    argv = [*base, "--model", ns.model, "--host", ns.host, "--port", str(ns.engine_port + i),
-            "--instance-id", f"replica-{i}"]
+    model = model or LocalModel(ns.model, ns.model)
+    argv = [*base, "--model", model.name if ns.engine_module else model.source, "--host", ns.host, "--port",
+            str(ns.engine_port + i), "--instance-id", f"replica-{i}"]
+    if model.name != model.source and not ns.engine_module:
+        argv += ["--served-model-name", model.name]
     if not ns.engine_module:
         argv += ["--num-threads", str(threads), "--log-level", "warning"]
         if cores:
@@ -177,10 +215,12 @@ def engine_argv(ns: argparse.Namespace, py: str, i: int, threads: int, cores: tu
     return argv
 
 
-def replica_devices(ns: argparse.Namespace, env=os.environ, device_count=cuda_device_count) -> list[ReplicaDevice]:
-    """Each replica's GPU and memory share (deploy/gpus.py); no GPU on CPU-only machines."""
+def replica_devices(ns: argparse.Namespace, env=os.environ, device_count=cuda_device_count,
+                    engines: int | None = None) -> list[ReplicaDevice]:
+    """Each engine's GPU and memory share (deploy/gpus.py; `engines`: default --replicas); no GPU on CPU-only
+    machines."""
     gpus = parse_gpu_list(ns.gpus) if ns.gpus is not None else visible_gpus(env, device_count)
-    return assign_gpus(gpus, ns.replicas, ns.gpu_memory_fraction)
+    return assign_gpus(gpus, engines or ns.replicas, ns.gpu_memory_fraction)
 
 
 def _wait_ready(children: list[Child], timeout: float, stopping) -> str | None:
@@ -214,13 +254,15 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = ns.log_dir or tempfile.mkdtemp(prefix="kvfleet-up-")
     os.makedirs(log_dir, exist_ok=True)
     usable = sorted(os.sched_getaffinity(0))
-    threads = ns.threads_per_engine or max(1, len(usable) // ns.replicas)
+    n_engines = ns.replicas * len(ns.served)
+    threads = ns.threads_per_engine or max(1, len(usable) // n_engines)
     pin = ns.pin_cores and not ns.engine_module  # a fake engine has no --cpu-cores
-    slices = core_slices(usable, ns.replicas, threads) if pin else None
+    slices = core_slices(usable, n_engines, threads) if pin else None
     if pin and slices is None:
-        print(f"kvfleet up: {len(usable)} usable core(s) for {ns.replicas} replicas: engines are not pinned to cores",
+        print(f"kvfleet up: {len(usable)} usable core(s) for {n_engines} engines: engines are not pinned to cores",
               file=sys.stderr, flush=True)
-    devices = replica_devices(ns)
+    per_model = ns.replicas
+    devices = replica_devices(ns, engines=n_engines)
     stop = {"signal": None}
 
     def on_signal(sig, frame):
@@ -231,32 +273,46 @@ def main(argv: list[str] | None = None) -> int:
     engines: list[Child] = []
     router: list[Child] = []
     others: list[Child] = []
-    print(f"kvfleet up: {ns.replicas} engine replica(s) of {ns.model} + a {ns.policy} router (logs in {log_dir})",
-          flush=True)
+    what = " + ".join(f"{per_model} {m.engine} replica(s) of {m.name}" for m in ns.served)
+    print(f"kvfleet up: {what} + a {ns.policy} router (logs in {log_dir})", flush=True)
     if slices:
         print(f"  engine cores: {' | '.join(format_cpu_list(c) for c in slices)}", flush=True)
     if describe(devices):
         print(f"  engine GPUs: {describe(devices)}", flush=True)
     try:
-        for i in range(ns.replicas):
-            port = ns.engine_port + i
-            url = f"http://{ns.host}:{port}"
-            argv_i = engine_argv(ns, py, i, threads, slices[i] if slices else None, devices[i])
-            engines.append(Child(f"engine-{i}", [*argv_i, *extra], url, os.path.join(log_dir, f"engine-{i}.log"),
-                                 env=devices[i].env()))
+        placed = []
+        for k, model in enumerate(ns.served):
+            urls, events = [], []
+            for j in range(per_model):
+                i = k * per_model + j
+                url = f"http://{ns.host}:{ns.engine_port + i}"
+                log_path = os.path.join(log_dir, f"engine-{i}.log")
+                if model.engine == "vllm":
+                    ports = (free_port(ns.host), free_port(ns.host))
+                    argv_i = vllm_argv(ns.vllm_python, model, ns.host, ns.engine_port + i, ports)
+                    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+                           "VLLM_CPU_OMP_THREADS_BIND": format_cpu_list(slices[i]) if slices else "auto"}
+                    engines.append(Child(f"engine-{i}", [*argv_i, *extra], url, log_path, "/health", env))
+                    events.append(ports)
+                else:
+                    argv_i = engine_argv(ns, py, i, threads, slices[i] if slices else None, devices[i], model)
+                    engines.append(Child(f"engine-{i}", [*argv_i, *extra], url, log_path, env=devices[i].env()))
+                urls.append(url)
+            placed.append((model, urls, events))
         router_url = f"http://{ns.host}:{ns.port}"
-        router.append(Child("router", router_argv(ns, py, [e.url for e in engines]), router_url,
+        router.append(Child("router", router_argv(ns, py, placed, log_dir), router_url,
                             os.path.join(log_dir, "router.log")))
         if ns.prometheus:
             others.append(_prometheus_child(ns, log_dir, [e.url for e in engines], router_url))
         children = [*engines, *router, *others]
         problem = _wait_ready(children, ns.ready_timeout, lambda: stop["signal"] is not None)
         if problem is None:
-            problem = _wait_router_sees_all(router_url, ns.replicas, 30.0)
+            problem = _wait_router_sees_all(router_url, n_engines, 30.0)
         if problem is not None:
             print(f"kvfleet up: {problem}", file=sys.stderr, flush=True)
             return 130 if problem == "interrupted" else 1
-        print(_banner(router_url, [e.url for e in engines], ns.model, others[0].url if others else None), flush=True)
+        print(_banner(router_url, [e.url for e in engines], [m.name for m in ns.served],
+                      others[0].url if others else None), flush=True)
         while stop["signal"] is None:
             for c in children:
                 if not c.alive() and not getattr(c, "reported", False):
@@ -275,9 +331,21 @@ def main(argv: list[str] | None = None) -> int:
         print("kvfleet up: stopped", flush=True)
 
 
-def router_argv(ns: argparse.Namespace, py: str, engine_urls: list[str]) -> list[str]:
+def router_argv(ns: argparse.Namespace, py: str, placed: list, log_dir: str) -> list[str]:
+    """One kvfleet model: its replicas, its tokenizer, and requests without a model get it. Several (or a vLLM
+    one): a pools file, one pool per model, each with its model's tokenizer."""
     argv = [py, "-m", "kvfleet", "router", "--host", ns.host, "--port", str(ns.port), "--policy", ns.policy,
-            "--model", ns.model, "--replicas", ",".join(engine_urls), "--log-level", "warning"]
+            "--log-level", "warning"]
+    (model, urls, _), *more = placed
+    if not more and model.engine == "kvfleet":
+        argv += ["--model", model.source, "--replicas", ",".join(urls), "--default-model", model.name]
+    else:
+        path = os.path.join(log_dir, "pools.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump(pools_file(placed), f, sort_keys=False)
+        argv += ["--pools", path, "--model", ""]
+        if not more:
+            argv += ["--default-model", model.name]
     return argv + (["--tenants", ns.tenants] if ns.tenants else [])
 
 
@@ -304,7 +372,7 @@ def _wait_router_sees_all(router_url: str, n: int, timeout: float) -> str | None
     return f"the router does not see all {n} replicas as ready"
 
 
-def _banner(router_url: str, engines: list[str], model: str, prometheus_url: str | None = None) -> str:
+def _banner(router_url: str, engines: list[str], models: list[str], prometheus_url: str | None = None) -> str:
     prom = "" if prometheus_url is None else f"""
 Prometheus (kvfleet's recording rules and alerts): {prometheus_url}
   dashboards as PNG:  python -m dashboards.render --prometheus {prometheus_url} --out dashboards-png
@@ -312,10 +380,10 @@ Prometheus (kvfleet's recording rules and alerts): {prometheus_url}
     return f"""
 kvfleet is up. Send OpenAI requests to the router:
 
-  {router_url}/v1      (engines: {', '.join(engines)})
+  {router_url}/v1      (models: {', '.join(models)}; engines: {', '.join(engines)})
 
   curl {router_url}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+    -d '{{"model": "{models[0]}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
 
 Router metrics: {router_url}/metrics{prom}
 Press Ctrl-C to stop everything.

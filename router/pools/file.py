@@ -9,7 +9,8 @@ update: `helm upgrade` / `helm rollback` change weights without restarting route
         model: smollm2                # the model name it serves (`models: [a, b]` for several); absent:
                                       #   learned from its replicas' /v1/models
         engine: kvfleet               # kvfleet | vllm | sglang | auto (default: --engine-type, i.e. auto)
-        # kv_events: "tcp://{host}:5557|tcp://{host}:5558"   # vllm / sglang: their ZMQ KV events (publisher|replay)
+        # kv_events: "tcp://{host}:5557|tcp://{host}:5558"   # vllm / sglang: their ZMQ KV events (publisher|replay;
+        #                             #   a list of REPLICA_URL=tcp://...|tcp://... for replicas on other ports)
         # tokenizer: /models/llama    # this pool's models are tokenized with it (default: fetched from its
         #                             #   kvfleet engines with --tokenizer-from-engines, else --model)
         replicas: [http://10.0.0.1:8000, http://10.0.0.2:8000]      # exactly one discovery source:
@@ -174,9 +175,11 @@ def _pool(r: NodeReader, name: str, name_node: yaml.Node, body_node: yaml.Node) 
         raise r.error(body["engine"][1], f"{field}.engine", f"must be one of {', '.join(ENGINE_TYPES)}, got {engine!r}")
     kv_events = None
     if "kv_events" in body:
-        spec_text = r.str_field(body["kv_events"][1], f"{field}.kv_events")
+        node = body["kv_events"][1]
+        specs = ([r.str_field(item, f"{field}.kv_events[{i}]") for i, item in enumerate(node.value)]
+                 if isinstance(node, yaml.SequenceNode) else [r.str_field(node, f"{field}.kv_events")])
         try:
-            kv_events = VllmEventsConfig.parse([spec_text])
+            kv_events = VllmEventsConfig.parse(specs)
         except ConfigError as e:
             raise r.error(body["kv_events"][1], f"{field}.kv_events", str(e)) from None
         if engine == "kvfleet":

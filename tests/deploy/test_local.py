@@ -158,3 +158,68 @@ def test_up_with_the_bundled_model(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_models_parse_into_pools_the_router_reads():
+    from deploy.local_models import LocalModel, parse_models, pools_file, vllm_argv
+    from router.pools.file import parse_pools
+
+    models = parse_models("smollm2,tiny=/data/tiny-llama,vllm:Qwen/Qwen3=/data/qwen3")
+    assert models == [LocalModel("smollm2", "smollm2"), LocalModel("tiny", "/data/tiny-llama"),
+                      LocalModel("Qwen/Qwen3", "/data/qwen3", "vllm")]
+    assert [m.pool for m in models] == ["smollm2", "tiny", "qwen-qwen3"]
+    placed = [(models[0], ["http://127.0.0.1:9001"], []),
+              (models[2], ["http://127.0.0.1:9003", "http://127.0.0.1:9004"], [(7001, 7002), (7003, 7004)])]
+    cfg = parse_pools(yaml_dump(pools_file(placed)))
+    small, qwen = cfg.pools
+    assert (small.spec.models, small.engine, small.kv_events, small.tokenizer) == (("smollm2",), "kvfleet", None,
+                                                                                   "smollm2")
+    assert (qwen.spec.models, qwen.engine, qwen.tokenizer) == (("Qwen/Qwen3",), "vllm", "/data/qwen3")
+    assert qwen.kv_events.endpoints("http://127.0.0.1:9004") == ("tcp://127.0.0.1:7003", "tcp://127.0.0.1:7004")
+    argv = vllm_argv("vpy", models[2], "127.0.0.1", 9003, (7001, 7002))
+    assert argv[:3] == ["vpy", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--served-model-name") + 1] == "Qwen/Qwen3" and "--enable-prompt-tokens-details" in argv
+    assert '"endpoint": "tcp://*:7001"' in argv[argv.index("--kv-events-config") + 1]
+
+
+@pytest.mark.parametrize("models, problem", [
+    ("smollm2,,x", "an empty item"), ("a=x,a=y", "model 'a' is listed twice"),
+    ("vllm:smollm2", "a vLLM model needs NAME=HF_DIRECTORY"), ("A=x,a=y", "would share the pool name 'a'")])
+def test_bad_model_lists_name_the_item(models, problem):
+    from deploy.local_models import parse_models
+
+    with pytest.raises(ValueError, match=problem):
+        parse_models(models)
+
+
+def test_up_serves_two_models_one_pool_each(tmp_path):
+    proc, port = start_up(tmp_path, "--engine-module", "loadtest.fake_engine", "--replicas", "1",
+                          "--models", "smollm2,tiny=/nowhere/tiny")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        banner = read_until(proc, "Ctrl-C to stop", 60)
+        assert "models: smollm2, tiny" in banner
+        for model, replica in (("smollm2", port + 1), ("tiny", port + 2)):
+            resp = httpx.post(url + "/v1/chat/completions", timeout=10,
+                              json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+            assert resp.status_code == 200 and resp.headers["x-kvfleet-replica"] == f"http://127.0.0.1:{replica}"
+        resp = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "model"  # two models: name one
+        assert sorted(m["id"] for m in httpx.get(url + "/v1/models").json()["data"]) == ["smollm2", "tiny"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=40) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_up_refuses_vllm_without_a_model_directory(tmp_path):
+    proc, _ = start_up(tmp_path, "--engine", "vllm")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and "--engine vllm needs --models NAME=HF_DIRECTORY" in out
+
+
+def yaml_dump(data) -> str:
+    import yaml
+
+    return yaml.safe_dump(data, sort_keys=False)

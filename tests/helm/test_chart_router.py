@@ -24,6 +24,9 @@ def test_router_deployment_service_and_pdb():
     assert r.one("Service", ROUTER)["spec"]["ports"][0]["targetPort"] == "http"
     assert "--pools=/etc/kvfleet/pools.yaml" in c["args"] and "--model=smollm2" in c["args"]
     assert "--tokenizer-from-engines" in c["args"]  # no model files on routers by default
+    assert not [a for a in c["args"] if a.startswith("--default-model")]  # a request names its model (else 400)
+    filled = container(router(render({"router": {"defaultModel": "smollm2"}})), "router")
+    assert "--default-model=smollm2" in filled["args"]
     assert _env(c)["KVFLEET_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == \
         f"{RELEASE}-kvfleet-internal-token"
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"

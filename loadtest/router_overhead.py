@@ -30,20 +30,22 @@ OVERHEAD_BODY = {"model": "smollm2", "max_tokens": 8,
                               {"role": "user", "content": "What is the capital of France?"}]}
 
 
-def overhead_body(rng: random.Random, stream: bool) -> bytes:
-    """A shared system prompt and a fresh ~30-word user message, so every request costs real tokenization."""
-    body = {**OVERHEAD_BODY, "stream": stream}
+def overhead_body(rng: random.Random, stream: bool, models: tuple[str, ...] = ("smollm2",)) -> bytes:
+    """A shared system prompt and a fresh ~30-word user message, so every request costs real tokenization; the
+    model drawn from `models`."""
+    body = {**OVERHEAD_BODY, "stream": stream, "model": models[rng.randrange(len(models))]}
     body["messages"] = [OVERHEAD_BODY["messages"][0], {"role": "user", "content": words(rng, 30) + "?"}]
     return json.dumps(body).encode()
 
 
-def latencies(url: str, n: int, stream: bool, seed: int = 0, extra_headers: dict | None = None) -> list[float]:
+def latencies(url: str, n: int, stream: bool, seed: int = 0, extra_headers: dict | None = None,
+              models: tuple[str, ...] = ("smollm2",)) -> list[float]:
     out = []
     rng = random.Random(seed)
     headers = {"content-type": "application/json", **(extra_headers or {})}
     with httpx.Client(timeout=30) as c:
         for _ in range(n):
-            body = overhead_body(rng, stream)
+            body = overhead_body(rng, stream, models)
             t0 = time.perf_counter()
             if stream:
                 with c.stream("POST", url + "/v1/chat/completions", content=body, headers=headers) as r:
@@ -55,7 +57,8 @@ def latencies(url: str, n: int, stream: bool, seed: int = 0, extra_headers: dict
     return out
 
 
-def _client_proc(url: str, concurrency: int, duration: float, q, extra_headers: dict | None = None) -> None:
+def _client_proc(url: str, concurrency: int, duration: float, q, extra_headers: dict | None = None,
+                 models: tuple[str, ...] = ("smollm2",)) -> None:
     """One load-generator process: `concurrency` connections issuing streamed requests back to back
     (aiohttp: a cheap client, so the router, not the client, is what saturates)."""
     import aiohttp
@@ -63,7 +66,7 @@ def _client_proc(url: str, concurrency: int, duration: float, q, extra_headers: 
     async def main():
         done = errors = 0
         rng = random.Random(os.getpid())
-        bodies = [overhead_body(rng, True) for _ in range(256)]
+        bodies = [overhead_body(rng, True, models) for _ in range(256)]
         deadline = time.perf_counter() + duration
         headers = {"content-type": "application/json", **(extra_headers or {})}
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as s:
@@ -85,11 +88,12 @@ def _client_proc(url: str, concurrency: int, duration: float, q, extra_headers: 
     asyncio.run(main())
 
 
-def streamed_rps(url: str, ns, extra_headers: dict | None = None) -> tuple[float, int]:
+def streamed_rps(url: str, ns, extra_headers: dict | None = None,
+                 models: tuple[str, ...] = ("smollm2",)) -> tuple[float, int]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     per = max(1, ns.concurrency // ns.client_procs)
-    ps = [ctx.Process(target=_client_proc, args=(url, per, ns.duration, q, extra_headers))
+    ps = [ctx.Process(target=_client_proc, args=(url, per, ns.duration, q, extra_headers, models))
           for _ in range(ns.client_procs)]
     t0 = time.perf_counter()
     for p in ps:

@@ -66,10 +66,11 @@ def start_engine(ns, log_dir: str, name: str, num_blocks: int, index: int = 0) -
     return Proc(argv + ns.engine_arg, f"http://127.0.0.1:{port}", log_dir, name)
 
 
-def start_fake_engines(n: int, chunks: int, log_dir: str) -> list[Proc]:
-    """n fake engines (loadtest/fake_engine.py) answering with `chunks` SSE chunks, ready."""
+def start_fake_engines(n: int, chunks: int, log_dir: str, model: str = "smollm2", first: int = 0) -> list[Proc]:
+    """n fake engines (loadtest/fake_engine.py) of `model` answering with `chunks` SSE chunks, ready."""
     fakes = [Proc([PY, "-m", "loadtest.fake_engine", "--port", str(p := free_port()), "--instance-id", f"f{i}",
-                   "--chunks", str(chunks)], f"http://127.0.0.1:{p}", log_dir, f"fake-{i}") for i in range(n)]
+                   "--chunks", str(chunks), "--model", model], f"http://127.0.0.1:{p}", log_dir, f"fake-{i}")
+             for i in range(first, first + n)]
     for f in fakes:
         f.wait_ready()
     return fakes

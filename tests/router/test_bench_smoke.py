@@ -42,3 +42,14 @@ def test_policies_bench_smoke_with_fake_engines(tmp_path):
     assert res["kv"]["hit_rate"] > res["round-robin"]["hit_rate"]
     assert res["kv"]["hit_rate"] == res["kv"]["usage_hit_rate"]  # engines' counters = per-request usage
     assert 0.5 < r["summary"]["kv_hit_rate_vs_single_whole_cache"] <= 1.0
+
+
+def test_models_overhead_bench_smoke(tmp_path):
+    out = tmp_path / "figures.json"
+    proc = subprocess.run([sys.executable, "-m", "loadtest.models_overhead", "--requests", "50", "--duration", "1",
+                           "--concurrency", "4", "--client-procs", "1", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(out.read_text())
+    assert min(r["one_model_streamed_rps"], r["one_model_one_pool_streamed_rps"], r["two_models_streamed_rps"]) > 0
+    assert r["stream_two_models_added_p50_ms"] > 0 and "json_models_cost_p50_ms" in r

@@ -108,18 +108,23 @@ class RouterApp:
             self.tokenizers.fetch(model, self.session, lambda m=model: self._kvfleet_urls(m), self._internal_headers)
 
     def _kvfleet_urls(self, model: str) -> list[str]:
-        """The ready replicas serving `model` that may serve kvfleet's tokenizer endpoint."""
+        """The ready replicas serving `model` that may serve kvfleet's tokenizer endpoint (not declared, nor seen
+        by their metric names, to be vLLM or SGLang)."""
         out = []
         for pool in self.pools.catalog.pools_of.get(model, ()):
             if self.fleet.engine_of(pool).kind not in THIRD_PARTY:
                 unfit = self.fleet.not_serving(pool, model)
-                out.extend(u for u in self.fleet.ready_urls(pool) if u not in unfit)
+                out.extend(u for u in self.fleet.ready_urls(pool)
+                           if u not in unfit and self.fleet.replicas[u].engine not in THIRD_PARTY)
         return out
 
     @property
     def waiting_for_tokenizer(self) -> bool:
-        """No model's tokenizer is there yet, and one is on its way (a single-model fleet's start-up)."""
-        return self.need_tokens and not self.tokenizers.any_ready() and self.tokenizers.any_pending()
+        """No model's tokenizer is there yet, and one is on its way from a ready engine (a single-model fleet's
+        start-up): the same condition under which that model's requests wait."""
+        toks = self.tokenizers
+        return self.need_tokens and not toks.any_ready() and any(
+            toks.pending(m) and self._kvfleet_urls(m) for m in self.pools.catalog.pools_of)
 
     def not_serving(self) -> str | None:
         """Why a chat through this router cannot succeed now (None: it can): /ready and /v1/models say so."""
@@ -299,7 +304,7 @@ class RouterApp:
         if isinstance(req, Refusal):
             await send_json(send, req.status, req.body, req.headers)
             return
-        if self.need_tokens and self.tokenizers.pending(req.model):
+        if self.need_tokens and self.tokenizers.pending(req.model) and self._kvfleet_urls(req.model):
             await send_json(send, 503, error_body(f"the router is still fetching the tokenizer of {req.model} "
                                                   "from its engines; retry", error_type(503), None, "no_ready_replica"),
                             [(b"retry-after", b"1")])

@@ -54,9 +54,6 @@ class Tokenizers:
         task = self._tasks.get(key)
         return task is not None and not task.done()
 
-    def any_pending(self) -> bool:
-        return any(not t.done() for t in self._tasks.values())
-
     def any_ready(self) -> bool:
         return self.fallback is not None or bool(self.by_path) or bool(self.fetched)
 

@@ -35,7 +35,7 @@ import httpx
 import yaml
 
 from deploy.gpus import ReplicaDevice, assign_gpus, cuda_device_count, describe, parse_gpu_list, visible_gpus
-from deploy.local_models import ENGINES, LocalModel, parse_models, pools_file, vllm_argv
+from deploy.local_models import ENGINES, KVEvents, LocalModel, parse_models, pools_file, vllm_argv
 from deploy.ports import free_port
 from deploy.prometheus import INSTALL_HINT, find_binaries, prometheus_argv, scrape_config
 from engine.cpu_cores import core_slices, format_cpu_list
@@ -288,12 +288,12 @@ def main(argv: list[str] | None = None) -> int:
                 url = f"http://{ns.host}:{ns.engine_port + i}"
                 log_path = os.path.join(log_dir, f"engine-{i}.log")
                 if model.engine == "vllm":
-                    ports = (free_port(ns.host), free_port(ns.host))
-                    argv_i = vllm_argv(ns.vllm_python, model, ns.host, ns.engine_port + i, ports)
+                    kv = KVEvents(os.path.join(log_dir, f"kv-events-{i}"), free_port(ns.host))
+                    argv_i = vllm_argv(ns.vllm_python, model, ns.host, ns.engine_port + i, kv)
                     env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
                            "VLLM_CPU_OMP_THREADS_BIND": format_cpu_list(slices[i]) if slices else "auto"}
                     engines.append(Child(f"engine-{i}", [*argv_i, *extra], url, log_path, "/health", env))
-                    events.append(ports)
+                    events.append(kv)
                 else:
                     argv_i = engine_argv(ns, py, i, threads, slices[i] if slices else None, devices[i], model)
                     engines.append(Child(f"engine-{i}", [*argv_i, *extra], url, log_path, env=devices[i].env()))

@@ -6,8 +6,9 @@ engine or vLLM's, and the router's pools file that puts them behind one router.
     --models smollm2,vllm:smollm2-hf=/tmp/smollm2-hf   # ENGINE: picks the engine of one model (kvfleet, vllm)
 
 The router tokenizes each model's prompts with that model's own tokenizer (its source, on this machine). A vLLM
-pool publishes its KV events over ZMQ on two free ports per replica; the router mirrors them into its exact
-prefix index.
+replica publishes its KV events over ZMQ (an ipc:// socket in the log folder: vLLM binds a tcp:// publisher only
+on all interfaces, and connects to any other address; replay on a free loopback port); the router mirrors them
+into its exact prefix index.
 """
 
 from __future__ import annotations
@@ -61,29 +62,41 @@ def parse_models(text: str, default_engine: str = "kvfleet") -> list[LocalModel]
     return models
 
 
-def kv_events_config(publisher_port: int, replay_port: int) -> str:
-    """vLLM's --kv-events-config for a replica publishing on these loopback ports."""
-    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{publisher_port}",
-                       "replay_endpoint": f"tcp://*:{replay_port}", "topic": "kv-events"})
+@dataclass(frozen=True)
+class KVEvents:
+    """Where one vLLM replica publishes its KV events: an ipc:// socket path and a loopback replay port."""
+
+    socket: str
+    replay_port: int
+
+    def config(self, host: str) -> str:
+        """vLLM's --kv-events-config."""
+        return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{self.socket}",
+                           "replay_endpoint": f"tcp://{host}:{self.replay_port}", "topic": "kv-events"})
+
+    def spec(self, url: str) -> str:
+        """The router's per-replica spec: REPLICA_URL=PUBLISHER|REPLAY."""
+        return f"{url}=ipc://{self.socket}|tcp://{_host(url)}:{self.replay_port}"
 
 
-def vllm_argv(python: str, model: LocalModel, host: str, port: int, events: tuple[int, int],
+def vllm_argv(python: str, model: LocalModel, host: str, port: int, events: KVEvents,
               max_model_len: int = 2048) -> list[str]:
-    """A vLLM CPU engine serving `model` (docs/peers.md: the module, not the console script, starts it)."""
+    """A vLLM CPU engine serving `model` (docs/peers.md: the module, not the console script, starts it); blocks of
+    32 tokens (the CPU build's default is larger, and a prefix hit needs a whole block)."""
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model.source, "--served-model-name",
             model.name, "--host", host, "--port", str(port), "--dtype", "bfloat16", "--max-model-len",
-            str(max_model_len), "--enable-prompt-tokens-details", "--kv-events-config", kv_events_config(*events)]
+            str(max_model_len), "--block-size", "32", "--enable-prompt-tokens-details",
+            "--kv-events-config", events.config(host)]
 
 
-def pools_file(placed: list[tuple[LocalModel, list[str], list[tuple[int, int]]]]) -> dict:
-    """The router's pools file: one pool per model (its replica URLs; a vLLM pool's KV event ports per replica)."""
+def pools_file(placed: list[tuple[LocalModel, list[str], list[KVEvents]]]) -> dict:
+    """The router's pools file: one pool per model (its replica URLs; a vLLM pool's KV event sockets per replica)."""
     pools = {}
     for model, urls, events in placed:
         pool: dict = {"version": "local", "weight": 1, "model": model.name, "engine": model.engine,
                       "tokenizer": model.source, "replicas": urls}
         if model.engine == "vllm":
-            pool["kv_events"] = [f"{url}=tcp://{_host(url)}:{pub}|tcp://{_host(url)}:{replay}"
-                                 for url, (pub, replay) in zip(urls, events, strict=True)]
+            pool["kv_events"] = [e.spec(url) for url, e in zip(urls, events, strict=True)]
         pools[model.pool] = pool
     return {"pools": pools}
 

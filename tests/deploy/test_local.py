@@ -3,6 +3,7 @@ test) and a router, serves through the router, and leaves no process behind on S
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -161,7 +162,7 @@ def test_up_with_the_bundled_model(tmp_path):
 
 
 def test_models_parse_into_pools_the_router_reads():
-    from deploy.local_models import LocalModel, parse_models, pools_file, vllm_argv
+    from deploy.local_models import KVEvents, LocalModel, parse_models, pools_file, vllm_argv
     from router.pools.file import parse_pools
 
     models = parse_models("smollm2,tiny=/data/tiny-llama,vllm:Qwen/Qwen3=/data/qwen3")
@@ -169,17 +170,19 @@ def test_models_parse_into_pools_the_router_reads():
                       LocalModel("Qwen/Qwen3", "/data/qwen3", "vllm")]
     assert [m.pool for m in models] == ["smollm2", "tiny", "qwen-qwen3"]
     placed = [(models[0], ["http://127.0.0.1:9001"], []),
-              (models[2], ["http://127.0.0.1:9003", "http://127.0.0.1:9004"], [(7001, 7002), (7003, 7004)])]
+              (models[2], ["http://127.0.0.1:9003", "http://127.0.0.1:9004"], [KVEvents("/tmp/k3", 7002),
+                                                                                KVEvents("/tmp/k4", 7004)])]
     cfg = parse_pools(yaml_dump(pools_file(placed)))
     small, qwen = cfg.pools
     assert (small.spec.models, small.engine, small.kv_events, small.tokenizer) == (("smollm2",), "kvfleet", None,
                                                                                    "smollm2")
     assert (qwen.spec.models, qwen.engine, qwen.tokenizer) == (("Qwen/Qwen3",), "vllm", "/data/qwen3")
-    assert qwen.kv_events.endpoints("http://127.0.0.1:9004") == ("tcp://127.0.0.1:7003", "tcp://127.0.0.1:7004")
-    argv = vllm_argv("vpy", models[2], "127.0.0.1", 9003, (7001, 7002))
+    assert qwen.kv_events.endpoints("http://127.0.0.1:9004") == ("ipc:///tmp/k4", "tcp://127.0.0.1:7004")
+    argv = vllm_argv("vpy", models[2], "127.0.0.1", 9003, KVEvents("/tmp/k3", 7002))
     assert argv[:3] == ["vpy", "-m", "vllm.entrypoints.openai.api_server"]
     assert argv[argv.index("--served-model-name") + 1] == "Qwen/Qwen3" and "--enable-prompt-tokens-details" in argv
-    assert '"endpoint": "tcp://*:7001"' in argv[argv.index("--kv-events-config") + 1]
+    events = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert (events["endpoint"], events["replay_endpoint"]) == ("ipc:///tmp/k3", "tcp://127.0.0.1:7002")
 
 
 @pytest.mark.parametrize("models, problem", [

@@ -30,6 +30,7 @@ log = logging.getLogger("kvfleet.router.fleet")
 __all__ = ["DEFAULT_POOL", "Fleet", "PoolEngine"]
 
 MODELS_INTERVAL_S = 5.0  # how often a ready replica's /v1/models is asked again (adapters come and go)
+KV_EVENTS_WARN_HEARTBEATS = 3  # ready this many --kv-heartbeat-timeout without a live KV event stream: a warning
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,8 @@ class Fleet:
     # -- background checks ---------------------------------------------------------------------------------
     async def _health_loop(self, st: ReplicaState) -> None:
         models_at = -float("inf")
+        ready_since: float | None = None
+        warned = False
         while True:
             try:
                 timeout = min(2.0, self.cfg.health_interval_s * 2)
@@ -166,6 +169,16 @@ class Fleet:
                 changed = await self._models(st) or changed
             if changed:
                 self._notify()
+            now = self.clock()
+            ready_since = (ready_since or now) if ready else None
+            if ready_since is not None and now - ready_since >= KV_EVENTS_WARN_HEARTBEATS * self.cfg.kv_heartbeat_timeout_s \
+                    and st.kv_events is KVEventsState.CONNECTING and not warned:
+                warned = True  # once per replica: a misplaced endpoint stays misplaced
+                where = self.engine_of(self.pool_of.get(st.url, DEFAULT_POOL)).kv_events.endpoints(st.url)
+                log.warning("replica %s has been ready for %.0f s but its KV event stream is not live (%s): the "
+                            "exact index knows nothing of its cache", st.url, now - ready_since,
+                            f"ZMQ {where[0]}: is the engine publishing there? vLLM binds a tcp:// publisher only "
+                            "for tcp://*:PORT, ipc:// always" if where else "GET /v1/kv/events")
             await asyncio.sleep(self.cfg.health_interval_s)
 
     async def _models(self, st: ReplicaState) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 
 from router.routing.replicas import EngineLoad, parse_engine_metrics
-from tests.router.conftest import fake_engine, metric, router, wait_for
+from tests.router.conftest import fake_engine, free_port, metric, router, wait_for
 
 PROMPT = list(range(200, 264))  # 64 token ids: 3 cacheable blocks of 16
 
@@ -57,4 +57,14 @@ def test_declared_engine_type_skips_the_probes(procs):
     r = router(procs, [v.url], "--engine-type", "vllm", "--log-level", "info").wait_ready()
     wait_for(lambda: httpx.get(r.url + "/ready").json()["ready_replicas"] == 1, what="ready")
     assert "has no /ready" not in r.tail()  # it asked /health from the start
+    assert httpx.post(r.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_a_kv_event_stream_that_never_goes_live_is_named_in_a_warning(procs):
+    v = fake_engine(procs, "v", "--flavor", "vllm").wait_ready(path="/health")
+    nobody = f"tcp://127.0.0.1:{free_port()}"  # a port no publisher binds: the subscriber waits silently
+    r = router(procs, [v.url], "--engine-type", "vllm", "--vllm-kv-events", nobody, "--kv-heartbeat-timeout", "1",
+               "--log-level", "info").wait_ready()
+    wait_for(lambda: "its KV event stream is not live" in r.tail(), timeout=15, what="the warning")
+    assert f"ZMQ {nobody}: is the engine publishing there?" in r.tail()
     assert httpx.post(r.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200

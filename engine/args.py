@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 
 from contract.errors import ConfigError
 from contract.hashing import DEFAULT_HASH_SEED
-from engine.config import check, check_int
+from engine.config import SCHEDULING_POLICIES, check, check_int
 from engine.cpu_cores import format_cpu_list, parse_cpu_list
 from engine.kv.config import BLOCK_SIZES, valid_block_size
 
@@ -37,6 +37,8 @@ class EngineArgs:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    scheduling_policy: str = "fcfs"  # fcfs | priority (requests' `priority` field; engine/scheduler.py)
+    priority_aging: float = 30.0  # seconds of waiting that raise a request's priority by one (policy priority)
     enable_prefix_caching: bool = True
     allow_download: bool = False  # fetch a hub id missing from the local Hugging Face cache (off: offline)
     hash_seed: int = DEFAULT_HASH_SEED
@@ -73,6 +75,10 @@ class EngineArgs:
         _check(self.max_num_batched_tokens >= self.max_num_seqs, "--max-num-batched-tokens",
                f"must be at least --max-num-seqs ({self.max_num_seqs}) so every running sequence can decode "
                f"each step, got {self.max_num_batched_tokens}")
+        _choice("--scheduling-policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        _check(isinstance(self.priority_aging, (int, float)) and not isinstance(self.priority_aging, bool)
+               and self.priority_aging > 0, "--priority-aging", f"must be a number of seconds > 0, got "
+               f"{self.priority_aging!r}")
         _check(isinstance(self.enable_prefix_caching, bool), "--enable-prefix-caching", "must be a bool")
         check_int("--hash-seed", self.hash_seed, 0)
         _check(self.hash_seed < 2**64, "--hash-seed", f"must fit in 64 bits, got {self.hash_seed}")
@@ -131,6 +137,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="token budget of one step (prefill chunks + decodes)")
+    g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=SCHEDULING_POLICIES,
+                   help="fcfs (default): requests run in arrival order; priority: by the request's `priority` field "
+                        "(lower first, vLLM's convention), and a running request of a lower priority is preempted "
+                        "for a waiting one that cannot get in")
+    g.add_argument("--priority-aging", type=float, default=d.priority_aging, metavar="SECONDS",
+                   help="with --scheduling-policy priority: a waiting request's priority improves by one per this "
+                        "many seconds, so low priorities are never starved (default %(default)s)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
                    help="reuse KV blocks of shared prefixes")
     g.add_argument("--hash-seed", type=int, default=d.hash_seed,

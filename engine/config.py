@@ -11,15 +11,25 @@ from dataclasses import dataclass
 from contract.errors import ConfigError
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy values
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Per-step limits of continuous batching and the longest sequence (prompt + output) served."""
+    """Per-step limits of continuous batching, the longest sequence (prompt + output) served, and the order of
+    the waiting queue (engine/scheduler.py)."""
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int = 2048
+    policy: str = "fcfs"  # one of SCHEDULING_POLICIES
+    priority_aging_s: float = 30.0  # under "priority": a waiting request's priority improves by 1 per this long
 
     def __post_init__(self) -> None:
+        check(self.policy in SCHEDULING_POLICIES, "scheduling_policy",
+              f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
+        check(isinstance(self.priority_aging_s, (int, float)) and self.priority_aging_s > 0, "priority_aging",
+              f"priority aging must be > 0 seconds, got {self.priority_aging_s!r}")
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("max_model_len", self.max_model_len, 1)

@@ -137,8 +137,8 @@ class LLMEngine:
         self.kv_cache_plan = None  # how the KV cache was sized (engine/kv/sizing.py); None with --num-blocks
         num_blocks = args.num_blocks or self._size_kv_cache(backend, free_at_start)
         self.kv = KVCacheManager(CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching, args.hash_seed))
-        self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs,
-                                                   self.max_model_len), self.kv)
+        self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, self.max_model_len,
+                                                   args.scheduling_policy, args.priority_aging), self.kv)
         self.limits = EngineLimits(min(self.config.vocab_size, self.tokenizer.vocab_size), self.max_model_len,
                                    args.max_num_seqs, args.block_size, num_blocks)
         self.runner = ModelRunner(self.model, backend, num_blocks, args.block_size, self.device,

@@ -33,6 +33,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     guide: Guide | None = None  # constrained decoding: JSON Schema, JSON object, regex, choice or grammar
+    priority: int = 0  # scheduling, not sampling (vLLM's field): lower runs first under --scheduling-policy priority
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +63,8 @@ class SamplingParams:
                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
                f"logprobs must be in [0, 20], got {self.logprobs}")
+        _check(isinstance(self.priority, int) and not isinstance(self.priority, bool)
+               and -2**31 <= self.priority < 2**31, "priority", f"priority must be a 32-bit integer, got {self.priority!r}")
         _check(all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16, "stop",
                "stop must be at most 16 non-empty strings")
         for tok, bias in self.logit_bias:

@@ -3,10 +3,21 @@
 Each sequence catches up on its known tokens: `num_computed_tokens` chases `num_tokens`, so a
 prompt (possibly in chunks) and a decode step are the same thing. One token budget per step
 (`max_num_batched_tokens`) and a cap on running sequences (`max_num_seqs`). Running sequences
-go first, oldest first; then waiting ones in arrival order. When blocks run out, the newest running
-sequence is preempted by recompute (blocks freed, back to the head of the waiting queue), and
-nothing new is admitted in that step. After a step runs out of memory the token budget shrinks
-(engine/oom_backoff.py).
+go first, oldest first; then waiting ones in queue order. When blocks run out, a running sequence is
+preempted by recompute (blocks freed, back to the waiting queue), and nothing new is admitted in that
+step. After a step runs out of memory the token budget shrinks (engine/oom_backoff.py).
+
+The queue order and the victim depend on the policy (`SchedulerConfig.policy`, vLLM's
+`--scheduling-policy`):
+- fcfs: arrival order; the victim is the newest running sequence (a preempted one goes back to the head);
+- priority: by (effective priority, arrival, index), lower first, where a waiting request's effective
+  priority is its `priority` minus one per `priority_aging_s` it has waited since arrival (so a low priority
+  is never starved forever); the victim is the running sequence of the worst effective priority (aged the
+  same way from its arrival), newest first among equals. Before each step, while the head of the queue has a
+  strictly better effective priority than some running sequence and cannot be admitted (no seat or too few free
+  blocks), that running sequence is preempted for it. Both sides age alike, so two requests never preempt each
+  other in turn: their effective priorities differ by their priorities minus the periods between their arrivals,
+  give or take one, and only a strict difference preempts. A sequence preempted in a step is not readmitted in it.
 
 The engine loop: `out = schedule()`; copy `out.blocks_to_copy` in every layer's cache; run the
 model on the scheduled tokens; `on_step_done(out)` (`on_step_failed(out)` if it ran out of memory);
@@ -18,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
@@ -45,9 +57,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.kv = kv
+        self.clock = clock  # the clock of Sequence.arrival_time (aging)
+        self.by_priority = config.policy == "priority"
+        self._now = 0.0  # the clock at the start of the step being scheduled (priority policy)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._by_request: dict[str, list[Sequence]] = {}
@@ -68,11 +83,47 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.oom.token_budget
+        if self.by_priority:
+            self._now = now = self.clock()
+            if self.waiting:
+                self.waiting = deque(sorted(self.waiting, key=lambda s: self.rank(s, now)))
+                self._preempt_for_head(out, now, budget)
+        made_room = len(out.preempted)
         self._schedule_running(out, budget)
         budget -= out.num_batched_tokens
-        if not out.preempted:
+        if len(out.preempted) == made_room:  # no running sequence ran out of blocks
             self._schedule_waiting(out, budget)
         return out
+
+    # ---- priority --------------------------------------------------------------------------
+
+    def rank(self, seq: Sequence, now: float) -> tuple[int, float, int]:
+        """A sequence's place in the priority order (effective priority, arrival, index): lower goes first; the
+        running one with the largest is preempted first."""
+        aged = int(max(0.0, now - seq.arrival_time) // self.config.priority_aging_s)
+        return seq.params.priority - aged, seq.arrival_time, seq.index
+
+    def _preempt_for_head(self, out: SchedulerOutput, now: float, budget: int) -> None:
+        head = self.waiting[0]
+        effective = self.rank(head, now)[0]
+        while self.running and not self._fits(head, budget):
+            worst = max(self.running, key=lambda s: self.rank(s, now))
+            if self.rank(worst, now)[0] <= effective:
+                return  # nobody running has a strictly lower priority than the head
+            self.running.remove(worst)
+            self._preempt(worst)
+            out.preempted.append(worst)
+        if out.preempted:  # the preempted went to the front: the head goes back in front of them
+            self.waiting = deque(sorted(self.waiting, key=lambda s: self.rank(s, now)))
+
+    def _fits(self, seq: Sequence, budget: int) -> bool:
+        """Whether the waiting `seq` has a seat and the blocks its first chunk needs."""
+        seats = 1 + self._unforked_children(seq)
+        if len(self.running) + self._reserved_seats + seats > self.config.max_num_seqs:
+            return False
+        computed, num_hit = self.kv.get_computed_blocks(seq)
+        n = max(1, min(seq.num_tokens - seq.num_computed_tokens - num_hit, budget - len(self.running)))
+        return self.kv.num_blocks_needed(seq, n, computed) <= self.kv.num_free_blocks
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> None:
         # A prefill chunk never takes the token that a later decode needs: decodes are not
@@ -90,7 +141,7 @@ class Scheduler:
                 continue
             copies = self.kv.allocate_slots(seq, n)
             while copies is None:
-                victim = self.running.pop()  # newest
+                victim = self._pop_victim(i)
                 if victim is not seq and victim.num_tokens - victim.num_computed_tokens == 1:
                     owed -= 1
                 self._preempt(victim)
@@ -106,9 +157,19 @@ class Scheduler:
             budget -= n
             i += 1
 
+    def _pop_victim(self, i: int) -> Sequence:
+        """Take the running sequence to preempt, among those not scheduled yet this step (from index i on)."""
+        if not self.by_priority:
+            return self.running.pop()  # newest
+        victim = max(self.running[i:], key=lambda s: self.rank(s, self._now))
+        self.running.remove(victim)
+        return victim
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if seq.status is SequenceStatus.WAITING and out.preempted and seq in out.preempted:
+                break  # preempted in this step for the one ahead of it: not back before the next
             seats = 1 + self._unforked_children(seq)
             if len(self.running) + self._reserved_seats + seats > self.config.max_num_seqs:
                 break
@@ -116,7 +177,7 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens - num_hit, budget)
             copies = self.kv.allocate_slots(seq, n, computed)
             if copies is None:
-                break  # first come, first served: nobody overtakes the head of the queue
+                break  # nobody overtakes the head of the queue
             self.waiting.popleft()
             self._reserved_seats += seats - 1
             self.kv.record_prefix_query(seq.num_tokens, num_hit)

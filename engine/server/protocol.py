@@ -160,6 +160,7 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    priority: int = Field(0, ge=-2**31, le=2**31 - 1)  # vLLM's: lower runs first under --scheduling-policy priority
     # structured outputs (engine/server/structured.py)
     response_format: ResponseFormat | None = None
     guided_json: dict | str | None = None
@@ -210,7 +211,7 @@ class _SamplingRequest(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             logit_bias=logit_bias, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, priority=self.priority)
 
 
 def _unicode_text(v, field: str):

@@ -22,11 +22,13 @@ VOCAB = 101
 
 class FakeEngine:
     def __init__(self, num_blocks: int = 64, block_size: int = 4, budget: int = 32, max_num_seqs: int = 8,
-                 max_model_len: int = 256, prefix_caching: bool = True):
+                 max_model_len: int = 256, prefix_caching: bool = True, policy: str = "fcfs", aging_s: float = 30.0):
+        self.now = 0.0  # the scheduler's clock (priority aging); tests move it
         self.kv = KVCacheManager(CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                              enable_prefix_caching=prefix_caching))
         self.sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                                               max_model_len=max_model_len), self.kv)
+                                               max_model_len=max_model_len, policy=policy, priority_aging_s=aging_s),
+                               self.kv, clock=lambda: self.now)
         self.bs = block_size
         self.limits = EngineLimits(VOCAB, max_model_len, max_num_seqs, block_size, num_blocks)
         self.cache: dict[int, list[int | None]] = {b: [None] * block_size for b in range(num_blocks)}
@@ -35,10 +37,10 @@ class FakeEngine:
         self.outputs: list[SchedulerOutput] = []
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int | None = 8, n: int = 1,
-            cache_salt: str | None = None) -> Sequence:
-        """Admit (engine/admission.py, as the engine does) and queue a request."""
-        prompt, params = admit(prompt, SamplingParams(max_tokens=max_tokens, n=n), self.limits)
-        seq = Sequence(request_id, prompt, params, cache_salt)
+            cache_salt: str | None = None, priority: int = 0) -> Sequence:
+        """Admit (engine/admission.py, as the engine does) and queue a request, arriving at `self.now`."""
+        prompt, params = admit(prompt, SamplingParams(max_tokens=max_tokens, n=n, priority=priority), self.limits)
+        seq = Sequence(request_id, prompt, params, cache_salt, arrival_time=self.now)
         self.sched.add(seq)
         self.seqs.append(seq)
         return seq

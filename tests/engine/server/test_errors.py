@@ -35,6 +35,8 @@ CASES = [
     ("chat", {**CHAT, "stop": ["x"] * 20}, 400, "stop"),
     ("chat", {**CHAT, "stop": [""]}, 400, "stop"),
     ("chat", {**CHAT, "seed": 1.5}, 400, "seed"),
+    ("chat", {**CHAT, "priority": "high"}, 400, "priority"),
+    ("completions", {**COMP, "priority": 2**31}, 400, "priority"),
     ("chat", {**CHAT, "presence_penalty": 3}, 400, "presence_penalty"),
     ("chat", {**CHAT, "repetition_penalty": 2.2250738585072014e-308}, 400, "repetition_penalty"),  # found by fuzzing
     ("chat", {**CHAT, "repetition_penalty": 0}, 400, "repetition_penalty"),

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from contract.errors import ConfigError
 
-
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy values
 
 

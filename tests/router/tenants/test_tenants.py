@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from fractions import Fraction
-
 import asyncio
 import hashlib
 import logging
 import os
 import textwrap
+from fractions import Fraction
 
 import pytest
 

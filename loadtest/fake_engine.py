@@ -11,7 +11,9 @@ request comes from headers: `x-fake-delay-ms` (before the first byte), `x-fake-c
 `x-fake-keepalive-ms`).
 Per process: `--fail-status` (every completion answers it), `--no-kv-events` (404, like a third-party engine),
 `--flavor vllm|sglang` (no /ready and no KV events, like those engines; sglang exports SGLang's metric names),
-`--delay-ms` (before every response's first byte), `--oom-events` (its `kvfleet:oom_events_total`);
+`--delay-ms` (before every response's first byte), `--oom-events` (its `kvfleet:oom_events_total`),
+`--max-running N` (like an engine's max_num_seqs: more requests wait first come, first served, and count as
+waiting in /metrics);
 `POST /fake/set?delay_ms=..&oom_events=..&fail_status=..` changes those three at run time. A request's
 `max_tokens` caps its chunks.
 `GET /fake/stats` reports requests served, cancelled streams and the event sequence; `POST /fake/skip-seq`
@@ -46,6 +48,8 @@ class FakeEngine:
         self.stats = {"requests": 0, "cancelled": 0, "completed": 0, "running": 0, "prefix_queries": 0,
                       "prefix_hits": 0, "last_max_tokens": None}
         self.ready = True
+        self.slots: asyncio.Semaphore | None = None  # --max-running (made on first use, in the server's loop)
+        self.queued = 0
 
     # -- KV cache ------------------------------------------------------------------------------------------
     def _publish(self, kind: KVEventKind, block_hashes: tuple[int, ...] = ()) -> None:
@@ -130,10 +134,10 @@ class FakeEngine:
         n = self.ns.model
         if self.ns.flavor == "sglang":
             return (f'sglang:num_running_reqs{{model_name="{n}"}} {self.stats["running"]}\n'
-                    f'sglang:num_queue_reqs{{model_name="{n}"}} {self.ns.waiting}\n'
+                    f'sglang:num_queue_reqs{{model_name="{n}"}} {self.ns.waiting + self.queued}\n'
                     f'sglang:token_usage{{model_name="{n}"}} {self.ns.kv_usage}\n')
         return (f'vllm:num_requests_running{{model_name="{n}"}} {self.stats["running"]}\n'
-                f'vllm:num_requests_waiting{{model_name="{n}"}} {self.ns.waiting}\n'
+                f'vllm:num_requests_waiting{{model_name="{n}"}} {self.ns.waiting + self.queued}\n'
                 f'vllm:kv_cache_usage_perc{{model_name="{n}"}} {self.ns.kv_usage}\n'
                 f'vllm:prefix_cache_queries_total{{model_name="{n}"}} {self.stats["prefix_queries"]}\n'
                 f'vllm:prefix_cache_hits_total{{model_name="{n}"}} {self.stats["prefix_hits"]}\n'
@@ -196,6 +200,14 @@ class FakeEngine:
                  "prompt_tokens_details": {"cached_tokens": cached}}
         chat = path == "/v1/chat/completions"
         rid = f"fake-{self.ns.instance_id}-{self.stats['requests']}"
+        if self.ns.max_running:
+            if self.slots is None:
+                self.slots = asyncio.Semaphore(self.ns.max_running)
+            self.queued += 1
+            try:
+                await self.slots.acquire()  # first come, first served (asyncio wakes waiters in order)
+            finally:
+                self.queued -= 1
         self.stats["running"] += 1
         try:
             if delay:
@@ -215,6 +227,8 @@ class FakeEngine:
                               bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats")), keepalives)
         finally:
             self.stats["running"] -= 1
+            if self.slots is not None:
+                self.slots.release()
 
     async def stream(self, receive, send, rid, chat, chunks, chunk_delay, break_after, usage, include_usage,
                      continuous=False, keepalives=(0, 0.0)):
@@ -285,6 +299,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--flavor", choices=("kvfleet", "vllm", "sglang"), default="kvfleet",
                    help="vllm / sglang: no /ready (404) and no KV events, like those engines")
     p.add_argument("--delay-ms", type=float, default=0.0, help="delay before every response's first byte")
+    p.add_argument("--max-running", type=int, default=0,
+                   help="requests served at once; more wait first come, first served (0: no limit)")
     p.add_argument("--oom-events", type=float, default=0.0, help="kvfleet:oom_events_total its /metrics report")
     return p
 

@@ -167,6 +167,10 @@ class RouterConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     access_log: bool = False  # one INFO line per proxied request
     pools_file: str | None = None  # None: one pool, "default", from the discovery flags
+    replica_slots: int = 0  # > 0: a pool whose replicas hold this many requests each queues the rest fairly
+    queue_timeout_s: float = 30.0
+    queue_max_per_tenant: int = 256
+    queue_max_total: int = 1024
     vllm_events: VllmEventsConfig = dataclasses.field(default_factory=VllmEventsConfig)
     scoring: ScoringConfig = dataclasses.field(default_factory=ScoringConfig)
     ratelimit: RateLimitConfig = dataclasses.field(default_factory=RateLimitConfig)
@@ -207,6 +211,10 @@ class RouterConfig:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
         if self.scrape_stale_s < self.scrape_interval_s:
             raise ConfigError("scrape_stale_s", "must be >= scrape_interval_s")
+        if self.replica_slots < 0:
+            raise ConfigError("replica_slots", f"must be >= 0 (0: no queue), got {self.replica_slots}")
+        if not self.queue_timeout_s > 0 or self.queue_max_per_tenant < 1 or self.queue_max_total < 1:
+            raise ConfigError("queue_timeout_s", "the queue's timeout must be > 0 and its limits >= 1")
         for name in ("block_size", "approx_max_blocks", "breaker_failures", "max_attempts", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")

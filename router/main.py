@@ -96,6 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "Kubernetes), version label, canary weight, max_tokens limits, context limit, and the automatic "
                    "degradation thresholds; reloaded when it changes (see docs/router.md). Instead of --replicas, "
                    "--dns-name, --k8s-service")
+    q = p.add_argument_group("fair queuing when a pool is full")
+    q.add_argument("--replica-slots", type=int, default=d["replica_slots"].default, metavar="N",
+                   help="requests each replica holds (running + waiting) before the router keeps the next ones in a "
+                   "fair queue across tenants (Virtual Token Counter; tenants' `weight`), sending them as room frees; "
+                   "set it to the engines' --max-num-seqs (default 0: no queue, everything goes straight on)")
+    q.add_argument("--queue-timeout", type=float, default=d["queue_timeout_s"].default, dest="queue_timeout_s",
+                   help="seconds a request may wait in the queue before it gets 503 + Retry-After (default %(default)s)")
+    q.add_argument("--queue-max-per-tenant", type=int, default=d["queue_max_per_tenant"].default,
+                   help="queued requests per tenant and pool; past it 429 + Retry-After (default %(default)s)")
+    q.add_argument("--queue-max-total", type=int, default=d["queue_max_total"].default,
+                   help="queued requests per pool in all; past it 429 + Retry-After (default %(default)s)")
     sh = SheddingConfig()
     g = p.add_argument_group("tenants and token budgets")
     g.add_argument("--tenants", metavar="FILE", help="tenants YAML (API key hashes, tokens_per_minute, limits, "
@@ -146,6 +157,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         hash_seed=ns.hash_seed, approx_max_blocks=ns.approx_max_blocks, breaker_failures=ns.breaker_failures,
         breaker_open_s=ns.breaker_open_s, max_attempts=ns.max_attempts, request_timeout_s=ns.request_timeout_s,
         internal_token=ns.internal_token, max_body_bytes=ns.max_body_bytes, access_log=ns.access_log, pools_file=ns.pools, scoring=scoring,
+        replica_slots=ns.replica_slots, queue_timeout_s=ns.queue_timeout_s,
+        queue_max_per_tenant=ns.queue_max_per_tenant, queue_max_total=ns.queue_max_total,
         vllm_events=VllmEventsConfig.parse(ns.vllm_kv_events),
         ratelimit=RateLimitConfig(tenants_file=ns.tenants, redis_url=ns.redis_url or None,
                                   on_store_error=ns.ratelimit_on_store_error,

@@ -89,6 +89,14 @@ class RouterMetrics:
                                        "pool's health", pv, registry=r)
         self.pool_lowered = Counter("kvfleet_router_pool_max_tokens_lowered", "Requests whose max_tokens a "
                                     "pool's cap lowered", pv, registry=r)
+        # the fair queue in front of full pools (router/admission/gate.py)
+        self.queued = Gauge("kvfleet_router_queued_requests", "Requests waiting in the router's fair queue for room "
+                            "in their pool (demand the engines have not seen yet)", ["pool", "tenant"], registry=r)
+        self.queue_seconds = Histogram("kvfleet_router_queue_wait_seconds", "Time requests waited in the fair queue "
+                                       "before they were sent", ["pool"], buckets=_TTFT_BUCKETS, registry=r)
+        self.queue_refused = Counter("kvfleet_router_queue_refusals", "Queued requests that were not sent: "
+                                     "full-tenant, full-total (429), timeout (503), cancelled (client gone)",
+                                     ["pool", "reason"], registry=r)
         self.pool_reloads = Counter("kvfleet_router_pools_reloads", "Reloads of the pools file by result (ok, "
                                     "failed: the previous pools stay)", ["result"], registry=r)
         self.fleet = None

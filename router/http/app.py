@@ -18,6 +18,8 @@ import aiohttp
 from contract.errors import error_body, error_type
 from contract.request import Endpoint, RequestError, parse_request
 from contract.structured import constrained_kind
+from router.admission.fair_queue import FairQueueConfig
+from router.admission.gate import Gate, Pass
 from router.admission.pipeline import Admission
 from router.config import RouterConfig
 from router.http.models import fleet_models
@@ -60,8 +62,12 @@ class RouterApp:
         self.ratelimit = (RateLimiter(cfg.ratelimit, self.metrics, self.fleet.load, cfg.request_timeout_s)
                           if cfg.ratelimit.tenants_file else None)
         self.admission = Admission(self.pools, self.ratelimit, self.metrics, cfg.ratelimit.shedding, cfg.default_model)
+        self.gate = (Gate(FairQueueConfig(max_per_tenant=cfg.queue_max_per_tenant, max_total=cfg.queue_max_total,
+                                          timeout_s=cfg.queue_timeout_s),
+                          lambda pool: self.fleet.room(pool, cfg.replica_slots), self.metrics)
+                     if cfg.replica_slots > 0 else None)
         self.need_tokens = (self.fleet.policy.needs.prompt_tokens or self.ratelimit is not None
-                            or cfg.pools_file is not None)
+                            or cfg.pools_file is not None or self.gate is not None)
         self.proxy: Proxy | None = None
         self.session: aiohttp.ClientSession | None = None
         self.draining = False
@@ -147,6 +153,8 @@ class RouterApp:
 
     async def shutdown(self) -> None:
         self.tokenizers.stop()
+        if self.gate is not None:
+            await self.gate.stop()
         await self.pools.stop()
         await self.fleet.stop()
         if self.ratelimit is not None:
@@ -322,7 +330,7 @@ class RouterApp:
             return
         req, pool = admitted.request, admitted.pool
         prep.cache_salt = req.cache_salt
-        if req.stream and (tenant is not None or self.cfg.pools_file is not None):
+        if req.stream and (tenant is not None or self.cfg.pools_file is not None or self.gate is not None):
             # usage in the stream: every chunk for a tenant (a cancelled stream is charged what it used), the
             # last one for a pool's hit rate and TPOT; what the client did not ask for is taken out again
             wanted, options = ask_for_usage(req.get("stream_options"), continuous=tenant is not None)
@@ -335,8 +343,11 @@ class RouterApp:
         metrics = self.metrics
 
         unfit = self.fleet.not_serving(pool.name, req.model)  # replicas of the pool that list other models
+        passed: Pass | None = None
 
         def lease(p, tried):
+            if passed is not None:
+                passed.sent()
             t = time.perf_counter()
             ls = self.fleet.lease(p, tried | unfit if unfit else tried, pool.name)
             metrics.decision_seconds.observe(time.perf_counter() - t + (prepared_s if not tried else 0.0))
@@ -345,8 +356,22 @@ class RouterApp:
             return ls
 
         try:
+            if self.gate is not None:  # a full pool: wait in its fair queue (router/admission/gate.py)
+                got = await self._queued(receive, self.gate.enter(
+                    pool.name, tenant.name if tenant is not None else "-", tenant.weight if tenant is not None else 1.0,
+                    _priority(req), sum(counts)))
+                if got is None:  # the client went away while queued: nothing reached an engine
+                    return
+                if isinstance(got, Refusal):
+                    await send_json(send, got.status, got.body, got.headers + admitted.headers)
+                    return
+                passed = got
             await self._forward(send, receive, path, body, headers, prep, lease, attempts, admitted.headers)
         finally:
+            if passed is not None:
+                usage = attempts.usage if isinstance(attempts.usage, dict) else {}
+                output = usage.get("completion_tokens")
+                passed.done(output if isinstance(output, int) else 0)
             if admitted.budget is not None:  # however it ended: charge what was used, refund the rest
                 reported = attempts.follower.used if attempts.follower is not None else None
                 await asyncio.shield(self.ratelimit.settle(admitted.budget, reported, attempts.answered))
@@ -380,6 +405,22 @@ class RouterApp:
         failed = status in ("error", "429") or status.startswith("5")
         self.pools.record(pool, failed, ttft, tpot)
 
+    @staticmethod
+    async def _queued(receive, entering):
+        """The gate's answer, or None when the client disconnects first (the wait is cancelled)."""
+        work = asyncio.ensure_future(entering)
+        disconnect = asyncio.ensure_future(_wait_disconnect(receive))
+        await asyncio.wait((work, disconnect), return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            return None
+        disconnect.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await disconnect
+        return work.result()
+
     async def _forward(self, send, receive, path, body, headers, prep, lease, attempts, extra) -> None:
         metrics = self.metrics
         work = asyncio.ensure_future(self.proxy.forward(send, path, body, headers, prep, lease, attempts, extra))
@@ -397,6 +438,12 @@ class RouterApp:
         exc = work.exception()
         if exc is not None and not isinstance(exc, OSError):
             log.error("proxy failed", exc_info=exc)
+
+
+def _priority(req) -> int:
+    """The request's own `priority` (vLLM's field: lower first), for its place among its tenant's queued ones."""
+    p = req.get("priority")
+    return p if isinstance(p, int) and not isinstance(p, bool) else 0
 
 
 async def _wait_disconnect(receive) -> None:

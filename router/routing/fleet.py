@@ -195,6 +195,10 @@ class Fleet:
         log.info("replica %s serves %s", st.url, ", ".join(sorted(ids)) if ids else "no listed model")
         return True
 
+    def room(self, pool: str, slots: int) -> int:
+        """Requests the pool's replicas can take now, `slots` each (router/admission/gate.py)."""
+        return self.placement.room(pool, self.clock(), slots, self.cfg.scoring.overload_kv_usage)
+
     def learned_models(self) -> dict[str, frozenset[str]]:
         """Per pool, the models its replicas list (router/pools/models.py decides what they serve)."""
         return self.placement.learned_models()

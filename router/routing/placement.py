@@ -191,6 +191,22 @@ class Placement:
         """Routable replicas, of one pool or (None) of all."""
         return [u for u in self._urls(pool) if self.replicas[u].routable(now)]
 
+    def room(self, pool: str, now: float, slots: int, kv_limit: float) -> int:
+        """Requests the pool's routable replicas can take now, `slots` each: minus what each holds (its last
+        scrape's running + waiting, plus this router's requests sent since, minus those finished since; at least
+        this router's own in flight there); none on a replica at or past `kv_limit` KV usage."""
+        free = 0
+        for u in self.members.get(pool, ()):
+            st = self.replicas[u]
+            if not st.routable(now):
+                continue
+            v = st.view(now, self.cfg.stale_s)
+            if v.load_known and v.kv_usage >= kv_limit:
+                continue
+            held = max(v.inflight, v.running + v.waiting + v.new_requests - v.finished) if v.load_known else v.inflight
+            free += max(0, slots - held)
+        return free
+
     def learned_models(self) -> dict[str, frozenset[str]]:
         """Per pool, the models its replicas list (the union over those that answered; absent: none has)."""
         out: dict[str, frozenset[str]] = {}

@@ -43,6 +43,7 @@ class Tenant:
     priority: int = 0  # higher is shed last
     isolate_cache: bool = False
     models: frozenset[str] | None = None  # the models it may use (others: 404 as if unknown); None: all
+    weight: float = 1.0  # its share of a full pool against other tenants' (the fair queue, router/admission/gate.py)
 
     def cache_salt(self) -> str | None:
         """The `cache_salt` forced into every request of an isolated tenant (None for the others): the same

@@ -93,7 +93,7 @@ BAD = [
     (_tenant("    max_tokens: 4096\n    max_context_tokens: 4096\n"), 5, "tenants.acme.max_tokens",
      "must be less than max_context_tokens (4096): a request's prompt and max_tokens must fit in it, got 4096"),
     (_tenant("    rpm: 5\n"), 5, "tenants.acme.rpm", "unknown field (a tenant has api_key_sha256, "
-     "tokens_per_minute, max_concurrent_requests, max_tokens, max_context_tokens, priority, isolate_cache, models)"),
+     "tokens_per_minute, max_concurrent_requests, max_tokens, max_context_tokens, priority, isolate_cache, models, weight)"),
     (_tenant("    priority: 1\n    priority: 2\n"), 6, "tenants.acme.priority", "given twice (first on line 5)"),
     (_tenant("  acme:\n    tokens_per_minute: 1\n"), 5, "tenants.acme", "given twice (first on line 2)"),
     (_tenant("default: x\n"), 5, "default", "unknown field (the file holds tenants, anonymous, model_token_weights)"),

@@ -1,0 +1,153 @@
+"""The gate in front of full pools (`--replica-slots N`): a request goes straight through while its pool has
+room; otherwise it waits in the pool's fair queue (router/admission/fair_queue.py, the Virtual Token Counter
+across tenants) until room frees, and is dispatched in the queue's order.
+
+Room: each routable replica of the pool takes `slots` requests (the engines' --max-num-seqs: beyond it they
+queue first come, first served); its occupancy is what its last scrape counted running and waiting, plus this
+router's requests sent since and minus those finished since, at least this router's own in flight there; a
+replica at or past the KV usage limit has none. Requests released from the queue but not yet sent count
+against the room too, so one freed slot releases one request.
+
+A queued request ends in one of three ways: dispatched (its future resolves), cancelled (the client went away:
+it leaves the queue, nothing reached an engine), or refused: 429 `queue_full` at a depth limit, 503
+`queue_timeout` after `timeout_s`, both with Retry-After. Every release, end of a request and tick (every
+`tick_s` while anything is queued) dispatches what the room allows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from router.admission.fair_queue import FairQueue, FairQueueConfig, Queued
+from router.refusal import Refusal, refuse
+
+TICK_S = 0.02
+
+
+@dataclass(slots=True)
+class Pass:
+    """A request let through: call `sent()` once it is on its way to a replica, `done(output_tokens)` at its end."""
+
+    gate: Gate
+    pool: str
+    tenant: str
+    queued_s: float
+    released: bool  # it waited in the queue (and counts as released until sent)
+    finished: bool = False
+
+    def sent(self) -> None:
+        if self.released:
+            self.released = False
+            self.gate.pending[self.pool] -= 1
+
+    def done(self, output_tokens: int) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.sent()
+        self.gate.queue(self.pool).charge(self.tenant, 0, output_tokens)
+        self.gate.dispatch(self.pool)
+
+
+class Gate:
+    def __init__(self, cfg: FairQueueConfig, room: Callable[[str], int], metrics, clock=time.monotonic):
+        """`room(pool)`: requests the pool's replicas can take now (see the module docstring)."""
+        self.cfg, self.room, self.metrics, self.clock = cfg, room, metrics, clock
+        self.queues: dict[str, FairQueue] = {}
+        self.pending: dict[str, int] = {}  # pool -> released from its queue, not yet sent
+        self.weights: dict[str, float] = {}
+        self._ticker: asyncio.Task | None = None
+
+    def queue(self, pool: str) -> FairQueue:
+        fq = self.queues.get(pool)
+        if fq is None:
+            fq = self.queues[pool] = FairQueue(self.cfg)
+            self.pending[pool] = 0
+        return fq
+
+    def _has_room(self, pool: str) -> bool:
+        return self.room(pool) - self.pending[pool] > 0
+
+    async def enter(self, pool: str, tenant: str, weight: float, priority: int, prompt_tokens: int) -> Pass | Refusal:
+        """Wait for room in `pool` (see the module docstring); cancelled with the request."""
+        fq = self.queue(pool)
+        if fq.weights.get(tenant) != weight:
+            fq.set_weight(tenant, weight)
+        if not fq.queues and self._has_room(pool):  # nobody waits, room: straight through
+            fq.charge(tenant, prompt_tokens, 0)
+            fq.last_dispatched = tenant
+            return Pass(self, pool, tenant, 0.0, False)
+        loop = asyncio.get_running_loop()
+        item = Queued(tenant, self.clock(), priority, prompt_tokens, loop.create_future())
+        full = fq.push(item)
+        m = self.metrics
+        if full is not None:
+            m.queue_refused.labels(pool, f"full-{full}").inc()
+            return refuse(429, f"pool {pool} is full and its queue holds as many requests "
+                          f"{'of this API key' if full == 'tenant' else 'as it may'}; retry shortly", "queue_full",
+                          None, "queue_full", [(b"retry-after", b"1")])
+        m.queued.labels(pool, tenant).inc()
+        self._start_ticker()
+        self.dispatch(pool)
+        try:
+            await item.key
+        except asyncio.CancelledError:
+            if fq.remove(item):
+                m.queued.labels(pool, tenant).dec()
+                m.queue_refused.labels(pool, "cancelled").inc()
+            elif item.key.done() and not item.key.cancelled() and item.key.result():
+                self.pending[pool] -= 1  # released just now: give the room back
+                self.dispatch(pool)
+            raise
+        waited = self.clock() - item.arrived
+        m.queue_seconds.labels(pool).observe(waited)
+        if not item.key.result():
+            m.queue_refused.labels(pool, "timeout").inc()
+            return refuse(503, f"pool {pool} stayed full for {self.cfg.timeout_s:g} s while this request waited; "
+                          "retry", "queue_timeout", None, "queue_timeout", [(b"retry-after", b"1")])
+        return Pass(self, pool, tenant, waited, True)
+
+    def dispatch(self, pool: str) -> None:
+        """Release queued requests of `pool` while it has room, in the fair queue's order."""
+        fq = self.queues.get(pool)
+        if fq is None:
+            return
+        while fq.queues and self._has_room(pool):
+            item = fq.pop()
+            self.metrics.queued.labels(pool, item.tenant).dec()
+            if not item.key.done():
+                self.pending[pool] += 1
+                item.key.set_result(True)
+
+    def _expire(self, now: float) -> None:
+        for pool, fq in self.queues.items():
+            for item in fq.expired(now):
+                self.metrics.queued.labels(pool, item.tenant).dec()
+                if not item.key.done():
+                    item.key.set_result(False)
+
+    def _start_ticker(self) -> None:
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.create_task(self._tick())
+
+    async def _tick(self) -> None:
+        """While anything is queued: room may free without an event here (another router's requests ended, a
+        scrape), and waits time out."""
+        while any(fq.queues for fq in self.queues.values()):
+            await asyncio.sleep(TICK_S)
+            self._expire(self.clock())
+            for pool in list(self.queues):
+                self.dispatch(pool)
+
+    def queued(self) -> int:
+        return sum(len(fq) for fq in self.queues.values())
+
+    async def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker

@@ -46,7 +46,7 @@ class FakeEngine:
         self.seq = 0
         self.subscribers: list[asyncio.Queue] = []
         self.stats = {"requests": 0, "cancelled": 0, "completed": 0, "running": 0, "prefix_queries": 0,
-                      "prefix_hits": 0, "last_max_tokens": None}
+                      "prefix_hits": 0, "last_max_tokens": None, "last_priority": None}
         self.ready = True
         self.slots: asyncio.Semaphore | None = None  # --max-running (made on first use, in the server's loop)
         self.queued = 0
@@ -191,6 +191,7 @@ class FakeEngine:
         chunks = int(hdr.get("x-fake-chunks", self.ns.chunks))
         max_tokens = max_tokens_of(req.get("max_completion_tokens"), req.get("max_tokens"))  # the engine's rule
         self.stats["last_max_tokens"] = max_tokens
+        self.stats["last_priority"] = req.get("priority")
         if isinstance(max_tokens, int) and max_tokens > 0:
             chunks = min(chunks, max_tokens)
         delay = float(hdr.get("x-fake-delay-ms", self.ns.delay_ms)) / 1000

@@ -168,6 +168,7 @@ class RouterConfig:
     access_log: bool = False  # one INFO line per proxied request
     pools_file: str | None = None  # None: one pool, "default", from the discovery flags
     replica_slots: int = 0  # > 0: a pool whose replicas hold this many requests each queues the rest fairly
+    forward_priority: bool = False  # send the tenant's priority upstream as the engines' `priority` field
     queue_timeout_s: float = 30.0
     queue_max_per_tenant: int = 256
     queue_max_total: int = 1024

@@ -101,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests each replica holds (running + waiting) before the router keeps the next ones in a "
                    "fair queue across tenants (Virtual Token Counter; tenants' `weight`), sending them as room frees; "
                    "set it to the engines' --max-num-seqs (default 0: no queue, everything goes straight on)")
+    q.add_argument("--forward-priority", action="store_true",
+                   help="send each tenant's priority to the engines as the request's `priority` field (vLLM's "
+                   "convention, lower first: the tenant's priority negated) unless the client set one; for engines "
+                   "that accept it: kvfleet's always (it orders by it with --scheduling-policy priority), vLLM and "
+                   "SGLang only with their priority scheduling on")
     q.add_argument("--queue-timeout", type=float, default=d["queue_timeout_s"].default, dest="queue_timeout_s",
                    help="seconds a request may wait in the queue before it gets 503 + Retry-After (default %(default)s)")
     q.add_argument("--queue-max-per-tenant", type=int, default=d["queue_max_per_tenant"].default,
@@ -157,7 +162,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         hash_seed=ns.hash_seed, approx_max_blocks=ns.approx_max_blocks, breaker_failures=ns.breaker_failures,
         breaker_open_s=ns.breaker_open_s, max_attempts=ns.max_attempts, request_timeout_s=ns.request_timeout_s,
         internal_token=ns.internal_token, max_body_bytes=ns.max_body_bytes, access_log=ns.access_log, pools_file=ns.pools, scoring=scoring,
-        replica_slots=ns.replica_slots, queue_timeout_s=ns.queue_timeout_s,
+        replica_slots=ns.replica_slots, forward_priority=ns.forward_priority, queue_timeout_s=ns.queue_timeout_s,
         queue_max_per_tenant=ns.queue_max_per_tenant, queue_max_total=ns.queue_max_total,
         vllm_events=VllmEventsConfig.parse(ns.vllm_kv_events),
         ratelimit=RateLimitConfig(tenants_file=ns.tenants, redis_url=ns.redis_url or None,

@@ -91,7 +91,8 @@ class RouterMetrics:
                                     "pool's cap lowered", pv, registry=r)
         # the fair queue in front of full pools (router/admission/gate.py)
         self.queued = Gauge("kvfleet_router_queued_requests", "Requests waiting in the router's fair queue for room "
-                            "in their pool (demand the engines have not seen yet)", ["pool", "tenant"], registry=r)
+                            "in their pool (demand the engines have not seen yet), by tenant and the tenant's priority",
+                            ["pool", "tenant", "priority"], registry=r)
         self.queue_seconds = Histogram("kvfleet_router_queue_wait_seconds", "Time requests waited in the fair queue "
                                        "before they were sent", ["pool"], buckets=_TTFT_BUCKETS, registry=r)
         self.queue_refused = Counter("kvfleet_router_queue_refusals", "Queued requests that were not sent: "

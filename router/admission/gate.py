@@ -5,8 +5,8 @@ across tenants) until room frees, and is dispatched in the queue's order.
 Room: each routable replica of the pool takes `slots` requests (the engines' --max-num-seqs: beyond it they
 queue first come, first served); its occupancy is what its last scrape counted running and waiting, plus this
 router's requests sent since and minus those finished since, at least this router's own in flight there; a
-replica at or past the KV usage limit has none. Requests released from the queue but not yet sent count
-against the room too, so one freed slot releases one request.
+replica at or past the KV usage limit has none. Requests let through (straight or released from the queue) but
+not yet sent count against the room too, so one free slot lets one request through, however many arrive at once.
 
 A queued request ends in one of three ways: dispatched (its future resolves), cancelled (the client went away:
 it leaves the queue, nothing reached an engine), or refused: 429 `queue_full` at a depth limit, 503
@@ -36,12 +36,12 @@ class Pass:
     pool: str
     tenant: str
     queued_s: float
-    released: bool  # it waited in the queue (and counts as released until sent)
+    unsent: bool = True  # let through, not yet sent: it holds a place in the pool's room
     finished: bool = False
 
     def sent(self) -> None:
-        if self.released:
-            self.released = False
+        if self.unsent:
+            self.unsent = False
             self.gate.pending[self.pool] -= 1
 
     def done(self, output_tokens: int) -> None:
@@ -83,7 +83,8 @@ class Gate:
         if not fq.queues and self._has_room(pool):  # nobody waits, room: straight through
             fq.charge(tenant, prompt_tokens, 0)
             fq.last_dispatched = tenant
-            return Pass(self, pool, tenant, 0.0, False)
+            self.pending[pool] += 1
+            return Pass(self, pool, tenant, 0.0)
         loop = asyncio.get_running_loop()
         item = Queued(tenant, self.clock(), priority, prompt_tokens, loop.create_future())
         full = fq.push(item)
@@ -112,7 +113,7 @@ class Gate:
             m.queue_refused.labels(pool, "timeout").inc()
             return refuse(503, f"pool {pool} stayed full for {self.cfg.timeout_s:g} s while this request waited; "
                           "retry", "queue_timeout", None, "queue_timeout", [(b"retry-after", b"1")])
-        return Pass(self, pool, tenant, waited, True)
+        return Pass(self, pool, tenant, waited)
 
     def dispatch(self, pool: str) -> None:
         """Release queued requests of `pool` while it has room, in the fair queue's order."""

@@ -256,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--upstreams", type=int, default=2, help="fake engines behind the router")
     o.add_argument("--chunks", type=int, default=8, help="SSE chunks per streamed response")
     o.add_argument("--policy", default="kv")
+    o.add_argument("--router-arg", action="append", default=[],
+                   help="extra router flag (repeatable), e.g. --router-arg=--replica-slots=1000")
     for q in (p, o):
         q.add_argument("--model", default="smollm2")
         q.add_argument("--seed", type=int, default=0)

@@ -8,6 +8,11 @@ router's requests sent since and minus those finished since, at least this route
 replica at or past the KV usage limit has none. Requests let through (straight or released from the queue) but
 not yet sent count against the room too, so one free slot lets one request through, however many arrive at once.
 
+Service is metered (the request's output charged to its tenant when it ends, which needs the usage of the
+stream) while the pool is congested: from the first request it had to queue until `METER_S` after the last one;
+in between, the lift of a tenant that becomes backlogged (fair_queue.py) starts everyone level, and an
+uncongested pool costs nothing here but the room check.
+
 A queued request ends in one of three ways: dispatched (its future resolves), cancelled (the client went away:
 it leaves the queue, nothing reached an engine), or refused: 429 `queue_full` at a depth limit, 503
 `queue_timeout` after `timeout_s`, both with Retry-After. Every release, end of a request and tick (every
@@ -26,6 +31,7 @@ from router.admission.fair_queue import FairQueue, FairQueueConfig, Queued
 from router.refusal import Refusal, refuse
 
 TICK_S = 0.02
+METER_S = 10.0
 
 
 @dataclass(slots=True)
@@ -36,6 +42,7 @@ class Pass:
     pool: str
     tenant: str
     queued_s: float
+    metered: bool  # the pool is congested: its output is charged when it ends (the stream must report usage)
     unsent: bool = True  # let through, not yet sent: it holds a place in the pool's room
     finished: bool = False
 
@@ -58,7 +65,8 @@ class Gate:
         """`room(pool)`: requests the pool's replicas can take now (see the module docstring)."""
         self.cfg, self.room, self.metrics, self.clock = cfg, room, metrics, clock
         self.queues: dict[str, FairQueue] = {}
-        self.pending: dict[str, int] = {}  # pool -> released from its queue, not yet sent
+        self.pending: dict[str, int] = {}  # pool -> let through, not yet sent
+        self.congested_at: dict[str, float] = {}  # pool -> when a request of it last had to queue
         self.priority_label: dict[str, str] = {}  # tenant -> its priority, as the queued gauge labels it
         self._ticker: asyncio.Task | None = None
 
@@ -84,9 +92,10 @@ class Gate:
             fq.charge(tenant, prompt_tokens, 0)
             fq.last_dispatched = tenant
             self.pending[pool] += 1
-            return Pass(self, pool, tenant, 0.0)
+            return Pass(self, pool, tenant, 0.0, self.clock() - self.congested_at.get(pool, -METER_S) < METER_S)
         loop = asyncio.get_running_loop()
         item = Queued(tenant, self.clock(), priority, prompt_tokens, loop.create_future())
+        self.congested_at[pool] = item.arrived
         full = fq.push(item)
         m = self.metrics
         if full is not None:
@@ -113,7 +122,7 @@ class Gate:
             m.queue_refused.labels(pool, "timeout").inc()
             return refuse(503, f"pool {pool} stayed full for {self.cfg.timeout_s:g} s while this request waited; "
                           "retry", "queue_timeout", None, "queue_timeout", [(b"retry-after", b"1")])
-        return Pass(self, pool, tenant, waited)
+        return Pass(self, pool, tenant, waited, True)
 
     def dispatch(self, pool: str) -> None:
         """Release queued requests of `pool` while it has room, in the fair queue's order."""

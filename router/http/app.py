@@ -330,33 +330,7 @@ class RouterApp:
             return
         req, pool = admitted.request, admitted.pool
         prep.cache_salt = req.cache_salt
-        if self.cfg.forward_priority and tenant is not None and tenant.priority and req.get("priority") is None:
-            req = req.with_fields(priority=-tenant.priority)  # tenants: higher first; engines: lower first
-        if req.stream and (tenant is not None or self.cfg.pools_file is not None or self.gate is not None):
-            # usage in the stream: every chunk for a tenant (a cancelled stream is charged what it used), the
-            # last one for a pool's hit rate and TPOT; what the client did not ask for is taken out again
-            wanted, options = ask_for_usage(req.get("stream_options"), continuous=tenant is not None)
-            req = req.with_fields(stream_options=options)
-            attempts.follower = StreamUsage(wanted)
-        elif tenant is not None:
-            attempts.follower = StreamUsage()
-        body = req.upstream_body()  # written once, here
-        prepared_s = time.perf_counter() - t0
-        metrics = self.metrics
-
-        unfit = self.fleet.not_serving(pool.name, req.model)  # replicas of the pool that list other models
         passed: Pass | None = None
-
-        def lease(p, tried):
-            if passed is not None:
-                passed.sent()
-            t = time.perf_counter()
-            ls = self.fleet.lease(p, tried | unfit if unfit else tried, pool.name)
-            metrics.decision_seconds.observe(time.perf_counter() - t + (prepared_s if not tried else 0.0))
-            if ls is not None:
-                metrics.decisions.labels(metrics.policy, ls.reason).inc()
-            return ls
-
         try:
             if self.gate is not None:  # a full pool: wait in its fair queue (router/admission/gate.py)
                 got = await self._queued(receive, self.gate.enter(
@@ -368,7 +342,8 @@ class RouterApp:
                     await send_json(send, got.status, got.body, got.headers + admitted.headers)
                     return
                 passed = got
-            await self._forward(send, receive, path, body, headers, prep, lease, attempts, admitted.headers)
+            await self._send_upstream(send, receive, path, headers, req, tenant, pool, prep, attempts, admitted,
+                                      passed, t0)
         finally:
             if passed is not None:
                 usage = attempts.usage if isinstance(attempts.usage, dict) else {}
@@ -378,6 +353,37 @@ class RouterApp:
                 reported = attempts.follower.used if attempts.follower is not None else None
                 await asyncio.shield(self.ratelimit.settle(admitted.budget, reported, attempts.answered))
             self._observe(pool.name, req.model, prep, attempts, t0)
+
+    async def _send_upstream(self, send, receive, path, headers, req, tenant, pool, prep, attempts, admitted,
+                             passed: Pass | None, t0: float) -> None:
+        if self.cfg.forward_priority and tenant is not None and tenant.priority and req.get("priority") is None:
+            req = req.with_fields(priority=-tenant.priority)  # tenants: higher first; engines: lower first
+        if req.stream and (tenant is not None or self.cfg.pools_file is not None
+                           or (passed is not None and passed.metered)):
+            # usage in the stream: every chunk for a tenant (a cancelled stream is charged what it used), the
+            # last one for a pool's hit rate and TPOT and a congested pool's fair queue; what the client did not
+            # ask for is taken out again
+            wanted, options = ask_for_usage(req.get("stream_options"), continuous=tenant is not None)
+            req = req.with_fields(stream_options=options)
+            attempts.follower = StreamUsage(wanted)
+        elif tenant is not None:
+            attempts.follower = StreamUsage()
+        body = req.upstream_body()  # written once, here
+        prepared_s = time.perf_counter() - t0
+        metrics = self.metrics
+        unfit = self.fleet.not_serving(pool.name, req.model)  # replicas of the pool that list other models
+
+        def lease(p, tried):
+            if passed is not None:
+                passed.sent()
+            t = time.perf_counter()
+            ls = self.fleet.lease(p, tried | unfit if unfit else tried, pool.name)
+            metrics.decision_seconds.observe(time.perf_counter() - t + (prepared_s if not tried else 0.0))
+            if ls is not None:
+                metrics.decisions.labels(metrics.policy, ls.reason).inc()
+            return ls
+
+        await self._forward(send, receive, path, body, headers, prep, lease, attempts, admitted.headers)
 
     def _observe(self, pool: str, model: str, prep: PreparedRequest, attempts: Attempts, t0: float) -> None:
         """The request's outcome and latencies into its pool's metrics and degradation signals."""

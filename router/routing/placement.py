@@ -200,10 +200,13 @@ class Placement:
             st = self.replicas[u]
             if not st.routable(now):
                 continue
-            v = st.view(now, self.cfg.stale_s)
-            if v.load_known and v.kv_usage >= kv_limit:
-                continue
-            held = max(v.inflight, v.running + v.waiting + v.new_requests - v.finished) if v.load_known else v.inflight
+            held = len(st.tickets)
+            load = st.load
+            if load is not None and st.load_known(now, self.cfg.stale_s):
+                if load.kv_usage >= kv_limit:
+                    continue
+                new = sum(1 for t in st.tickets if t.dispatched_at > st.covered_until)
+                held = max(held, load.running + load.waiting + new - st.finished)
             free += max(0, slots - held)
         return free
 

@@ -104,3 +104,38 @@ def test_bad_settings_are_refused():
         FairQueueConfig(prompt_weight=0, output_weight=0)
     with pytest.raises(ValueError):
         FairQueue().set_weight("A", 0)
+
+
+def test_the_gate_lets_one_request_through_per_free_slot_and_meters_only_a_congested_pool():
+    import asyncio
+
+    from router.admission.gate import METER_S, Gate
+    from router.metrics import RouterMetrics
+
+    now = [0.0]
+    room = {"p": 2}
+    gate = Gate(FairQueueConfig(), lambda pool: room[pool], RouterMetrics("kv"), clock=lambda: now[0])
+
+    async def run():
+        first = [await gate.enter("p", "A", 1.0, 0, 10) for _ in range(2)]
+        assert [p.metered for p in first] == [False, False]  # room for both, never congested
+        waiting = asyncio.ensure_future(gate.enter("p", "B", 1.0, 0, 10))  # two let through, unsent: no room
+        await asyncio.sleep(0)
+        assert not waiting.done() and len(gate.queue("p")) == 1
+        first[0].sent()
+        first[1].sent()
+        room["p"] = 1  # one of them ended on the replica
+        first[0].done(5)
+        b = await waiting
+        assert b.metered and gate.pending["p"] == 1
+        b.sent()
+        b.done(3)
+        now[0] = METER_S - 1
+        again = await gate.enter("p", "A", 1.0, 0, 1)
+        assert again.metered  # congested a moment ago
+        again.done(1)  # never sent (say no replica took it): its place is given back
+        now[0] = 2 * METER_S
+        assert not (await gate.enter("p", "A", 1.0, 0, 1)).metered
+        await gate.stop()
+
+    asyncio.run(run())

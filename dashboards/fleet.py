@@ -99,6 +99,16 @@ ERRORS = [
           "(rejected_tokens, rejected_concurrency, too_large, shed, unauthorized, ...).",
           (q(f'sum by (tenant, outcome) (rate(kvfleet_router_ratelimit_requests_total{{outcome!="admitted"}}'
              f"[{RATE}]))", "{{tenant}} {{outcome}}"),), unit="reqps", min=0),
+    Panel("Queued for room, per tenant", "Requests the routers hold in their fair queues because the pool is "
+          "full (--replica-slots), by tenant and the tenant's priority: demand the engines have not seen yet.",
+          (q("sum by (pool, tenant, priority) (kvfleet_router_queued_requests)", "{{pool}} {{tenant}} p{{priority}}"),),
+          min=0),
+    Panel("Queue wait p99 and refusals", "How long requests waited in the fair queue (p99, per pool), and the "
+          "queued requests not sent: full (429), timeout (503), cancelled.",
+          (q(f"histogram_quantile(0.99, sum by (pool, le) (rate(kvfleet_router_queue_wait_seconds_bucket[{RATE}])))",
+             "wait p99 {{pool}}"),
+           q(f"sum by (pool, reason) (rate(kvfleet_router_queue_refusals_total[{RATE}]))", "{{pool}} {{reason}}/s")),
+          min=0),
     Panel("Rate-limiter store", "Budget store (Redis) errors per router, and whether it answers (1).",
           (q(f"sum by (instance) (rate(kvfleet_router_ratelimit_store_errors_total[{RATE}]))",
              "errors/s {{instance}}"),

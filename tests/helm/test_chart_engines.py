@@ -165,3 +165,17 @@ def test_keda_scaled_object_has_the_same_two_signals_and_no_scale_to_zero():
     assert re.fullmatch(r"sum\(vllm:num_requests_waiting\{.*\}\)", queries["waiting-requests"]["query"])
     assert (float(queries["kv-cache-usage"]["threshold"]), float(queries["waiting-requests"]["threshold"])) == (0.8, 2)
     assert not r.of("HorizontalPodAutoscaler")
+
+
+def test_with_the_fair_queue_queued_requests_are_waiting_demand_and_the_router_gets_its_flags():
+    r = render({**TOGGLES["keda"], "router": {"fairQueue": {"replicaSlots": 8, "timeoutSeconds": 20},
+                                              "forwardPriority": True}})
+    so = r.one("ScaledObject", f"{RELEASE}-kvfleet-engine-stable")
+    waiting = next(t["metadata"]["query"] for t in so["spec"]["triggers"] if t["name"] == "waiting-requests")
+    svc = f"{RELEASE}-kvfleet-engine-stable"
+    assert waiting == (f'sum(vllm:num_requests_waiting{{namespace="llm",service="{svc}"}}) + '
+                       f'(sum(kvfleet_router_queued_requests{{namespace="llm",pool="stable"}}) or vector(0))')
+    args = next(c for c in r.one("Deployment", f"{RELEASE}-kvfleet-router")["spec"]["template"]["spec"]["containers"]
+                if c["name"] == "router")["args"]
+    assert {"--replica-slots=8", "--queue-timeout=20", "--queue-max-per-tenant=256", "--queue-max-total=1024",
+            "--forward-priority"} <= set(args)

@@ -12,7 +12,10 @@ Scenarios (each `--seconds` long; the figures of each are printed as it ends):
 - two-routers: fair, with every client request going to one of two routers in turn (each router queues on its
   own, and sees the other's load only through the engines' metrics);
 - priority: B is a high-priority tenant (priority 10) with the engines on `--scheduling-policy priority` and the
-  router forwarding tenants' priorities, no queue; target: B's TTFT p99 <= 1.5x idle, A still completes.
+  router forwarding tenants' priorities, no queue; target: B's TTFT p99 <= 1.5x idle, A still completes;
+- express: fair, with the engines on `--scheduling-policy priority` and the router's express lane
+  (`--forward-priority`): B, under its share of the seats, goes straight on and runs ahead (equal priorities);
+- two-express: express through two routers, every client request to one of them in turn.
 """
 
 from __future__ import annotations
@@ -171,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=40.0)
     ap.add_argument("--flood", type=int, default=None, help="A's outstanding requests (default 10x the fleet's seats)")
     ap.add_argument("--b-interval", type=float, default=1.0)
-    ap.add_argument("--scenarios", default="idle,fcfs,fair,weights,two-routers,priority")
+    ap.add_argument("--scenarios", default="idle,fcfs,fair,weights,two-routers,priority,express,two-express")
     ap.add_argument("--json", help="write the figures here")
     ns = ap.parse_args(argv)
     flood = ns.flood or 10 * ns.engines * ns.max_num_seqs
@@ -206,17 +209,25 @@ def main(argv: list[str] | None = None) -> int:
             run("two-routers", urls, {"a": flood}, {"b": ns.b_interval})
     finally:
         fleet.stop()
-    if "priority" in want:
+    if {"priority", "express", "two-express"} & set(want):
         fleet = Fleet(ns, log_dir, policy="priority")
         try:
-            ranked = tenants_file(os.path.join(log_dir, "tenants-priority.yaml"), priority_b=10)
-            run("priority", [fleet.router("router-priority", ranked, "--forward-priority").url], {"a": flood},
-                {"b": ns.b_interval})
+            if "priority" in want:
+                ranked = tenants_file(os.path.join(log_dir, "tenants-priority.yaml"), priority_b=10)
+                run("priority", [fleet.router("router-priority", ranked, "--forward-priority").url], {"a": flood},
+                    {"b": ns.b_interval})
+            if "express" in want:
+                run("express", [fleet.router("router-express", plain, "--replica-slots", slots,
+                                             "--forward-priority").url], {"a": flood}, {"b": ns.b_interval})
+            if "two-express" in want:
+                urls = [fleet.router(f"router-two-express-{i}", plain, "--replica-slots", slots,
+                                     "--forward-priority").url for i in range(2)]
+                run("two-express", urls, {"a": flood}, {"b": ns.b_interval})
         finally:
             fleet.stop()
     if "idle" in res:
         idle = res["idle"]["b"]["ttft_p99"]
-        for name in ("fcfs", "fair", "two-routers", "priority"):
+        for name in ("fcfs", "fair", "two-routers", "priority", "express", "two-express"):
             if name in res:
                 print(f"B's TTFT p99 / idle, {name}: {res[name]['b']['ttft_p99'] / idle:.2f} (target <= 1.5 for "
                       f"fair and priority)", flush=True)

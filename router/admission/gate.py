@@ -13,6 +13,12 @@ stream) while the pool is congested: from the first request it had to queue unti
 in between, the lift of a tenant that becomes backlogged (fair_queue.py) starts everyone level, and an
 uncongested pool costs nothing here but the room check.
 
+With an express lane (`express`, the router's --forward-priority: engines that preempt by priority), a tenant
+holding fewer requests in the pool than its share of the pool's seats (seats x its weight / the weights of the
+tenants with requests there) goes straight on even when the pool is full, marked to run ahead
+(`Pass.express`): the engine preempts a request of a tenant over its share, so a light tenant's TTFT does not
+wait for a seat to free.
+
 A queued request ends in one of three ways: dispatched (its future resolves), cancelled (the client went away:
 it leaves the queue, nothing reached an engine), or refused: 429 `queue_full` at a depth limit, 503
 `queue_timeout` after `timeout_s`, both with Retry-After. Every release, end of a request and tick (every
@@ -43,6 +49,7 @@ class Pass:
     tenant: str
     queued_s: float
     metered: bool  # the pool is congested: its output is charged when it ends (the stream must report usage)
+    express: bool = False  # under its tenant's share of a full pool: sent to run ahead (engine priority)
     unsent: bool = True  # let through, not yet sent: it holds a place in the pool's room
     finished: bool = False
 
@@ -56,14 +63,21 @@ class Pass:
             return
         self.finished = True
         self.sent()
+        held = self.gate.holding[self.pool]
+        held[self.tenant] -= 1
+        if not held[self.tenant]:
+            del held[self.tenant]
         self.gate.queue(self.pool).charge(self.tenant, 0, output_tokens)
         self.gate.dispatch(self.pool)
 
 
 class Gate:
-    def __init__(self, cfg: FairQueueConfig, room: Callable[[str], int], metrics, clock=time.monotonic):
-        """`room(pool)`: requests the pool's replicas can take now (see the module docstring)."""
-        self.cfg, self.room, self.metrics, self.clock = cfg, room, metrics, clock
+    def __init__(self, cfg: FairQueueConfig, room: Callable[[str], int], metrics, clock=time.monotonic,
+                 seats: Callable[[str], int] | None = None):
+        """`room(pool)`: requests the pool's replicas can take now (see the module docstring); `seats(pool)`: all
+        they take (given: the express lane is on)."""
+        self.cfg, self.room, self.metrics, self.clock, self.seats = cfg, room, metrics, clock, seats
+        self.holding: dict[str, dict[str, int]] = {}  # pool -> tenant -> its requests let through, not ended
         self.queues: dict[str, FairQueue] = {}
         self.pending: dict[str, int] = {}  # pool -> let through, not yet sent
         self.congested_at: dict[str, float] = {}  # pool -> when a request of it last had to queue
@@ -75,7 +89,24 @@ class Gate:
         if fq is None:
             fq = self.queues[pool] = FairQueue(self.cfg)
             self.pending[pool] = 0
+            self.holding[pool] = {}
         return fq
+
+    def _pass(self, pool: str, tenant: str, waited: float, metered: bool, express: bool = False,
+              counted: bool = False) -> Pass:
+        """A request let through; `counted`: released from the queue, already counted in `pending`."""
+        if not counted:
+            self.pending[pool] += 1
+        held = self.holding[pool]
+        held[tenant] = held.get(tenant, 0) + 1
+        return Pass(self, pool, tenant, waited, metered, express)
+
+    def _under_share(self, pool: str, tenant: str) -> bool:
+        """Whether `tenant` holds fewer of the pool's seats than its weighted share among the tenants there."""
+        fq, held = self.queues[pool], self.holding[pool]
+        active = set(held) | set(fq.queues) | {tenant}
+        total = sum(fq.weights.get(t, 1.0) for t in active)
+        return held.get(tenant, 0) < self.seats(pool) * fq.weights.get(tenant, 1.0) / total
 
     def _has_room(self, pool: str) -> bool:
         return self.room(pool) - self.pending[pool] > 0
@@ -91,8 +122,11 @@ class Gate:
         if not fq.queues and self._has_room(pool):  # nobody waits, room: straight through
             fq.charge(tenant, prompt_tokens, 0)
             fq.last_dispatched = tenant
-            self.pending[pool] += 1
-            return Pass(self, pool, tenant, 0.0, self.clock() - self.congested_at.get(pool, -METER_S) < METER_S)
+            return self._pass(pool, tenant, 0.0, self.clock() - self.congested_at.get(pool, -METER_S) < METER_S)
+        if self.seats is not None and not fq.queues.get(tenant) and self._under_share(pool, tenant):
+            fq.charge(tenant, prompt_tokens, 0)  # the express lane: full, but this tenant is under its share
+            self.congested_at[pool] = self.clock()
+            return self._pass(pool, tenant, 0.0, True, express=True)
         loop = asyncio.get_running_loop()
         item = Queued(tenant, self.clock(), priority, prompt_tokens, loop.create_future())
         self.congested_at[pool] = item.arrived
@@ -113,7 +147,7 @@ class Gate:
                 m.queued.labels(pool, tenant, self.priority_label[tenant]).dec()
                 m.queue_refused.labels(pool, "cancelled").inc()
             elif item.key.done() and not item.key.cancelled() and item.key.result():
-                self.pending[pool] -= 1  # released just now: give the room back
+                self.pending[pool] -= 1  # released just now, never let through: its room goes to the next
                 self.dispatch(pool)
             raise
         waited = self.clock() - item.arrived
@@ -122,7 +156,7 @@ class Gate:
             m.queue_refused.labels(pool, "timeout").inc()
             return refuse(503, f"pool {pool} stayed full for {self.cfg.timeout_s:g} s while this request waited; "
                           "retry", "queue_timeout", None, "queue_timeout", [(b"retry-after", b"1")])
-        return Pass(self, pool, tenant, waited, True)
+        return self._pass(pool, tenant, waited, True, counted=True)
 
     def dispatch(self, pool: str) -> None:
         """Release queued requests of `pool` while it has room, in the fair queue's order."""

@@ -64,7 +64,9 @@ class RouterApp:
         self.admission = Admission(self.pools, self.ratelimit, self.metrics, cfg.ratelimit.shedding, cfg.default_model)
         self.gate = (Gate(FairQueueConfig(max_per_tenant=cfg.queue_max_per_tenant, max_total=cfg.queue_max_total,
                                           timeout_s=cfg.queue_timeout_s),
-                          lambda pool: self.fleet.room(pool, cfg.replica_slots), self.metrics)
+                          lambda pool: self.fleet.room(pool, cfg.replica_slots), self.metrics,
+                          seats=(lambda pool: self.fleet.seats(pool, cfg.replica_slots)) if cfg.forward_priority
+                          else None)
                      if cfg.replica_slots > 0 else None)
         self.need_tokens = (self.fleet.policy.needs.prompt_tokens or self.ratelimit is not None
                             or cfg.pools_file is not None or self.gate is not None)
@@ -356,8 +358,11 @@ class RouterApp:
 
     async def _send_upstream(self, send, receive, path, headers, req, tenant, pool, prep, attempts, admitted,
                              passed: Pass | None, t0: float) -> None:
-        if self.cfg.forward_priority and tenant is not None and tenant.priority and req.get("priority") is None:
-            req = req.with_fields(priority=-tenant.priority)  # tenants: higher first; engines: lower first
+        if self.cfg.forward_priority and req.get("priority") is None:
+            # tenants: higher first; engines: lower first; the express lane one ahead of that (router/admission/gate.py)
+            priority = (-tenant.priority if tenant is not None else 0) - (1 if passed is not None and passed.express else 0)
+            if priority:
+                req = req.with_fields(priority=priority)
         if req.stream and (tenant is not None or self.cfg.pools_file is not None
                            or (passed is not None and passed.metered)):
             # usage in the stream: every chunk for a tenant (a cancelled stream is charged what it used), the

@@ -195,6 +195,10 @@ class Fleet:
         log.info("replica %s serves %s", st.url, ", ".join(sorted(ids)) if ids else "no listed model")
         return True
 
+    def seats(self, pool: str, slots: int) -> int:
+        """All the requests the pool's routable replicas take, `slots` each."""
+        return slots * len(self.ready_urls(pool))
+
     def room(self, pool: str, slots: int) -> int:
         """Requests the pool's replicas can take now, `slots` each (router/admission/gate.py)."""
         return self.placement.room(pool, self.clock(), slots, self.cfg.scoring.overload_kv_usage)

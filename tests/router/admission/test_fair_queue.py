@@ -139,3 +139,37 @@ def test_the_gate_lets_one_request_through_per_free_slot_and_meters_only_a_conge
         await gate.stop()
 
     asyncio.run(run())
+
+
+def test_the_express_lane_lets_a_tenant_under_its_share_past_a_full_pool():
+    import asyncio
+
+    from router.admission.gate import Gate
+    from router.metrics import RouterMetrics
+
+    room = {"p": 4}
+    gate = Gate(FairQueueConfig(), lambda pool: room[pool], RouterMetrics("kv"), seats=lambda pool: 4)
+
+    async def run():
+        a = [await gate.enter("p", "A", 1.0, 0, 10) for _ in range(4)]
+        for p in a:
+            p.sent()
+        room["p"] = 0  # full: A holds all 4 seats
+        b = await gate.enter("p", "B", 1.0, 0, 10)  # B holds 0 < 4 x 1/2: straight on, ahead
+        assert b.express and b.metered
+        b2 = await gate.enter("p", "B", 1.0, 0, 10)  # 1 < 2: again
+        assert b2.express
+        third = asyncio.ensure_future(gate.enter("p", "B", 1.0, 0, 10))  # 2 = its share: it waits
+        late_a = asyncio.ensure_future(gate.enter("p", "A", 1.0, 0, 10))  # 4 > 2: waits, behind B by counters
+        await asyncio.sleep(0)
+        assert not third.done() and not late_a.done() and len(gate.queue("p")) == 2
+        b.sent()
+        b2.sent()
+        a[0].done(8)
+        room["p"] = 1
+        a[1].done(8)  # a seat frees: B's queued one goes first (its counter is lower)
+        assert (await third).tenant == "B" and not late_a.done()
+        late_a.cancel()
+        await gate.stop()
+
+    asyncio.run(run())

@@ -10,12 +10,13 @@ Scenarios (each `--seconds` long; the figures of each are printed as it ends):
   queue); target: B's TTFT p99 <= 1.5x its idle p99, A gets the rest (tokens/s of both);
 - weights: A (weight 3) and B (weight 1) both flood; target: generated tokens A:B within 10% of 3:1;
 - two-routers: fair, with every client request going to one of two routers in turn (each router queues on its
-  own, and sees the other's load only through the engines' metrics);
+  own, and sees the other's load only through the engines' metrics); two-weights: weights through two routers;
 - priority: B is a high-priority tenant (priority 10) with the engines on `--scheduling-policy priority` and the
   router forwarding tenants' priorities, no queue; target: B's TTFT p99 <= 1.5x idle, A still completes;
 - express: fair, with the engines on `--scheduling-policy priority` and the router's express lane
   (`--forward-priority`): B, under its share of the seats, goes straight on and runs ahead (equal priorities);
-- two-express: express through two routers, every client request to one of them in turn.
+- two-express: express through two routers, every client request to one of them in turn;
+- priority-queue: priority with the queue on as well (`--replica-slots`): B, priority 10, also under its share.
 """
 
 from __future__ import annotations
@@ -174,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=40.0)
     ap.add_argument("--flood", type=int, default=None, help="A's outstanding requests (default 10x the fleet's seats)")
     ap.add_argument("--b-interval", type=float, default=1.0)
-    ap.add_argument("--scenarios", default="idle,fcfs,fair,weights,two-routers,priority,express,two-express")
+    ap.add_argument("--scenarios",
+                    default="idle,fcfs,fair,weights,two-routers,two-weights,priority,express,two-express,"
+                            "priority-queue")
     ap.add_argument("--json", help="write the figures here")
     ns = ap.parse_args(argv)
     flood = ns.flood or 10 * ns.engines * ns.max_num_seqs
@@ -204,12 +207,19 @@ def main(argv: list[str] | None = None) -> int:
             w = res["weights"]
             print(f"{'':12s} tokens A:B = {w['a']['tokens'] / max(w['b']['tokens'], 1):.2f} (target 3 +- 10%)",
                   flush=True)
+        if "two-weights" in want:
+            weighted = tenants_file(os.path.join(log_dir, "tenants-3-1.yaml"), weight_a=3.0)
+            urls = [fleet.router(f"router-two-weights-{i}", weighted, "--replica-slots", slots).url for i in range(2)]
+            run("two-weights", urls, {"a": flood // 2, "b": flood // 2}, {})
+            w = res["two-weights"]
+            print(f"{'':12s} tokens A:B = {w['a']['tokens'] / max(w['b']['tokens'], 1):.2f} (target 3 +- 10%)",
+                  flush=True)
         if "two-routers" in want:
             urls = [fleet.router(f"router-two-{i}", plain, "--replica-slots", slots).url for i in range(2)]
             run("two-routers", urls, {"a": flood}, {"b": ns.b_interval})
     finally:
         fleet.stop()
-    if {"priority", "express", "two-express"} & set(want):
+    if {"priority", "express", "two-express", "priority-queue"} & set(want):
         fleet = Fleet(ns, log_dir, policy="priority")
         try:
             if "priority" in want:
@@ -219,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
             if "express" in want:
                 run("express", [fleet.router("router-express", plain, "--replica-slots", slots,
                                              "--forward-priority").url], {"a": flood}, {"b": ns.b_interval})
+            if "priority-queue" in want:
+                ranked = tenants_file(os.path.join(log_dir, "tenants-priority.yaml"), priority_b=10)
+                run("priority-queue", [fleet.router("router-priority-queue", ranked, "--replica-slots", slots,
+                                                    "--forward-priority").url], {"a": flood}, {"b": ns.b_interval})
             if "two-express" in want:
                 urls = [fleet.router(f"router-two-express-{i}", plain, "--replica-slots", slots,
                                      "--forward-priority").url for i in range(2)]
@@ -227,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             fleet.stop()
     if "idle" in res:
         idle = res["idle"]["b"]["ttft_p99"]
-        for name in ("fcfs", "fair", "two-routers", "priority", "express", "two-express"):
+        for name in ("fcfs", "fair", "two-routers", "priority", "express", "two-express", "priority-queue"):
             if name in res:
                 print(f"B's TTFT p99 / idle, {name}: {res[name]['b']['ttft_p99'] / idle:.2f} (target <= 1.5 for "
                       f"fair and priority)", flush=True)

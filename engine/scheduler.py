@@ -106,10 +106,12 @@ class Scheduler:
     def _preempt_for_head(self, out: SchedulerOutput, now: float, budget: int) -> None:
         head = self.waiting[0]
         effective = self.rank(head, now)[0]
-        while self.running and not self._fits(head, budget):
+        while self.running:
             worst = max(self.running, key=lambda s: self.rank(s, now))
             if self.rank(worst, now)[0] <= effective:
-                return  # nobody running has a strictly lower priority than the head
+                break  # nobody running has a strictly lower priority than the head (the common case: no lookup)
+            if self._fits(head, budget):
+                break
             self.running.remove(worst)
             self._preempt(worst)
             out.preempted.append(worst)

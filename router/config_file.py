@@ -143,6 +143,16 @@ class NodeReader:
             return value
         return self.fail(node, field, f"must be true or false, got {self.kind(node)}")
 
+    def names_field(self, node: yaml.Node, field: str, what: str = "names") -> tuple[str, ...]:
+        """A non-empty list of distinct non-empty strings (e.g. model names)."""
+        if not isinstance(node, yaml.SequenceNode) or not node.value:
+            raise self.error(node, field, f"must be a non-empty list of {what}, got {self.kind(node)}")
+        names = [self.str_field(item, f"{field}[{i}]") for i, item in enumerate(node.value)]
+        for i, name in enumerate(names):
+            if names.index(name) != i:
+                raise self.error(node.value[i], f"{field}[{i}]", f"{name!r} is listed twice")
+        return tuple(names)
+
     def str_field(self, node: yaml.Node, field: str) -> str:
         value = self._value(node, field)
         if isinstance(value, str) and value:

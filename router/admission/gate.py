@@ -47,7 +47,6 @@ class Pass:
     gate: Gate
     pool: str
     tenant: str
-    queued_s: float
     metered: bool  # the pool is congested: its output is charged when it ends (the stream must report usage)
     express: bool = False  # under its tenant's share of a full pool: sent to run ahead (engine priority)
     unsent: bool = True  # let through, not yet sent: it holds a place in the pool's room
@@ -92,14 +91,14 @@ class Gate:
             self.holding[pool] = {}
         return fq
 
-    def _pass(self, pool: str, tenant: str, waited: float, metered: bool, express: bool = False,
+    def _pass(self, pool: str, tenant: str, metered: bool, express: bool = False,
               counted: bool = False) -> Pass:
         """A request let through; `counted`: released from the queue, already counted in `pending`."""
         if not counted:
             self.pending[pool] += 1
         held = self.holding[pool]
         held[tenant] = held.get(tenant, 0) + 1
-        return Pass(self, pool, tenant, waited, metered, express)
+        return Pass(self, pool, tenant, metered, express)
 
     def _under_share(self, pool: str, tenant: str) -> bool:
         """Whether `tenant` holds fewer of the pool's seats than its weighted share among the tenants there."""
@@ -122,11 +121,11 @@ class Gate:
         if not fq.queues and self._has_room(pool):  # nobody waits, room: straight through
             fq.charge(tenant, prompt_tokens, 0)
             fq.last_dispatched = tenant
-            return self._pass(pool, tenant, 0.0, self.clock() - self.congested_at.get(pool, -METER_S) < METER_S)
+            return self._pass(pool, tenant, self.clock() - self.congested_at.get(pool, -METER_S) < METER_S)
         if self.seats is not None and not fq.queues.get(tenant) and self._under_share(pool, tenant):
             fq.charge(tenant, prompt_tokens, 0)  # the express lane: full, but this tenant is under its share
             self.congested_at[pool] = self.clock()
-            return self._pass(pool, tenant, 0.0, True, express=True)
+            return self._pass(pool, tenant, True, express=True)
         loop = asyncio.get_running_loop()
         item = Queued(tenant, self.clock(), priority, prompt_tokens, loop.create_future())
         self.congested_at[pool] = item.arrived
@@ -156,7 +155,7 @@ class Gate:
             m.queue_refused.labels(pool, "timeout").inc()
             return refuse(503, f"pool {pool} stayed full for {self.cfg.timeout_s:g} s while this request waited; "
                           "retry", "queue_timeout", None, "queue_timeout", [(b"retry-after", b"1")])
-        return self._pass(pool, tenant, waited, True, counted=True)
+        return self._pass(pool, tenant, True, counted=True)
 
     def dispatch(self, pool: str) -> None:
         """Release queued requests of `pool` while it has room, in the fair queue's order."""
@@ -189,9 +188,6 @@ class Gate:
             self._expire(self.clock())
             for pool in list(self.queues):
                 self.dispatch(pool)
-
-    def queued(self) -> int:
-        return sum(len(fq) for fq in self.queues.values())
 
     async def stop(self) -> None:
         if self._ticker is not None:

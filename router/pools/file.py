@@ -159,7 +159,7 @@ def _pool(r: NodeReader, name: str, name_node: yaml.Node, body_node: yaml.Node) 
     if "model" in body and "models" in body:
         raise r.error(body["models"][0], f"{field}.models", "give `model` (one name) or `models` (a list), not both")
     models = (r.str_field(body["model"][1], f"{field}.model"),) if "model" in body else \
-        _names(r, body["models"][1], f"{field}.models") if "models" in body else ()
+        r.names_field(body["models"][1], f"{field}.models", "model names") if "models" in body else ()
     values = dict(weight=get("weight", r.int_field, 0, False), models=models,
                   max_tokens_cap=get("max_tokens_cap", r.int_field, 1, True),
                   default_max_tokens=get("default_max_tokens", r.int_field, 1, True),
@@ -189,16 +189,6 @@ def _pool(r: NodeReader, name: str, name_node: yaml.Node, body_node: yaml.Node) 
     source_key = sources[0]
     return PoolConfig(spec, _source(r, source_key, body[source_key][1], f"{field}.{source_key}"), engine, kv_events,
                       tokenizer)
-
-
-def _names(r: NodeReader, node: yaml.Node, field: str) -> tuple[str, ...]:
-    if not isinstance(node, yaml.SequenceNode) or not node.value:
-        raise r.error(node, field, f"must be a non-empty list of model names, got {r.kind(node)}")
-    names = [r.str_field(item, f"{field}[{i}]") for i, item in enumerate(node.value)]
-    for i, name in enumerate(names):
-        if names.index(name) != i:
-            raise r.error(node.value[i], f"{field}[{i}]", f"{name!r} is listed twice")
-    return tuple(names)
 
 
 def _source(r: NodeReader, kind: str, node: yaml.Node, field: str) -> Source:

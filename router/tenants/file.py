@@ -122,12 +122,6 @@ def _weights(p: _KeyReader, node: yaml.Node) -> dict[str, Fraction]:
     return out
 
 
-def _models(p: _KeyReader, node: yaml.Node, field: str) -> frozenset[str]:
-    if not isinstance(node, yaml.SequenceNode) or not node.value:
-        raise p.error(node, field, f"must be a non-empty list of model names, got {p.kind(node)}")
-    return frozenset(p.str_field(item, f"{field}[{i}]") for i, item in enumerate(node.value))
-
-
 def _tenant(p: _KeyReader, name: str, field: str, body: dict[str, tuple[yaml.Node, yaml.Node]],
             hashes: frozenset[str]) -> Tenant:
     def get(key: str, check, *args, default=None):
@@ -144,7 +138,7 @@ def _tenant(p: _KeyReader, name: str, field: str, body: dict[str, tuple[yaml.Nod
                   max_tokens=max_tokens, max_context_tokens=max_context,
                   priority=get("priority", p.int_field, None, False, default=0),
                   isolate_cache=get("isolate_cache", p.bool_field, default=False),
-                  models=get("models", lambda node, f: _models(p, node, f)),
+                  models=get("models", lambda node, f: frozenset(p.names_field(node, f, "model names"))),
                   weight=get("weight", p.number_field, 0.001, default=1.0))
 
 

@@ -32,8 +32,8 @@ def body(stream=True):
     return {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
 
 
-async def _flood_then_one(url: str, flood: int) -> tuple[float, list[int]]:
-    """A sends `flood` requests at once; 0.1 s later B sends one: (B's latency, A's statuses)."""
+async def _flood_then_one(url: str, flood: int, engine_url: str) -> tuple[float, list[int]]:
+    """A sends `flood` requests at once; once they fill the engine, B sends one: (B's latency, A's statuses)."""
     async with httpx.AsyncClient(timeout=60) as c:
         async def one(key):
             t0 = time.perf_counter()
@@ -41,10 +41,26 @@ async def _flood_then_one(url: str, flood: int) -> tuple[float, list[int]]:
                                                                                  **SLOW})
             return r.status_code, time.perf_counter() - t0
         flood_tasks = [asyncio.create_task(one(KEY_A)) for _ in range(flood)]
-        await asyncio.sleep(0.1)
+        await until(lambda: engine_running(engine_url) == 2, "A's flood on both engine slots")
         status_b, latency_b = await one(KEY_B)
         assert status_b == 200
         return latency_b, [s for s, _ in await asyncio.gather(*flood_tasks)]
+
+
+async def until(cond, what: str, timeout: float = 10.0) -> None:
+    """Poll `cond()` (a blocking check, run off the loop) until it holds."""
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(cond):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def queued(url: str, **labels) -> float:
+    return metric(httpx.get(url + "/metrics").text, "kvfleet_router_queued_requests", **labels)
+
+
+def engine_running(url: str) -> int:
+    return httpx.get(url + "/fake/stats").json()["running"]
 
 
 @pytest.fixture
@@ -58,8 +74,8 @@ def test_a_flood_does_not_hold_up_another_tenant(procs, tenants_file):
     e = fake_engine(procs, "e", "--max-running", "2").wait_ready()
     fifo = router(procs, [e.url], "--tenants", tenants_file, policy="least-load").wait_ready()
     fair = router(procs, [e.url], "--tenants", tenants_file, "--replica-slots", "2", policy="least-load").wait_ready()
-    b_fifo, a_fifo = asyncio.run(_flood_then_one(fifo.url, 16))
-    b_fair, a_fair = asyncio.run(_flood_then_one(fair.url, 16))
+    b_fifo, a_fifo = asyncio.run(_flood_then_one(fifo.url, 16, e.url))
+    b_fair, a_fair = asyncio.run(_flood_then_one(fair.url, 16, e.url))
     assert set(a_fifo) == set(a_fair) == {200}  # A is served in full either way
     # FCFS: B waits behind A's 16 (8 rounds of ~0.3 s); fair: B goes at the next free slot
     assert b_fifo > 2.0 and b_fair < 1.0, (b_fifo, b_fair)
@@ -77,13 +93,13 @@ def test_cancelled_while_queued_reaches_no_engine_and_keeps_no_reservation(procs
             hold = asyncio.create_task(c.post(r.url + "/v1/chat/completions", json=body(),
                                               headers={"authorization": f"Bearer {KEY_A}",
                                                        "x-fake-chunk-delay-ms": "250"}))
-            await asyncio.sleep(0.3)
-            queued = asyncio.create_task(c.post(r.url + "/v1/chat/completions", json=body(),
-                                                headers={"authorization": f"Bearer {KEY_B}"}))
-            await asyncio.sleep(0.3)
-            assert metric(httpx.get(r.url + "/metrics").text, "kvfleet_router_queued_requests", tenant="b") == 1
-            queued.cancel()  # the client goes away while its request waits
-            await asyncio.sleep(0.3)
+            await until(lambda: engine_running(e.url) == 1, "A on the engine's one slot")
+            waiting = asyncio.create_task(c.post(r.url + "/v1/chat/completions", json=body(),
+                                                 headers={"authorization": f"Bearer {KEY_B}"}))
+            await until(lambda: queued(r.url, tenant="b") == 1, "B queued")
+            waiting.cancel()  # the client goes away while its request waits
+            await until(lambda: metric(httpx.get(r.url + "/metrics").text, "kvfleet_router_queue_refusals_total",
+                                       reason="cancelled") == 1, "B out of the queue")
             assert (await hold).status_code == 200
 
     asyncio.run(run())
@@ -104,9 +120,9 @@ def test_full_queues_and_long_waits_are_refused_with_retry_after(procs, tenants_
                 return c.post(r.url + "/v1/chat/completions", json=body(),
                               headers={"authorization": f"Bearer {key}", "x-fake-chunk-delay-ms": delay})
             hold = asyncio.create_task(post(KEY_A, "200"))  # ~1.6 s on the one slot
-            await asyncio.sleep(0.2)
+            await until(lambda: engine_running(e.url) == 1, "A on the engine's one slot")
             waits = asyncio.create_task(post(KEY_B))
-            await asyncio.sleep(0.1)
+            await until(lambda: queued(r.url, tenant="b") == 1, "B queued")
             full = await post(KEY_B)  # B already has one queued: its limit
             assert full.status_code == 429 and full.headers["retry-after"] == "1"
             assert full.json()["error"]["code"] == "queue_full"

@@ -1,13 +1,15 @@
 """One OpenAI formatter for chat and completions: request deltas → SSE chunks, or one response body.
 
     fmt = ChatFormat(token_text)  |  CompletionFormat(token_text)
-    reply = Reply(fmt, request_id, model, created, n, want_logprobs, echo)
+    reply = Reply(fmt, request_id, model, created, n, want_logprobs, echo, prompt_ids)
     body_iter = reply.stream(outs, num_prompts, include_usage, continuous_usage)   # SSE bytes, ends with [DONE]
     body = await reply.collect(outs, num_prompts)                                     # or APIError 503 if aborted
 
 `outs` yields (prompt index k, RequestDelta); choice k * n + i is completion i of prompt k. Each delta's
 new text and logprobs are sent as they are (streaming) or appended to the choice (whole response): no
 output is copied per step. The two formats differ only in the shape of a choice and of its logprobs.
+With `prompt_ids` (the request asked for `return_token_ids`) every chunk carries its tokens' ids, a chunk goes
+out for every token even while its text is held back, and the prompt's ids come along (contract/token_ids.py).
 
 A stream sends nothing before a choice has its first token: a chat choice's first chunk carries the role
 and the first text in one delta, or the role and the finish reason for a choice that ends without text.
@@ -24,6 +26,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from contract.token_ids import PROMPT_TOKEN_IDS, TOKEN_IDS
 from engine.outputs import RequestDelta, TokenLogprob
 from engine.server.errors import APIError, engine_error
 from engine.server.streaming import SSE_DONE, sse, sse_error
@@ -115,6 +118,7 @@ class _Choice:
     prefix: str = ""  # echoed prompt text, sent before the first generated text
     pieces: list[str] = field(default_factory=list)  # whole responses only
     logprobs: list[TokenLogprob] = field(default_factory=list)  # whole responses only
+    token_ids: list[int] = field(default_factory=list)  # whole responses with return_token_ids only
     offset: int = 0  # text_offset of the next token: the prefix and the tokens' texts so far (completions)
     opened: bool = False  # its first chunk (the echoed prefix, the chat role) went out
     finish_reason: str | None = None
@@ -145,8 +149,9 @@ class _Usage:
 
 class Reply:
     def __init__(self, fmt: Format, request_id: str, model: str, created: int, n: int, want_logprobs: bool,
-                 echo: list[str] | None = None):
+                 echo: list[str] | None = None, prompt_ids: list[list[int]] | None = None):
         self.fmt = fmt
+        self.prompt_ids = prompt_ids  # per prompt, when the request asked for return_token_ids
         self.id = request_id
         self.model = model
         self.created = created
@@ -192,11 +197,18 @@ class Reply:
                             text, calls = c.tools.feed(text, finish is not None)
                             if finish == "stop" and c.tools.calls:
                                 finish = "tool_calls"
-                        if not text and not calls and lp is None and (o.finish_reason is None
-                                                                      or o.finish_reason == "abort" and not sent):
+                        ids = self.prompt_ids
+                        if not text and not calls and lp is None and not (ids and o.token_ids) and (
+                                o.finish_reason is None or o.finish_reason == "abort" and not sent):
                             continue  # nothing to say yet; an abort before any chunk is the 503 below
-                        chunk = {**base, "choices": [self.fmt.chunk_choice(idx, text, lp, finish, o.stop_reason,
-                                                                           not c.opened, calls)]}
+                        choice = self.fmt.chunk_choice(idx, text, lp, finish, o.stop_reason, not c.opened, calls)
+                        chunk = {**base, "choices": [choice]}
+                        if ids is not None:
+                            choice[TOKEN_IDS] = o.token_ids
+                            if isinstance(self.fmt, CompletionFormat) and not c.opened:
+                                choice[PROMPT_TOKEN_IDS] = ids[k]
+                            elif isinstance(self.fmt, ChatFormat) and not sent:
+                                chunk[PROMPT_TOKEN_IDS] = ids[k]
                         c.opened = True
                         if continuous_usage:
                             chunk["usage"] = usage.body([k])
@@ -225,6 +237,8 @@ class Reply:
                 for o in d.outputs:
                     c = self._choice(k, o.index)
                     c.pieces.append(o.text)
+                    if self.prompt_ids is not None:
+                        c.token_ids.extend(o.token_ids)
                     if o.logprobs:
                         c.logprobs.extend(o.logprobs)
                     if o.finish_reason is not None:
@@ -235,10 +249,17 @@ class Reply:
         for idx in sorted(self.choices):
             c = self.choices[idx]
             lp = self.fmt.logprobs(c.logprobs, len(c.prefix)) if self.want_logprobs else None
-            choices.append(self.fmt.full_choice(idx, c.prefix + "".join(c.pieces), lp, c.finish_reason,
-                                                c.stop_reason))
-        return {"id": self.id, "object": self.fmt.object, "created": self.created, "model": self.model,
+            choice = self.fmt.full_choice(idx, c.prefix + "".join(c.pieces), lp, c.finish_reason, c.stop_reason)
+            if self.prompt_ids is not None:
+                choice[TOKEN_IDS] = c.token_ids
+                if isinstance(self.fmt, CompletionFormat):
+                    choice[PROMPT_TOKEN_IDS] = self.prompt_ids[idx // self.n]
+            choices.append(choice)
+        body = {"id": self.id, "object": self.fmt.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage.body(range(num_prompts)), "system_fingerprint": None}
+        if self.prompt_ids is not None and isinstance(self.fmt, ChatFormat):
+            body[PROMPT_TOKEN_IDS] = self.prompt_ids[0]
+        return body
 
 
 def _aborted() -> APIError:

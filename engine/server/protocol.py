@@ -161,6 +161,7 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     priority: int = Field(0, ge=-2**31, le=2**31 - 1)  # vLLM's: lower runs first under --scheduling-policy priority
+    return_token_ids: bool = False  # vLLM's: token ids in the response (contract/token_ids.py)
     # structured outputs (engine/server/structured.py)
     response_format: ResponseFormat | None = None
     guided_json: dict | str | None = None

@@ -138,7 +138,8 @@ async def respond(state: ServerState, request: Request, req: _SamplingRequest, f
     except BaseException:
         await close_all(streams)
         raise
-    reply = Reply(fmt, rid, model, int(time.time()), req.n, params[0].logprobs is not None, echo and echo())
+    reply = Reply(fmt, rid, model, int(time.time()), req.n, params[0].logprobs is not None, echo and echo(),
+                  prompts if req.return_token_ids else None)
     headers = {"X-Request-Id": rid}
     if req.stream:
         continuous = req.include_usage() and req.stream_options.continuous_usage_stats

@@ -28,6 +28,9 @@ class ConfigError(ValueError):
         super().__init__(message)
         self.field = field
 
+    def __reduce__(self):  # pickles whole (the engine core reports a bad setting from its own process)
+        return type(self), (self.field, str(self))
+
 
 def error_type(status: int) -> str:
     """The error `type` of an HTTP status (any other 5xx: server_error; any other 4xx: invalid_request_error)."""

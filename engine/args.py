@@ -46,6 +46,11 @@ class EngineArgs:
     num_threads: int | None = None  # torch CPU threads; default: every core this process may use
     cpu_cores: str | None = None  # Linux CPU list ("0", "0-1", "0,2-3") to pin the engine to; default: no pinning
     cuda_graphs: bool = False  # decode steps replay CUDA graphs (CUDA + triton backend); off until a GPU run shows equal tokens
+    enable_lora: bool = False  # serve LoRA adapters (implied by lora_modules); off: the projections are untouched
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT adapter directory) registered at start
+    max_loras: int = 1  # adapters one step can run (slots in the model)
+    max_cpu_loras: int | None = None  # adapters kept read in memory; default: max_loras
+    max_lora_rank: int = 16  # the largest adapter rank accepted
     debug_step_delay_ms: int = 0  # fault injection: sleep this long after every step (a slow replica)
     debug_oom_every: int = 0  # fault injection: every Nth model step raises MemoryError (0: off)
 
@@ -88,12 +93,28 @@ class EngineArgs:
         if self.cpu_cores is not None:
             _cpu_cores(self.cpu_cores)
         _check(isinstance(self.cuda_graphs, bool), "--cuda-graphs", "must be a bool")
+        _check(isinstance(self.enable_lora, bool), "--enable-lora", "must be a bool")
+        if isinstance(self.lora_modules, (list, dict)):  # from code: a list of pairs or {name: path}
+            pairs = self.lora_modules.items() if isinstance(self.lora_modules, dict) else self.lora_modules
+            object.__setattr__(self, "lora_modules", tuple(tuple(m) for m in pairs))
+        _lora_modules(self.lora_modules, self.model_name)
+        check_int("--max-loras", self.max_loras, 1)
+        if self.max_cpu_loras is not None:
+            check_int("--max-cpu-loras", self.max_cpu_loras, 1)
+            _check(self.max_cpu_loras >= self.max_loras, "--max-cpu-loras",
+                   f"must be at least --max-loras ({self.max_loras}), got {self.max_cpu_loras}")
+        check_int("--max-lora-rank", self.max_lora_rank, 1)
+        _check(self.max_lora_rank <= 512, "--max-lora-rank", f"must be at most 512, got {self.max_lora_rank}")
         check_int("--debug-step-delay-ms", self.debug_step_delay_ms, 0)
         check_int("--debug-oom-every", self.debug_oom_every, 0)
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -102,6 +123,10 @@ class EngineArgs:
         names = values.get("served_model_name")
         if isinstance(names, (list, tuple)):  # --served-model-name takes one or more names; the first is primary
             values["served_model_name"] = names[0] if names else None
+        if values.get("lora_modules") is None:
+            values["lora_modules"] = ()
+        elif isinstance(values["lora_modules"], list):
+            values["lora_modules"] = tuple(values["lora_modules"])
         return cls(**values)
 
     @staticmethod
@@ -157,6 +182,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=d.cuda_graphs,
                    help="replay CUDA graphs of the decode step (CUDA with the triton backend; captured at start-up). "
                         "Off by default: not yet verified on a GPU")
+    lo = parser.add_argument_group("LoRA adapters (PEFT format: adapter_config.json + adapter_model.safetensors)")
+    lo.add_argument("--enable-lora", action="store_true", default=d.enable_lora,
+                    help="serve LoRA adapters, named as a request's model (implied by --lora-modules); adapters can "
+                         "then be added at run time with POST /v1/load_lora_adapter")
+    lo.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
+                    help="adapters to serve from start: NAME=PATH (a PEFT adapter directory) or vLLM's JSON "
+                         "'{\"name\": ..., \"path\": ...}'")
+    lo.add_argument("--max-loras", type=int, default=d.max_loras,
+                    help="most adapters one step runs together (default %(default)s)")
+    lo.add_argument("--max-cpu-loras", type=int, default=None,
+                    help="most adapters kept read in memory, least recently used dropped first (default: --max-loras)")
+    lo.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                    help="the largest adapter rank accepted (default %(default)s)")
     t = parser.add_argument_group("fault injection (for tests and chaos drills only; off by default)")
     t.add_argument("--debug-step-delay-ms", type=int, default=d.debug_step_delay_ms, metavar="MS",
                    help="sleep MS milliseconds after every engine step, making this replica slow (0: off)")
@@ -168,6 +206,25 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _check(ok: bool, flag: str, message: str) -> None:
     check(ok, flag, f"{flag}: {message}")
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    from engine.lora.request import parse_lora_module
+
+    try:
+        return parse_lora_module(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _lora_modules(modules: object, model_name: str) -> None:
+    _check(isinstance(modules, tuple) and all(isinstance(m, tuple) and len(m) == 2 and all(
+        isinstance(v, str) and v for v in m) for m in modules), "--lora-modules",
+        f"must be (name, path) pairs, got {modules!r}")
+    names = [name for name, _ in modules]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    _check(not dup, "--lora-modules", f"names must be unique, got {dup} more than once")
+    _check(model_name not in names, "--lora-modules", f"an adapter cannot take the base model's name {model_name!r}")
 
 
 def _cpu_cores(text: object) -> None:

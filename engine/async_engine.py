@@ -1,14 +1,16 @@
-"""The engine for the server: steps run in a background thread, requests are asyncio streams.
+"""The engine for the server: the core runs apart (engine/core/), requests are asyncio streams here.
 
-`add_request()` validates the request on the caller's thread (engine/admission.py) and raises a typed
-error (engine/errors.py) at once if it can never run or the replica is full; otherwise the request is
-queued for the engine thread and a `RequestStream` is returned, which yields a RequestDelta (only what is
-new) after every step that produced something for it, merging deltas that piled up while its consumer
-was busy. Closing the stream before the request finished aborts it; aborts and new requests are applied
-by the engine thread before its next step, so an abort takes effect within one step. After each step the
-thread drains the KV cache events and passes them, with the step's deltas, to the event loop in one
-call; the loop keeps a mirror of the cached block hashes, so a new KV event subscriber gets a snapshot
-and a sequence number consistent with the events that follow.
+The core is a process of its own by default (`--engine-core process`, engine/core/process.py), or a
+thread of this process (`--engine-core thread`, or an LLMEngine handed in: tests, Ray replicas); this
+front end is the same for both. `add_request()` validates the request here (engine/admission.py) and
+raises a typed error (engine/errors.py) at once if it can never run or the replica is full; otherwise
+the request is sent to the core and a `RequestStream` is returned, which yields a RequestDelta (only what
+is new) after every step that produced something for it, merging deltas that piled up while its consumer
+was busy. Closing the stream before the request finished aborts it; the core applies aborts and new
+requests before its next step, so an abort takes effect within one step. After each turn the core
+reports its deltas, KV events and stats together; this side keeps a mirror of the cached block hashes,
+so a new KV event subscriber gets a snapshot and a sequence number consistent with the events that
+follow, and `stats()` answers from the last report without asking the core.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import threading
+import time
 from collections.abc import Sequence as Seq
 
 from contract.kv_events import KVEvent
+from engine.admission import admit
 from engine.args import EngineArgs
+from engine.core.messages import Abort, AddRequest, CoreFailed, Stop, TurnReport
 from engine.errors import EngineDeadError, QueueFullError
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.outputs import RequestDelta
@@ -73,54 +77,69 @@ class RequestStream:
 
 class AsyncLLMEngine:
     def __init__(self, args: EngineArgs, engine: LLMEngine | None = None, max_queued_requests: int | None = None):
-        """max_queued_requests: beyond max_num_seqs running plus this many, add_request raises QueueFullError."""
+        """engine: a loaded LLMEngine to run on a thread of this process; without one, the core is built as
+        args.engine_core says (a process: this call returns once its model is loaded, raising what it raised).
+        max_queued_requests: beyond max_num_seqs running plus this many, add_request raises QueueFullError."""
         self.args = args
-        self.engine = engine or LLMEngine(args)
-        self.tokenizer = self.engine.tokenizer
-        self.model_name = self.engine.model_name
-        self.limits = self.engine.limits
-        self.hash_seed = self.engine.hash_seed
-        self.grammars = self.engine.grammars  # compiles on its own worker thread (engine/structured/grammars.py)
+        if engine is None and args.engine_core == "process":
+            from engine.core.process import ProcessCore
+            from engine.model.registry import resolve_model
+            from engine.structured.grammars import GrammarCache
+            from engine.tokenizer import load_tokenizer
+
+            self.tokenizer = load_tokenizer(resolve_model(args.model, args.allow_download))
+            self._core = ProcessCore(args)
+            self.grammars = GrammarCache(self.tokenizer.hf, self._core.info.vocab_size, self.tokenizer.eos_token_ids)
+        else:
+            from engine.core.thread import ThreadCore
+
+            self._core = ThreadCore(engine or LLMEngine(args))
+            self.tokenizer = self._core.tokenizer
+            self.grammars = self._core.grammars  # compiles on its own worker thread (engine/structured/grammars.py)
+        info = self._core.info
+        self.model_name = info.model_name
+        self.limits = info.limits
+        self.hash_seed = info.hash_seed
+        self.core_pid = info.pid or None  # the core process's pid; None when the core is a thread
         self.max_requests = None if max_queued_requests is None else args.max_num_seqs + max_queued_requests
-        self._cv = threading.Condition()
-        self._commands: list[tuple] = []  # ("add", seq) | ("abort", request_id), applied by the engine thread
+        self._started = False
         self._stopping = False
-        self._thread: threading.Thread | None = None
+        self._stopped: asyncio.Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}  # running requests (loop thread only)
         self._subscribers: set[asyncio.Queue] = set()
-        self._cached: dict[int, None] = {}  # mirror of the prefix cache's hashes, in insertion order
-        self._last_event_seq = 0
+        self._cached: dict[int, None] = dict.fromkeys(info.cached_hashes)  # the prefix cache's hashes, in order
+        self._last_event_seq = info.last_event_seq
+        self._stats: EngineStats = info.stats
         self.kv_events_published = 0
         self.dead: BaseException | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        if self._thread is not None:
+        if self._started:
             return
+        self._started = True
         self._loop = asyncio.get_running_loop()
-        kv = self.engine.kv
-        self._cached = dict.fromkeys(kv.snapshot())
-        self._last_event_seq = kv.last_event_seq
-        kv.drain_events()  # covered by the snapshot
-        self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
-        self._thread.start()
+        self._stopped = self._loop.create_future()
+        self._core.start(self._on_report)
 
     async def shutdown(self) -> None:
-        """Abort whatever runs (its streams end with finish_reason "abort") and stop the engine thread."""
-        with self._cv:
+        """Abort whatever runs (its streams end with finish_reason "abort") and stop the core."""
+        if self._started and not self._stopping and self.dead is None:
             self._stopping = True
-            self._cv.notify()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-            self._thread = None
+            self._core.send(Stop())
+            try:
+                await asyncio.wait_for(asyncio.shield(self._stopped), 30)
+            except asyncio.TimeoutError:
+                logger.warning("the engine core did not stop within 30 s")
+        await asyncio.to_thread(self._core.join, 10)
         if self.dead is None:
             self.dead = EngineDeadError("the engine is shut down")
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self.dead is None
+        return self._started and self.dead is None
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -129,16 +148,17 @@ class AsyncLLMEngine:
         """Validate and queue a request (raises InvalidRequestError, QueueFullError, EngineDeadError)."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine is not running: {self.dead}")
-        if self._thread is None:
+        if not self._started:
             raise EngineDeadError("the engine is not started; await start() first")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already running")
         if self.max_requests is not None and len(self._streams) >= self.max_requests:
             raise QueueFullError(f"this replica is at capacity ({len(self._streams)} requests in flight, at most "
                                  f"{self.max_requests}); retry shortly or on another replica")
-        seq = self.engine.new_sequence(request_id, prompt_token_ids, params, cache_salt, arrival_time)
+        prompt, params = admit(prompt_token_ids, params, self.limits)
         stream = self._streams[request_id] = RequestStream(self, request_id)
-        self._send(("add", seq))
+        self._core.send(AddRequest(request_id, prompt, params, cache_salt,
+                                   time.monotonic() if arrival_time is None else arrival_time))
         return stream
 
     @property
@@ -148,17 +168,13 @@ class AsyncLLMEngine:
 
     def _forget(self, request_id: str, abort: bool) -> None:
         self._streams.pop(request_id, None)
-        if abort:
-            self._send(("abort", request_id))
+        if abort and self.dead is None:
+            self._core.send(Abort(request_id))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with finish_reason "abort" after the engine's next step."""
-        self._send(("abort", request_id))
-
-    def _send(self, command: tuple) -> None:
-        with self._cv:
-            self._commands.append(command)
-            self._cv.notify()
+        if self.dead is None:
+            self._core.send(Abort(request_id))
 
     # ---- KV events ---------------------------------------------------------------------------
 
@@ -174,54 +190,35 @@ class AsyncLLMEngine:
     # ---- observability -----------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        return dataclasses.replace(self.engine.stats(), kv_events_published=self.kv_events_published)
+        """The core's stats after its last turn."""
+        return dataclasses.replace(self._stats, kv_events_published=self.kv_events_published)
 
-    # ---- the engine thread -------------------------------------------------------------------
+    # ---- reports from the core (on its reader or loop thread) ---------------------------------
 
-    def _run(self) -> None:
-        engine = self.engine
+    def _on_report(self, item: TurnReport | CoreFailed) -> None:
         try:
-            while True:
-                with self._cv:
-                    while not (self._commands or self._stopping or engine.has_unfinished_requests()):
-                        self._cv.wait()
-                    commands, self._commands = self._commands, []
-                    stopping = self._stopping
-                outputs: list[RequestDelta] = []
-                errors: list[tuple[str, BaseException]] = []
-                for kind, arg in commands:
-                    if kind == "add":
-                        try:
-                            engine.add_sequence(arg)
-                        except Exception as e:  # noqa: BLE001 - reported to that request's iterator
-                            errors.append((arg.request_id, e))
-                    else:
-                        out = engine.abort_request(arg)
-                        if out is not None:
-                            outputs.append(out)
-                if stopping:
-                    outputs.extend(engine.abort_all())
-                elif engine.has_unfinished_requests():
-                    outputs.extend(engine.step())
-                self._publish(outputs, errors, engine.drain_kv_events())
-                if stopping:
-                    return
-        except BaseException as e:  # the loop died: fail every request instead of hanging them
-            logger.exception("engine loop failed")
-            self.dead = e
-            self._call_soon(self._fail_all, EngineDeadError(f"engine loop failed: {type(e).__name__}: {e}"))
-
-    def _publish(self, outputs, errors, events: list[KVEvent]) -> None:
-        if outputs or errors or events:
-            self._call_soon(self._dispatch, outputs, errors, events)
-
-    def _call_soon(self, fn, *args) -> None:
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
+            self._loop.call_soon_threadsafe(self._apply, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
     # ---- on the event loop -------------------------------------------------------------------
+
+    def _apply(self, item: TurnReport | CoreFailed) -> None:
+        if isinstance(item, CoreFailed):
+            if self.dead is None:
+                self.dead = item.error
+                logger.error("the engine core failed: %s", item.error)
+            self._fail_all(EngineDeadError(f"engine loop failed: {type(item.error).__name__}: {item.error}"))
+            self._set_stopped()
+            return
+        self._stats = item.stats
+        self._dispatch(item.outputs, item.errors, item.events)
+        if item.stopped:
+            self._set_stopped()
+
+    def _set_stopped(self) -> None:
+        if self._stopped is not None and not self._stopped.done():
+            self._stopped.set_result(None)
 
     def _dispatch(self, outputs: list[RequestDelta], errors, events: list[KVEvent]) -> None:
         for out in outputs:

@@ -24,6 +24,9 @@ class InvalidRequestError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):  # pickled whole across the engine core's process boundary
+        return type(self), (self.param, str(self))
+
 
 class RequestTooLongError(InvalidRequestError):
     """Prompt + output do not fit max_model_len or the whole KV cache."""

@@ -182,8 +182,13 @@ class LLMEngine:
                      cache_salt: str | None = None, arrival_time: float | None = None) -> Sequence:
         """Validate a request without touching engine state (safe from any thread); its first sequence."""
         prompt, params = admit(prompt_token_ids, params or SamplingParams(), self.limits)
+        return self.make_sequence(request_id, prompt, params, cache_salt, arrival_time)
+
+    def make_sequence(self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str | None = None,
+                      arrival_time: float | None = None) -> Sequence:
+        """The first sequence of a request admitted already (engine/admission.py), without checking it again."""
         seq = Sequence(request_id, prompt, params, cache_salt, arrival_time=arrival_time)
-        if params.guide is not None:  # compiled already by the server (grammars.compile_async): a cache hit
+        if params.guide is not None:  # compiled already (the server's compile_async, the core's ready()): a hit
             seq.matcher = self.grammars.matcher(params.guide)
         return seq
 

@@ -70,6 +70,12 @@ class GrammarCache:
         except _GrammarError as e:
             raise e.for_field(guide.param) from None
 
+    def ready(self, guide: Guide) -> bool:
+        """Whether the guide's grammar is compiled (or failed); starts compiling it if not. Never waits."""
+        with self._lock:
+            fut = self._futures.get(guide.key)
+        return (fut if fut is not None else self._future(guide)).done()
+
     def matcher(self, guide: Guide):
         import xgrammar as xgr
 

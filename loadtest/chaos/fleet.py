@@ -107,14 +107,19 @@ class Proc:
 
 
 def rss_bytes(pid: int) -> int:
+    """Resident memory of the process and its children (an engine's core process holds its model)."""
+    total = 0
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
+                    total = int(line.split()[1]) * 1024
+        for task in os.listdir(f"/proc/{pid}/task"):  # children of every thread (a core starts from a worker thread)
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                total += sum(rss_bytes(int(child)) for child in f.read().split())
     except OSError:
         pass
-    return 0
+    return total
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")

@@ -1,0 +1,83 @@
+"""What crosses between the front end (engine/async_engine.py) and the engine core, in either direction.
+
+Front end → core: `AddRequest` (a request already admitted by engine/admission.py, so the core trusts it),
+`Abort`, `Stop`. Core → front end: `CoreInfo` once, when the model is loaded and the KV cache sized, then a
+`TurnReport` after every turn that changed something, and `CoreFailed` if the core cannot go on. Plain
+frozen dataclasses of ints, strings and the engine's own dataclasses: pickled as they are (a 64-request
+report is ~9 KB and 0.15 ms to pickle on this machine's CPU), with no framing of our own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from contract.kv_events import KVEvent
+from engine.admission import EngineLimits
+from engine.outputs import RequestDelta
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Abort whatever runs (its last deltas are reported) and end the core."""
+
+
+Command = AddRequest | Abort | Stop
+
+
+@dataclass(frozen=True)
+class CoreInfo:
+    """What the front end needs of a loaded engine: names, limits, and the prefix cache it starts from."""
+
+    model_name: str
+    limits: EngineLimits
+    hash_seed: int
+    vocab_size: int  # the model's (the tokenizer's may be smaller)
+    cached_hashes: list[int]
+    last_event_seq: int
+    pid: int  # the core process's; 0 when the core is a thread of the front end's process
+    stats: object  # engine.llm_engine.EngineStats at start
+
+
+@dataclass(frozen=True)
+class TurnReport:
+    """One turn of the core: deltas, requests refused when added, KV events, and the stats after it."""
+
+    outputs: list[RequestDelta]
+    errors: list[tuple[str, BaseException]] = field(default_factory=list)
+    events: list[KVEvent] = field(default_factory=list)
+    stats: object = None  # engine.llm_engine.EngineStats (typed loosely: that module imports torch)
+    stopped: bool = False  # the core ended after this report (a Stop was applied)
+
+
+@dataclass(frozen=True)
+class CoreFailed:
+    """The core could not start or its loop died; `error` is the exception, its text for the logs."""
+
+    error: BaseException
+    during_start: bool
+
+
+def portable(error: BaseException) -> BaseException:
+    """The error itself if it survives pickling, else a RuntimeError with its type and text."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - an exception type with an unusual constructor
+        return RuntimeError(f"{type(error).__name__}: {error}")

@@ -21,6 +21,7 @@ from engine.kv.config import BLOCK_SIZES, valid_block_size
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 BACKEND_CHOICES = ("auto", "torch", "cpu", "triton")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+ENGINE_CORES = ("process", "thread")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class EngineArgs:
     num_threads: int | None = None  # torch CPU threads; default: every core this process may use
     cpu_cores: str | None = None  # Linux CPU list ("0", "0-1", "0,2-3") to pin the engine to; default: no pinning
     cuda_graphs: bool = False  # decode steps replay CUDA graphs (CUDA + triton backend); off until a GPU run shows equal tokens
+    engine_core: str = "process"  # process: the core in a process of its own (engine/core/); thread: in the server's
     enable_lora: bool = False  # serve LoRA adapters (implied by lora_modules); off: the projections are untouched
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT adapter directory) registered at start
     max_loras: int = 1  # adapters one step can run (slots in the model)
@@ -81,6 +83,7 @@ class EngineArgs:
                f"must be at least --max-num-seqs ({self.max_num_seqs}) so every running sequence can decode "
                f"each step, got {self.max_num_batched_tokens}")
         _choice("--scheduling-policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        _choice("--engine-core", self.engine_core, ENGINE_CORES)
         _check(isinstance(self.priority_aging, (int, float)) and not isinstance(self.priority_aging, bool)
                and self.priority_aging > 0, "--priority-aging", f"must be a number of seconds > 0, got "
                f"{self.priority_aging!r}")
@@ -182,6 +185,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=d.cuda_graphs,
                    help="replay CUDA graphs of the decode step (CUDA with the triton backend; captured at start-up). "
                         "Off by default: not yet verified on a GPU")
+    g.add_argument("--engine-core", default=d.engine_core, choices=ENGINE_CORES,
+                   help="process (default): the loop that schedules, runs the model and samples runs in a process of "
+                        "its own, so the HTTP server's work overlaps its steps; thread: in the server's process "
+                        "(one fewer process, for a single core)")
     lo = parser.add_argument_group("LoRA adapters (PEFT format: adapter_config.json + adapter_model.safetensors)")
     lo.add_argument("--enable-lora", action="store_true", default=d.enable_lora,
                     help="serve LoRA adapters, named as a request's model (implied by --lora-modules); adapters can "

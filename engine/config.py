@@ -23,6 +23,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     policy: str = "fcfs"  # one of SCHEDULING_POLICIES
     priority_aging_s: float = 30.0  # under "priority": a waiting request's priority improves by 1 per this long
+    max_loras: int = 1  # distinct LoRA adapters among the running sequences (the model's adapter slots)
 
     def __post_init__(self) -> None:
         check(self.policy in SCHEDULING_POLICIES, "scheduling_policy",

@@ -30,10 +30,11 @@ from engine.attention import get_attention_backend
 from engine.config import SchedulerConfig
 from engine.cpu_cores import parse_cpu_list, pin_process
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import RequestOutOfMemoryError
+from engine.errors import InvalidRequestError, RequestOutOfMemoryError
 from engine.kv.config import CacheConfig
 from engine.kv.manager import KVCacheManager
 from engine.kv.sizing import GIB, plan_fixed, plan_from_profile
+from engine.lora.manager import lora_manager
 from engine.memory_profile import cuda_baseline, host_memory_bytes, profile_cuda, tensor_bytes
 from engine.model.cpu_layers import use_cpu_kernels
 from engine.model.llama import ModelConfig
@@ -77,6 +78,9 @@ class EngineStats:
     kv_events_published: int = 0
     num_free_blocks: int = 0  # blocks no request holds (cached ones among them, evictable)
     num_cached_blocks: int = 0  # blocks whose content the prefix cache holds (held or free)
+    max_loras: int = 0  # adapter slots per step (0: LoRA off)
+    lora_running: tuple[str, ...] = ()  # adapters of the running requests
+    lora_waiting: tuple[str, ...] = ()  # adapters of the waiting ones
 
 
 class _Request:
@@ -134,16 +138,18 @@ class LLMEngine:
             use_cpu_kernels(self.model)  # the fused kernels serve this model: the layers' glue runs through them too
         elif backend.name == "triton":
             use_triton_layers(self.model)  # residual+norm, rotary+KV write, SiLU x up: one Triton kernel each
+        self.lora = lora_manager(self.model, args, backend.name)  # None unless LoRA is on: projections untouched
         self.kv_cache_plan = None  # how the KV cache was sized (engine/kv/sizing.py); None with --num-blocks
         num_blocks = args.num_blocks or self._size_kv_cache(backend, free_at_start)
         self.kv = KVCacheManager(CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching, args.hash_seed))
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, self.max_model_len,
-                                                   args.scheduling_policy, args.priority_aging), self.kv)
+                                                   args.scheduling_policy, args.priority_aging, args.max_loras),
+                                   self.kv)
         self.limits = EngineLimits(min(self.config.vocab_size, self.tokenizer.vocab_size), self.max_model_len,
                                    args.max_num_seqs, args.block_size, num_blocks)
         self.runner = ModelRunner(self.model, backend, num_blocks, args.block_size, self.device,
                                   args.debug_oom_every, max_num_seqs=args.max_num_seqs,
-                                  max_model_len=self.max_model_len, cuda_graphs=args.cuda_graphs)
+                                  max_model_len=self.max_model_len, cuda_graphs=args.cuda_graphs, lora=self.lora)
         if self.device.type == "cuda":
             self.runner.warm_up()  # every Triton kernel compiled (and graphs captured) before the first request
         self.sampler = Sampler(seed=args.seed)
@@ -196,6 +202,11 @@ class LLMEngine:
         """Queue a sequence made by new_sequence (engine thread only)."""
         if seq.request_id in self.requests:
             raise ValueError(f"request_id {seq.request_id!r} is already running")
+        if seq.lora is not None:  # read from its directory the first time (LoRAError: the request fails)
+            if self.lora is None:
+                raise InvalidRequestError("model", f"{seq.lora.name!r} is a LoRA adapter, but this engine serves "
+                                                   f"none (start it with --enable-lora)")
+            self.lora.ensure_loaded(seq.lora)
         self.scheduler.add(seq)
         req = self.requests[seq.request_id] = _Request(seq)
         self._track(req, seq)
@@ -336,7 +347,20 @@ class LLMEngine:
             num_preemptions=kv.num_preemptions, alloc_failures=kv.alloc_failures, evictions=kv.evictions,
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
             oom_events=self.oom_events, gpu_memory_used_bytes=self._gpu_memory_used(),
-            num_free_blocks=kv.num_free_blocks, num_cached_blocks=len(kv.pool.cached))
+            num_free_blocks=kv.num_free_blocks, num_cached_blocks=len(kv.pool.cached),
+            **(self._lora_stats() if self.lora is not None else {}))
+
+    def _lora_stats(self) -> dict:
+        sched = self.scheduler
+        running = dict.fromkeys(s.lora.name for s in sched.running if s.lora is not None)
+        waiting = dict.fromkeys(s.lora.name for s in sched.waiting if s.lora is not None)
+        return {"max_loras": self.lora.max_loras, "lora_running": tuple(running), "lora_waiting": tuple(waiting)}
+
+    def remove_lora(self, adapter_id: int) -> None:
+        """Forget an unloaded adapter's weights (requests already running under it finish first)."""
+        if self.lora is not None and not any(
+                r.params.lora is not None and r.params.lora.id == adapter_id for r in self.requests.values()):
+            self.lora.remove(adapter_id)
 
     def _gpu_memory_used(self) -> int | None:
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None

@@ -55,11 +55,14 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend, num_blocks: int, block_size: int,
                  device: torch.device | str = "cpu", debug_oom_every: int = 0, max_num_seqs: int = 256,
-                 max_model_len: int | None = None, persistent_decode: bool = True, cuda_graphs: bool = False):
+                 max_model_len: int | None = None, persistent_decode: bool = True, cuda_graphs: bool = False,
+                 lora=None):
         """persistent_decode: decode-only steps run from persistent buffers (False: rebuilt each step, as
         before; kept for the equality test). cuda_graphs: replay captured graphs for decode steps (CUDA and
-        the triton backend only; captured by warm_up)."""
+        the triton backend only; captured by warm_up). lora: the engine's LoRAManager (engine/lora/), told each
+        step which rows run under which adapter; None: LoRA is off."""
         self.model = model
+        self.lora = lora
         self.debug_oom_every = debug_oom_every
         self.num_model_steps = 0
         self.backend = backend
@@ -76,6 +79,9 @@ class ModelRunner:
                               if persistent_decode else None)
         if cuda_graphs and not (self.device.type == "cuda" and backend.name == "triton" and persistent_decode):
             logger.warning("CUDA graphs need a CUDA device, the triton backend and persistent decode inputs: off")
+            cuda_graphs = False
+        if cuda_graphs and lora is not None:
+            logger.warning("CUDA graphs do not capture the LoRA products yet: off with LoRA enabled")
             cuda_graphs = False
         self.graphs = DecodeGraphs(model, self.kv_caches, backend, self.decode_inputs) if cuda_graphs else None
         per_token = kv_bytes_per_token(cfg, dtype)
@@ -98,6 +104,8 @@ class ModelRunner:
             self.copy_blocks(blocks_to_copy)
         if not scheduled:
             return torch.empty(0, self.model.config.vocab_size), []
+        if self.lora is not None:
+            self.lora.set_batch(scheduled)  # rows are in `scheduled` order on both paths below
         if self.decode_inputs is not None:
             if (all(it.num_new_tokens == 1 and it.seq.num_computed_tokens + 1 == it.seq.num_tokens for it in scheduled)
                     and self.decode_inputs.fits(scheduled)):

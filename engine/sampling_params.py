@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+from engine.lora.request import LoRARequest
 from engine.structured.spec import Guide
 
 
@@ -34,6 +35,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     guide: Guide | None = None  # constrained decoding: JSON Schema, JSON object, regex, choice or grammar
     priority: int = 0  # scheduling, not sampling (vLLM's field): lower runs first under --scheduling-policy priority
+    lora: LoRARequest | None = None  # not sampling either: the LoRA adapter the request runs under (None: the base)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

@@ -175,6 +175,8 @@ class Scheduler:
             seats = 1 + self._unforked_children(seq)
             if len(self.running) + self._reserved_seats + seats > self.config.max_num_seqs:
                 break
+            if seq.lora is not None and not self._lora_fits(seq):
+                break  # its adapter would make a step need more than max_loras slots: it waits for one to end
             computed, num_hit = self.kv.get_computed_blocks(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens - num_hit, budget)
             copies = self.kv.allocate_slots(seq, n, computed)
@@ -193,6 +195,11 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             out.num_batched_tokens += n
             budget -= n
+
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """Whether seq's adapter is running already or one more adapter fits the step's max_loras slots."""
+        running = {s.lora.id for s in self.running if s.lora is not None}
+        return seq.lora.id in running or len(running) < self.config.max_loras
 
     def _unforked_children(self, seq: Sequence) -> int:
         """Sequences a request with n > 1 will still fork into (they need running slots too)."""

@@ -37,6 +37,7 @@ class Sequence:
         self.index = index  # which of the request's n completions this is
         self.params = params or SamplingParams()
         self.cache_salt = cache_salt
+        self.lora = self.params.lora  # the LoRARequest (engine/lora/request.py) it runs under; None: the base model
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)

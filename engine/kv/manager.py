@@ -218,5 +218,6 @@ class KVCacheManager:
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), min(num_tokens, seq.num_tokens) // bs):
             parent = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs],
-                                seq.cache_salt if i == 0 else None, self.hash_seed)
+                                seq.cache_salt if i == 0 else None, self.hash_seed,
+                                seq.lora.name if i == 0 and seq.lora is not None else None)
             hashes.append(parent)

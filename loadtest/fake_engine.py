@@ -8,7 +8,8 @@ block hashes from contract/hashing.py), so KV-aware routing can be tested withou
 request comes from headers: `x-fake-delay-ms` (before the first byte), `x-fake-chunks`, `x-fake-chunk-delay-ms`,
 `x-fake-break-after` (drop the connection after N chunks), `x-fake-status` (answer with this status),
 `x-fake-keepalives` (SSE comments `: keep-alive` sent before the first chunk of a stream, one per
-`x-fake-keepalive-ms`).
+`x-fake-keepalive-ms`). With `return_token_ids` (contract/token_ids.py) every streamed choice carries its token
+id (100 + its position) and the first chunk the prompt's ids (the request's token ids, else 1..8).
 Per process: `--fail-status` (every completion answers it), `--no-kv-events` (404, like a third-party engine),
 `--flavor vllm|sglang` (no /ready and no KV events, like those engines; sglang exports SGLang's metric names),
 `--delay-ms` (before every response's first byte), `--oom-events` (its `kvfleet:oom_events_total`),
@@ -192,6 +193,8 @@ class FakeEngine:
         max_tokens = max_tokens_of(req.get("max_completion_tokens"), req.get("max_tokens"))  # the engine's rule
         self.stats["last_max_tokens"] = max_tokens
         self.stats["last_priority"] = req.get("priority")
+        self.stats["last_prompt_tokens"] = len(tokens) if tokens else None
+        ids = (tokens or list(range(1, 9))) if req.get("return_token_ids") else None
         if isinstance(max_tokens, int) and max_tokens > 0:
             chunks = min(chunks, max_tokens)
         delay = float(hdr.get("x-fake-delay-ms", self.ns.delay_ms)) / 1000
@@ -225,14 +228,15 @@ class FakeEngine:
             opts = req.get("stream_options") or {}
             keepalives = (int(hdr.get("x-fake-keepalives", 0)), float(hdr.get("x-fake-keepalive-ms", 100)) / 1000)
             await self.stream(receive, send, rid, chat, chunks, chunk_delay, break_after, usage,
-                              bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats")), keepalives)
+                              bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats")), keepalives,
+                              ids)
         finally:
             self.stats["running"] -= 1
             if self.slots is not None:
                 self.slots.release()
 
     async def stream(self, receive, send, rid, chat, chunks, chunk_delay, break_after, usage, include_usage,
-                     continuous=False, keepalives=(0, 0.0)):
+                     continuous=False, keepalives=(0, 0.0), prompt_ids=None):
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": rid, "object": obj, "created": int(time.time()), "model": self.ns.model}
         disconnected = asyncio.ensure_future(_wait_disconnect(receive))
@@ -255,6 +259,10 @@ class FakeEngine:
                 choice = ({"index": 0, "delta": {"content": " tok"}, "finish_reason": "length" if last else None}
                           if chat else {"index": 0, "text": " tok", "finish_reason": "length" if last else None})
                 event = {**base, "choices": [choice]}
+                if prompt_ids is not None:
+                    choice["token_ids"] = [100 + i]
+                    if i == 0:
+                        (event if chat else choice)["prompt_token_ids"] = prompt_ids
                 if continuous:  # usage so far in every chunk (vLLM's and kvfleet's continuous_usage_stats)
                     event["usage"] = {**usage, "completion_tokens": i + 1, "total_tokens": usage["prompt_tokens"] + i + 1}
                 await send({"type": "http.response.body", "more_body": True,

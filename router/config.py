@@ -161,6 +161,7 @@ class RouterConfig:
     breaker_failures: int = 3
     breaker_open_s: float = 5.0
     max_attempts: int = 3
+    max_migrations: int = 2  # breaks after tokens went out that a stream may survive (0: none moves)
     connect_timeout_s: float = 2.0
     request_timeout_s: float = 600.0
     internal_token: str | None = None
@@ -212,6 +213,8 @@ class RouterConfig:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
         if self.scrape_stale_s < self.scrape_interval_s:
             raise ConfigError("scrape_stale_s", "must be >= scrape_interval_s")
+        if self.max_migrations < 0:
+            raise ConfigError("max_migrations", f"must be >= 0 (0: streams never move), got {self.max_migrations}")
         if self.replica_slots < 0:
             raise ConfigError("replica_slots", f"must be >= 0 (0: no queue), got {self.replica_slots}")
         if not self.queue_timeout_s > 0 or self.queue_max_per_tenant < 1 or self.queue_max_total < 1:

@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-attempts", type=int, default=d["max_attempts"].default,
                    help="attempts per request, each on another replica, while none has sent a byte (connection "
                    "errors, 502/503/504, 429 queue full)")
+    p.add_argument("--max-migrations", type=int, default=d["max_migrations"].default,
+                   help="times a stream may move to another replica of its pool when its replica fails after "
+                   "tokens went out (the client sees one stream; see docs/router.md); 0: never, the stream ends "
+                   "with an error event (default %(default)s)")
     p.add_argument("--request-timeout", type=float, default=d["request_timeout_s"].default, dest="request_timeout_s")
     p.add_argument("--internal-token", default=os.environ.get("KVFLEET_INTERNAL_TOKEN"),
                    help="bearer token for the engines' KV event endpoint (env KVFLEET_INTERNAL_TOKEN)")
@@ -161,6 +165,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         kv_heartbeat_timeout_s=ns.kv_heartbeat_timeout_s, block_size=ns.block_size,
         hash_seed=ns.hash_seed, approx_max_blocks=ns.approx_max_blocks, breaker_failures=ns.breaker_failures,
         breaker_open_s=ns.breaker_open_s, max_attempts=ns.max_attempts, request_timeout_s=ns.request_timeout_s,
+        max_migrations=ns.max_migrations,
         internal_token=ns.internal_token, max_body_bytes=ns.max_body_bytes, access_log=ns.access_log, pools_file=ns.pools, scoring=scoring,
         replica_slots=ns.replica_slots, forward_priority=ns.forward_priority, queue_timeout_s=ns.queue_timeout_s,
         queue_max_per_tenant=ns.queue_max_per_tenant, queue_max_total=ns.queue_max_total,

@@ -46,6 +46,14 @@ class RouterMetrics:
                                           "reported| cached tokens per request", buckets=_TOKEN_BUCKETS, registry=r)
         self.retries = Counter("kvfleet_router_retries", "Requests retried on another replica before their first "
                                "byte, by reason", ["reason"], registry=r)
+        self.migrations = Counter("kvfleet_router_migrations", "Streams whose replica failed after tokens went "
+                                  "out, by pool and outcome (completed: it went on on another replica and the "
+                                  "client saw one stream; limit: --max-migrations reached; failed: no replica "
+                                  "took it, or one refused it; unsupported: it could not go on exactly)",
+                                  ["pool", "outcome"], registry=r)
+        self.migration_gap = Histogram("kvfleet_router_migration_gap_seconds", "Time between the last chunk a "
+                                       "client got from a failed replica and the first one from the replica its "
+                                       "stream moved to", ["pool"], buckets=_TTFT_BUCKETS, registry=r)
         self.upstream_failures = Counter("kvfleet_router_upstream_failures", "Failed attempts on a replica, "
                                          "by phase (connect, before-first-byte, mid-stream)", ["replica", "phase"],
                                          registry=r)

@@ -18,16 +18,19 @@ import aiohttp
 from contract.errors import error_body, error_type
 from contract.request import Endpoint, RequestError, parse_request
 from contract.structured import constrained_kind
+from contract.token_ids import RETURN_TOKEN_IDS
 from router.admission.fair_queue import FairQueueConfig
 from router.admission.gate import Gate, Pass
 from router.admission.pipeline import Admission
 from router.config import RouterConfig
+from router.http.migrate import Resume
 from router.http.models import fleet_models
 from router.http.proxy import Attempts, Proxy
 from router.http.responses import send_bytes, send_json
 from router.http.tokenizers import THIRD_PARTY, Tokenizers
 from router.http.usage import StreamUsage, ask_for_usage
 from router.metrics import RouterMetrics
+from router.migration.continuation import why_not
 from router.pools.control import Pools
 from router.refusal import Refusal
 from router.routing.fleet import Fleet
@@ -208,9 +211,10 @@ class RouterApp:
         try:
             await self._serve(scope, receive, send_logged, attempts)
         finally:
-            access_log.info("%s %s %s replica=%s latency_ms=%.1f cached_tokens=%d retries=%d", scope["method"],
-                            scope["path"], status, attempts.replica or "-", (time.perf_counter() - t0) * 1000,
-                            attempts.predicted_cached_tokens, attempts.retries)
+            access_log.info("%s %s %s replica=%s latency_ms=%.1f cached_tokens=%d retries=%d migrations=%d",
+                            scope["method"], scope["path"], status, attempts.replica or "-",
+                            (time.perf_counter() - t0) * 1000, attempts.predicted_cached_tokens, attempts.retries,
+                            attempts.resume.migrations if attempts.resume is not None else 0)
 
     async def _serve(self, scope, receive, send, attempts: Attempts) -> None:
         path, method = scope["path"], scope["method"]
@@ -373,6 +377,13 @@ class RouterApp:
             attempts.follower = StreamUsage(wanted)
         elif tenant is not None:
             attempts.follower = StreamUsage()
+        if self.cfg.max_migrations and req.stream and why_not(req) is None:
+            # a stream that may move to another replica if its own fails (router/http/migrate.py): the engine
+            # sends the token ids a continuation starts from; the client gets them only if it asked
+            keep = req.get(RETURN_TOKEN_IDS) is True
+            if not keep:
+                req = req.with_fields(**{RETURN_TOKEN_IDS: True})
+            attempts.resume = Resume(req, pool.name, keep, self.tokenizers.get(req.model), self.cfg.max_migrations)
         body = req.upstream_body()  # written once, here
         prepared_s = time.perf_counter() - t0
         metrics = self.metrics

@@ -6,7 +6,10 @@
   every attempt failed and at least one replica answered 429, the client gets that 429 (its OpenAI error
   body and `Retry-After`): the fleet is full, so try again later; otherwise a 503.
 - Streamed responses start once the replica sent its first body chunk; from then on bytes pass straight
-  through. A replica that dies mid-stream ends the client's stream with an SSE error event and `[DONE]`.
+  through. A stream that can move (router/http/migrate.py) passes event by event instead, read on the way
+  (router/migration/progress.py): when its replica fails after tokens went out, it goes on on another replica
+  and the client sees one stream. Otherwise, or when it cannot go on, a replica that dies mid-stream ends the
+  client's stream with an SSE error event and `[DONE]`.
 - The caller cancels the task when the client disconnects; closing the upstream response closes its
   connection, and the engine aborts the request.
 - The proxy sees replicas only through the fleet's leases (router/routing/lease.py): it reports each attempt's
@@ -26,8 +29,10 @@ from typing import NamedTuple
 import aiohttp
 
 from contract.errors import error_body, error_type
+from router.http.migrate import Migrator, Resume
 from router.http.responses import send_json
 from router.http.usage import StreamUsage
+from router.migration.progress import Progress, replica_failed
 from router.routing.lease import Lease
 from router.routing.prepare import PreparedRequest
 from router.states import StrEnum
@@ -109,6 +114,7 @@ class _Result(NamedTuple):
     end: End
     detail: str  # the status label when DONE, else what went wrong
     refusal: tuple[list, bytes] | None = None  # a 429's raw headers and body, to hand on if all replicas refuse
+    progress: Progress | None = None  # a stream that broke and may move: what its client got
 
 
 @dataclass(slots=True)
@@ -125,6 +131,7 @@ class Attempts:
     usage: dict | None = None  # the usage the replica reported (the last one of a stream)
     no_replica: bool = False  # no replica could be leased at all (none ready): not the pool's failure
     follower: StreamUsage | None = None  # set by the app: reads what was used, gives the client the usage it asked for
+    resume: Resume | None = None  # set by the app for a stream that may move to another replica
 
 
 class Proxy:
@@ -139,6 +146,7 @@ class Proxy:
         self.max_attempts = max_attempts
         self.internal_token = internal_token
         self.own_credentials = own_credentials
+        self.migrator = Migrator(metrics, session, max_attempts)
 
     async def forward(self, send, path: str, body: bytes, headers, prep: PreparedRequest,
                       lease: Callable[[PreparedRequest, set[str]], Lease | None], attempts: Attempts,
@@ -173,6 +181,9 @@ class Proxy:
                 attempts.status = result.detail
                 return
             if result.end is End.MID_STREAM:
+                if result.progress is not None:
+                    await self._moved(send, url, result, fwd_headers, lease, attempts)
+                    return
                 metrics.requests.labels(url, metrics.policy, "error").inc()
                 attempts.status = "error"
                 return
@@ -199,6 +210,22 @@ class Proxy:
         await send_json(send, 503, error_body(f"no replica could serve the request ({last_error})",
                                               error_type(503), None, "no_replica_available"),
                         list(extra_headers) + ([(b"retry-after", b"1")] if not tried else []))
+
+    async def _moved(self, send, url: str, result: _Result, fwd_headers, lease, attempts: Attempts) -> None:
+        """A stream whose replica failed after tokens went out: on to other replicas, or the error event."""
+        metrics, progress = self.metrics, result.progress
+        if await self.migrator.resume(send, attempts.resume, progress, url, fwd_headers, lease, attempts.follower,
+                                      attempts):
+            metrics.requests.labels(attempts.replica, metrics.policy, "200").inc()
+            attempts.status = "200"
+            return
+        metrics.requests.labels(url, metrics.policy, "error").inc()
+        attempts.status = "error"
+        if progress.error is not None:
+            end = b"data: " + json.dumps(progress.error).encode() + b"\n\ndata: [DONE]\n\n"
+        else:
+            end = sse_error_event(f"replica {url} failed mid-stream ({result.detail}); the response is incomplete")
+        await send({"type": "http.response.body", "body": end, "more_body": False})
 
     async def _attempt(self, send, url: str, path: str, body: bytes, fwd_headers, prep: PreparedRequest,
                        ls: Lease, extra_headers, attempts: Attempts) -> _Result:
@@ -247,11 +274,16 @@ class Proxy:
             if not first:
                 return _Result(End.READ, "empty response")
             usage = attempts.follower
+            resume = attempts.resume
+            progress = resume.progress() if resume is not None else None
             attempts.answered = True
             await send({"type": "http.response.start", "status": 200,
                         "headers": response_headers(resp.raw_headers, url, None, extra_headers)})
-            await send({"type": "http.response.body", "body": first if usage is None else usage.feed(first),
+            out = first if progress is None else progress.feed(first)
+            await send({"type": "http.response.body", "body": out if usage is None else usage.feed(out),
                         "more_body": True})
+            if resume is not None:
+                resume.last_at = time.perf_counter()
             if not _no_token(first):
                 attempts.first_token_at = time.perf_counter()
                 ls.first_token()
@@ -267,18 +299,32 @@ class Proxy:
                             saw_usage = True
                             attempts.usage = got
                             metrics.observe_usage(url, predicted, got)
+                    if progress is not None:
+                        chunk = progress.feed(chunk)
+                        resume.last_at = time.perf_counter()
                     if usage is not None:
                         chunk = usage.feed(chunk)
-                        if not chunk:
-                            continue
+                    if not chunk:
+                        continue
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except _UPSTREAM_ERRORS as e:
                 metrics.upstream_failures.labels(url, "mid-stream").inc()
                 log.warning("replica %s failed mid-stream: %s", url, _describe(e))
+                if progress is not None:
+                    return _Result(End.MID_STREAM, _describe(e), progress=progress)
                 await send({"type": "http.response.body", "more_body": False,
                             "body": sse_error_event(f"replica {url} failed mid-stream ({_describe(e)}); "
                                                     "the response is incomplete")})
                 return _Result(End.MID_STREAM, _describe(e))
+            if progress is not None and not progress.done:  # an error event, or an end without [DONE]
+                if progress.error is None or replica_failed(progress.error):
+                    why = "error event" if progress.error is not None else "the stream ended without [DONE]"
+                    metrics.upstream_failures.labels(url, "mid-stream").inc()
+                    log.warning("replica %s failed mid-stream: %s", url, why)
+                    return _Result(End.MID_STREAM, why, progress=progress)
+                tail = b"data: " + json.dumps(progress.error).encode() + b"\n\ndata: [DONE]\n\n"  # the request's fault
+                await send({"type": "http.response.body", "body": tail if usage is None else usage.feed(tail),
+                            "more_body": True})
             await send({"type": "http.response.body", "body": b"" if usage is None else usage.flush(),
                         "more_body": False})
             attempts.ended_at = time.perf_counter()

@@ -158,7 +158,7 @@ def test_access_log_has_one_line_per_request_and_scrapes_stay_quiet(procs):
     lines = [ln for ln in logged.tail(100_000).splitlines() if "kvfleet.router.access" in ln]
     assert len(lines) == 1, lines
     assert re.search(rf"INFO kvfleet.router.access: POST /v1/chat/completions 200 replica={a.url} "
-                     r"latency_ms=\d+\.\d cached_tokens=0 retries=0$", lines[0]), lines[0]
+                     r"latency_ms=\d+\.\d cached_tokens=0 retries=0 migrations=0$", lines[0]), lines[0]
     for r in (logged, quiet):
         log = r.tail(100_000)
         assert f"INFO kvfleet.router.fleet: replica joined pool default: {a.url}" in log  # it does log at INFO
@@ -166,8 +166,9 @@ def test_access_log_has_one_line_per_request_and_scrapes_stay_quiet(procs):
     assert "kvfleet.router.access" not in quiet.tail(100_000)
 
 
-def test_replica_dying_mid_stream_ends_with_an_error_event(pair):
-    _, _, r = pair
+def test_replica_dying_mid_stream_ends_with_an_error_event_when_streams_do_not_move(procs, pair):
+    a, b, _ = pair
+    r = router(procs, [a.url, b.url], "--max-migrations", "0", policy="round-robin").wait_ready()
     t0 = time.monotonic()
     with httpx.stream("POST", r.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=10,
                       headers={"x-fake-break-after": "3", "x-fake-chunk-delay-ms": "20"}) as resp:

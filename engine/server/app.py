@@ -24,6 +24,7 @@ from engine.server.chat import create_chat_completion
 from engine.server.completions import create_completion
 from engine.server.errors import error_response, install_error_handlers
 from engine.server.kv_events import check_internal_token, kv_events
+from engine.server.lora import LoRARegistry, load_lora_adapter, model_cards, unload_lora_adapter
 from engine.server.metrics import EngineMetrics
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.serving import ServerConfig, ServerState
@@ -80,10 +81,12 @@ class BodyLimit:
 
 def build_app(config: ServerConfig, engine=None, engine_factory: Callable[[], object] | None = None,
               metrics: EngineMetrics | None = None, on_load_error: Callable[[str], None] | None = None,
-              on_engine_dead: Callable[[str], None] | None = None) -> FastAPI:
-    """on_load_error / on_engine_dead: called (once) when the model fails to load / the engine loop dies;
+              on_engine_dead: Callable[[str], None] | None = None, lora: LoRARegistry | None = None) -> FastAPI:
+    """lora: the LoRA adapters served (engine/server/lora.py), None when LoRA is off.
+    on_load_error / on_engine_dead: called (once) when the model fails to load / the engine loop dies;
     main() exits non-zero then, so a supervisor restarts the replica instead of keeping a zombie."""
     state = ServerState(config, None)
+    state.lora = lora
     metrics = metrics or EngineMetrics(config.model_name, stats=lambda: state.engine.stats() if state.engine else None,
                                        extra_info=lambda: {"instance_id": config.instance_id})
 
@@ -152,7 +155,16 @@ def build_app(config: ServerConfig, engine=None, engine_factory: Callable[[], ob
         data = [{"id": name, "object": "model", "created": state.created, "owned_by": "kvfleet",
                  "root": config.model_name, "parent": None, "max_model_len": eng.limits.max_model_len}
                 for name in config.served_model_names]
+        data += model_cards(state, state.created, eng.limits.max_model_len)
         return {"object": "list", "data": data}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora(request: Request) -> Response:
+        return await load_lora_adapter(state, request)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora(request: Request) -> Response:
+        return await unload_lora_adapter(state, request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:

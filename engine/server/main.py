@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
             internal_token=ns.internal_token, require_internal_token=ns.require_internal_token,
             drain_timeout=ns.drain_timeout, max_body_bytes=ns.max_body_bytes, sse_keepalive=ns.sse_keepalive)
         limits = http_limits.from_cli(ns)
+        from engine.server.lora import LoRARegistry
+
+        lora = LoRARegistry.from_args(engine_args, config.served_model_names)  # --lora-modules checked here
         if ns.max_queued_requests is not None and ns.max_queued_requests < 0:
             raise ConfigError("--max-queued-requests", f"--max-queued-requests must be >= 0, got {ns.max_queued_requests}")
     except ValueError as e:
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
     server: DrainingServer | None = None
     app = build_app(config, engine_factory=make_engine, on_load_error=lambda msg: server and server.fail(msg),
-                    on_engine_dead=lambda msg: server and server.fail(msg))
+                    on_engine_dead=lambda msg: server and server.fail(msg), lora=lora)
     uv_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=ns.access_log,
                                timeout_graceful_shutdown=5, lifespan="on", http=http_limits.protocol_class(limits))
     server = DrainingServer(uv_config, lambda: _drain(app.state.server, ns.drain_timeout))

@@ -82,6 +82,12 @@ class _StatsCollector:
                                   "(torch.cuda.memory_allocated).", labels=["model_name"])
             g.add_metric(labels, float(gpu_bytes))
             yield g
+        max_loras = getattr(s, "max_loras", 0)
+        if max_loras:  # vLLM's gauge with LoRA enabled: the value is the time of the reading
+            g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                                  labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters"])
+            g.add_metric([",".join(s.lora_running), str(max_loras), ",".join(s.lora_waiting)], time.time())
+            yield g
         info = {"model_name": self.model_name, "block_size": str(getattr(s, "block_size", "") or ""),
                 "num_gpu_blocks": str(getattr(s, "num_total_blocks", "") or ""), "enable_prefix_caching": "True"}
         info.update({k: str(v) for k, v in self.extra_info().items()})

@@ -7,6 +7,7 @@ error that `engine_error` maps (one table, engine/server/errors.py), before any 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -60,6 +61,7 @@ class ServerState:
     def __init__(self, config: ServerConfig, engine: EngineClient | None = None):
         self.config = config
         self.engine = engine
+        self.lora = None  # engine/server/lora.py's LoRARegistry when LoRA adapters are enabled
         self.load_error: str | None = None
         self.draining = False
         self.closing = False  # set when the process exits: long-lived streams end
@@ -78,8 +80,11 @@ class ServerState:
     def check_model(self, model: str | None) -> str:
         if model is None or model in self.config.served_model_names:
             return self.config.model_name if model is None else model
+        if self.lora is not None and model in self.lora.adapters:
+            return model
+        adapters = list(self.lora.adapters) if self.lora is not None else []
         raise APIError(404, f"The model `{model}` does not exist; this server serves "
-                            f"{list(self.config.served_model_names)}", "model", "model_not_found")
+                            f"{list(self.config.served_model_names) + adapters}", "model", "model_not_found")
 
     def engine_or_503(self) -> EngineClient:
         if self.draining:
@@ -126,6 +131,9 @@ async def respond(state: ServerState, request: Request, req: _SamplingRequest, f
     line goes out with its first chunk or keep-alive, so a failure before then still gets its HTTP status."""
     engine = state.engine_or_503()
     metrics = request.app.state.metrics
+    lora = state.lora.get(model) if state.lora is not None else None
+    if lora is not None:  # the adapter rides with the request's params to the engine core
+        params = [dataclasses.replace(p, lora=lora) for p in params]
     streams: list[Tracked] = []
     try:
         for k, (ids, sp) in enumerate(zip(prompts, params, strict=True)):

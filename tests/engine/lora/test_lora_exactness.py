@@ -10,7 +10,10 @@ does). The default run takes 4 prompts x 16 tokens; the full 16 prompts x 32 tok
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -21,7 +24,14 @@ from engine import SamplingParams  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.lora.request import LoRARequest  # noqa: E402
 from engine.model.registry import resolve_model  # noqa: E402
-from tests.engine.lora._adapters import ADAPTERS, hf_base, make_adapters, peft_greedy  # noqa: E402
+from tests.engine.lora._adapters import (  # noqa: E402
+    ADAPTERS,
+    hf_base,
+    make_adapters,
+    peft_greedy,
+    peft_model_of,
+    write_adapters,
+)
 
 pytestmark = pytest.mark.model
 
@@ -43,7 +53,7 @@ PROMPTS = [
     "Hi",
     "In 1969, the first humans landed on",
 ]
-QUICK = [0, 1, 4, 10]
+QUICK = [0, 4, 10]
 NAMES = list(ADAPTERS)
 
 
@@ -56,92 +66,118 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """(PEFT model holding the three adapters, {name: directory}, the engine)."""
-    source = resolve_model("smollm2")
-    peft_model, paths = make_adapters(hf_base(source), str(tmp_path_factory.mktemp("adapters")))
-    llm = LLM("smollm2", dtype="float32", max_model_len=512, num_blocks=512, max_num_seqs=32, seed=0, num_threads=1,
-              enable_lora=True, max_loras=4, max_cpu_loras=4, max_lora_rank=64)
-    return peft_model, paths, llm
+def llm():
+    return LLM("smollm2", dtype="float32", max_model_len=512, num_blocks=512, max_num_seqs=64, seed=0, num_threads=1,
+               enable_lora=True, max_loras=4, max_cpu_loras=4, max_lora_rank=64)
 
 
-def _lora(paths, name: str | None, generation: int = 0) -> LoRARequest | None:
-    return None if name is None else LoRARequest(name, 1 + NAMES.index(name) + 10 * generation, paths[name])
+@dataclass(frozen=True)
+class Case:
+    name: str
+    paths: dict[str, str]
+    prompts: list[list[int]]
+    new_tokens: int
+    refs: dict  # adapter name ("" for the base model) -> PEFT's greedy tokens per prompt
+    ids: int  # LoRARequest ids of this case start here
+
+    def lora(self, name: str | None, generation: int = 0) -> LoRARequest | None:
+        return None if name is None else LoRARequest(name, self.ids + NAMES.index(name) + 10 * generation,
+                                                     self.paths[name])
+
+    def params(self, name: str | None, generation: int = 0, new_tokens: int | None = None) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=new_tokens or self.new_tokens, ignore_eos=True,
+                              lora=self.lora(name, generation))
+
+    def ref(self, name: str | None) -> list[list[int]]:
+        return self.refs[name or ""]
 
 
-def _params(paths, name, new_tokens, generation=0) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, lora=_lora(paths, name, generation))
-
-
+# quick (the default run): 4 prompts x 16 tokens, the adapters written to disk in PEFT's format from the recipe and
+# PEFT's references kept in pytest's cache; full (-m slow): all 16 prompts x 32 tokens, the adapters made by peft
 @pytest.fixture(scope="module", params=["quick", pytest.param("full", marks=pytest.mark.slow)])
-def case(request, setup):
-    """(prompt token lists, new tokens, {adapter name or None: PEFT's greedy tokens per prompt})."""
-    peft_model, _, llm = setup
-    indices, new_tokens = (QUICK, 16) if request.param == "quick" else (range(len(PROMPTS)), 32)
-    prompts = [llm.tokenizer.encode(PROMPTS[i]) for i in indices]
-    refs = {name: peft_greedy(peft_model, name, prompts, new_tokens) for name in [None, *NAMES]}
-    return prompts, new_tokens, refs
+def case(request, llm, tmp_path_factory) -> Case:
+    directory = str(tmp_path_factory.mktemp(f"adapters-{request.param}"))
+    source = resolve_model("smollm2")
+    if request.param == "quick":
+        prompts = [llm.tokenizer.encode(PROMPTS[i]) for i in QUICK]
+        paths, new_tokens = write_adapters(directory), 16
+        refs = _cached_refs(request, source, paths, prompts, new_tokens)
+        return Case("quick", paths, prompts, new_tokens, refs, 100)
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+    peft_model, paths = make_adapters(hf_base(source), directory)
+    refs = {name or "": peft_greedy(peft_model, name, prompts, 32) for name in [None, *NAMES]}
+    return Case("full", paths, prompts, 32, refs, 1000)
+
+
+def _cached_refs(request, source, paths, prompts, new_tokens) -> dict:
+    import peft
+    import transformers
+
+    files = sorted((name, hashlib.sha256(open(os.path.join(path, f), "rb").read()).hexdigest())
+                   for name, path in paths.items() for f in os.listdir(path))
+    st = os.stat(source.path)
+    key = hashlib.sha256(json.dumps([source.path, st.st_size, st.st_mtime_ns, transformers.__version__,
+                                     peft.__version__, torch.__version__, files, prompts, new_tokens]).encode())
+    key = f"kvfleet/peft_reference/{key.hexdigest()[:20]}"
+    refs = request.config.cache.get(key, None)
+    if refs is None:
+        model = peft_model_of(hf_base(source), paths)
+        refs = {name or "": peft_greedy(model, name, prompts, new_tokens) for name in [None, *NAMES]}
+        request.config.cache.set(key, refs)
+    return refs
 
 
 def test_adapters_change_the_output(case):
     """Each adapter's reference differs from the base model's (non-zero B), so equality below means something."""
-    _, _, refs = case
     for name in NAMES:
-        assert refs[name] != refs[None], f"{name} produces the base model's tokens"
+        assert case.ref(name) != case.ref(None), f"{name} produces the base model's tokens"
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_each_adapter_equals_peft(setup, case, name):
-    _, paths, llm = setup
-    prompts, new_tokens, refs = case
-    outs = llm.generate(prompts, _params(paths, name, new_tokens))
-    assert [o.outputs[0].token_ids for o in outs] == refs[name]
+def test_each_adapter_equals_peft(llm, case, name):
+    outs = llm.generate(case.prompts, case.params(name))
+    assert [o.outputs[0].token_ids for o in outs] == case.ref(name)
 
 
-def test_mixed_batch_gives_each_row_its_own_tokens(setup, case):
+def test_mixed_batch_gives_each_row_its_own_tokens(llm, case):
     """Every prompt under the base model and each adapter, all in one batch (rows interleaved)."""
-    _, paths, llm = setup
-    prompts, new_tokens, refs = case
-    names = [None, *NAMES]
-    jobs = [(i, name) for i in range(len(prompts)) for name in names]
-    outs = llm.generate([prompts[i] for i, _ in jobs], [_params(paths, name, new_tokens) for _, name in jobs])
-    got = {(i, name): o.outputs[0].token_ids for (i, name), o in zip(jobs, outs, strict=True)}
-    for i, name in jobs:
-        assert got[(i, name)] == refs[name][i], f"prompt {i} under {name or 'the base model'}"
-    assert llm.engine.lora.slots.count(None) == 4 - len(NAMES)  # three adapter slots in use, one free
+    jobs = [(i, name) for i in range(len(case.prompts)) for name in [None, *NAMES]]
+    outs = llm.generate([case.prompts[i] for i, _ in jobs], [case.params(name) for _, name in jobs])
+    for (i, name), out in zip(jobs, outs, strict=True):
+        assert out.outputs[0].token_ids == case.ref(name)[i], f"prompt {i} under {name or 'the base model'}"
+    manager = llm.engine.lora
+    assert sum(s is not None for s in manager.slots) == len(NAMES)
 
 
-def test_unload_and_load_again(setup, case):
+def test_unload_and_load_again(llm, case):
     """Adapters dropped from memory and slots, then named again under new ids (what unload + load does): the
     same tokens, read from disk again."""
-    _, paths, llm = setup
-    prompts, new_tokens, refs = case
     manager = llm.engine.lora
-    for name in NAMES:
-        llm.engine.remove_lora(_lora(paths, name).id)
+    for slot in list(manager.slots):
+        if slot is not None:
+            llm.engine.remove_lora(slot)
+    for adapter_id in list(manager.cpu):
+        llm.engine.remove_lora(adapter_id)
     assert not manager.cpu and all(s is None for s in manager.slots)
     loads = manager.loads
     names = [*NAMES, None]
-    outs = llm.generate([p for p in prompts for _ in names],
-                        [_params(paths, name, new_tokens, generation=1) for _ in prompts for name in names])
-    got = [o.outputs[0].token_ids for o in outs]
-    want = [refs[name][i] for i in range(len(prompts)) for name in names]
-    assert got == want
+    jobs = [(i, name) for i in range(len(case.prompts)) for name in names]
+    outs = llm.generate([case.prompts[i] for i, _ in jobs], [case.params(name, generation=1) for _, name in jobs])
+    assert [o.outputs[0].token_ids for o in outs] == [case.ref(name)[i] for i, name in jobs]
     assert manager.loads == loads + len(NAMES)
 
 
-def test_prefix_cache_is_keyed_by_adapter(setup):
+def test_prefix_cache_is_keyed_by_adapter(llm, case):
     """The same 3-block prompt: under adapter a, then adapter b (no cached token), then a again (all its full
-    blocks but the last token's), then the base model (none)."""
-    _, paths, llm = setup
-    prompt = llm.tokenizer.encode("Prefix isolation: " + "the quick brown fox jumps over the lazy dog " * 6)
+    blocks but the last token's), then the base model (none), and the base again (cached)."""
+    prompt = llm.tokenizer.encode(f"Prefix isolation ({case.name}): " + "the quick brown fox jumps over the lazy dog " * 6)
     assert len(prompt) >= 48
     kv = llm.engine.kv
     full = (len(prompt) - 1) // 16 * 16
 
     def hits(name) -> int:
         before = kv.prefix_hits_tokens
-        llm.generate([prompt], _params(paths, name, 2, generation=2))
+        llm.generate([prompt], case.params(name, generation=2, new_tokens=2))
         return kv.prefix_hits_tokens - before
 
     assert hits("attn-r8") == 0

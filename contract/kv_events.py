@@ -24,6 +24,7 @@ class KVEvent:
     kind: KVEventKind
     block_hashes: tuple[int, ...] = ()
     parent_hash: int | None = None  # for STORED: the hash the first stored block chains on (None: block 0)
+    lora_name: str | None = None  # for STORED: the LoRA adapter the blocks were computed under (None: the base)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The KV event wire format (GET /v1/kv/events): one JSON object per line, hashes as 32-char lowercase hex.
 
     {"type":"snapshot","instance_id":I,"seq":S,"block_size":B,"hash_seed":H,"block_hashes":[...]}
-    {"type":"stored","instance_id":I,"seq":S,"block_hashes":[...],"parent_hash":hex|null}
+    {"type":"stored","instance_id":I,"seq":S,"block_hashes":[...],"parent_hash":hex|null[,"lora_name":str]}
     {"type":"removed","instance_id":I,"seq":S,"block_hashes":[...]}
     {"type":"cleared","instance_id":I,"seq":S}
     {"type":"heartbeat","instance_id":I,"seq":S}
@@ -43,6 +43,8 @@ def encode_line(instance_id: str, message: KVMessage) -> bytes:
             obj["block_hashes"] = _hex_list(message.block_hashes)
         if message.kind is KVEventKind.STORED:
             obj["parent_hash"] = None if message.parent_hash is None else _hex(message.parent_hash)
+            if message.lora_name is not None:  # blocks of a LoRA adapter (vLLM's BlockStored.lora_name)
+                obj["lora_name"] = message.lora_name
     return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
 
 
@@ -64,8 +66,11 @@ def decode_line(line: str | bytes) -> KVLine:
         message = Heartbeat(seq)
     elif kind == "stored":
         parent = obj.get("parent_hash")
+        lora_name = obj.get("lora_name")
+        if lora_name is not None and not isinstance(lora_name, str):
+            raise KVWireError(f"stored event: lora_name must be a string or absent, got {lora_name!r}")
         message = KVEvent(seq, KVEventKind.STORED, _hashes(obj),
-                          None if parent is None else _parse_hash(obj, "parent_hash", parent))
+                          None if parent is None else _parse_hash(obj, "parent_hash", parent), lora_name)
     elif kind == "removed":
         message = KVEvent(seq, KVEventKind.REMOVED, _hashes(obj))
     elif kind == "cleared":

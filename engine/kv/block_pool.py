@@ -151,8 +151,9 @@ class BlockPool:
                     self.free_queue.append(block)
 
     def cache_blocks(self, blocks: list[KVCacheBlock], hashes: list[int], token_chunks: list[tuple[int, ...]],
-                     parent_hash: int | None) -> None:
-        """Register consecutive full blocks of one hash chain (parent_hash precedes hashes[0]).
+                     parent_hash: int | None, lora_name: str | None = None) -> None:
+        """Register consecutive full blocks of one hash chain (parent_hash precedes hashes[0]); lora_name: the
+        adapter they were computed under, carried by the events.
 
         A hash already held by another block keeps that block; the duplicate stays uncached. One
         "stored" event is recorded per run of newly cached blocks, with the hash it chains on.
@@ -171,11 +172,11 @@ class BlockPool:
                     run_parent = prev
                 run.append(h)
             elif run:
-                self.events.stored(run, run_parent)
+                self.events.stored(run, run_parent, lora_name)
                 run = []
             prev = h
         if run:
-            self.events.stored(run, run_parent)
+            self.events.stored(run, run_parent, lora_name)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only while no block is in use. Returns whether it did."""

@@ -23,9 +23,9 @@ class KVEventLog:
         self.last_seq = 0  # number of the newest event recorded (drained or not)
         self.num_dropped = 0
 
-    def stored(self, block_hashes: list[int], parent_hash: int | None) -> None:
+    def stored(self, block_hashes: list[int], parent_hash: int | None, lora_name: str | None = None) -> None:
         if block_hashes:
-            self._record(KVEventKind.STORED, block_hashes, parent_hash)
+            self._record(KVEventKind.STORED, block_hashes, parent_hash, lora_name)
 
     def removed(self, block_hashes: list[int]) -> None:
         if block_hashes:
@@ -44,9 +44,10 @@ class KVEventLog:
     def num_pending(self) -> int:
         return len(self._pending)
 
-    def _record(self, kind: KVEventKind, block_hashes: list[int], parent_hash: int | None) -> None:
+    def _record(self, kind: KVEventKind, block_hashes: list[int], parent_hash: int | None,
+                lora_name: str | None = None) -> None:
         self.last_seq += 1
-        self._pending.append(KVEvent(self.last_seq, kind, tuple(block_hashes), parent_hash))
+        self._pending.append(KVEvent(self.last_seq, kind, tuple(block_hashes), parent_hash, lora_name))
         if len(self._pending) > self._max_pending:
             self._pending.popleft()
             self.num_dropped += 1

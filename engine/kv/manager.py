@@ -141,6 +141,7 @@ class KVCacheManager:
             seq.block_hashes[start:end],
             [tuple(seq.token_ids[i * bs:(i + 1) * bs]) for i in range(start, end)],
             seq.block_hashes[start - 1] if start else None,
+            seq.lora.name if seq.lora is not None else None,
         )
         self._num_registered[seq.seq_id] = end
 

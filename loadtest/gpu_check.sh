@@ -95,7 +95,7 @@ if [ -z "$PY" ]; then
   say "step 1 (no GPU): kernel, layer and decode-input tests in Triton's interpreter ($IPY, limit ${LIMIT_ITESTS}s)"
   run_step interpreter_tests "$LIMIT_ITESTS" env TRITON_INTERPRET=1 "$IPY" -m pytest \
       tests/engine/kernels/test_triton_kernels.py tests/engine/kernels/test_triton_layers.py tests/engine/test_decode_inputs.py \
-      tests/engine/test_triton_engine.py -k "not test_engine_greedy_tokens_equal_with_persistent" \
+      tests/engine/kernels/test_triton_lora.py tests/engine/test_triton_engine.py -k "not test_engine_greedy_tokens_equal_with_persistent" \
       -q -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"} -p loadtest.junit_live --junit-live "$RESULTS/interpreter_tests.xml"
   rc=$?; S_TESTS="$(status_of "$rc" "$LIMIT_ITESTS")"; note_rc "$rc"
   junit_or_stub "$RESULTS/interpreter_tests.xml" interpreter_tests "$S_TESTS"
@@ -134,6 +134,7 @@ if has_mod "$PY" pytest; then
   say "step 1: kernel tests compiled on the GPU, slow included (limit ${LIMIT_TESTS}s)"
   run_step kernel_tests "$LIMIT_TESTS" env TRITON_INTERPRET=0 "$PY" -m pytest \
       tests/engine/kernels/test_triton_kernels.py tests/engine/kernels/test_triton_layers.py tests/engine/kernels/test_triton_real_shapes.py \
+      tests/engine/kernels/test_triton_lora.py tests/engine/lora/test_lora_triton_engine.py \
       tests/engine/test_triton_engine.py -m "slow or not slow" -o addopts="" -q -p no:cacheprovider -rfE \
       ${XDIST[@]+"${XDIST[@]}"} ${PTIMEOUT[@]+"${PTIMEOUT[@]}"} -p loadtest.junit_live --junit-live "$RESULTS/kernel_tests.xml"
   rc=$?; S_TESTS="$(status_of "$rc" "$LIMIT_TESTS")"; note_rc "$rc"

@@ -13,8 +13,6 @@ import logging
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
-import torch
-
 from engine.lora.adapter import LoRAWeights, load_adapter
 from engine.lora.layers import FUSED, attach_lora, lora_layers
 from engine.lora.request import LoRARequest
@@ -118,4 +116,4 @@ def lora_manager(model: LlamaForCausalLM, args, backend_name: str) -> LoRAManage
     if not args.lora_enabled:
         return None
     return LoRAManager(model, args.max_loras, args.max_cpu_loras or args.max_loras, args.max_lora_rank,
-                       kernel=backend_name == "triton" and torch.cuda.is_available())
+                       kernel=backend_name == "triton")  # the Triton kernel (in its interpreter on CPU: tests)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 KERNEL_MODULES = ("engine.kernels.kv_write", "engine.kernels.fused_layers", "engine.kernels.paged_decode", "engine.kernels.extend_attention",
+                  "engine.kernels.lora",
                   "engine.attention.triton_backend")
 
 COMPILED = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()

@@ -193,3 +193,37 @@ def test_lora_flags():
         assert e.value.field == field
     with pytest.raises(ValueError):
         parse_lora_module("no-path")
+
+
+@pytest.mark.parametrize("fast", ["onednn", "int4"])
+def test_gathered_products_on_the_fast_cpu_projections(fast):
+    """The wrapper adds the same products whatever the load swapped in for the projection (bf16 on CPU)."""
+    from engine.model.cpu_linear import Int4Linear, OneDnnLinear, can_prepack, exact_int4
+
+    if not can_prepack(torch.bfloat16, "cpu"):
+        pytest.skip("no oneDNN bf16 linear on this CPU")
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=False).to(torch.bfloat16)
+    base: nn.Module = OneDnnLinear(linear)
+    if fast == "int4":
+        with torch.no_grad():  # 4-bit data, as a GGUF Q4 checkpoint holds
+            q = torch.randint(0, 16, (48, 64))
+            q[:, ::32], q[:, 1::32] = 0, 15  # every group of 32 spans all 16 levels
+            linear.weight.copy_((q * 0.0625).to(torch.bfloat16))
+        packed = exact_int4(linear.weight)
+        if packed is None:
+            pytest.skip("no int4 kernel in this torch")
+        base = Int4Linear(packed, OneDnnLinear(linear))
+    batch = LoRABatch()
+    layer = LoRALinear(base, batch, [32, 16], num_slots=1)
+    a, b = torch.randn(4, 64).to(torch.bfloat16), torch.randn(16, 4).to(torch.bfloat16)
+    layer.set_slot(0, [None, (a, b)])
+    x = torch.randn(3, 64).to(torch.bfloat16)  # 3 rows: the int4 kernel's path
+    with torch.no_grad():
+        plain = base(x).float()
+        batch.set([0, -1, 0], x.device)
+        got = layer(x).float()
+    want = plain.clone()
+    for t in (0, 2):
+        want[t, 32:] += (x[t].float() @ a.float().t()) @ b.float().t()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-2)

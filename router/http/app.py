@@ -85,7 +85,9 @@ class RouterApp:
     async def startup(self) -> None:
         cfg = self.cfg
         toks = self.tokenizers
-        if self.need_tokens and toks.fallback is None and cfg.model and not cfg.tokenizer_from_engines:
+        # the tokenizer: to count and hash prompts, and to read the text a failed replica held back (migrations)
+        wants_tokenizer = self.need_tokens or cfg.max_migrations > 0
+        if wants_tokenizer and toks.fallback is None and cfg.model and not cfg.tokenizer_from_engines:
             from engine.tokenizer import load_tokenizer
 
             tok = await asyncio.to_thread(load_tokenizer, cfg.model)
@@ -99,7 +101,7 @@ class RouterApp:
         await self.fleet.start()
         if self.ratelimit is not None:
             await self.ratelimit.start()
-        if self.need_tokens:
+        if wants_tokenizer:
             self.pools.catalog_listeners.append(self._models_changed)
         await self.pools.start()
         # What start-up built (the tokenizer, its chat template, the libraries) lives as long as the process: out of

@@ -139,12 +139,15 @@ class Migrator:
         r.gap_open, r.last_at = False, now
         await send({"type": "http.response.body", "body": data, "more_body": True})
 
-    async def _continue(self, send, r: Resume, progress: Progress, c: ChoiceState, tried: set[str], fwd_headers,
+    async def _continue(self, send, r: Resume, progress: Progress, c: ChoiceState, dead: set[str], fwd_headers,
                         lease, follower, attempts) -> None:
+        """Finish one choice; `dead`: the replicas that failed this request so far (none is tried again)."""
         prompt = progress.prompt_of(c)
         if prompt is None:
             raise _Unsupported("the replica sent no prompt token ids")
         relay = self._relay(r, progress, c)
+        log.info("continuing choice %d after %d tokens%s", c.index, len(c.ids),
+                 f" ({len(relay.straddle._buf)} characters held back)" if relay.straddle is not None else "")
         left = remaining(r.req, len(c.ids))
         if left is not None and left <= 0:  # max_tokens reached: ends here, as the replica would have ended it
             await self._emit(send, r, relay.event({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}),
@@ -155,6 +158,7 @@ class Migrator:
         prep = PreparedRequest(token_ids=prompt + c.ids, cache_salt=r.req.cache_salt, session_key=None, stream=True)
         headers = [(k, v) for k, v in fwd_headers if k.lower() != "content-type"]
         headers.append(("content-type", "application/json"))
+        tried = set(dead)
         for _ in range(self.max_attempts):
             ls = lease(prep, tried)
             if ls is None:
@@ -164,8 +168,12 @@ class Migrator:
             try:
                 if await self._stream(send, r, ls, body, headers, relay, follower):
                     return
+            except _Broken:
+                dead.add(ls.url)
+                raise
             finally:
                 ls.release()
+            dead.add(ls.url)
         raise _Refused(f"{self.max_attempts} replicas failed to start the continuation")
 
     async def _stream(self, send, r: Resume, ls: Lease, body: bytes, headers, relay: Relay,

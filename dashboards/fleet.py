@@ -95,6 +95,14 @@ ERRORS = [
            q(f"sum by (reason) (rate(kvfleet_router_retries_total[{RATE}]))", "retry {{reason}}"),
            q(f"sum by (status) (rate(kvfleet:rejected_requests_total{P}[{RATE}]))", "engine {{status}}")),
           unit="reqps", min=0),
+    Panel("Streams moved to another replica", "Streams whose replica failed after tokens went out, by pool and "
+          "outcome (completed: the client saw one stream; limit, failed, unsupported: it ended with an error "
+          "event), and the pause their clients saw at the break (p50, p99).",
+          (q(f"sum by (pool, outcome) (rate(kvfleet_router_migrations_total[{RATE}]))", "{{pool}} {{outcome}}/s"),
+           q(f"histogram_quantile(0.5, sum by (pool, le) (rate(kvfleet_router_migration_gap_seconds_bucket[{RATE}])))",
+             "gap p50 {{pool}} (s)"),
+           q(f"histogram_quantile(0.99, sum by (pool, le) (rate(kvfleet_router_migration_gap_seconds_bucket[{RATE}])))",
+             "gap p99 {{pool}} (s)")), min=0),
     Panel("Rate-limit rejections per tenant", "Requests the token budgets refused, by tenant and outcome "
           "(rejected_tokens, rejected_concurrency, too_large, shed, unauthorized, ...).",
           (q(f'sum by (tenant, outcome) (rate(kvfleet_router_ratelimit_requests_total{{outcome!="admitted"}}'

@@ -37,6 +37,8 @@ class Result:
     broken: bool = False  # the connection broke (a transport error, not an answer)
     resent_after_cut: int = 0  # failover: earlier attempts whose answer (status 200) was cut mid-way
     replica: str | None = None  # the engine a router placed the request on (its x-kvfleet-replica header)
+    started: float = 0.0  # perf_counter when it was sent
+    max_gap: float = 0.0  # a stream's longest pause between two chunks with text (s)
 
     @property
     def ok(self) -> bool:
@@ -70,7 +72,7 @@ async def request(client: httpx.AsyncClient, url: str, body: dict, key: str | No
     if key:
         hdrs["authorization"] = f"Bearer {key}"
     res = Result(url=url, stream=bool(body.get("stream")))
-    t0 = time.perf_counter()
+    t0 = res.started = time.perf_counter()
     work = asyncio.ensure_future(_do(client, url, body, hdrs, res, t0, cut, rng))
     limit = rng.uniform(0.0, 0.03) if cut == "before_headers" else timeout
     try:
@@ -113,6 +115,7 @@ async def _do(client, url, body, hdrs, res: Result, t0: float, cut: str | None, 
             res.dropped = cut
             return
         stop_after = rng.randint(1, max(1, int(body.get("max_tokens", 2)) - 1)) if cut == "mid_decode" else None
+        last = None
         async for line in resp.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -129,8 +132,11 @@ async def _do(client, url, body, hdrs, res: Result, t0: float, cut: str | None, 
             for ch in obj.get("choices") or ():
                 delta = (ch.get("delta") or {}).get("content")
                 if delta:
+                    now = time.perf_counter() - t0
                     if res.first_token is None:
-                        res.first_token = time.perf_counter() - t0
+                        res.first_token = now
+                    res.max_gap = max(res.max_gap, now - (last or now))
+                    last = now
                     res.text += delta
                     res.chunks += 1
                 if ch.get("finish_reason"):

@@ -6,7 +6,7 @@ It speaks the same wire formats (OpenAI chat/completions with SSE streaming and 
 keeps a real prefix cache index for `/v1/completions` requests whose prompt is a list of token ids (chained
 block hashes from contract/hashing.py), so KV-aware routing can be tested without a model. Behaviour per
 request comes from headers: `x-fake-delay-ms` (before the first byte), `x-fake-chunks`, `x-fake-chunk-delay-ms`,
-`x-fake-break-after` (drop the connection after N chunks), `x-fake-status` (answer with this status),
+`x-fake-break-after` (drop the connection after N chunks; = the chunks: before `[DONE]`), `x-fake-status` (answer with this status),
 `x-fake-keepalives` (SSE comments `: keep-alive` sent before the first chunk of a stream, one per
 `x-fake-keepalive-ms`). With `return_token_ids` (contract/token_ids.py) every streamed choice carries its token
 id (100 + its position) and the first chunk the prompt's ids (the request's token ids, else 1..8).
@@ -51,6 +51,8 @@ class FakeEngine:
         self.ready = True
         self.slots: asyncio.Semaphore | None = None  # --max-running (made on first use, in the server's loop)
         self.queued = 0
+        self.adapters: dict[str, None] = dict.fromkeys(ns.lora_modules or ())  # LoRA adapters it holds
+        self.stats.update(lora_requests=0, lora_loads=0, lora_by_adapter={})
 
     # -- KV cache ------------------------------------------------------------------------------------------
     def _publish(self, kind: KVEventKind, block_hashes: tuple[int, ...] = ()) -> None:
@@ -59,12 +61,12 @@ class FakeEngine:
         for q in self.subscribers:
             q.put_nowait(event)
 
-    def admit(self, tokens: list[int] | None, salt: str | None) -> int:
+    def admit(self, tokens: list[int] | None, salt: str | None, adapter: str | None = None) -> int:
         """Cached prompt tokens of this request; stores its full blocks (publishing `stored`)."""
         if not tokens:
             return 0
         bs = self.block_size
-        hashes = hash_blocks(tokens, bs, salt, DEFAULT_HASH_SEED)
+        hashes = hash_blocks(tokens, bs, salt, DEFAULT_HASH_SEED, adapter=adapter)
         hit = 0
         for h in hashes[: cacheable_blocks(len(tokens), bs)]:
             if h not in self.cached:
@@ -104,7 +106,11 @@ class FakeEngine:
             await _send(send, 200, self.metrics().encode(), b"text/plain; version=0.0.4")
         elif path == "/v1/models":
             await _json(send, 200, {"object": "list", "data": [{"id": self.ns.model, "object": "model",
-                                                                 "created": 0, "owned_by": "fake"}]})
+                                                                 "created": 0, "owned_by": "fake", "parent": None}]
+                                    + [{"id": a, "object": "model", "created": 0, "owned_by": "fake",
+                                        "parent": self.ns.model, "root": f"/adapters/{a}"} for a in self.adapters]})
+        elif path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            await self.lora_endpoint(receive, send, path)
         elif path == "/v1/kv/events":
             await self.kv_events(receive, send)
         elif path == "/fake/stats":
@@ -144,6 +150,27 @@ class FakeEngine:
                 f'vllm:prefix_cache_hits_total{{model_name="{n}"}} {self.stats["prefix_hits"]}\n'
                 + (f'kvfleet:oom_events_total{{model_name="{n}"}} {self.ns.oom_events}\n'
                    if self.ns.flavor == "kvfleet" else ""))
+
+    async def lora_endpoint(self, receive, send, path: str) -> None:
+        """vLLM's load / unload endpoints: the adapter's name is all a fake engine keeps."""
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        name = json.loads(body or b"{}").get("lora_name")
+        if path == "/v1/load_lora_adapter":
+            if name in self.adapters:
+                await _json(send, 400, error_body(f"The lora adapter '{name}' has already been loaded.",
+                                                  error_type(400), "lora_name"))
+                return
+            self.adapters[name] = None
+            self.stats["lora_loads"] += 1
+        elif self.adapters.pop(name, 0) is not None:
+            await _json(send, 404, error_body(f"The lora adapter '{name}' cannot be found", error_type(404)))
+            return
+        await _send(send, 200, f"Success: LoRA adapter '{name}'".encode(), b"text/plain")
 
     async def kv_events(self, receive, send):
         if self.ns.no_kv_events or self.ns.flavor != "kvfleet":
@@ -185,9 +212,19 @@ class FakeEngine:
             await _json(send, status, error_body(f"fake failure {status}", error_type(status)), retry_after)
             return
         req = json.loads(body)
+        model = req.get("model")
+        adapter = model if isinstance(model, str) and model != self.ns.model else None
+        if adapter is not None:
+            if adapter not in self.adapters:
+                await _json(send, 404, error_body(f"The model `{adapter}` does not exist", error_type(404), "model",
+                                                  "model_not_found"))
+                return
+            self.stats["lora_requests"] += 1
+            by = self.stats["lora_by_adapter"]
+            by[adapter] = by.get(adapter, 0) + 1
         prompt = req.get("prompt")
         tokens = prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else None
-        cached = self.admit(tokens, req.get("cache_salt"))
+        cached = self.admit(tokens, req.get("cache_salt"), adapter)
         n_prompt = len(tokens) if tokens else 8
         chunks = int(hdr.get("x-fake-chunks", self.ns.chunks))
         max_tokens = max_tokens_of(req.get("max_completion_tokens"), req.get("max_tokens"))  # the engine's rule
@@ -267,6 +304,8 @@ class FakeEngine:
                     event["usage"] = {**usage, "completion_tokens": i + 1, "total_tokens": usage["prompt_tokens"] + i + 1}
                 await send({"type": "http.response.body", "more_body": True,
                             "body": b"data: " + json.dumps(event).encode() + b"\n\n"})
+            if break_after == chunks:  # after the last token, before the stream's end
+                raise ConnectionAbortedError("x-fake-break-after")
             tail = b""
             if include_usage:
                 tail = b"data: " + json.dumps({**base, "choices": [], "usage": usage}).encode() + b"\n\n"
@@ -310,6 +349,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--delay-ms", type=float, default=0.0, help="delay before every response's first byte")
     p.add_argument("--max-running", type=int, default=0,
                    help="requests served at once; more wait first come, first served (0: no limit)")
+    p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME",
+                   help="LoRA adapters it holds from the start (listed on /v1/models with the model as parent)")
     p.add_argument("--oom-events", type=float, default=0.0, help="kvfleet:oom_events_total its /metrics report")
     return p
 

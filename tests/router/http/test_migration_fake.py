@@ -107,3 +107,13 @@ def test_a_client_that_went_away_is_not_moved(fakes):
     after = {f.url: httpx.get(f.url + "/fake/stats").json()["requests"] for f in fakes[:2]}
     assert after[other(fakes, replica).url] == before[other(fakes, replica).url]  # no continuation sent
     assert sum(migrations(r, o) for o in ("completed", "limit", "failed", "unsupported")) == moved
+
+
+def test_a_stream_that_breaks_after_its_last_token_ends_without_a_new_request(fakes):
+    r = fakes[2]["2"]  # max_tokens reached: nothing to continue; the router ends the stream itself
+    before = sum(httpx.get(f.url + "/fake/stats").json()["requests"] for f in fakes[:2])
+    _, events = stream(r.url, {**CHAT, "max_tokens": 4, "stream_options": {"include_usage": True}},
+                       {"x-fake-break-after": "4"})
+    assert [e["choices"][0]["finish_reason"] for e in events[:4]] == [None, None, None, "length"]
+    assert events[4]["usage"]["completion_tokens"] == 4 and events[5] == "[DONE]" and len(events) == 6
+    assert sum(httpx.get(f.url + "/fake/stats").json()["requests"] for f in fakes[:2]) == before + 1

@@ -29,7 +29,7 @@ class RouterMetrics:
                                    "decoding, by kind (json_schema, json_object, regex, choice, grammar, tools); "
                                    "passed through to the engines untouched", ["kind"], registry=r)
         self.decisions = Counter("kvfleet_router_routing_decisions", "Routing decisions by reason "
-                                 "(cache, session, least-load, round-robin, all-overloaded)", ["policy", "reason"],
+                                 "(cache, adapter, session, least-load, round-robin, all-overloaded)", ["policy", "reason"],
                                  registry=r)
         self.decision_seconds = Histogram("kvfleet_router_routing_decision_seconds", "Time to prepare and route "
                                           "one request (tokenize, hash, score)", buckets=_DECISION_BUCKETS,

@@ -33,6 +33,7 @@ from router.metrics import RouterMetrics
 from router.migration.continuation import why_not
 from router.pools.control import Pools
 from router.refusal import Refusal
+from router.routing.adapters import AdapterLoader
 from router.routing.fleet import Fleet
 from router.routing.prepare import (
     CHAT_PATH,
@@ -80,6 +81,7 @@ class RouterApp:
         self._idle = asyncio.Event()
         self._idle.set()
         self._internal_headers = {"authorization": f"Bearer {cfg.internal_token}"} if cfg.internal_token else {}
+        self.adapters = AdapterLoader(self.fleet, lambda: self.session, self._internal_headers)  # LoRA adapters
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -338,6 +340,7 @@ class RouterApp:
             return
         req, pool = admitted.request, admitted.pool
         prep.cache_salt = req.cache_salt
+        await self.adapters.prepare(prep, req.model, pool.name, dict(pool.adapters))  # hashes per adapter; on demand
         passed: Pass | None = None
         try:
             if self.gate is not None:  # a full pool: wait in its fair queue (router/admission/gate.py)

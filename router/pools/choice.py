@@ -54,6 +54,7 @@ class PoolSpec:
     long_context: bool = False
     canary: bool = False  # degradation may roll it back (weight -> 0) when it misbehaves
     models: tuple[str, ...] = ()  # the model names it serves; (): learned from its replicas' /v1/models
+    adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters (name, path on the engines) loaded on demand
 
     def __post_init__(self) -> None:
         for field in ("name", "version"):
@@ -64,6 +65,11 @@ class PoolSpec:
                 or len(set(self.models)) != len(self.models):
             raise ConfigError("models", f"pool {self.name}: models must be distinct non-empty names, got "
                               f"{self.models!r}")
+        if not isinstance(self.adapters, tuple) or not all(
+                isinstance(a, tuple) and len(a) == 2 and all(isinstance(v, str) and v for v in a) for a in self.adapters) \
+                or len({name for name, _ in self.adapters}) != len(self.adapters):
+            raise ConfigError("adapters", f"pool {self.name}: adapters must be distinct names with a path each, got "
+                              f"{self.adapters!r}")
         if isinstance(self.weight, bool) or not isinstance(self.weight, int) or self.weight < 0:
             raise ConfigError("weight", f"pool {self.name}: weight must be an integer >= 0, got {self.weight!r}")
         _optional_positive("max_tokens_cap", self.max_tokens_cap)

@@ -19,6 +19,9 @@ update: `helm upgrade` / `helm rollback` change weights without restarting route
         max_tokens_cap: 4096          # optional: a larger max_tokens is lowered to it (header says so)
         default_max_tokens: 512       # optional: max_tokens of requests without one
         max_context_tokens: 8192      # optional: prompt + max_tokens limit of the pool's engines
+        # adapters:                   # optional: LoRA adapters the router has a replica load on demand
+        #   sql-expert: /adapters/sql # (POST /v1/load_lora_adapter, path as the engines see it) when no replica
+        #                             #   holds one, or its holders are busier than an adapter load costs
       canary:
         version: "v2"
         weight: 5
@@ -68,7 +71,8 @@ from router.routing.discovery import DnsSource, K8sSource, Source, StaticSource
 NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # a DNS label: pool names become k8s names and labels
 TOP_FIELDS = ("pools", "degradation")
 POOL_FIELDS = ("version", "weight", "canary", "long_context", "max_tokens_cap", "default_max_tokens",
-               "max_context_tokens", "model", "models", "engine", "kv_events", "tokenizer", "replicas", "dns", "k8s")
+               "max_context_tokens", "model", "models", "adapters", "engine", "kv_events", "tokenizer", "replicas",
+               "dns", "k8s")
 SOURCES = ("replicas", "dns", "k8s")
 DEGRADATION_FIELDS = ("window_s", "min_requests", "interval_s", "dwell_s", "max_tokens_factor", *SIGNALS)
 
@@ -160,7 +164,11 @@ def _pool(r: NodeReader, name: str, name_node: yaml.Node, body_node: yaml.Node) 
         raise r.error(body["models"][0], f"{field}.models", "give `model` (one name) or `models` (a list), not both")
     models = (r.str_field(body["model"][1], f"{field}.model"),) if "model" in body else \
         r.names_field(body["models"][1], f"{field}.models", "model names") if "models" in body else ()
-    values = dict(weight=get("weight", r.int_field, 0, False), models=models,
+    adapters = ()
+    if "adapters" in body:
+        entries = r.mapping(body["adapters"][1], f"{field}.adapters", "a mapping of adapter name to its path")
+        adapters = tuple((name, r.str_field(node, f"{field}.adapters.{name}")) for name, (_, node) in entries.items())
+    values = dict(weight=get("weight", r.int_field, 0, False), models=models, adapters=adapters,
                   max_tokens_cap=get("max_tokens_cap", r.int_field, 1, True),
                   default_max_tokens=get("default_max_tokens", r.int_field, 1, True),
                   max_context_tokens=get("max_context_tokens", r.int_field, 1, True),

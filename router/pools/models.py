@@ -42,10 +42,14 @@ def catalog(pools: Sequence[PoolSpec], learned: Mapping[str, frozenset[str]]) ->
     unlearned = []
     for p in pools:
         names = p.models if p.models else learned.get(p.name)
-        if names is None:
+        on_demand = tuple(name for name, _ in p.adapters)  # its replicas load these when asked: always served
+        if names is None and not on_demand:
             unlearned.append(p.name)
             continue
-        for m in sorted(names) if not p.models else names:
+        if names is None:
+            unlearned.append(p.name)
+            names = ()
+        for m in dict.fromkeys([*(sorted(names) if not p.models else names), *on_demand]):
             pools_of.setdefault(m, []).append(p.name)
     return ModelCatalog(MappingProxyType({m: tuple(ps) for m, ps in pools_of.items()}), tuple(unlearned))
 

@@ -188,9 +188,11 @@ class Fleet:
             data = resp.json().get("data") if resp.status_code == 200 else None
         except (httpx.HTTPError, ValueError, AttributeError):
             return False  # unknown this time: what it listed before stays
-        ids = frozenset(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)) \
-            if isinstance(data, list) else None
-        if not self.placement.on_models(st.url, ids or None):
+        listed = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)] \
+            if isinstance(data, list) else []
+        ids = frozenset(m["id"] for m in listed) if isinstance(data, list) else None
+        adapters = frozenset(m["id"] for m in listed if m.get("parent"))  # LoRA adapters (kvfleet's and vLLM's)
+        if not self.placement.on_models(st.url, ids or None, adapters):
             return False
         log.info("replica %s serves %s", st.url, ", ".join(sorted(ids)) if ids else "no listed model")
         return True

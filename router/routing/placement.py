@@ -43,6 +43,9 @@ class Prompt(Protocol):
     @property
     def session_key(self) -> str | None: ...
 
+    # optional: `adapter`, the LoRA adapter the request names (None: the base model); it keys the first block's
+    # hash (contract/hashing.py) and makes replicas without it cost an adapter load
+
     def block_hashes(self, block_size: int, hash_seed: int) -> Sequence[int] | None:
         """The chained hashes of the prompt's cacheable blocks for these hashing parameters; None (or empty)
         when they are not known: an untokenized prompt, or one hashed with other parameters only."""
@@ -164,13 +167,29 @@ class Placement:
         if st is not None:
             st.kv_events = state
 
-    def on_models(self, replica: str, models: frozenset[str] | None) -> bool:
-        """The model ids the replica's /v1/models lists (None: it lists none); True when that changed."""
+    def on_models(self, replica: str, models: frozenset[str] | None, adapters: frozenset[str] = frozenset()) -> bool:
+        """The model ids the replica's /v1/models lists (None: it lists none), and which of them are LoRA adapters
+        (listed with a parent); True when that changed."""
         st = self.replicas.get(replica)
-        if st is None or st.models == models:
+        if st is None or (st.models == models and st.adapters == adapters):
             return False
-        st.models = models
+        st.models, st.adapters = models, adapters
         return True
+
+    def on_adapter_loaded(self, replica: str, adapter: str) -> None:
+        """The router had the replica load an adapter: it holds it now (its next /v1/models says so too)."""
+        st = self.replicas.get(replica)
+        if st is not None:
+            st.models = (st.models or frozenset()) | {adapter}
+            st.adapters = st.adapters | {adapter}
+
+    def is_adapter(self, model: str) -> bool:
+        """Whether some replica lists `model` as a LoRA adapter."""
+        return any(model in st.adapters for st in self.replicas.values())
+
+    def holders(self, pool: str, adapter: str) -> list[str]:
+        """The pool's replicas that list the adapter."""
+        return [u for u in self.members.get(pool, ()) if adapter in (self.replicas[u].models or ())]
 
     def on_load(self, replica: str, load: EngineLoad, sent_at: float, now: float) -> None:
         """A load reading asked for at `sent_at`, answered at `now`."""
@@ -260,14 +279,17 @@ class Placement:
               excluded: set[str] | frozenset[str] = frozenset()) -> list[ReplicaView]:
         """What the policy sees of each replica for this request (an excluded one is not routable)."""
         cached = self.predict_cached(prompt, replicas)
-        return [self.replicas[r].view(now, self.cfg.stale_s, cached.get(r, 0), r in excluded) for r in replicas]
+        adapter = getattr(prompt, "adapter", None)
+        return [self.replicas[r].view(now, self.cfg.stale_s, cached.get(r, 0), r in excluded, adapter)
+                for r in replicas]
 
     # -- placing -------------------------------------------------------------------------------------------
     def choose(self, prompt: Prompt, now: float, pool: str = DEFAULT_POOL,
                excluded: set[str] | frozenset[str] = frozenset(),
-               candidates: Sequence[str] | None = None) -> Decision | None:
+               candidates: Sequence[str] | None = None, peek: bool = False) -> Decision | None:
         """The policy's replica of `pool` for the request (among `candidates` only, in their order, when
-        given), or None when none is routable. Nothing is booked: on_routed does that."""
+        given), or None when none is routable. Nothing is booked: on_routed does that. peek: a look ahead at the
+        decision (router/routing/adapters.py) that does not advance the turn, so the next choose sees the same."""
         replicas = self.members.get(pool, [])
         ring = self.rings.get(pool)
         if candidates is not None:
@@ -276,7 +298,9 @@ class Placement:
         if not replicas or ring is None:
             return None
         views = self.views(prompt, replicas, now, excluded)
-        turn, self.turn = self.turn, self.turn + 1
+        turn = self.turn
+        if not peek:
+            self.turn += 1
         return self.policy.choose(views, RouteRequest(prompt.num_prompt_tokens, prompt.session_key),
                                   self.cfg.scoring, ring, turn)
 

@@ -95,7 +95,8 @@ def leading_matches(block_hashes: Sequence[int], replicas: set[str],
 
 
 def request_block_hashes(token_ids: Sequence[int], block_size: int, hash_seed: int,
-                         cache_salt: str | None) -> list[int]:
-    """The chained hashes of the blocks a prefix hit could cover, exactly as the engines compute them."""
+                         cache_salt: str | None, adapter: str | None = None) -> list[int]:
+    """The chained hashes of the blocks a prefix hit could cover, exactly as the engines compute them (adapter:
+    the request's LoRA adapter, part of the first block's hash)."""
     n = cacheable_blocks(len(token_ids), block_size)
-    return hash_blocks(token_ids[: n * block_size], block_size, cache_salt, hash_seed)
+    return hash_blocks(token_ids[: n * block_size], block_size, cache_salt, hash_seed, adapter=adapter)

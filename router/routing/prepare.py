@@ -24,6 +24,7 @@ class PreparedRequest:
     cache_salt: str | None
     session_key: str | None
     stream: bool
+    adapter: str | None = None  # the LoRA adapter the request names (its model), None for a base model
     _hashes: dict[tuple[int, int], list[int]] = field(default_factory=dict)
 
     @property
@@ -38,7 +39,7 @@ class PreparedRequest:
         hashes = self._hashes.get(key)
         if hashes is None:
             hashes = self._hashes[key] = request_block_hashes(self.token_ids, block_size, hash_seed,
-                                                              self.cache_salt)
+                                                              self.cache_salt, self.adapter)
         return hashes
 
 

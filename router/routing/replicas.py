@@ -169,6 +169,7 @@ class ReplicaState:
         self.ready_path = "/ready"  # /health for engines without /ready (vLLM, SGLang)
         self.engine: str | None = None  # what its metrics say it is, once scraped
         self.models: frozenset[str] | None = None  # the model ids its /v1/models lists (None: not answered yet)
+        self.adapters: frozenset[str] = frozenset()  # of those, the LoRA adapters (listed with a parent model)
 
     @property
     def inflight(self) -> int:
@@ -180,7 +181,9 @@ class ReplicaState:
     def load_known(self, now: float, stale_s: float) -> bool:
         return self.load is not None and now - self.scraped_at <= stale_s
 
-    def view(self, now: float, stale_s: float, cached_tokens: int = 0, excluded: bool = False) -> ReplicaView:
+    def view(self, now: float, stale_s: float, cached_tokens: int = 0, excluded: bool = False,
+             adapter: str | None = None) -> ReplicaView:
+        """adapter: the request's LoRA adapter, if any (missing here when the replica's models do not list it)."""
         known = self.load_known(now, stale_s)
         load = self.load if known and self.load is not None else EngineLoad()
         new = [t for t in self.tickets if t.dispatched_at > self.covered_until]
@@ -190,7 +193,8 @@ class ReplicaState:
                            waiting=load.waiting,
                            new_requests=len(new), new_tokens=sum(t.tokens for t in new), finished=self.finished,
                            inflight=len(self.tickets), pending=len(pending),
-                           pending_tokens=sum(t.tokens for t in pending), cached_tokens=cached_tokens)
+                           pending_tokens=sum(t.tokens for t in pending), cached_tokens=cached_tokens,
+                           adapter_missing=adapter is not None and adapter not in (self.models or ()))
 
     def on_scrape(self, load: EngineLoad, sent_at: float, now: float | None = None) -> None:
         """A scrape sent at `sent_at` (answered at `now`)."""

@@ -99,7 +99,7 @@ class VllmEventApplier:
         if ev.medium not in self.MEDIA:
             self.skipped["medium"] += 1
             return
-        if ev.lora_name is not None or ev.foreign_inputs:
+        if ev.foreign_inputs:
             self.skipped["foreign-inputs"] += 1
             return
         if self.block_size is None:
@@ -114,8 +114,10 @@ class VllmEventApplier:
             if parent is None:
                 self.skipped["unknown-parent"] += 1
                 return
-        salt = ev.cache_salt if ev.parent_block_hash is None else None
-        mine = hash_blocks(ev.token_ids, ev.block_size, salt, self.hash_seed, parent)
+        first = ev.parent_block_hash is None
+        salt = ev.cache_salt if first else None
+        adapter = ev.lora_name if first else None  # a LoRA adapter's blocks: keyed by it, as kvfleet's engines key them
+        mine = hash_blocks(ev.token_ids, ev.block_size, salt, self.hash_seed, parent, adapter=adapter)
         new = []
         for v, k in zip(ev.block_hashes, mine, strict=True):
             entry = self._resident.get(v)

@@ -36,6 +36,7 @@ class ReplicaView:
     pending: int = 0  # of those, the ones that have not streamed a token yet (prefill queued or running)
     pending_tokens: int = 0  # their uncached prompt tokens: the prefill this router knows is ahead there
     cached_tokens: int = 0  # predicted prefix-cache hit for this request
+    adapter_missing: bool = False  # the request names a LoRA adapter this replica does not list (loaded on demand)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,7 @@ class Reason(StrEnum):
     """Why a replica was chosen (the `reason` label of the routing-decision metric)."""
 
     CACHE = "cache"
+    ADAPTER = "adapter"  # the request's LoRA adapter is there (and no prefix of it elsewhere outweighs that)
     SESSION = "session"
     LEAST_LOAD = "least-load"
     ROUND_ROBIN = "round-robin"

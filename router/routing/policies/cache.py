@@ -1,7 +1,9 @@
 """`kv` and `approx-prefix`: the lowest-cost replica by predicted prefix-cache hit against load.
 
-Affinity yields per request: an overloaded replica is left out, and a cache miss never goes to one. When no
-routable replica holds any of the prompt, a session key picks a replica on the hash ring (bounded load),
+Affinity yields per request: an overloaded replica is left out, and a cache miss never goes to one. A request
+for a LoRA adapter that some replicas hold and others do not is scored the same way (the cost counts an adapter
+load where it is missing: router/routing/adapters.py). When no routable replica holds any of the prompt (nor is
+the only one with its adapter), a session key picks a replica on the hash ring (bounded load),
 otherwise the least-loaded one wins. The two policies differ only in where the hits come from: the exact
 index mirrored from KV events (the approximate one for replicas without them), or the approximate index.
 """
@@ -34,9 +36,11 @@ class CachePolicy:
         if all_overloaded:
             best = pick(idx, lambda i: cost(views[i], loads[i], req, cfg), turn)
             return decision(views, loads, req, cfg, best, Reason.ALL_OVERLOADED)
-        if any(views[i].cached_tokens > 0 for i in idx):
+        holders = sum(1 for i in idx if not views[i].adapter_missing)
+        if any(views[i].cached_tokens > 0 for i in idx) or 0 < holders < len(idx):  # a prefix or an adapter is here
             best = pick(idx, lambda i: (cost(views[i], loads[i], req, cfg), -views[i].cached_tokens), turn)
-            return decision(views, loads, req, cfg, best, Reason.CACHE)
+            return decision(views, loads, req, cfg, best,
+                            Reason.CACHE if views[best].cached_tokens > 0 else Reason.ADAPTER)
         if req.session_key is not None:
             best = ring.choose(req.session_key, views, loads, idx, cfg.session_load_factor)
             return decision(views, loads, req, cfg, best, Reason.SESSION)

@@ -67,6 +67,7 @@ async def run(fleet: Fleet, opts: Options) -> Verdict:
     cut = [r for r in tally.results if r.stream and any(
         r.replica == url and r.started < t < r.started + r.latency for url, t in kills)]
     gaps = [r.max_gap for r in cut if r.ok]
+    uncut = [r.max_gap for r in tally.results if r.stream and r.ok and r not in cut and r.chunks > 1]
     v.notes.clear()
     failed = [r for r in tally.results if not r.ok]
     unclear = [r for r in failed if not r.error or r.status is None]
@@ -80,6 +81,8 @@ async def run(fleet: Fleet, opts: Options) -> Verdict:
     v.figures["streams moved to the other replica (routers' count)"] = int(moved)
     v.figures["pause at the break, p50 / p99 (s)"] = (
         f"{percentile(gaps, 0.5):.2f} / {percentile(gaps, 0.99):.2f}" if gaps else "-")
+    v.figures["longest pause of the streams not cut, p50 / p99 (s)"] = (
+        f"{percentile(uncut, 0.5):.2f} / {percentile(uncut, 0.99):.2f}" if uncut else "-")
     v.figures["routers see the death after (s)"] = downs
     v.figures["engine restart to ready (s)"] = restarts
     v.figures["routers route to it again after (s)"] = ups

@@ -23,7 +23,7 @@ from contract.request import OpenAIRequest
 from router.http.usage import StreamUsage
 from router.migration.continuation import continuation_body, remaining, top_logprobs
 from router.migration.progress import ChoiceState, Progress, replica_failed
-from router.migration.relay import Relay, final_events
+from router.migration.relay import Relay, final_events, sse
 from router.migration.straddle import Straddle, held_text
 from router.routing.lease import Lease
 from router.routing.prepare import COMPLETIONS_PATH, PreparedRequest
@@ -97,7 +97,7 @@ class Migrator:
         attempts.ended_at = time.perf_counter()
         return True
 
-    async def _resume(self, send, r, progress, tried, fwd_headers, lease, follower, attempts) -> Outcome:
+    async def _resume(self, send, r, progress, dead, fwd_headers, lease, follower, attempts) -> Outcome:
         while progress.unfinished():
             if r.migrations >= r.max_migrations:
                 return Outcome.LIMIT
@@ -105,7 +105,7 @@ class Migrator:
             r.gap_open = True
             try:
                 for c in progress.unfinished():
-                    await self._continue(send, r, progress, c, tried, fwd_headers, lease, follower, attempts)
+                    await self._continue(send, r, progress, c, dead, fwd_headers, lease, follower, attempts)
             except _Broken:
                 continue
             except _Refused as e:
@@ -129,8 +129,7 @@ class Migrator:
     async def _emit(self, send, r: Resume, chunks: list[dict], follower: StreamUsage | None) -> None:
         if not chunks:
             return
-        data = b"".join(b"data: " + json.dumps(ch, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
-                        for ch in chunks)
+        data = b"".join(sse(ch) for ch in chunks)
         if follower is not None:
             data = follower.feed(data)
         now = time.perf_counter()
@@ -147,7 +146,7 @@ class Migrator:
             raise _Unsupported("the replica sent no prompt token ids")
         relay = self._relay(r, progress, c)
         log.info("continuing choice %d after %d tokens%s", c.index, len(c.ids),
-                 f" ({len(relay.straddle._buf)} characters held back)" if relay.straddle is not None else "")
+                 f" ({len(relay.straddle.held)} characters held back)" if relay.straddle is not None else "")
         left = remaining(r.req, len(c.ids))
         if left is not None and left <= 0:  # max_tokens reached: ends here, as the replica would have ended it
             await self._emit(send, r, relay.event({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}),

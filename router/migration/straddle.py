@@ -32,6 +32,11 @@ class Straddle:
         self._region = len(held) if stops else 0  # stop strings may begin at _buf[:_region]
 
     @property
+    def held(self) -> str:
+        """The text held back now (at the start: what the dead replica had not shown)."""
+        return self._buf
+
+    @property
     def done(self) -> bool:
         """No stop string can begin before the break any more: the rest passes through."""
         return self._region == 0 and not self._buf

@@ -95,20 +95,23 @@ def test_tensor_of_an_unsupported_module_is_refused(tmp_path):
 
 # ---- the gathered products ------------------------------------------------------------------------
 
-def test_gathered_products_equal_a_per_row_reference():
+@pytest.mark.parametrize("repeat", [1, 6])  # 7 rows: every slot, masked per row; 42: per slot
+def test_gathered_products_equal_a_per_row_reference(repeat):
     """A fused q|k|v projection; slot 0 targets q and v (rank 3), slot 1 all three (rank 5), slot 2 is empty;
     rows of the three slots and the base interleaved."""
     torch.manual_seed(0)
     sizes = [8, 4, 4]
     base = nn.Linear(6, 16, bias=False)
     batch = LoRABatch()
+    batch.num_slots = 3
     layer = LoRALinear(base, batch, sizes, num_slots=3)
+    layer.make_dense_stacks(8, 6, torch.float32, torch.device("cpu"))
     weights = {0: [(torch.randn(3, 6), torch.randn(8, 3)), None, (torch.randn(3, 6), torch.randn(4, 3))],
                1: [(torch.randn(5, 6), torch.randn(n, 5)) for n in sizes]}
     for slot, parts in weights.items():
         layer.set_slot(slot, parts)
-    x = torch.randn(7, 6)
-    row_slots = [0, -1, 1, 1, 2, 0, -1]
+    row_slots = [0, -1, 1, 1, 2, 0, -1] * repeat
+    x = torch.randn(len(row_slots), 6)
     want = base(x).detach().clone()
     for t, slot in enumerate(row_slots):
         if slot in weights:
@@ -119,13 +122,16 @@ def test_gathered_products_equal_a_per_row_reference():
                 off += size
     with torch.no_grad():
         batch.set(row_slots, x.device)
-        assert [s for s, _ in batch.groups] == [0, 1, 2]
+        assert [s for s, _ in batch.groups] == [0, 1, 2] and batch.dense == (repeat == 1)
         got = layer(x)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        batch.set([1] * 7, x.device)  # every row under one adapter: no gather
-        assert batch.groups[0][1] is None
+        batch.set([1] * 50, x.device)  # every row under one adapter: no gather
+        assert batch.groups[0][1] is None and not batch.dense
         batch.set([-1] * 7, x.device)  # no adapter rows: the base path
         assert batch.groups == [] and torch.equal(layer(x), base(x))
+        layer.clear_slot(1)
+        batch.set([1, 0], x.device)
+        assert torch.equal(layer(x[:2])[0], base(x[:2])[0])  # a cleared slot adds nothing
 
 
 # ---- prefix cache keyed by adapter ----------------------------------------------------------------

@@ -382,7 +382,8 @@ class RouterApp:
             attempts.follower = StreamUsage(wanted)
         elif tenant is not None:
             attempts.follower = StreamUsage()
-        if self.cfg.max_migrations and req.stream and why_not(req) is None:
+        if self.cfg.max_migrations and req.stream and why_not(req) is None \
+                and self.fleet.engine_of(pool.name).kind != "sglang":  # SGLang sends no token ids
             # a stream that may move to another replica if its own fails (router/http/migrate.py): the engine
             # sends the token ids a continuation starts from; the client gets them only if it asked
             keep = req.get(RETURN_TOKEN_IDS) is True

@@ -90,6 +90,25 @@
 {{- if eq $engine "vllm" }}["vllm", "serve"]{{ else if eq $engine "sglang" }}["python3", "-m", "sglang.launch_server"]{{ else }}[]{{ end -}}
 {{- end -}}
 
+{{/* LoRA flags of a kvfleet or vllm pool (the same names in both), as YAML list items */}}
+{{- define "kvfleet.loraArgs" -}}
+{{- $l := .lora | default dict -}}
+{{- if or $l.enabled $l.modules }}
+- --enable-lora
+- --max-loras={{ int ($l.maxLoras | default 1) }}
+- --max-lora-rank={{ int ($l.maxLoraRank | default 16) }}
+{{- if not (kindIs "invalid" $l.maxCpuLoras) }}
+- --max-cpu-loras={{ int $l.maxCpuLoras }}
+{{- end }}
+{{- if and $l.modules (not $l.routerOnDemand) }}
+- --lora-modules
+{{- range $name, $path := $l.modules }}
+- {{ printf "%s=%s" $name $path | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
 {{/* args, as a YAML list */}}
 {{- define "kvfleet.engineArgs" -}}
 {{- $engine := include "kvfleet.engine" . -}}
@@ -110,6 +129,7 @@
 {{- if not (kindIs "invalid" $p.maxContextTokens) }}
 - --max-model-len={{ int $p.maxContextTokens }}
 {{- end }}
+{{- include "kvfleet.loraArgs" $p }}
 {{- range $p.extraArgs }}
 - {{ . | quote }}
 {{- end }}
@@ -127,6 +147,7 @@
 {{- end }}
 - --enable-prompt-tokens-details
 - {{ printf "--kv-events-config=%s" (include "kvfleet.kvEventsConfig" .) | quote }}
+{{- include "kvfleet.loraArgs" $p }}
 {{- range $p.vllm.extraArgs }}
 - {{ . | quote }}
 {{- end }}

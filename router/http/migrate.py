@@ -3,14 +3,16 @@
 The proxy hands over a stream whose replica failed after tokens went out (the connection broke, or an error
 event said the replica failed). Each unfinished choice goes on as a /v1/completions request (continuation.py)
 on a replica the placement core leases (the dead ones excluded; its prompt's cached blocks count as for any
-request), its chunks relayed to the client as the same stream (relay.py); then the whole request's usage and
-one `[DONE]`. A continuation that breaks too is moved again, up to `--max-migrations` breaks per request; one
-that cannot start anywhere, or that a replica refuses with a 4xx (the request's own fault), ends the stream
-with an error event, as before. Nothing here runs after the client went away: the app cancels the proxy's task.
+request), its chunks relayed to the client as the same stream (relay.py), the choices of an `n > 1` request
+side by side; then the whole request's usage and one `[DONE]`. A continuation that breaks too is moved again,
+up to `--max-migrations` breaks per request; one that cannot start anywhere, or that a replica refuses with a
+4xx (the request's own fault), ends the stream with an error event, as before. Nothing here runs after the
+client went away: the app cancels the proxy's task.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -103,14 +105,20 @@ class Migrator:
                 return Outcome.LIMIT
             r.migrations += 1
             r.gap_open = True
-            try:
-                for c in progress.unfinished():
-                    await self._continue(send, r, progress, c, dead, fwd_headers, lease, follower, attempts)
-            except _Broken:
-                continue
-            except _Refused as e:
-                log.warning("stream not moved: %s", e)
-                return Outcome.UNSUPPORTED if isinstance(e, _Unsupported) else Outcome.FAILED
+            tasks = [asyncio.ensure_future(self._continue(send, r, progress, c, dead, fwd_headers, lease, follower,
+                                                          attempts)) for c in progress.unfinished()]
+            try:  # the choices go on side by side, each on the replica placement picks for it
+                done = await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                for t in tasks:
+                    t.cancel()
+            refused = [e for e in done if isinstance(e, _Refused)]
+            if refused:
+                log.warning("stream not moved: %s", refused[0])
+                return Outcome.UNSUPPORTED if isinstance(refused[0], _Unsupported) else Outcome.FAILED
+            failed = [e for e in done if isinstance(e, BaseException) and not isinstance(e, _Broken)]
+            if failed:
+                raise failed[0]
         return Outcome.COMPLETED
 
     def _relay(self, r: Resume, progress: Progress, c: ChoiceState) -> Relay:

@@ -207,6 +207,7 @@ class LLMEngine:
                 raise InvalidRequestError("model", f"{seq.lora.name!r} is a LoRA adapter, but this engine serves "
                                                    f"none (start it with --enable-lora)")
             self.lora.ensure_loaded(seq.lora)
+            self.kv.on_adapter_load(seq.lora.name, seq.lora.id)  # a reloaded name: its old blocks leave the cache
         self.scheduler.add(seq)
         req = self.requests[seq.request_id] = _Request(seq)
         self._track(req, seq)

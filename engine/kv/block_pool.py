@@ -45,7 +45,7 @@ class FreeBlockQueue:
 
     def popleft(self) -> KVCacheBlock:
         block = self._head.next_free
-        if block is self._tail:
+        if block is None or block is self._tail:
             raise IndexError("no free blocks")
         self.remove(block)
         return block
@@ -60,7 +60,10 @@ class FreeBlockQueue:
         self.num_free -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        self._insert_after(self._tail.prev_free, block)
+        last = self._tail.prev_free
+        if last is None:  # the sentinels are always linked
+            raise RuntimeError("free queue tail sentinel unlinked")
+        self._insert_after(last, block)
 
     def appendleft(self, block: KVCacheBlock) -> None:
         self._insert_after(self._head, block)
@@ -69,6 +72,8 @@ class FreeBlockQueue:
         if block.prev_free is not None or block.next_free is not None:
             raise ValueError(f"block {block.block_id} is already in the free queue")
         nxt = prev.next_free
+        if nxt is None:  # only the tail sentinel has no next, and nothing goes after it
+            raise ValueError(f"block {prev.block_id} is not in the free queue")
         block.prev_free, block.next_free = prev, nxt
         prev.next_free = block
         nxt.prev_free = block
@@ -178,6 +183,17 @@ class BlockPool:
         if run:
             self.events.stored(run, run_parent, lora_name)
 
+    def uncache(self, block_hashes: Iterable[int]) -> list[int]:
+        """Forget these hashes (blocks in use keep their content, no longer findable); the ones that were cached."""
+        gone = []
+        for h in block_hashes:
+            block = self.cached.get(h)
+            if block is not None:
+                self._uncache(block)
+                gone.append(h)
+        self.events.removed(gone)
+        return gone
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only while no block is in use. Returns whether it did."""
         if self.num_used_blocks:
@@ -193,7 +209,8 @@ class BlockPool:
         return list(self.cached)
 
     def _uncache(self, block: KVCacheBlock) -> None:
-        if self.cached.get(block.block_hash) is block:
-            del self.cached[block.block_hash]
+        h = block.block_hash
+        if h is not None and self.cached.get(h) is block:
+            del self.cached[h]
         block.block_hash = None
         block.token_ids = None

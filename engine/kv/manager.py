@@ -44,6 +44,8 @@ class KVCacheManager:
         self.events = KVEventLog(config.max_pending_kv_events)
         self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching, self.events)
         self._num_registered: dict[int, int] = {}  # seq_id -> leading blocks already in the cache
+        self.lora_ids: dict[str, int] = {}  # LoRA adapter name -> the id of its current load (engine/lora/)
+        self._adapter_roots: dict[str, set[int]] = {}  # adapter name -> hashes of first blocks cached under it
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
         self.alloc_failures = 0
@@ -56,7 +58,7 @@ class KVCacheManager:
 
         Never covers the last known token (the step must compute it to get its logits).
         """
-        if not self.enable_caching or seq.block_table:
+        if not self.enable_caching or seq.block_table or self._stale_adapter(seq):
             return [], 0
         self._extend_hashes(seq, seq.num_tokens)
         max_blocks = cacheable_blocks(seq.num_tokens, self.block_size)
@@ -128,7 +130,7 @@ class KVCacheManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the sequence's blocks that are now full of computed tokens in the prefix cache."""
-        if not self.enable_caching:
+        if not self.enable_caching or self._stale_adapter(seq):
             return
         end = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         start = self._num_registered.get(seq.seq_id, 0)
@@ -144,6 +146,8 @@ class KVCacheManager:
             seq.lora.name if seq.lora is not None else None,
         )
         self._num_registered[seq.seq_id] = end
+        if start == 0 and seq.lora is not None:
+            self._adapter_roots.setdefault(seq.lora.name, set()).add(seq.block_hashes[0])
 
     # ---- sharing and release ---------------------------------------------------------------
 
@@ -168,6 +172,23 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
+
+    # ---- LoRA adapters ---------------------------------------------------------------------
+
+    def on_adapter_load(self, name: str, adapter_id: int) -> None:
+        """A request runs under this load of adapter `name`. A newer load than the one whose blocks are cached (an
+        unload and load under the same name, possibly other weights) makes those blocks unfindable: their chains'
+        first blocks leave the cache (`removed` events), and requests of the older load cache nothing more."""
+        current = self.lora_ids.get(name)
+        if current is not None and adapter_id <= current:
+            return
+        if current is not None:
+            self.pool.uncache(self._adapter_roots.pop(name, ()))
+        self.lora_ids[name] = adapter_id
+
+    def _stale_adapter(self, seq: Sequence) -> bool:
+        lora = seq.lora
+        return lora is not None and self.lora_ids.get(lora.name, lora.id) != lora.id
 
     # ---- observability ---------------------------------------------------------------------
 

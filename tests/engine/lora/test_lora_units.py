@@ -233,3 +233,29 @@ def test_gathered_products_on_the_fast_cpu_projections(fast):
     for t in (0, 2):
         want[t, 32:] += (x[t].float() @ a.float().t()) @ b.float().t()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-2)
+
+
+def test_a_reloaded_adapter_never_finds_the_old_loads_blocks():
+    kv = KVCacheManager(CacheConfig(16, 32, True, 0))
+    old, new = LoRARequest("a", 1, "/v1"), LoRARequest("a", 2, "/v2")
+
+    def run(lora) -> int:
+        seq = Sequence("r", list(range(40)), SamplingParams(lora=lora))
+        _, hit = kv.get_computed_blocks(seq)
+        kv.allocate_slots(seq, 40)
+        seq.num_computed_tokens = 40
+        kv.cache_full_blocks(seq)
+        kv.free(seq)
+        return hit
+
+    kv.on_adapter_load("a", 1)
+    assert run(old) == 0 and run(old) == 32
+    kv.drain_events()
+    kv.on_adapter_load("a", 2)  # unload + load under the same name: maybe other weights
+    (removed,) = kv.drain_events()
+    assert removed.kind is KVEventKind.REMOVED and removed.block_hashes == (hash_blocks(list(range(16)), 16, None, 0,
+                                                                                         adapter="a")[0],)
+    assert run(new) == 0 and run(new) == 32
+    assert run(old) == 0  # a request of the old load finds nothing and caches nothing
+    kv.on_adapter_load("a", 1)  # an older load arriving late changes nothing
+    assert run(new) == 32

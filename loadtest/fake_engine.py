@@ -6,7 +6,9 @@ It speaks the same wire formats (OpenAI chat/completions with SSE streaming and 
 keeps a real prefix cache index for `/v1/completions` requests whose prompt is a list of token ids (chained
 block hashes from contract/hashing.py), so KV-aware routing can be tested without a model. Behaviour per
 request comes from headers: `x-fake-delay-ms` (before the first byte), `x-fake-chunks`, `x-fake-chunk-delay-ms`,
-`x-fake-break-after` (drop the connection after N chunks; = the chunks: before `[DONE]`), `x-fake-status` (answer with this status),
+`x-fake-break-after` (drop the connection after N chunks; = the chunks: before `[DONE]`), `x-fake-error-after`
+(after N chunks an SSE error event of status `x-fake-error-status`, default 503, then `[DONE]`: an engine whose
+core died), `x-fake-status` (answer with this status),
 `x-fake-keepalives` (SSE comments `: keep-alive` sent before the first chunk of a stream, one per
 `x-fake-keepalive-ms`). With `return_token_ids` (contract/token_ids.py) every streamed choice carries its token
 id (100 + its position) and the first chunk the prompt's ids (the request's token ids, else 1..8).
@@ -237,6 +239,7 @@ class FakeEngine:
         delay = float(hdr.get("x-fake-delay-ms", self.ns.delay_ms)) / 1000
         chunk_delay = float(hdr.get("x-fake-chunk-delay-ms", 0)) / 1000
         break_after = int(hdr.get("x-fake-break-after", -1))
+        error_after = (int(hdr.get("x-fake-error-after", -1)), int(hdr.get("x-fake-error-status", 503)))
         usage = {"prompt_tokens": n_prompt, "completion_tokens": chunks, "total_tokens": n_prompt + chunks,
                  "prompt_tokens_details": {"cached_tokens": cached}}
         chat = path == "/v1/chat/completions"
@@ -266,14 +269,14 @@ class FakeEngine:
             keepalives = (int(hdr.get("x-fake-keepalives", 0)), float(hdr.get("x-fake-keepalive-ms", 100)) / 1000)
             await self.stream(receive, send, rid, chat, chunks, chunk_delay, break_after, usage,
                               bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats")), keepalives,
-                              ids)
+                              ids, error_after)
         finally:
             self.stats["running"] -= 1
             if self.slots is not None:
                 self.slots.release()
 
     async def stream(self, receive, send, rid, chat, chunks, chunk_delay, break_after, usage, include_usage,
-                     continuous=False, keepalives=(0, 0.0), prompt_ids=None):
+                     continuous=False, keepalives=(0, 0.0), prompt_ids=None, error_after=(-1, 503)):
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": rid, "object": obj, "created": int(time.time()), "model": self.ns.model}
         disconnected = asyncio.ensure_future(_wait_disconnect(receive))
@@ -287,6 +290,11 @@ class FakeEngine:
             for i in range(chunks):
                 if break_after == i:
                     raise ConnectionAbortedError("x-fake-break-after")  # uvicorn drops the connection
+                if error_after[0] == i:
+                    err = error_body(f"fake failure {error_after[1]}", error_type(error_after[1]))
+                    await send({"type": "http.response.body", "more_body": False,
+                                "body": b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"})
+                    return
                 if chunk_delay:
                     await asyncio.sleep(chunk_delay)
                 if disconnected.done():

@@ -117,3 +117,16 @@ def test_a_stream_that_breaks_after_its_last_token_ends_without_a_new_request(fa
     assert [e["choices"][0]["finish_reason"] for e in events[:4]] == [None, None, None, "length"]
     assert events[4]["usage"]["completion_tokens"] == 4 and events[5] == "[DONE]" and len(events) == 6
     assert sum(httpx.get(f.url + "/fake/stats").json()["requests"] for f in fakes[:2]) == before + 1
+
+
+def test_an_error_event_of_a_failed_replica_moves_the_stream_and_a_4xx_one_does_not(fakes, procs):
+    # a router of its own: the breaks of the tests above opened the others' circuit breakers
+    r = router(procs, [f.url for f in fakes[:2]], policy="least-load").wait_ready()
+    wait_for(lambda: httpx.get(r.url + "/ready").json().get("ready_replicas") == 2, what="both replicas")
+    completed, failed = migrations(r, "completed"), migrations(r, "failed")
+    _, events = stream(r.url, {**CHAT, "max_tokens": 6}, {"x-fake-error-after": "4"})  # 503: its core died
+    assert [e["choices"][0]["delta"].get("content") for e in events[:-1]] == [" tok"] * 6 and events[-1] == "[DONE]"
+    assert migrations(r, "completed") == completed + 1
+    _, events = stream(r.url, {**CHAT, "max_tokens": 6}, {"x-fake-error-after": "4", "x-fake-error-status": "400"})
+    assert len(events) == 6 and events[4]["error"]["type"] == "invalid_request_error" and events[5] == "[DONE]"
+    assert migrations(r, "completed") == completed + 1 and migrations(r, "failed") == failed  # not a break

@@ -28,7 +28,7 @@ _TOOLS_PROMPT = (
 
 
 def template_renders_tools(template: str | None) -> bool:
-    return bool(template) and "tools" in template
+    return template is not None and "tools" in template
 
 
 def tool_messages(messages: Sequence[Mapping], tools: Sequence[Mapping] | None, native: bool) -> list[dict]:

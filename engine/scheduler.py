@@ -199,7 +199,7 @@ class Scheduler:
     def _lora_fits(self, seq: Sequence) -> bool:
         """Whether seq's adapter is running already or one more adapter fits the step's max_loras slots."""
         running = {s.lora.id for s in self.running if s.lora is not None}
-        return seq.lora.id in running or len(running) < self.config.max_loras
+        return seq.lora is None or seq.lora.id in running or len(running) < self.config.max_loras
 
     def _unforked_children(self, seq: Sequence) -> int:
         """Sequences a request with n > 1 will still fork into (they need running slots too)."""

@@ -10,7 +10,7 @@ end of a hash chain is evicted before its start.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from engine.kv.events import KVEventLog
 
@@ -79,9 +79,9 @@ class FreeBlockQueue:
         nxt.prev_free = block
         self.num_free += 1
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[KVCacheBlock]:
         block = self._head.next_free
-        while block is not self._tail:
+        while block is not None and block is not self._tail:
             yield block
             block = block.next_free
 

@@ -15,7 +15,7 @@ import json
 import logging
 import math
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Generic, Literal, TypeVar, overload
 
 import yaml
 
@@ -120,6 +120,12 @@ class NodeReader:
 
     def _value(self, node: yaml.Node, field: str):
         return self.scalar(node, field) if isinstance(node, yaml.ScalarNode) else node
+
+    @overload
+    def int_field(self, node: yaml.Node, field: str, minimum: int | None, optional: Literal[False]) -> int: ...
+
+    @overload
+    def int_field(self, node: yaml.Node, field: str, minimum: int | None, optional: bool) -> int | None: ...
 
     def int_field(self, node: yaml.Node, field: str, minimum: int | None, optional: bool) -> int | None:
         value = self._value(node, field)

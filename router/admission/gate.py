@@ -32,12 +32,18 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from router.admission.fair_queue import FairQueue, FairQueueConfig, Queued
 from router.refusal import Refusal, refuse
 
 TICK_S = 0.02
 METER_S = 10.0
+
+
+def _released(item: Queued) -> asyncio.Future[bool]:
+    """The future a queued request waits on (its `key`: True when dispatched, False when timed out)."""
+    return cast("asyncio.Future[bool]", item.key)
 
 
 @dataclass(slots=True)
@@ -102,6 +108,8 @@ class Gate:
 
     def _under_share(self, pool: str, tenant: str) -> bool:
         """Whether `tenant` holds fewer of the pool's seats than its weighted share among the tenants there."""
+        if self.seats is None:  # no express lane
+            return False
         fq, held = self.queues[pool], self.holding[pool]
         active = set(held) | set(fq.queues) | {tenant}
         total = sum(fq.weights.get(t, 1.0) for t in active)
@@ -127,7 +135,8 @@ class Gate:
             self.congested_at[pool] = self.clock()
             return self._pass(pool, tenant, True, express=True)
         loop = asyncio.get_running_loop()
-        item = Queued(tenant, self.clock(), priority, prompt_tokens, loop.create_future())
+        released: asyncio.Future[bool] = loop.create_future()
+        item = Queued(tenant, self.clock(), priority, prompt_tokens, released)
         self.congested_at[pool] = item.arrived
         full = fq.push(item)
         m = self.metrics
@@ -140,18 +149,18 @@ class Gate:
         self._start_ticker()
         self.dispatch(pool)
         try:
-            await item.key
+            await released
         except asyncio.CancelledError:
             if fq.remove(item):
                 m.queued.labels(pool, tenant, self.priority_label[tenant]).dec()
                 m.queue_refused.labels(pool, "cancelled").inc()
-            elif item.key.done() and not item.key.cancelled() and item.key.result():
+            elif released.done() and not released.cancelled() and released.result():
                 self.pending[pool] -= 1  # released just now, never let through: its room goes to the next
                 self.dispatch(pool)
             raise
         waited = self.clock() - item.arrived
         m.queue_seconds.labels(pool).observe(waited)
-        if not item.key.result():
+        if not released.result():
             m.queue_refused.labels(pool, "timeout").inc()
             return refuse(503, f"pool {pool} stayed full for {self.cfg.timeout_s:g} s while this request waited; "
                           "retry", "queue_timeout", None, "queue_timeout", [(b"retry-after", b"1")])
@@ -164,17 +173,21 @@ class Gate:
             return
         while fq.queues and self._has_room(pool):
             item = fq.pop()
+            if item is None:
+                break
             self.metrics.queued.labels(pool, item.tenant, self.priority_label[item.tenant]).dec()
-            if not item.key.done():
+            released = _released(item)
+            if not released.done():
                 self.pending[pool] += 1
-                item.key.set_result(True)
+                released.set_result(True)
 
     def _expire(self, now: float) -> None:
         for pool, fq in self.queues.items():
             for item in fq.expired(now):
                 self.metrics.queued.labels(pool, item.tenant, self.priority_label[item.tenant]).dec()
-                if not item.key.done():
-                    item.key.set_result(False)
+                released = _released(item)
+                if not released.done():
+                    released.set_result(False)
 
     def _start_ticker(self) -> None:
         if self._ticker is None or self._ticker.done():

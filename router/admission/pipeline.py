@@ -56,13 +56,23 @@ class Admission:
         """The caller's tenant (None without a tenants file), or the 401."""
         return self.ratelimit.identify(headers) if self.ratelimit is not None else None
 
+    def _limiter(self) -> RateLimiter:
+        """The rate limiter, there whenever a request has a tenant (only it identifies tenants)."""
+        if self.ratelimit is None:
+            raise RuntimeError("a request has a tenant but the router has no tenants file")
+        return self.ratelimit
+
+    def _refused(self, tenant: Tenant | None, refusal: Refusal) -> Refusal:
+        """The refusal as the tenant's rate limiter reports it (counted, with its headers); as is without one."""
+        return self._limiter().refused(tenant, refusal) if tenant is not None else refusal
+
     def model(self, req: OpenAIRequest, tenant: Tenant | None) -> OpenAIRequest | Refusal:
         """The request with the model it names (or `--default-model`), one some pool serves and the tenant may
         use; else the refusal (before the prompt is tokenized: the model decides the tokenizer)."""
         got = model_choice(req, tenant, self.default_model, self.pools.catalog)
         if isinstance(got, Refusal):
             self.metrics.pool_requests.labels("none", "-", "-", str(got.status)).inc()
-            return self.ratelimit.refused(tenant, got) if tenant is not None else got
+            return self._refused(tenant, got)
         return got
 
     async def admit(self, req: OpenAIRequest, tenant: Tenant | None, session_key: str | None,
@@ -70,15 +80,17 @@ class Admission:
         """`req` is one `model()` passed: its model is served."""
         m = self.metrics
         model = req.model
+        if model is None:
+            raise ValueError("admit() takes a request that model() passed: it names its model")
         if tenant is not None:
             got = tenant_limits(req, tenant)
             if isinstance(got, Refusal):
-                return self.ratelimit.refused(tenant, got)
+                return self._refused(tenant, got)
             req = got
         pool = pool_choice(self.pools.choose(model, session_key, max(prompt_tokens, default=0), req.max_tokens), req)
         if isinstance(pool, Refusal):
             m.pool_requests.labels("none", "-", model, str(pool.status)).inc()
-            return self.ratelimit.refused(tenant, pool) if tenant is not None else pool
+            return self._refused(tenant, pool)
         version = self.pools.version(pool.name)
         req, lowered = pool_caps(req, pool)
         if lowered is not None:
@@ -86,24 +98,24 @@ class Admission:
         if tenant is not None:
             too_long = tenant_context(req, tenant, prompt_tokens)
             if too_long is not None:
-                return self.ratelimit.refused(tenant, too_long)
+                return self._refused(tenant, too_long)
         cost = request_cost(req, prompt_tokens, tenant.max_context_tokens if tenant is not None else None)
         sheds = self.pools.shedding(pool.name)
         fleet = fleet_pressure(*self.ratelimit.load(), self.shedding) if self.ratelimit is not None else Pressure.NONE
         reading = pressure(fleet, sheds)
-        priority, priorities = ((tenant.priority, self.ratelimit.file.registry.priorities()) if tenant is not None
+        priority, priorities = ((tenant.priority, self._limiter().file.registry.priorities()) if tenant is not None
                                 else (0, (0, 0)))
         refused = shed(reading, cost, priority, priorities, pool.name, sheds, self.shedding)
         if refused is not None:
             if sheds:
                 m.pool_requests.labels(pool.name, version, model, "503").inc()
-            return self.ratelimit.refused(tenant, refused) if tenant is not None else refused
+            return self._refused(tenant, refused)
         headers = [(POOL_HEADER, pool.name.encode())]
         if lowered is not None:
             headers.append((LOWERED_HEADER, str(lowered).encode()))
         budget = None
         if tenant is not None:
-            got_budget = await self.ratelimit.reserve(tenant, cost, model)
+            got_budget = await self._limiter().reserve(tenant, cost, model)
             if isinstance(got_budget, Refusal):
                 return got_budget
             budget = got_budget

@@ -118,7 +118,8 @@ def parse_pools(text: str | bytes, path: str = "<pools>") -> PoolsConfig:
     _, top, entries = r.document(text, "pools", TOP_FIELDS)
     if not entries:
         raise r.error(top["pools"][1], "pools", "at least one pool is required")
-    pools, owner = [], {}
+    pools: list[PoolConfig] = []
+    owner: dict[str, str] = {}
     for name, (name_node, body_node) in entries.items():
         pool = _pool(r, name, name_node, body_node)
         if isinstance(pool.source, StaticSource):
@@ -164,7 +165,7 @@ def _pool(r: NodeReader, name: str, name_node: yaml.Node, body_node: yaml.Node) 
         raise r.error(body["models"][0], f"{field}.models", "give `model` (one name) or `models` (a list), not both")
     models = (r.str_field(body["model"][1], f"{field}.model"),) if "model" in body else \
         r.names_field(body["models"][1], f"{field}.models", "model names") if "models" in body else ()
-    adapters = ()
+    adapters: tuple[tuple[str, str], ...] = ()
     if "adapters" in body:
         entries = r.mapping(body["adapters"][1], f"{field}.adapters", "a mapping of adapter name to its path")
         adapters = tuple((name, r.str_field(node, f"{field}.adapters.{name}")) for name, (_, node) in entries.items())
@@ -249,13 +250,15 @@ def _degradation(r: NodeReader, node: yaml.Node) -> DegradationSettings:
         signal = e.field.rsplit("_", 1)[0] if e.field.endswith(("_trip", "_clear")) else e.field
         where = body[signal][1] if signal in body else node
         raise r.error(where, f"{field}.{signal}", str(e)) from None
-    measure = {}
-    for key in ("window_s", "interval_s"):
-        if key in body:
-            measure[key] = r.number_field(body[key][1], f"{field}.{key}", 0.001)
-    if "min_requests" in body:
-        measure["min_requests"] = r.int_field(body["min_requests"][1], f"{field}.min_requests", 1, False)
-    return DegradationSettings(config, **measure)
+    default = DegradationSettings(config)
+
+    def seconds(key: str, otherwise: float) -> float:
+        return r.number_field(body[key][1], f"{field}.{key}", 0.001) if key in body else otherwise
+
+    window_s, interval_s = seconds("window_s", default.window_s), seconds("interval_s", default.interval_s)
+    min_requests = (r.int_field(body["min_requests"][1], f"{field}.min_requests", 1, False) if "min_requests" in body
+                    else default.min_requests)
+    return DegradationSettings(config, window_s=window_s, min_requests=min_requests, interval_s=interval_s)
 
 
 class PoolsFile(WatchedFile[PoolsConfig]):

@@ -14,6 +14,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from contract.errors import ConfigError
 from router.config import RouterConfig
 
 log = logging.getLogger("kvfleet.router.discovery")
@@ -43,8 +44,12 @@ Source = StaticSource | DnsSource | K8sSource
 def flag_source(cfg: RouterConfig) -> Source:
     """The discovery source the command-line flags describe (the one pool of a router without --pools)."""
     if cfg.discovery == "dns":
+        if not cfg.dns_name:  # RouterConfig refuses this already
+            raise ConfigError("dns_name", "dns discovery needs the headless Service name")
         return DnsSource(cfg.dns_name, cfg.dns_port)
     if cfg.discovery == "k8s":
+        if not cfg.k8s_service:  # RouterConfig refuses this already
+            raise ConfigError("k8s_service", "k8s discovery needs the Service name")
         return K8sSource(cfg.k8s_service, cfg.k8s_namespace, cfg.k8s_port_name)
     return StaticSource(tuple(cfg.replicas))
 

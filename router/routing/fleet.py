@@ -96,21 +96,33 @@ class Fleet:
         await self.set_replicas([], pool)
         self.placement.drop_pool(pool)
 
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The HTTP client of the background checks (made by `start()`)."""
+        if self._client is None:
+            raise RuntimeError("Fleet.start() was not called")
+        return self._client
+
     def engine_of(self, pool: str) -> PoolEngine:
         """The pool's engine settings: its own (pools file), else the --engine-type / --vllm-kv-events flags'."""
         own = self.engines.get(pool)
         kind = own.kind if own is not None and own.kind != "auto" else self.cfg.engine_type
-        events = own.kv_events if own is not None and own.kv_events is not None else self.cfg.vllm_events
-        return PoolEngine(kind, events)
+        return PoolEngine(kind, self.kv_events_of(pool))
+
+    def kv_events_of(self, pool: str) -> VllmEventsConfig:
+        """Where the pool's vLLM / SGLang replicas publish KV events: its own setting, else the flags'."""
+        own = self.engines.get(pool)
+        return own.kv_events if own is not None and own.kv_events is not None else self.cfg.vllm_events
 
     def _start_checks(self, st: ReplicaState) -> None:
         cfg, url = self.cfg, st.url
-        engine = self.engine_of(self.pool_of.get(url, DEFAULT_POOL))
+        pool = self.pool_of.get(url, DEFAULT_POOL)
+        engine = self.engine_of(pool)
         if engine.kind in ("vllm", "sglang"):  # declared: no /ready, no kvfleet KV event stream to probe
             st.ready_path = "/health"
             st.kv_events = KVEventsState.UNAVAILABLE
         tasks = [asyncio.create_task(self._health_loop(st)), asyncio.create_task(self._scrape_loop(st))]
-        vllm_events = engine.kv_events.endpoints(url)
+        vllm_events = self.kv_events_of(pool).endpoints(url)
 
         def on_status(s, url=url):
             self.placement.on_kv_events(url, KVEventsState(s))
@@ -126,9 +138,9 @@ class Fleet:
                                    on_status=on_status, on_resync=on_resync)
             tasks.append(asyncio.create_task(sub.run()))
         elif self.policy.needs.kv_events and engine.kind in ("auto", "kvfleet"):
-            sub = KVEventSubscriber(url, self.index, self._client, cfg.kv_heartbeat_timeout_s, cfg.internal_token,
-                                    on_status=on_status, on_resync=on_resync)
-            tasks.append(asyncio.create_task(sub.run()))
+            events = KVEventSubscriber(url, self.index, self.client, cfg.kv_heartbeat_timeout_s, cfg.internal_token,
+                                       on_status=on_status, on_resync=on_resync)
+            tasks.append(asyncio.create_task(events.run()))
         self._tasks[url] = tasks
 
     async def _stop_checks(self, url: str) -> None:
@@ -153,11 +165,11 @@ class Fleet:
         while True:
             try:
                 timeout = min(2.0, self.cfg.health_interval_s * 2)
-                resp = await self._client.get(st.url + st.ready_path, timeout=timeout)
+                resp = await self.client.get(st.url + st.ready_path, timeout=timeout)
                 if resp.status_code == 404 and st.ready_path == "/ready":  # vLLM, SGLang: ready once serving
                     st.ready_path = "/health"
                     log.info("replica %s has no /ready: its readiness is /health", st.url)
-                    resp = await self._client.get(st.url + st.ready_path, timeout=timeout)
+                    resp = await self.client.get(st.url + st.ready_path, timeout=timeout)
                 ready = resp.status_code == 200
             except httpx.HTTPError:
                 ready = False
@@ -174,7 +186,7 @@ class Fleet:
             if ready_since is not None and now - ready_since >= KV_EVENTS_WARN_HEARTBEATS * self.cfg.kv_heartbeat_timeout_s \
                     and st.kv_events is KVEventsState.CONNECTING and not warned:
                 warned = True  # once per replica: a misplaced endpoint stays misplaced
-                where = self.engine_of(self.pool_of.get(st.url, DEFAULT_POOL)).kv_events.endpoints(st.url)
+                where = self.kv_events_of(self.pool_of.get(st.url, DEFAULT_POOL)).endpoints(st.url)
                 log.warning("replica %s has been ready for %.0f s but its KV event stream is not live (%s): the "
                             "exact index knows nothing of its cache", st.url, now - ready_since,
                             f"ZMQ {where[0]}: is the engine publishing there? vLLM binds a tcp:// publisher only "
@@ -184,7 +196,7 @@ class Fleet:
     async def _models(self, st: ReplicaState) -> bool:
         """Ask the replica which models it serves (/v1/models); True when that changed."""
         try:
-            resp = await self._client.get(st.url + "/v1/models", timeout=2.0)
+            resp = await self.client.get(st.url + "/v1/models", timeout=2.0)
             data = resp.json().get("data") if resp.status_code == 200 else None
         except (httpx.HTTPError, ValueError, AttributeError):
             return False  # unknown this time: what it listed before stays
@@ -217,7 +229,7 @@ class Fleet:
         while True:
             try:
                 sent_at = self.clock()
-                resp = await self._client.get(st.url + "/metrics", timeout=min(2.0, self.cfg.scrape_stale_s))
+                resp = await self.client.get(st.url + "/metrics", timeout=min(2.0, self.cfg.scrape_stale_s))
                 if resp.status_code == 200:
                     load = parse_engine_metrics(resp.text)
                     if load.engine != st.engine:
@@ -263,4 +275,6 @@ class Fleet:
         if decision is None:
             return None
         ticket = self.placement.on_routed(decision.url, prep, decision.predicted_cached_tokens, self.clock())
+        if ticket is None:  # not a known replica (the policy chooses among them): nothing to lease
+            return None
         return Lease(decision, self.replicas[decision.url], ticket, self.clock)

@@ -112,7 +112,8 @@ class Placement:
         """A pool's current replicas: new ones join (not ready until on_health says so), missing ones leave
         (their blocks leave both indexes; their in-flight requests may still finish). A replica belongs to
         one pool: one that another pool holds stays there."""
-        wanted, elsewhere = [], []
+        wanted: list[str] = []
+        elsewhere: list[str] = []
         for r in dict.fromkeys(replicas):
             (wanted if self.pool_of.get(r, pool) == pool else elsewhere).append(r)
         left = [r for r in self.members.get(pool, []) if r not in wanted]
@@ -233,7 +234,7 @@ class Placement:
         """Per pool, the models its replicas list (the union over those that answered; absent: none has)."""
         out: dict[str, frozenset[str]] = {}
         for pool, urls in self.members.items():
-            listed = [self.replicas[u].models for u in urls if self.replicas[u].models is not None]
+            listed = [m for u in urls if (m := self.replicas[u].models) is not None]
             if listed:
                 out[pool] = frozenset().union(*listed)
         return out

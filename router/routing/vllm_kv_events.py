@@ -264,7 +264,7 @@ class VllmKVSubscriber:
             return
         assert last is not None  # apply only refuses a batch when it expects another seq
         replayed = await self._replay(last + 1)
-        covered = bool(replayed) and replayed[0].seq == last + 1
+        covered = bool(replayed and replayed[0].seq == last + 1)
         if not covered:
             log.info("KV events of %s: gap after seq %d that replay cannot fill; blocks dropped",
                      self.replica_url, last)

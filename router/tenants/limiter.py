@@ -21,10 +21,11 @@ logged once each. Nothing else is raised (but ValueError for a negative token co
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Final, Literal, TypeVar
 
 from router.states import StrEnum
 from router.tenants.budget import BudgetSpec, Quota
@@ -32,7 +33,13 @@ from router.tenants.store import BudgetStore, InProcessStore, Rejection, Reserva
 
 log = logging.getLogger("kvfleet.router.limiter")
 T = TypeVar("T")
-_DOWN = object()  # the shared store failed or is not being tried
+
+
+class _Down(enum.Enum):
+    DOWN = enum.auto()
+
+
+_DOWN: Final = _Down.DOWN  # the shared store failed or is not being tried
 
 
 class OnStoreError(StrEnum):
@@ -93,7 +100,7 @@ class Limiter:
         quota = await self._shared(lambda: self.store.settle(reservation, used, now))
         return None if quota is _DOWN else quota
 
-    async def _shared(self, call: Callable[[], Awaitable[T]]) -> T | object:
+    async def _shared(self, call: Callable[[], Awaitable[T]]) -> T | Literal[_Down.DOWN]:
         """`await call()` on the shared store; `_DOWN` where it failed or, while failing, is not tried."""
         probe = not self.healthy  # while failing, one call at a time probes, every retry_s at most
         if probe:

@@ -70,6 +70,8 @@ class RateLimiter:
         """`load()` gives the fleet's mean KV usage and waiting requests per ready replica (None: unknown).
         A bad tenants file raises here (TenantsFileError, with its line), before the router serves."""
         self.cfg, self.metrics, self.load = cfg, metrics, load
+        if cfg.tenants_file is None:
+            raise ValueError("a rate limiter needs a tenants file (--tenants-file)")
         self.file = TenantsFile(cfg.tenants_file, on_reload=metrics.tenants_reloaded)
         if store is None:
             if cfg.redis_url:

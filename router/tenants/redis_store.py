@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -168,10 +169,12 @@ class RedisStore:
         bucket_key, leases_key = self.keys(tenant)
         try:
             level, updated = await self.client.hmget(bucket_key, ["level", "updated"])
-            held = await self.client.zrange(leases_key, 0, -1, withscores=True)
+            rows = await self.client.zrange(leases_key, 0, -1, withscores=True)
         except _ERRORS as e:
             raise StoreError(f"redis: {e!r}") from e
-        bucket = None if level is None else Bucket(float(level), float(updated))
+        # withscores=True: (member, score) pairs; redis-py's hints are one union over every zrange mode
+        held = cast("list[tuple[bytes | str, float]]", rows)
+        bucket = None if level is None or updated is None else Bucket(float(level), float(updated))
         return bucket, Leases(tuple((_text(m), float(s)) for m, s in held))
 
     async def heartbeat(self, router_id: str, ttl_s: float) -> int:

@@ -8,6 +8,7 @@ the end of every step it runs. Requests reach an engine the instant they are rou
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -127,10 +128,10 @@ class Simulator:
         if self.wl.concurrency:
             self._queue = list(reversed(range(len(sessions))))
             for _ in range(min(self.wl.concurrency, len(sessions))):
-                self.at(0.0, lambda t: self._next_session(t))
+                self.at(0.0, self._next_session)
         else:
             for i, s in enumerate(sessions):
-                self.at(s.start_s, lambda t, i=i: self._arrive(t, i, 0))
+                self.at(s.start_s, functools.partial(self._arrive, si=i, ti=0))
         self.at(0.0, self._scrape)
         if self.cfg.autoscale is not None:
             self._hpa = HPA(self.cfg.autoscale.spec())
@@ -172,12 +173,14 @@ class Simulator:
     def _autoscale(self, t: float) -> None:
         """One HPA sync: `current` is the Deployment's count (starting pods included); pods not ready yet report
         zeros, as the controller assumes for a scale-up."""
-        a = self.cfg.autoscale
+        a, hpa = self.cfg.autoscale, self._hpa
+        if a is None or hpa is None:  # scheduled only when autoscaling is on
+            return
         zeros = [0.0] * self._starting
         kv = [self.engines[u].pool.usage for u in self.members] + zeros
         waiting = [float(len(self.engines[u].waiting)) for u in self.members] + zeros
         current = len(self.members) + self._starting
-        desired = self._hpa.step(t, current, {"kv": kv, "waiting": waiting}).desired
+        desired = hpa.step(t, current, {"kv": kv, "waiting": waiting}).desired
         for _ in range(desired - current):
             self._starting += 1
             self.at(t + a.start_s, self._scaled_up)
@@ -224,9 +227,12 @@ class Simulator:
 
         def done(seq: SimSeq) -> None:
             router.on_done(d.url, ticket)
-            res.ttft_s = seq.first_token_s - seq.arrival
+            first, end = seq.first_token_s, seq.done_s
+            if first is None or end is None:  # the engine sets both before it calls on_done
+                raise RuntimeError(f"sequence {seq.rid} done without its first-token and end times")
+            res.ttft_s = first - seq.arrival
             res.hit_blocks = seq.hit_blocks
-            self._turn_done(seq.done_s, si, ti)
+            self._turn_done(end, si, ti)
 
         seq = SimSeq(next(self._rid), turn.block_hashes, turn.prompt_tokens, turn.output_tokens, t,
                      lambda _: router.on_first_token(d.url, ticket), done)
@@ -266,7 +272,7 @@ class Simulator:
     # -- results -------------------------------------------------------------------------------------------
     def summary(self) -> dict:
         done = [r for r in self.results if r.ttft_s is not None]
-        ttfts = sorted(r.ttft_s for r in done)
+        ttfts = sorted(r.ttft_s for r in done if r.ttft_s is not None)
         per_replica: dict[str, int] = dict.fromkeys(self.engines, 0)
         for r in self.results:
             per_replica[r.replica] += 1

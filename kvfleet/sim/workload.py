@@ -103,6 +103,8 @@ def multi_turn(num_sessions: int, seed: int = 0, *, turns: int = 4, mean_user_to
     rng = random.Random(f"{seed}-arrivals")
     by_session: dict[str, list[Turn]] = {}
     for req in trace:
+        if req.session_id is None:  # multi_turn traces give every request its session
+            raise ValueError(f"request {req.request_id} has no session id")
         k = random.Random(f"{seed}-{req.session_id}").randrange(system_prompts)
         ids = vocab.encode([{"role": "system", "content": systems[k]}, *req.messages])
         n_hashed = cacheable_blocks(len(ids), block_size)

@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from router.tenants.registry import key_sha256
 from tests.router.conftest import fake_engine, metric, router, wait_for
 
 CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -130,3 +131,22 @@ def test_an_error_event_of_a_failed_replica_moves_the_stream_and_a_4xx_one_does_
     _, events = stream(r.url, {**CHAT, "max_tokens": 6}, {"x-fake-error-after": "4", "x-fake-error-status": "400"})
     assert len(events) == 6 and events[4]["error"]["type"] == "invalid_request_error" and events[5] == "[DONE]"
     assert migrations(r, "completed") == completed + 1 and migrations(r, "failed") == failed  # not a break
+
+
+def test_a_tenants_budget_is_charged_the_whole_request_once(fakes, procs, tmp_path):
+    key = "sk-moving-Qx81mXr0"
+    path = tmp_path / "tenants.yaml"
+    path.write_text(f"tenants:\n  t:\n    api_key_sha256: [\"{key_sha256(key)}\"]\n    tokens_per_minute: 100000\n")
+    r = router(procs, [f.url for f in fakes[:2]], "--tenants", str(path), policy="least-load").wait_ready()
+    wait_for(lambda: httpx.get(r.url + "/ready").json().get("ready_replicas") == 2, what="both replicas")
+    body = {"model": "smollm2", "prompt": list(range(100, 120)), "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", r.url + "/v1/completions", json=body, timeout=10,
+                      headers={"authorization": f"Bearer {key}", "x-fake-break-after": "5"}) as resp:
+        events = [ln[6:] for ln in resp.iter_lines() if ln.startswith("data: ")]
+    assert len(events) == 9 and events[-1] == "[DONE]"
+    assert all('"usage"' not in e and "token_ids" not in e for e in events)  # the client asked for neither
+    used = lambda: metric(httpx.get(r.url + "/metrics").text, "kvfleet_router_ratelimit_tokens_total",  # noqa: E731
+                          tenant="t", kind="used")
+    wait_for(lambda: used() > 0, what="settlement")
+    assert used() == 20 + 8  # the prompt once, every generated token once (5 before the break, 3 after)
+    assert migrations(r, "completed") == 1

@@ -213,9 +213,9 @@ class Proxy:
 
     async def _moved(self, send, url: str, result: _Result, fwd_headers, lease, attempts: Attempts) -> None:
         """A stream whose replica failed after tokens went out: on to other replicas, or the error event."""
-        metrics, progress = self.metrics, result.progress
-        if await self.migrator.resume(send, attempts.resume, progress, url, fwd_headers, lease, attempts.follower,
-                                      attempts):
+        metrics, progress, resume = self.metrics, result.progress, attempts.resume
+        assert progress is not None and resume is not None  # a stream that may move broke: both were set
+        if await self.migrator.resume(send, resume, progress, url, fwd_headers, lease, attempts.follower, attempts):
             metrics.requests.labels(attempts.replica, metrics.policy, "200").inc()
             attempts.status = "200"
             return
@@ -299,7 +299,7 @@ class Proxy:
                             saw_usage = True
                             attempts.usage = got
                             metrics.observe_usage(url, predicted, got)
-                    if progress is not None:
+                    if progress is not None and resume is not None:
                         chunk = progress.feed(chunk)
                         resume.last_at = time.perf_counter()
                     if usage is not None:

@@ -168,7 +168,7 @@ class Progress:
             ids = next((self.prompt_of(c) for c in self.choices.values() if self.prompt_of(c)), None)
             prompt = len(ids) if ids is not None else 0
         completion = sum(len(c.ids) for c in self.choices.values())
-        out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        out: dict = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         if self.cached_tokens is not None:
             out["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
         return out

@@ -56,7 +56,8 @@ class Relay:
     def _choice(self, ch: dict) -> dict | None:
         c = self.c
         ids = token_ids_of(ch) or []
-        text = ch.get("text") if isinstance(ch.get("text"), str) else ""
+        got = ch.get("text")
+        text: str = got if isinstance(got, str) else ""
         finish, stop_reason = ch.get("finish_reason"), ch.get("stop_reason")
         if self.straddle is not None:
             text, hit = self.straddle.feed(text)

@@ -126,12 +126,26 @@ class RouterApp:
         """The ready replicas serving `model` that may serve kvfleet's tokenizer endpoint (not declared, nor seen
         by their metric names, to be vLLM or SGLang)."""
         out = []
+        on_demand = {pc.spec.name for pc in self.pools.config.pools if model in dict(pc.spec.adapters)}
         for pool in self.pools.catalog.pools_of.get(model, ()):
             if self.fleet.engine_of(pool).kind not in THIRD_PARTY:
-                unfit = self.fleet.not_serving(pool, model)
+                # a LoRA adapter is tokenized as its base model: any of the pool's replicas serves that tokenizer
+                adapter = pool in on_demand or self.fleet.placement.is_adapter(model)
+                unfit = frozenset() if adapter else self.fleet.not_serving(pool, model)
                 out.extend(u for u in self.fleet.ready_urls(pool)
                            if u not in unfit and self.fleet.replicas[u].engine not in THIRD_PARTY)
         return out
+
+    def _base_tokenizer(self, model: str):
+        """For a LoRA adapter (a pool's on-demand `adapters:` or listed with a parent), the tokenizer of a model its
+        pools declare, if one is ready: an adapter tokenizes as its base model."""
+        pools = self.pools.catalog.pools_of.get(model, ())
+        for pc in self.pools.config.pools:
+            if pc.spec.name in pools and (model in dict(pc.spec.adapters) or self.fleet.placement.is_adapter(model)):
+                for base in pc.spec.models:
+                    if base != model and (tok := self.tokenizers.get(base)) is not None:
+                        return tok
+        return None
 
     @property
     def waiting_for_tokenizer(self) -> bool:
@@ -322,12 +336,13 @@ class RouterApp:
         if isinstance(req, Refusal):
             await send_json(send, req.status, req.body, req.headers)
             return
-        if self.need_tokens and self.tokenizers.pending(req.model) and self._kvfleet_urls(req.model):
+        tokenizer = self.tokenizers.get(req.model) or self._base_tokenizer(req.model)  # a LoRA adapter: its base's
+        if self.need_tokens and tokenizer is None and self.tokenizers.pending(req.model) \
+                and self._kvfleet_urls(req.model):
             await send_json(send, 503, error_body(f"the router is still fetching the tokenizer of {req.model} "
                                                   "from its engines; retry", error_type(503), None, "no_ready_replica"),
                             [(b"retry-after", b"1")])
             return
-        tokenizer = self.tokenizers.get(req.model)
         hdr = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers if k in (b"x-session-id",)}
         prep = prepare_request(path, req.body, hdr, tokenizer, self.need_tokens)
         kind = constrained_kind(req.body)

@@ -185,3 +185,18 @@ def test_prefix_cache_is_keyed_by_adapter(llm, case):
     assert hits("attn-r8") == full  # same adapter again: cached
     assert hits(None) == 0  # the base model shares nothing with either
     assert hits(None) == full
+
+
+def test_stats_name_running_and_waiting_adapters(llm, case):
+    """What vllm:lora_requests_info reads: the adapters of the waiting requests, then of the running ones."""
+    engine = llm.engine
+    for i, name in enumerate(NAMES):
+        engine.add_request(f"stats-{case.name}-{i}", case.prompts[0], case.params(name, generation=3, new_tokens=2))
+    stats = engine.stats()
+    assert stats.max_loras == 4 and set(stats.lora_waiting) == set(NAMES) and stats.lora_running == ()
+    engine.step()
+    stats = engine.stats()
+    assert set(stats.lora_running) == set(NAMES) and stats.lora_waiting == ()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().lora_running == ()

@@ -44,6 +44,9 @@ class RouterMetrics:
                                        "reported (usage.prompt_tokens)", ["replica"], registry=r)
         self.prediction_error = Histogram("kvfleet_router_cached_tokens_prediction_error", "|predicted - "
                                           "reported| cached tokens per request", buckets=_TOKEN_BUCKETS, registry=r)
+        self.adapter_loads = Counter("kvfleet_router_adapter_loads", "LoRA adapters this router had a replica "
+                                     "load on demand (POST /v1/load_lora_adapter), by pool and outcome (loaded, "
+                                     "failed)", ["pool", "outcome"], registry=r)
         self.retries = Counter("kvfleet_router_retries", "Requests retried on another replica before their first "
                                "byte, by reason", ["reason"], registry=r)
         self.migrations = Counter("kvfleet_router_migrations", "Streams whose replica failed after tokens went "

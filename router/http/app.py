@@ -81,7 +81,7 @@ class RouterApp:
         self._idle = asyncio.Event()
         self._idle.set()
         self._internal_headers = {"authorization": f"Bearer {cfg.internal_token}"} if cfg.internal_token else {}
-        self.adapters = AdapterLoader(self.fleet, lambda: self.session, self._internal_headers)  # LoRA adapters
+        self.adapters = AdapterLoader(self.fleet, lambda: self.session, self._internal_headers, self.metrics)  # LoRA
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     async def startup(self) -> None:

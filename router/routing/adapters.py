@@ -34,10 +34,11 @@ def request_adapter(model: str, pool_adapters: Mapping[str, str], placement) -> 
 
 
 class AdapterLoader:
-    def __init__(self, fleet, session_of, headers: Mapping[str, str]):
+    def __init__(self, fleet, session_of, headers: Mapping[str, str], metrics=None):
         """fleet: router/routing/fleet.py's Fleet; session_of: () -> the aiohttp session; headers: the internal
-        token's header, if any."""
+        token's header, if any; metrics: the router's (kvfleet_router_adapter_loads_total), if any."""
         self.fleet = fleet
+        self.metrics = metrics
         self.session_of = session_of
         self.headers = dict(headers)
         self._loading: dict[tuple[str, str], asyncio.Future] = {}
@@ -56,9 +57,9 @@ class AdapterLoader:
         decision = placement.choose(prep, self.fleet.clock(), pool, excluded, peek=True)
         if decision is None or model in (placement.replicas[decision.url].models or ()):
             return
-        await self.load(decision.url, model, path)
+        await self.load(decision.url, model, path, pool)
 
-    async def load(self, url: str, name: str, path: str) -> bool:
+    async def load(self, url: str, name: str, path: str, pool: str = "-") -> bool:
         key = (url, name)
         pending = self._loading.get(key)
         if pending is not None:
@@ -66,6 +67,8 @@ class AdapterLoader:
         fut = self._loading[key] = asyncio.get_running_loop().create_future()
         try:
             ok = await self._post(url, name, path)
+            if self.metrics is not None:  # once per load, not per request waiting for it
+                self.metrics.adapter_loads.labels(pool, "loaded" if ok else "failed").inc()
             fut.set_result(ok)
             return ok
         finally:

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.router.conftest import fake_engine, router, wait_for
+from tests.router.conftest import fake_engine, metric, router, wait_for
 
 ADAPTERS = [f"a{i}" for i in range(8)]
 POOLS = """
@@ -85,6 +85,8 @@ def _measure(procs, tmp_path, policy: str) -> dict:
         assert r.status_code == 200, r.text
     stats = [_stats(f) for f in fakes]
     loads = sum(s["lora_loads"] for s in stats)
+    text = httpx.get(rt.url + "/metrics", timeout=10).text
+    assert metric(text, "kvfleet_router_adapter_loads_total", pool="p", outcome="loaded") == loads
     served = sum(s["lora_requests"] for s in stats)
     return {"policy": policy, "loads": loads, "requests": served,
             "held_share": (served - loads) / served,  # every other request found its adapter already there

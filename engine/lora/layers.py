@@ -21,6 +21,7 @@ With `kernel=True` (the triton backend) every row's product comes from one gathe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -58,7 +59,7 @@ class LoRABatch:
         self.dense = False  # this step multiplies every slot's weights, masked per row, instead of looping
         self.kernel = False
         self.num_slots = 0
-        self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (columns per slot, dtype) -> [T, slots * w]
+        self._masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}  # (rank, parts, dtype) -> the mask
 
     def set(self, row_slots: list[int], device: torch.device) -> None:
         """row_slots: the slot of every row (-1: the base model)."""
@@ -77,10 +78,13 @@ class LoRABatch:
     def mask(self, rank: int, parts: int, dtype: torch.dtype) -> torch.Tensor:
         """[T, parts * slots * rank]: 1 where a column belongs to the row's slot (dense path; once per step)."""
         m = self._masks.get((rank, parts, dtype))
-        if m is None:
-            cols = torch.arange(parts * self.num_slots * rank, device=self.row_slots.device)
+        rows = self.row_slots
+        if m is None and rows is not None:
+            cols = torch.arange(parts * self.num_slots * rank, device=rows.device)
             slot_of = (cols % (self.num_slots * rank)) // rank
-            m = self._masks[(rank, parts, dtype)] = (self.row_slots[:, None] == slot_of[None, :]).to(dtype)
+            m = self._masks[(rank, parts, dtype)] = (rows[:, None] == slot_of[None, :]).to(dtype)
+        if m is None:
+            raise RuntimeError("no rows set for this step")
         return m
 
     def clear(self) -> None:
@@ -105,7 +109,7 @@ class LoRALinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:  # what code that inspects projections reads (dtype, shape)
-        return self.base.weight
+        return cast(torch.Tensor, self.base.weight)
 
     @property
     def bias(self):
@@ -115,7 +119,7 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         if not self.batch.groups:
             return y
-        if self.batch.kernel and self.stacks is not None:
+        if self.batch.kernel and self.stacks is not None and self.batch.row_slots is not None:
             from engine.kernels.lora import lora_gathered_  # imported late: Triton's interpreter mode
 
             off = 0
@@ -192,9 +196,11 @@ class LoRALinear(nn.Module):
         self.dense_b = [torch.zeros(n * max_rank, size, dtype=dtype, device=device) for size in self.sizes]
 
     def _clear_dense(self, slot: int) -> None:
-        n, rank = len(self.slots), self.dense_rank
+        n, rank, a = len(self.slots), self.dense_rank, self.dense_a
+        if a is None:
+            return
         for i, b in enumerate(self.dense_b):
-            self.dense_a[:, (i * n + slot) * rank:(i * n + slot + 1) * rank].zero_()
+            a[:, (i * n + slot) * rank:(i * n + slot + 1) * rank].zero_()
             b[slot * rank:(slot + 1) * rank].zero_()
 
     def make_stacks(self, max_rank: int, fan_in: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -204,7 +210,7 @@ class LoRALinear(nn.Module):
                         torch.zeros(n, size, max_rank, dtype=dtype, device=device)) for size in self.sizes]
 
 
-def lora_layers(model: nn.Module) -> list[tuple[int, str, LoRALinear]]:
+def lora_layers(model: LlamaForCausalLM) -> list[tuple[int, str, LoRALinear]]:
     """(layer index, fused name, wrapper) for every wrapped projection."""
     out = []
     for i, layer in enumerate(model.layers):

@@ -24,7 +24,7 @@ from collections.abc import Sequence as Seq
 from contract.kv_events import KVEvent
 from engine.admission import admit
 from engine.args import EngineArgs
-from engine.core.messages import Abort, AddRequest, CoreFailed, Stop, TurnReport
+from engine.core.messages import Abort, AddRequest, CoreFailed, DropAdapter, Stop, TurnReport
 from engine.errors import EngineDeadError, QueueFullError
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.outputs import RequestDelta
@@ -175,6 +175,12 @@ class AsyncLLMEngine:
         """Abort a request; its stream ends with finish_reason "abort" after the engine's next step."""
         if self.dead is None:
             self._core.send(Abort(request_id))
+
+    def drop_adapter(self, adapter_id: int) -> None:
+        """A LoRA adapter load was unloaded (engine/server/lora.py): the core frees its weights (not while a request
+        runs under it)."""
+        if self.dead is None:
+            self._core.send(DropAdapter(adapter_id))
 
     # ---- KV events ---------------------------------------------------------------------------
 

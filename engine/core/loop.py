@@ -14,7 +14,7 @@ a request wherever it is: parked, waiting or running. Pure logic over the engine
 
 from __future__ import annotations
 
-from engine.core.messages import Abort, AddRequest, Command, Stop, TurnReport
+from engine.core.messages import Abort, AddRequest, Command, DropAdapter, Stop, TurnReport
 from engine.outputs import CompletionDelta, RequestDelta, RequestMetrics
 
 PARKED_POLL_S = 0.005  # how often a core with only parked requests looks at their grammars
@@ -46,6 +46,8 @@ class CoreLoop:
                 out = _aborted(parked) if parked is not None else engine.abort_request(cmd.request_id)
                 if out is not None:
                     outputs.append(out)
+            elif isinstance(cmd, DropAdapter):
+                engine.remove_lora(cmd.adapter_id)
             elif isinstance(cmd, Stop):
                 stopping = True
         self._admit_parked(errors)

@@ -1,7 +1,7 @@
 """What crosses between the front end (engine/async_engine.py) and the engine core, in either direction.
 
 Front end → core: `AddRequest` (a request already admitted by engine/admission.py, so the core trusts it),
-`Abort`, `Stop`. Core → front end: `CoreInfo` once, when the model is loaded and the KV cache sized, then a
+`Abort`, `DropAdapter` (a LoRA adapter was unloaded: free its weights), `Stop`. Core → front end: `CoreInfo` once, when the model is loaded and the KV cache sized, then a
 `TurnReport` after every turn that changed something, and `CoreFailed` if the core cannot go on. Plain
 frozen dataclasses of ints, strings and the engine's own dataclasses: pickled as they are (a 64-request
 report is ~9 KB and 0.15 ms to pickle on this machine's CPU), with no framing of our own.
@@ -36,7 +36,15 @@ class Stop:
     """Abort whatever runs (its last deltas are reported) and end the core."""
 
 
-Command = AddRequest | Abort | Stop
+@dataclass(frozen=True)
+class DropAdapter:
+    """The LoRA adapter load `adapter_id` was unloaded: the core frees its weights, unless a request still runs
+    under it (then --max-cpu-loras' least-recently-used order frees them later)."""
+
+    adapter_id: int
+
+
+Command = AddRequest | Abort | DropAdapter | Stop
 
 
 @dataclass(frozen=True)

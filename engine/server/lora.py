@@ -116,8 +116,12 @@ async def unload_lora_adapter(state, request: Request) -> PlainTextResponse:
     name = body.get("lora_name")
     if not isinstance(name, str) or not name.strip():
         raise bad_request("lora_name must be a non-empty string", "lora_name")
-    if registry.remove(name) is None:
+    gone = registry.remove(name)
+    if gone is None:
         raise APIError(404, f"The LoRA adapter '{name}' cannot be found", "lora_name", "lora_adapter_not_found")
+    drop = getattr(state.engine, "drop_adapter", None)
+    if drop is not None:  # the engine core frees its weights (unless a request still runs under it)
+        drop(gone.id)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 

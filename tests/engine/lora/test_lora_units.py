@@ -259,3 +259,28 @@ def test_a_reloaded_adapter_never_finds_the_old_loads_blocks():
     assert run(old) == 0  # a request of the old load finds nothing and caches nothing
     kv.on_adapter_load("a", 1)  # an older load arriving late changes nothing
     assert run(new) == 32
+
+
+def test_the_core_frees_an_unloaded_adapter():
+    """POST /v1/unload_lora_adapter reaches the engine core as DropAdapter; the engine forgets the load's weights."""
+    from engine.core.loop import CoreLoop
+    from engine.core.messages import DropAdapter
+
+    class Engine:
+        dropped: list[int] = []
+
+        def remove_lora(self, adapter_id):
+            self.dropped.append(adapter_id)
+
+        def has_unfinished_requests(self):
+            return False
+
+        def drain_kv_events(self):
+            return []
+
+        def stats(self):
+            return None
+
+    engine = Engine()
+    CoreLoop(engine).turn([DropAdapter(7)])
+    assert engine.dropped == [7]

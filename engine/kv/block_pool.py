@@ -16,13 +16,14 @@ from engine.kv.events import KVEventLog
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "lora_name", "prev_free", "next_free")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: int | None = None  # set while the block is in the prefix cache
         self.token_ids: tuple[int, ...] | None = None  # its tokens while cached (collision guard)
+        self.lora_name: str | None = None  # the LoRA adapter it was computed under, while cached
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -172,6 +173,7 @@ class BlockPool:
             if block.block_hash is None and h not in self.cached:
                 block.block_hash = h
                 block.token_ids = tokens
+                block.lora_name = lora_name
                 self.cached[h] = block
                 if not run:
                     run_parent = prev
@@ -183,14 +185,12 @@ class BlockPool:
         if run:
             self.events.stored(run, run_parent, lora_name)
 
-    def uncache(self, block_hashes: Iterable[int]) -> list[int]:
-        """Forget these hashes (blocks in use keep their content, no longer findable); the ones that were cached."""
-        gone = []
-        for h in block_hashes:
-            block = self.cached.get(h)
-            if block is not None:
-                self._uncache(block)
-                gone.append(h)
+    def uncache_adapter(self, lora_name: str) -> list[int]:
+        """Forget every block computed under this LoRA adapter (blocks in use keep their content, no longer
+        findable); their hashes, announced in one `removed` event."""
+        gone = [h for h, block in self.cached.items() if block.lora_name == lora_name]
+        for h in gone:
+            self._uncache(self.cached[h])
         self.events.removed(gone)
         return gone
 
@@ -201,6 +201,7 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
             block.token_ids = None
+            block.lora_name = None
         self.cached.clear()
         self.events.cleared()
         return True
@@ -214,3 +215,4 @@ class BlockPool:
             del self.cached[h]
         block.block_hash = None
         block.token_ids = None
+        block.lora_name = None

@@ -45,7 +45,6 @@ class KVCacheManager:
         self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching, self.events)
         self._num_registered: dict[int, int] = {}  # seq_id -> leading blocks already in the cache
         self.lora_ids: dict[str, int] = {}  # LoRA adapter name -> the id of its current load (engine/lora/)
-        self._adapter_roots: dict[str, set[int]] = {}  # adapter name -> hashes of first blocks cached under it
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
         self.alloc_failures = 0
@@ -146,8 +145,6 @@ class KVCacheManager:
             seq.lora.name if seq.lora is not None else None,
         )
         self._num_registered[seq.seq_id] = end
-        if start == 0 and seq.lora is not None:
-            self._adapter_roots.setdefault(seq.lora.name, set()).add(seq.block_hashes[0])
 
     # ---- sharing and release ---------------------------------------------------------------
 
@@ -177,13 +174,13 @@ class KVCacheManager:
 
     def on_adapter_load(self, name: str, adapter_id: int) -> None:
         """A request runs under this load of adapter `name`. A newer load than the one whose blocks are cached (an
-        unload and load under the same name, possibly other weights) makes those blocks unfindable: their chains'
-        first blocks leave the cache (`removed` events), and requests of the older load cache nothing more."""
+        unload and load under the same name, possibly other weights) takes every block computed under the name out
+        of the cache (one `removed` event), and requests of the older load cache and find nothing more."""
         current = self.lora_ids.get(name)
         if current is not None and adapter_id <= current:
             return
         if current is not None:
-            self.pool.uncache(self._adapter_roots.pop(name, ()))
+            self.pool.uncache_adapter(name)
         self.lora_ids[name] = adapter_id
 
     def _stale_adapter(self, seq: Sequence) -> bool:

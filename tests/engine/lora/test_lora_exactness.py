@@ -146,7 +146,8 @@ def test_mixed_batch_gives_each_row_its_own_tokens(llm, case):
     for (i, name), out in zip(jobs, outs, strict=True):
         assert out.outputs[0].token_ids == case.ref(name)[i], f"prompt {i} under {name or 'the base model'}"
     manager = llm.engine.lora
-    assert sum(s is not None for s in manager.slots) == len(NAMES)
+    ids = {case.lora(name).id for name in NAMES}
+    assert sum(s in ids for s in manager.slots) == len(NAMES)  # each adapter of the case in a slot
 
 
 def test_unload_and_load_again(llm, case):

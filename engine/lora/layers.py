@@ -9,7 +9,7 @@ unchanged (one attribute test per projection). Otherwise, in torch:
   (`a [in, parts * slots * rank]`, part-major, zero-padded to the largest rank) and, per part, every slot's
   B stacked (`b[part] [slots * rank, part size]`); x @ a gives every row its product with every slot's A, a
   per-row mask keeps its own slot's columns (none for base rows), and one matmul per part adds its own B:
-  a few large-matmul ops per projection whatever the number of adapters (on CPUs far cheaper than
+  a few large-matmul ops per projection whatever the number of adapters (on this machine's CPU cheaper than
   gathering per-row weights, BGMV-style, or looping over slots);
 - larger steps (prefill chunks): per slot in the step, its rows are gathered and get
   y[rows, part] += (x[rows] @ A^T) @ (scale * B)^T for each part the adapter targets (the SGMV idea: one

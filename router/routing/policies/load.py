@@ -40,8 +40,6 @@ from contract.cacheable import cacheable_tokens
 from router.routing.policies.base import Decision, Reason, ReplicaView, RouteRequest
 
 if TYPE_CHECKING:
-    from _typeshed import SupportsRichComparison
-
     from router.config import ScoringConfig
 
 
@@ -116,7 +114,7 @@ def pool(views: Sequence[ReplicaView], cfg: ScoringConfig) -> tuple[list[int], b
     return (fine, False) if fine else (idx, True)
 
 
-def pick(idx: list[int], key: Callable[[int], SupportsRichComparison], turn: int) -> int:
+def pick(idx: list[int], key: Callable[[int], float | tuple[float, ...]], turn: int) -> int:
     """The index with the lowest key; equal keys rotate with `turn` so equal replicas share the work."""
     keys = {i: key(i) for i in idx}
     best = min(keys.values())

@@ -86,6 +86,7 @@ def test_a_killed_core_fails_every_stream_and_the_server_exits(server):
     assert "engine core process died" in server.log()
 
 
+@pytest.mark.slow  # a model load of its own (kept out of the default run for its time)
 def test_killing_the_server_takes_its_core_along(server):
     core = _core_pid(server)
     server.stop(signal.SIGKILL)

@@ -4,11 +4,12 @@ Decode tokens (one new token per sequence) are attended by one kernel call per l
 sequence's K/V straight from its cache blocks (no gather into a padded copy, no mask); grouped-query
 heads share every K/V row they read. Short prefills and extends ride in the same call: query j of an
 extend is a decode over the first seq_len - q_len + j + 1 keys of its blocks. Long ones use
-scaled_dot_product_attention over their gathered context, whose matrix products win there. The KV write
+scaled_dot_product_attention's flash kernel over their gathered context, whose matrix products win there
+(over a cached prefix in two unmasked passes, engine/attention/extend_sdpa.py). The KV write
 is one call that copies each token's heads to its slot.
 
 Everything that depends only on the step's metadata (validation, which rows decode, their block tables,
-each extend's block ids and mask) is worked out once per step, not once per layer: the plan is kept for
+each extend's block ids) is worked out once per step, not once per layer: the plan is kept for
 as long as the same AttentionMetadata object comes back.
 """
 
@@ -17,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from engine.attention.backend import check_forward, check_lens, check_write, host_lens, output_for
+from engine.attention.extend_sdpa import extend_attention
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels import cpu_ops
@@ -36,7 +37,6 @@ class _Extend:
     q_len: int
     seq_len: int
     block_ids: torch.Tensor  # int64, the blocks holding its context
-    mask: torch.Tensor | None  # None: plain causal (a fresh prefill)
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             k = self._ws.gather(k_cache, e.block_ids, 0).view(-1, hkv, d)[: e.seq_len].transpose(0, 1)[None]
             v = self._ws.gather(v_cache, e.block_ids, 1).view(-1, hkv, d)[: e.seq_len].transpose(0, 1)[None]
             qe = q[e.start:e.start + e.q_len].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(qe, k, v, attn_mask=e.mask, is_causal=e.mask is None, scale=scale,
-                                               enable_gqa=q.shape[1] != hkv)
+            o = extend_attention(qe, k, v, scale)
             out[e.start:e.start + e.q_len] = o[0].transpose(0, 1)
         return out
 
@@ -124,11 +123,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 row_lens.extend(range(sl - ql + 1, sl + 1))
             elif ql > 1:
                 ids = meta.block_tables[i, : -(-sl // block_size)].to(torch.long)
-                mask = None
-                if ql != sl:  # over a cached prefix: query j sees keys 0 .. sl - ql + j
-                    pos = torch.arange(sl - ql, sl)
-                    mask = torch.arange(sl)[None, :] <= pos[:, None]
-                extends.append(_Extend(start, ql, sl, ids, mask))
+                extends.append(_Extend(start, ql, sl, ids))
             start += ql
         rows = tables = lens = None
         if seq_of_row:

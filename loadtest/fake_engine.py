@@ -155,12 +155,7 @@ class FakeEngine:
 
     async def lora_endpoint(self, receive, send, path: str) -> None:
         """vLLM's load / unload endpoints: the adapter's name is all a fake engine keeps."""
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        body = await _read_body(receive)
         name = json.loads(body or b"{}").get("lora_name")
         if path == "/v1/load_lora_adapter":
             if name in self.adapters:
@@ -200,12 +195,7 @@ class FakeEngine:
             self.subscribers.remove(q)
 
     async def completion(self, scope, receive, send, path):
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        body = await _read_body(receive)
         hdr = {k.decode(): v.decode() for k, v in scope["headers"] if k.startswith(b"x-fake-")}
         status = int(hdr.get("x-fake-status", self.ns.fail_status or 200))
         self.stats["requests"] += 1
@@ -379,6 +369,15 @@ def main(argv: list[str] | None = None) -> int:
     uvicorn.run(FakeEngine(ns), host=ns.host, port=ns.port, log_level="warning", access_log=False,
                 loop="uvloop", http="httptools", lifespan="on", timeout_graceful_shutdown=2)
     return 0
+
+
+async def _read_body(receive) -> bytes:
+    body = b""
+    while True:
+        msg = await receive()
+        body += msg.get("body", b"")
+        if not msg.get("more_body"):
+            return body
 
 
 if __name__ == "__main__":

@@ -58,11 +58,8 @@ NAMES = list(ADAPTERS)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def one_thread(one_torch_thread):
+    """One torch thread for the whole module (tests/engine/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

@@ -78,12 +78,8 @@ SYSTEM_CHATS = [  # share a ~90-token system prompt: the prefix-cache case
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: on a shared 2-core machine OpenMP barriers across busy cores cost 5-20x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def one_thread(one_torch_thread):
+    """One torch thread for the whole module (tests/engine/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """The fused CPU kernels, one library `kvfleet_cpu_ops` built from SOURCES: the layer glue
-(`layer_ops.cpp`), paged attention (`attention_ops.cpp`) and the 4/8-bit matmuls (`quant_gemm.cpp`).
+(`layer_ops.cpp`), paged attention (`attention_ops.cpp`), the 4/8-bit matmuls (`quant_gemm.cpp`) and the
+LoRA products of decode steps (`lora_ops.cpp`).
 
 Everyone reaches them through `ops()`, which loads them first (their ops register as torch.ops.kvfleet_cpu).
 The C++ sources are compiled once per machine with the system's C++ compiler (through torch's extension
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 # one library: layer_ops.cpp defines it (TORCH_LIBRARY), the others add to it (TORCH_LIBRARY_FRAGMENT)
-SOURCES = tuple(_HERE / name for name in ("layer_ops.cpp", "attention_ops.cpp", "quant_gemm.cpp"))
+SOURCES = tuple(_HERE / name for name in ("layer_ops.cpp", "attention_ops.cpp", "quant_gemm.cpp", "lora_ops.cpp"))
 HEADERS = tuple(_HERE / name for name in ("cpu_common.h", "paged_scores.h", "amx.h"))
 ENV = "KVFLEET_CPU_KERNELS"  # "auto" (default) or "torch" (off)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17"]  # -fopenmp: ATen's parallel_for

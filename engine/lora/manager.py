@@ -13,6 +13,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
+from engine.kernels import cpu_ops
 from engine.lora.adapter import LoRAWeights, load_adapter
 from engine.lora.layers import FUSED, attach_lora, lora_layers
 from engine.lora.request import LoRARequest
@@ -29,7 +30,8 @@ class LoRAManager:
         self.max_loras, self.max_cpu_loras, self.max_rank = max_loras, max_cpu_loras, max_rank
         weight = model.embed_tokens.weight
         self.dtype, self.device = weight.dtype, weight.device
-        self.batch = attach_lora(model, max_loras, max_rank, kernel)
+        cpu_kernel = not kernel and self.device.type == "cpu" and cpu_ops.load()
+        self.batch = attach_lora(model, max_loras, max_rank, kernel, cpu_kernel)
         self.layers = lora_layers(model)
         self.cpu: OrderedDict[int, tuple[LoRARequest, LoRAWeights]] = OrderedDict()
         self.slots: list[int | None] = [None] * max_loras  # adapter id per slot

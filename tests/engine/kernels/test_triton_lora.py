@@ -67,9 +67,7 @@ def test_lora_linear_kernel_path_equals_grouped_torch_path():
     for kernel in (False, True):
         batch = LoRABatch()
         batch.kernel = kernel
-        layer = LoRALinear(base, batch, sizes, num_slots=2)
-        if kernel:
-            layer.make_stacks(max_rank, fan_in, torch.float32, torch.device(DEVICE))
+        layer = LoRALinear(base, batch, sizes, fan_in, 2, max_rank, torch.float32, torch.device(DEVICE))
         for slot, p in parts.items():
             layer.set_slot(slot, p)
         batch.set([0, -1, 1, 1, 0, -1, 0, 1, 1, -1, 0], torch.device(DEVICE))

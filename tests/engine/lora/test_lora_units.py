@@ -17,6 +17,7 @@ from contract.kv_events import KVEvent, KVEventKind
 from contract.kv_wire import decode_line, encode_line
 from engine.args import EngineArgs, add_cli_args
 from engine.config import SchedulerConfig
+from engine.kernels import cpu_ops
 from engine.kv.config import CacheConfig
 from engine.kv.manager import KVCacheManager
 from engine.lora.adapter import LoRAError, load_adapter
@@ -95,17 +96,19 @@ def test_tensor_of_an_unsupported_module_is_refused(tmp_path):
 
 # ---- the gathered products ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("repeat", [1, 6])  # 7 rows: every slot, masked per row; 42: per slot
-def test_gathered_products_equal_a_per_row_reference(repeat):
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "cpu-kernel"])
+@pytest.mark.parametrize("repeat", [1, 6])  # 7 rows: every slot (masked, or the fused kernel); 42: per slot
+def test_gathered_products_equal_a_per_row_reference(repeat, fused):
     """A fused q|k|v projection; slot 0 targets q and v (rank 3), slot 1 all three (rank 5), slot 2 is empty;
     rows of the three slots and the base interleaved."""
+    if fused and not cpu_ops.load():
+        pytest.skip(f"no fused CPU kernels: {cpu_ops.unavailable_reason()}")
     torch.manual_seed(0)
     sizes = [8, 4, 4]
     base = nn.Linear(6, 16, bias=False)
     batch = LoRABatch()
-    batch.num_slots = 3
-    layer = LoRALinear(base, batch, sizes, num_slots=3)
-    layer.make_dense_stacks(8, 6, torch.float32, torch.device("cpu"))
+    batch.cpu_kernel = fused
+    layer = LoRALinear(base, batch, sizes, 6, 3, 8, torch.float32, torch.device("cpu"))
     weights = {0: [(torch.randn(3, 6), torch.randn(8, 3)), None, (torch.randn(3, 6), torch.randn(4, 3))],
                1: [(torch.randn(5, 6), torch.randn(n, 5)) for n in sizes]}
     for slot, parts in weights.items():
@@ -122,11 +125,12 @@ def test_gathered_products_equal_a_per_row_reference(repeat):
                 off += size
     with torch.no_grad():
         batch.set(row_slots, x.device)
-        assert [s for s, _ in batch.groups] == [0, 1, 2] and batch.dense == (repeat == 1)
+        assert [s for s, _ in batch.groups] == [0, 1, 2]
+        assert (batch.dense, batch.fused) == (repeat == 1 and not fused, repeat == 1 and fused)
         got = layer(x)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         batch.set([1] * 50, x.device)  # every row under one adapter: no gather
-        assert batch.groups[0][1] is None and not batch.dense
+        assert batch.groups[0][1] is None and not batch.dense and not batch.fused
         batch.set([-1] * 7, x.device)  # no adapter rows: the base path
         assert batch.groups == [] and torch.equal(layer(x), base(x))
         layer.clear_slot(1)
@@ -202,10 +206,14 @@ def test_lora_flags():
 
 
 @pytest.mark.parametrize("fast", ["onednn", "int4"])
-def test_gathered_products_on_the_fast_cpu_projections(fast):
-    """The wrapper adds the same products whatever the load swapped in for the projection (bf16 on CPU)."""
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "cpu-kernel"])
+def test_gathered_products_on_the_fast_cpu_projections(fast, fused):
+    """The wrapper adds the same products whatever the load swapped in for the projection (bf16 on CPU), in
+    torch and in the fused CPU kernel."""
     from engine.model.cpu_linear import Int4Linear, OneDnnLinear, can_prepack, exact_int4
 
+    if fused and not cpu_ops.load():
+        pytest.skip(f"no fused CPU kernels: {cpu_ops.unavailable_reason()}")
     if not can_prepack(torch.bfloat16, "cpu"):
         pytest.skip("no oneDNN bf16 linear on this CPU")
     torch.manual_seed(0)
@@ -221,7 +229,8 @@ def test_gathered_products_on_the_fast_cpu_projections(fast):
             pytest.skip("no int4 kernel in this torch")
         base = Int4Linear(packed, OneDnnLinear(linear))
     batch = LoRABatch()
-    layer = LoRALinear(base, batch, [32, 16], num_slots=1)
+    batch.cpu_kernel = fused
+    layer = LoRALinear(base, batch, [32, 16], 64, 1, 4, torch.bfloat16, torch.device("cpu"))
     a, b = torch.randn(4, 64).to(torch.bfloat16), torch.randn(16, 4).to(torch.bfloat16)
     layer.set_slot(0, [None, (a, b)])
     x = torch.randn(3, 64).to(torch.bfloat16)  # 3 rows: the int4 kernel's path

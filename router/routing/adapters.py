@@ -1,15 +1,17 @@
 """LoRA adapters in placement: which adapter a request names, and loading one on demand.
 
 A request names an adapter as its `model`. The router knows it is one when a replica lists it on /v1/models
-with a `parent` (kvfleet and vLLM engines both do), or when the pool's file entry names it under `adapters:`.
+with a `parent` (kvfleet and vLLM engines both do) or shows requests under it in `vllm:lora_requests_info`
+(read with every scrape), or when the pool's file entry names it under `adapters:`.
 Its block hashes then carry the adapter (contract/hashing.py), as the engines' do, so prefix affinity works
 per adapter; and replicas without the adapter cost an adapter load in the score (policies/load.py).
 
 Replicas that do not list the adapter are left out of a request's lease (router/http/app.py's `unfit`). With
 on-demand loading (the pool's `adapters: {name: path}`, opt-in per pool), `prepare` first asks the placement
 core for the best replica by that one score, holders and non-holders alike: prefix hits, load, and the adapter
-load where it is missing. When that is a replica without the adapter - none holds it (a cold adapter), or its
-holders are busier than a load costs (a hot adapter spreads) - the router has it load the adapter through
+load where it is missing, and a wait for a LoRA slot where every slot runs another adapter (the metric's
+running adapters at its max_lora). When that is a replica without the adapter - none holds it (a cold
+adapter), or its holders are busier than a load costs (a hot adapter spreads) - the router has it load the adapter through
 `POST /v1/load_lora_adapter` (with the internal token) before the request is leased; concurrent requests for
 the same (replica, adapter) wait for one load. A load that fails leaves the request to the replicas that hold
 the adapter, if any (else the engine's 404 reaches the client).
@@ -55,7 +57,7 @@ class AdapterLoader:
         if path is None:
             return
         decision = placement.choose(prep, self.fleet.clock(), pool, excluded, peek=True)
-        if decision is None or model in (placement.replicas[decision.url].models or ()):
+        if decision is None or placement.replicas[decision.url].holds(model):
             return
         await self.load(decision.url, model, path, pool)
 

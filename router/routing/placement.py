@@ -185,12 +185,13 @@ class Placement:
             st.adapters = st.adapters | {adapter}
 
     def is_adapter(self, model: str) -> bool:
-        """Whether some replica lists `model` as a LoRA adapter."""
-        return any(model in st.adapters for st in self.replicas.values())
+        """Whether some replica lists `model` as a LoRA adapter (on /v1/models, or in vllm:lora_requests_info)."""
+        return any(model in st.adapters or (st.load is not None and st.load.lora is not None
+                                            and model in st.load.lora.held) for st in self.replicas.values())
 
     def holders(self, pool: str, adapter: str) -> list[str]:
-        """The pool's replicas that list the adapter."""
-        return [u for u in self.members.get(pool, ()) if adapter in (self.replicas[u].models or ())]
+        """The pool's replicas that hold the adapter."""
+        return [u for u in self.members.get(pool, ()) if self.replicas[u].holds(adapter)]
 
     def on_load(self, replica: str, load: EngineLoad, sent_at: float, now: float) -> None:
         """A load reading asked for at `sent_at`, answered at `now`."""
@@ -242,7 +243,7 @@ class Placement:
     def not_serving(self, pool: str, model: str) -> frozenset[str]:
         """The pool's replicas that list models, but not this one (a request for it must not go there)."""
         return frozenset(u for u in self.members.get(pool, ())
-                         if (m := self.replicas[u].models) is not None and model not in m)
+                         if self.replicas[u].models is not None and not self.replicas[u].holds(model))
 
     def fresh_loads(self, now: float, pool: str | None = None) -> dict[str, EngineLoad]:
         """The load of each routable replica (of one pool, or all) whose reading is fresh."""

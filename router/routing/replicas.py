@@ -59,6 +59,25 @@ class CircuitBreaker:
 
 
 @dataclass(frozen=True, slots=True)
+class LoRAInfo:
+    """vLLM's `vllm:lora_requests_info` (kvfleet exports it too): the adapters of the running and of the
+    waiting requests, and how many adapters one step can run (--max-loras)."""
+
+    running: frozenset[str] = frozenset()
+    waiting: frozenset[str] = frozenset()
+    max_lora: int = 0
+
+    @property
+    def held(self) -> frozenset[str]:
+        """Adapters the engine has loaded for requests it holds now."""
+        return self.running | self.waiting
+
+    def slots_full_without(self, adapter: str) -> bool:
+        """Every slot runs another adapter: a request for this one waits until one of them drains."""
+        return 0 < self.max_lora <= len(self.running) and adapter not in self.running
+
+
+@dataclass(frozen=True, slots=True)
 class EngineLoad:
     kv_usage: float = 0.0
     running: int = 0
@@ -69,6 +88,7 @@ class EngineLoad:
     engine: str = "unknown"  # kvfleet | vllm | sglang, from the metric names it exports
     oom_events: float = 0.0  # kvfleet:oom_events_total: steps that failed for memory (and were recovered)
     alloc_failures: float = 0.0  # kvfleet:block_allocation_failures_total
+    lora: LoRAInfo | None = None  # vllm:lora_requests_info's latest sample (None: the engine serves no adapters)
 
     @property
     def kv_tokens(self) -> float:
@@ -95,6 +115,8 @@ _LOAD_METRICS = {
 
 
 _BLOCK_SIZE = re.compile(r'[{,]block_size="(\d+)"')
+_LORA_LABELS = {key: re.compile(r'[{,]\s*' + key + r'="([^"]*)"')
+                for key in ("running_lora_adapters", "waiting_lora_adapters", "max_lora")}
 _NUM_BLOCKS = re.compile(r'[{,]num_gpu_blocks="(\d+)"')
 
 
@@ -106,6 +128,8 @@ def parse_engine_metrics(text: str) -> EngineLoad:
     and which engine exported them (kvfleet exports kvfleet:* beside vllm:*)."""
     sums: dict[str, float] = {}
     engine = "unknown"
+    lora: LoRAInfo | None = None
+    lora_at = -math.inf
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -120,6 +144,11 @@ def parse_engine_metrics(text: str) -> EngineLoad:
                 if name.startswith(prefix):
                     engine = kind if engine == "unknown" or kind == "kvfleet" else engine
                     break
+        if name == "vllm:lora_requests_info":  # one series per label set seen; the value is its time: latest wins
+            at = _sample_value(line)
+            if at is not None and at >= lora_at:
+                lora, lora_at = _lora_info(line), at
+            continue
         if name == "vllm:cache_config_info":
             bs, nb = _BLOCK_SIZE.search(line), _NUM_BLOCKS.search(line)
             if bs and nb:
@@ -138,7 +167,25 @@ def parse_engine_metrics(text: str) -> EngineLoad:
                       waiting=int(sums.get("waiting", 0)), prefix_queries=sums.get("prefix_queries", 0.0),
                       prefix_hits=sums.get("prefix_hits", 0.0), kv_capacity_tokens=sums.get("kv_capacity_tokens", 0.0),
                       oom_events=sums.get("oom_events", 0.0), alloc_failures=sums.get("alloc_failures", 0.0),
-                      engine=engine)
+                      engine=engine, lora=lora)
+
+
+def _sample_value(line: str) -> float | None:
+    try:
+        return float(line[line.rfind("}") + 1:].split()[0])
+    except (ValueError, IndexError):
+        return None
+
+
+def _lora_info(line: str) -> LoRAInfo:
+    found = {key: (m.group(1) if (m := rx.search(line)) else "") for key, rx in _LORA_LABELS.items()}
+
+    def names(key: str) -> frozenset[str]:
+        return frozenset(n for n in found[key].split(",") if n)
+
+    max_lora = found["max_lora"]
+    return LoRAInfo(names("running_lora_adapters"), names("waiting_lora_adapters"),
+                    int(max_lora) if max_lora.isdigit() else 0)
 
 
 @dataclass(slots=True, eq=False)
@@ -181,6 +228,12 @@ class ReplicaState:
     def load_known(self, now: float, stale_s: float) -> bool:
         return self.load is not None and now - self.scraped_at <= stale_s
 
+    def holds(self, adapter: str) -> bool:
+        """Whether the replica has the adapter: its /v1/models lists it, or its last scrape shows requests under it."""
+        if adapter in (self.models or ()):
+            return True
+        return self.load is not None and self.load.lora is not None and adapter in self.load.lora.held
+
     def view(self, now: float, stale_s: float, cached_tokens: int = 0, excluded: bool = False,
              adapter: str | None = None) -> ReplicaView:
         """adapter: the request's LoRA adapter, if any (missing here when the replica's models do not list it)."""
@@ -194,7 +247,9 @@ class ReplicaState:
                            new_requests=len(new), new_tokens=sum(t.tokens for t in new), finished=self.finished,
                            inflight=len(self.tickets), pending=len(pending),
                            pending_tokens=sum(t.tokens for t in pending), cached_tokens=cached_tokens,
-                           adapter_missing=adapter is not None and adapter not in (self.models or ()))
+                           adapter_missing=adapter is not None and not self.holds(adapter),
+                           adapter_slots_full=adapter is not None and load.lora is not None
+                           and load.lora.slots_full_without(adapter))
 
     def on_scrape(self, load: EngineLoad, sent_at: float, now: float | None = None) -> None:
         """A scrape sent at `sent_at` (answered at `now`)."""

@@ -37,6 +37,7 @@ class ReplicaView:
     pending_tokens: int = 0  # their uncached prompt tokens: the prefill this router knows is ahead there
     cached_tokens: int = 0  # predicted prefix-cache hit for this request
     adapter_missing: bool = False  # the request names a LoRA adapter this replica does not list (loaded on demand)
+    adapter_slots_full: bool = False  # every LoRA slot there runs another adapter (vllm:lora_requests_info)
 
 
 @dataclass(frozen=True, slots=True)

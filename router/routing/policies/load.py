@@ -92,15 +92,18 @@ def is_overloaded(view: ReplicaView, cfg: ScoringConfig) -> bool:
 
 
 ADAPTER_LOAD_COST_TOKENS = 2048  # a replica without the request's LoRA adapter: loading it, in prefill tokens
+ADAPTER_SLOT_WAIT_COST_TOKENS = 1024  # every LoRA slot there runs another adapter: the request waits for one
 
 
 def cost(view: ReplicaView, load: Load, req: RouteRequest, cfg: ScoringConfig) -> float:
     """One score in prefill-token units: the uncached prompt (prefix affinity), the load ahead, and the load of
-    the request's LoRA adapter where the replica does not hold it (adapter affinity, spread when holders are busy)."""
+    the request's LoRA adapter where the replica does not hold it (adapter affinity, spread when holders are busy),
+    and a wait for a LoRA slot where every slot runs another adapter."""
     uncached = max(req.num_prompt_tokens - view.cached_tokens, 0)
     return (cfg.prefill_weight * uncached + load.pending_tokens + cfg.kv_token_cost * load.kv_tokens
             + cfg.waiting_cost_tokens * max(load.waiting - load.pending, 0) + cfg.running_cost_tokens * load.running
-            + (ADAPTER_LOAD_COST_TOKENS if view.adapter_missing else 0))
+            + (ADAPTER_LOAD_COST_TOKENS if view.adapter_missing else 0)
+            + (ADAPTER_SLOT_WAIT_COST_TOKENS if view.adapter_slots_full else 0))
 
 
 def routable(views: Sequence[ReplicaView]) -> list[int]:

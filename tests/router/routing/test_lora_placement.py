@@ -1,5 +1,5 @@
 """LoRA adapters in the placement core: a request's adapter keys its block hashes (as the engines do), replicas
-learn which adapters they hold from /v1/models, and one score weighs prefix hits, load and an adapter load
+learn which adapters they hold from /v1/models and from vllm:lora_requests_info, and one score weighs prefix hits, load and an adapter load
 where the adapter is missing (router/routing/policies/load.py): the holder wins, unless it is busier than
 a load costs (a hot adapter spreads); a peek does not advance the turn."""
 
@@ -10,9 +10,9 @@ from router.config import ScoringConfig
 from router.routing.adapters import request_adapter
 from router.routing.placement import DEFAULT_POOL, Placement, PlacementConfig
 from router.routing.policies import POLICIES
-from router.routing.policies.load import ADAPTER_LOAD_COST_TOKENS
+from router.routing.policies.load import ADAPTER_LOAD_COST_TOKENS, ADAPTER_SLOT_WAIT_COST_TOKENS
 from router.routing.prepare import PreparedRequest
-from router.routing.replicas import EngineLoad
+from router.routing.replicas import EngineLoad, LoRAInfo, parse_engine_metrics
 from router.states import KVEventsState
 
 A, B = "http://a:1", "http://b:1"
@@ -79,3 +79,38 @@ def test_a_peek_does_not_advance_the_turn():
     first = p.choose(_request(None), 0.0, peek=True).url
     assert p.choose(_request(None), 0.0).url == first
     assert p.choose(_request(None), 0.0).url != first
+
+
+# vLLM's gauge keeps one series per label set it has seen, each valued at the time it was set: the latest counts
+VLLM_LORA_METRICS = """\
+# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql",waiting_lora_adapters=""} 1.7648e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql,chat",waiting_lora_adapters="math"} 1.7649e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7647e+09
+vllm:num_requests_running{engine="0",model_name="smollm2"} 3.0
+"""
+
+
+def test_lora_requests_info_is_read_latest_sample_first():
+    load = parse_engine_metrics(VLLM_LORA_METRICS)
+    assert load.lora == LoRAInfo(frozenset({"sql", "chat"}), frozenset({"math"}), 2)
+    assert load.running == 3 and load.engine == "vllm"
+    assert load.lora.slots_full_without("math") and not load.lora.slots_full_without("sql")
+    assert parse_engine_metrics("vllm:num_requests_running 1\n").lora is None  # LoRA off: no gauge
+
+
+def test_the_metric_tells_holders_between_models_lists_and_full_slots_cost_a_wait():
+    p = _placement()
+    for r in (A, B):
+        p.on_models(r, frozenset({"smollm2"}), frozenset())  # listed before any adapter was loaded
+    p.on_load(A, parse_engine_metrics(VLLM_LORA_METRICS), 0.0, 0.0)
+    p.on_load(B, EngineLoad(running=3, lora=LoRAInfo(max_lora=2)), 0.0, 0.0)
+    assert p.is_adapter("math") and p.holders(DEFAULT_POOL, "math") == [A]
+    assert p.not_serving(DEFAULT_POOL, "math") == frozenset({B})
+    assert p.choose(_request("sql"), 0.0).url == A  # A runs it: no load, no slot wait
+    views = {v.url: v for v in p.views(_request("tools"), [A, B], 0.0)}
+    assert views[A].adapter_slots_full and not views[B].adapter_slots_full  # A's two slots run sql and chat
+    assert views[A].adapter_missing and views[B].adapter_missing
+    assert p.choose(_request("tools"), 0.0).url == B  # same load, same missing adapter: the free slot wins
+    assert ADAPTER_SLOT_WAIT_COST_TOKENS < ADAPTER_LOAD_COST_TOKENS  # waiting for a slot beats loading elsewhere

@@ -87,20 +87,22 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> R
     return RequestResult(True, rec.ttft_s, rec.tpot_s or 0.0, rec.end_s, rec.output_tokens)
 
 
-async def run_level(url: str, model: str, trace: list[ChatRequest], concurrency: int, name: str,
+async def run_level(url: str, model: str | list[str], trace: list[ChatRequest], concurrency: int, name: str,
                     temperature: float, timeout: float) -> LevelResult:
+    """model: one for every request, or one per request of the trace (the warm-up takes the first)."""
+    models = [model] * len(trace) if isinstance(model, str) else model
     extra = {"stream": True, "stream_options": {"include_usage": True}, "temperature": temperature,
              "logit_bias": {"2": -100}, "ignore_eos": True}
     connector = aiohttp.TCPConnector(limit=concurrency + 4)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
-        await one_request(session, url, trace[0].body(model, **{**extra, "max_tokens": 4}))  # warm-up
-        queue = list(reversed(trace))
+        await one_request(session, url, trace[0].body(models[0], **{**extra, "max_tokens": 4}))  # warm-up
+        queue = list(reversed(list(zip(trace, models, strict=True))))
         results: list[RequestResult] = []
 
         async def worker() -> None:
             while queue:
-                r = queue.pop()
-                results.append(await one_request(session, url, r.body(model, **extra)))
+                r, m = queue.pop()
+                results.append(await one_request(session, url, r.body(m, **extra)))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))

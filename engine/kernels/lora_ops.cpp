@@ -6,8 +6,8 @@
 // at [parts, slots, R, in] holds every slot's A (zero-padded to R rows per part), bs[p] [slots * R, size of
 // part p] its scaled B^T, ranks [slots, parts] the rank r of each slot's part (0: not targeted): only those
 // rows and columns are read. Rows are grouped by slot and taken up to TILE at a time, so a slot's weights are
-// read once per TILE rows. x @ A^T as dot products over the whole input row (long vector loops); the B side
-// adds row r of B^T, scaled by the row's r-th product, to the output row. Float32 sums, one rounding per
+// read once per TILE rows. x @ A^T as dot products over the input row, 4 rows of A by the tile's rows at once
+// (independent vector sums); the B side L output columns at a time, summed over the rank in registers. Float32 sums, one rounding per
 // output element (bf16 y: its value plus the product, rounded once). The torch fallback (engine/lora/layers.py)
 // multiplies every row with every slot's A (the same tensor, viewed [in, parts * slots * R]) and masks; this
 // reads each row's own slot only.
@@ -32,62 +32,163 @@ struct Work {
   int64_t n;
 };
 
+constexpr int64_t L = 16;  // floats per vector chunk (one AVX-512 register, two AVX2 ones)
+
 template <typename T>
-inline float dot(const float* x, const T* a, int64_t n) {
-  float acc = 0.f;
+inline float to_float(T v) {
   if constexpr (std::is_same_v<T, float>) {
-#pragma omp simd reduction(+ : acc)
-    for (int64_t i = 0; i < n; ++i) acc += x[i] * a[i];
+    return v;
   } else {
-    const uint16_t* bits = reinterpret_cast<const uint16_t*>(a);
-#pragma omp simd reduction(+ : acc)
-    for (int64_t i = 0; i < n; ++i) {
-      const uint32_t u = uint32_t(bits[i]) << 16;
-      float v;
-      std::memcpy(&v, &u, sizeof(v));
-      acc += x[i] * v;
+    const uint32_t u = uint32_t(reinterpret_cast<const uint16_t&>(v)) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+  }
+}
+
+template <typename T>
+inline void load_chunk(const T* src, float* dst) {  // L elements to float32
+#pragma omp simd
+  for (int64_t l = 0; l < L; ++l) dst[l] = to_float(src[l]);
+}
+
+#ifdef __AVX512F__
+// xa[r * TILE + k] = x[k] . a[r] for r in [r0, r0 + RB), k < N: N * RB independent vector sums in registers,
+// every 16 inputs of a row of A loaded once for the N rows
+template <int64_t N, int64_t RB, typename T>
+void dots(const float* xrow, const T* a, int64_t in, int64_t r0, float* xa) {
+  __m512 acc[N][RB];
+  for (int64_t k = 0; k < N; ++k)
+    for (int64_t rr = 0; rr < RB; ++rr) acc[k][rr] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + L <= in; i += L) {
+    __m512 av[RB];
+    for (int64_t rr = 0; rr < RB; ++rr) av[rr] = load16(a + (r0 + rr) * in + i);
+    for (int64_t k = 0; k < N; ++k) {
+      const __m512 xv = _mm512_loadu_ps(xrow + k * in + i);
+      for (int64_t rr = 0; rr < RB; ++rr) acc[k][rr] = _mm512_fmadd_ps(xv, av[rr], acc[k][rr]);
     }
   }
-  return acc;
+  for (int64_t k = 0; k < N; ++k)
+    for (int64_t rr = 0; rr < RB; ++rr) {
+      float sum = _mm512_reduce_add_ps(acc[k][rr]);
+      for (int64_t t = i; t < in; ++t) sum += xrow[k * in + t] * to_float(a[(r0 + rr) * in + t]);
+      xa[(r0 + rr) * TILE + k] = sum;
+    }
+}
+
+// y[k, j] += sum over r < r_used of xa[r * TILE + k] * b[r, j], 16 columns at a time summed in registers
+template <int64_t N, typename T>
+void b_side(const float* xa, const T* b, int64_t r_used, int64_t size, T* const* y) {
+  int64_t j = 0;
+  for (; j + L <= size; j += L) {
+    __m512 acc[N];
+    for (int64_t k = 0; k < N; ++k) acc[k] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < r_used; ++r) {
+      const __m512 bv = load16(b + r * size + j);
+      for (int64_t k = 0; k < N; ++k) acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(xa[r * TILE + k]), bv, acc[k]);
+    }
+    for (int64_t k = 0; k < N; ++k) {
+      alignas(64) float yv[L];
+      _mm512_store_ps(yv, _mm512_add_ps(load16(y[k] + j), acc[k]));
+      from_f32(yv, y[k] + j, L);
+    }
+  }
+  for (; j < size; ++j)
+    for (int64_t k = 0; k < N; ++k) {
+      float sum = to_float(y[k][j]);
+      for (int64_t r = 0; r < r_used; ++r) sum += xa[r * TILE + k] * to_float(b[r * size + j]);
+      from_f32(&sum, y[k] + j, 1);
+    }
+}
+#else
+// the same in portable loops the compiler vectorizes (AVX2 and others): x[k] . a[r] with RB * N sums of L lanes
+template <int64_t N, int64_t RB, typename T>
+void dots(const float* xrow, const T* a, int64_t in, int64_t r0, float* xa) {
+  float acc[N][RB][L] = {};
+  float av[RB][L];
+  int64_t i = 0;
+  for (; i + L <= in; i += L) {
+    for (int64_t rr = 0; rr < RB; ++rr) load_chunk(a + (r0 + rr) * in + i, av[rr]);
+    for (int64_t k = 0; k < N; ++k)
+      for (int64_t rr = 0; rr < RB; ++rr)
+#pragma omp simd
+        for (int64_t l = 0; l < L; ++l) acc[k][rr][l] += xrow[k * in + i + l] * av[rr][l];
+  }
+  for (int64_t k = 0; k < N; ++k)
+    for (int64_t rr = 0; rr < RB; ++rr) {
+      float sum = 0.f;
+      for (int64_t l = 0; l < L; ++l) sum += acc[k][rr][l];
+      for (int64_t t = i; t < in; ++t) sum += xrow[k * in + t] * to_float(a[(r0 + rr) * in + t]);
+      xa[(r0 + rr) * TILE + k] = sum;
+    }
+}
+
+template <int64_t N, typename T>
+void b_side(const float* xa, const T* b, int64_t r_used, int64_t size, T* const* y) {
+  float bv[L], acc[N][L], yv[L];
+  int64_t j = 0;
+  for (; j + L <= size; j += L) {
+    for (int64_t k = 0; k < N; ++k)
+      for (int64_t l = 0; l < L; ++l) acc[k][l] = 0.f;
+    for (int64_t r = 0; r < r_used; ++r) {
+      load_chunk(b + r * size + j, bv);
+      for (int64_t k = 0; k < N; ++k) {
+        const float c = xa[r * TILE + k];
+#pragma omp simd
+        for (int64_t l = 0; l < L; ++l) acc[k][l] += c * bv[l];
+      }
+    }
+    for (int64_t k = 0; k < N; ++k) {
+      to_f32(y[k] + j, yv, L);
+#pragma omp simd
+      for (int64_t l = 0; l < L; ++l) yv[l] += acc[k][l];
+      from_f32(yv, y[k] + j, L);
+    }
+  }
+  for (; j < size; ++j)
+    for (int64_t k = 0; k < N; ++k) {
+      float sum = to_float(y[k][j]);
+      for (int64_t r = 0; r < r_used; ++r) sum += xa[r * TILE + k] * to_float(b[r * size + j]);
+      from_f32(&sum, y[k] + j, 1);
+    }
+}
+
+#endif
+
+template <int64_t N, typename T>
+void lora_tile(const Work& w, T* yp, int64_t ys, const T* xp, int64_t xs, const T* atp, const int64_t* ranks,
+               const std::vector<const T*>& bps, const std::vector<int64_t>& sizes, int64_t in, int64_t slots,
+               int64_t R) {
+  const int64_t parts = int64_t(sizes.size());
+  std::vector<float> xrow(N * in);
+  float xa[TILE * 64 * 4];  // up to R = 256 (lora_add_ checks)
+  for (int64_t k = 0; k < N; ++k) to_f32(xp + w.rows[k] * xs, xrow.data() + k * in, in);
+  int64_t off = 0;
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t size = sizes[p], r_used = ranks[w.slot * parts + p];
+    if (r_used > 0) {
+      const T* a = atp + (p * slots + w.slot) * R * in;
+      int64_t r = 0;
+      for (; r + 4 <= r_used; r += 4) dots<N, 4>(xrow.data(), a, in, r, xa);
+      for (; r < r_used; ++r) dots<N, 1>(xrow.data(), a, in, r, xa);
+      T* y[N];
+      for (int64_t k = 0; k < N; ++k) y[k] = yp + w.rows[k] * ys + off;
+      b_side<N>(xa, bps[p] + w.slot * R * size, r_used, size, y);
+    }
+    off += size;
+  }
 }
 
 template <typename T>
 void lora_rows(const Work& w, T* yp, int64_t ys, const T* xp, int64_t xs, const T* atp, const int64_t* ranks,
                const std::vector<const T*>& bps, const std::vector<int64_t>& sizes, int64_t in, int64_t slots,
                int64_t R) {
-  const int64_t parts = int64_t(sizes.size()), n = w.n;
-  std::vector<float> xrow(n * in), xa(R * TILE), brow, out, yrow;
-  for (int64_t k = 0; k < n; ++k) to_f32(xp + w.rows[k] * xs, xrow.data() + k * in, in);
-  int64_t off = 0;
-  for (int64_t p = 0; p < parts; ++p) {
-    const int64_t size = sizes[p], r_used = ranks[w.slot * parts + p];
-    if (r_used > 0) {
-      const T* a = atp + (p * slots + w.slot) * R * in;
-      for (int64_t r = 0; r < r_used; ++r)
-        for (int64_t k = 0; k < n; ++k) xa[r * TILE + k] = dot(xrow.data() + k * in, a + r * in, in);
-      const T* b = bps[p] + w.slot * R * size;
-      brow.resize(size);
-      out.assign(n * size, 0.f);
-      for (int64_t r = 0; r < r_used; ++r) {
-        to_f32(b + r * size, brow.data(), size);  // once for the tile's rows
-        for (int64_t k = 0; k < n; ++k) {
-          const float c = xa[r * TILE + k];
-          float* o = out.data() + k * size;
-#pragma omp simd
-          for (int64_t j = 0; j < size; ++j) o[j] += c * brow[j];
-        }
-      }
-      yrow.resize(size);
-      for (int64_t k = 0; k < n; ++k) {
-        T* y = yp + w.rows[k] * ys + off;
-        to_f32(y, yrow.data(), size);
-        const float* o = out.data() + k * size;
-#pragma omp simd
-        for (int64_t j = 0; j < size; ++j) yrow[j] += o[j];
-        from_f32(yrow.data(), y, size);
-      }
-    }
-    off += size;
+  switch (w.n) {  // the tile's row count as a constant: its sums stay in registers
+    case 1: return lora_tile<1>(w, yp, ys, xp, xs, atp, ranks, bps, sizes, in, slots, R);
+    case 2: return lora_tile<2>(w, yp, ys, xp, xs, atp, ranks, bps, sizes, in, slots, R);
+    case 3: return lora_tile<3>(w, yp, ys, xp, xs, atp, ranks, bps, sizes, in, slots, R);
+    default: return lora_tile<4>(w, yp, ys, xp, xs, atp, ranks, bps, sizes, in, slots, R);
   }
 }
 
@@ -101,6 +202,7 @@ void lora_add_(Tensor& y, const Tensor& x, const Tensor& at, at::TensorList bs, 
   check(at.dim() == 4 && at.is_contiguous() && at.size(0) == parts && at.size(3) == in,
         "at must be contiguous [parts, slots, R, in]");
   const int64_t slots = at.size(1), R = at.size(2);
+  check(R <= 256, "ranks above 256 are not supported");
   check(ranks.scalar_type() == at::kLong && ranks.is_contiguous() && ranks.numel() == slots * parts,
         "ranks must be int64 [slots, parts]");
   check(row_slots.scalar_type() == at::kLong && row_slots.dim() == 1 && row_slots.size(0) == x.size(0) &&

@@ -256,3 +256,39 @@ def test_cpu_backend_asked_for_with_other_dtypes_still_generates(tmp_path, dtype
     assert cpu_layers.uses_cpu_kernels(llm.engine.model) == (dtype == "float32")
     out = llm.generate([[5, 6, 7, 8] * 5, [9, 10]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in out] == [6, 6]
+
+
+# ---- LoRA products (lora_ops.cpp) -----------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_add_equals_each_rows_own_adapter(dtype):
+    """Three slots with ranks 5, 8 and 0 (empty) over two parts (slot 0 only targets the second), rows of every
+    slot and the base interleaved: 6 rows of slot 1 (a tile of 4 and one of 2). Inputs of 40 (two 16-wide chunks
+    and a tail), parts of 32 and 24 columns (a tail of 8): every loop of the kernel's and its tails."""
+    torch.manual_seed(0)
+    fan_in, sizes, slots, max_rank = 40, [32, 24], 3, 8
+    ranks = torch.tensor([[0, 5], [8, 8], [0, 0]], dtype=torch.long)
+    at = torch.zeros(len(sizes), slots, max_rank, fan_in)
+    bs = [torch.zeros(slots * max_rank, n) for n in sizes]
+    for s in range(slots):
+        for p, n in enumerate(sizes):
+            r = int(ranks[s, p])
+            at[p, s, :r] = torch.randn(r, fan_in) / fan_in ** 0.5
+            bs[p][s * max_rank:s * max_rank + r] = torch.randn(r, n) * 0.1
+    at, bs = at.to(dtype), [b.to(dtype) for b in bs]
+    row_slots = torch.tensor([1, 0, -1, 1, 1, 2, 1, 0, 1, -1, 1], dtype=torch.long)
+    x = torch.randn(len(row_slots), fan_in).to(dtype)
+    y = torch.randn(len(row_slots), sum(sizes)).to(dtype)
+    want = y.double().clone()
+    for t, s in enumerate(row_slots.tolist()):
+        if s >= 0:
+            off = 0
+            for p, n in enumerate(sizes):
+                r = int(ranks[s, p])
+                xa = x[t].double() @ at[p, s, :r].double().t()
+                want[t, off:off + n] += xa @ bs[p][s * max_rank:s * max_rank + r].double()
+                off += n
+    OPS.lora_add_(y, x, at, bs, ranks, row_slots)
+    ulp_close(y, want, dtype)
+    with pytest.raises(RuntimeError, match="slot is out of range"):
+        OPS.lora_add_(y, x, at, bs, ranks, torch.full((len(row_slots),), slots, dtype=torch.long))

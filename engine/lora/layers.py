@@ -6,14 +6,16 @@ in a `LoRALinear`. All wrappers share one `LoRABatch`: before each forward pass 
 rows of the flattened batch run under which slot. A step with no adapter rows takes the base path
 unchanged (one attribute test per projection). Every slot's weights are held once, stacked and
 zero-padded to the largest rank; otherwise:
-- steps of up to DENSE_MAX_ROWS rows (decodes): every slot's A stacked (`dense_at [parts, slots, rank, in]`,
-  zero-padded to the largest rank) and, per part, every slot's scaled B^T (`dense_b[part] [slots * rank, part
-  size]`). Where the fused CPU kernels are built (engine/kernels/lora_ops.cpp), one call per projection adds
-  each row's product with its own slot's weights (rows grouped by slot, only the adapter's rank read). Else,
-  with several adapters in the step, x @ dense_at viewed [in, parts * slots * rank] gives every row its
-  product with every slot's A, a per-row mask keeps its own slot's columns (none for base rows), and one
-  matmul per part adds its own B: a few large-matmul ops per projection whatever the number of adapters;
-- larger steps (prefill chunks): per slot in the step, its rows are gathered and get
+every slot's A stacked (`dense_at [parts, slots, rank, in]`, zero-padded to the largest rank) and, per part,
+every slot's scaled B^T (`dense_b[part] [slots * rank, part size]`).
+- Where the fused CPU kernels are built (engine/kernels/lora_ops.cpp): the rows of slots with at most
+  FUSED_MAX_SLOT_ROWS rows in the step (decodes, short prefills; in mixed steps too) in one call per
+  projection, each row with its own slot's weights (rows grouped by slot, only the adapter's rank read);
+  a slot's longer run of rows (a prefill chunk) in matmuls, as below.
+- Without them, steps of up to DENSE_MAX_ROWS rows with several adapters: x @ dense_at viewed [in, parts *
+  slots * rank] gives every row its product with every slot's A, a per-row mask keeps its own slot's
+  columns (none for base rows), and one matmul per part adds its own B;
+- otherwise, per slot, its rows are gathered and get
   y[rows, part] += (x[rows] @ A^T) @ (scale * B)^T for each part the adapter targets, at the adapter's own
   rank (the SGMV idea: a slot's rows in a few large matmuls).
 With `kernel=True` (the triton backend) every row's product comes from one gathered Triton launch per part
@@ -22,6 +24,7 @@ With `kernel=True` (the triton backend) every row's product comes from one gathe
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import cast
 
 import torch
@@ -30,7 +33,8 @@ from torch import nn
 from engine.kernels import cpu_ops
 from engine.model.llama import LlamaForCausalLM, ModelConfig
 
-DENSE_MAX_ROWS = 32  # steps up to this many rows multiply every slot's weights, masked; larger ones loop over slots
+DENSE_MAX_ROWS = 32  # torch: steps up to this many rows multiply every slot's weights, masked; larger ones loop
+FUSED_MAX_SLOT_ROWS = 64  # fused CPU kernel: a slot with up to this many rows in the step; more take matmuls
 
 # wrapper attribute -> the PEFT modules it fuses, in output order
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
@@ -47,12 +51,13 @@ class LoRABatch:
     """Which rows of this step's flattened batch run under which slot (shared by every LoRALinear)."""
 
     def __init__(self) -> None:
-        self.groups: list[tuple[int, torch.Tensor | None]] = []  # (slot, row indices; None: every row)
+        self.active = False  # some row of the step runs under an adapter
+        self.groups: list[tuple[int, torch.Tensor | None]] = []  # matmul path: (slot, row indices; None: every row)
         self.row_slots: torch.Tensor | None = None  # [T] slot per row, -1 for base rows
+        self.fused_rows: torch.Tensor | None = None  # fused CPU kernel: [T] slot per row it serves, -1 for the rest
         self.dense = False  # this step multiplies every slot's weights, masked per row, instead of looping
-        self.fused = False  # this step runs the fused CPU kernel (lora_ops.cpp)
         self.kernel = False
-        self.cpu_kernel = False  # the fused CPU kernels are loaded: decode steps use them
+        self.cpu_kernel = False  # the fused CPU kernels are loaded
         self._masks: dict[tuple[int, int, int, torch.dtype], torch.Tensor] = {}  # (slots, rank, parts, dtype) -> mask
 
     def set(self, row_slots: list[int], device: torch.device) -> None:
@@ -61,15 +66,27 @@ class LoRABatch:
         if not slots:
             self.clear()
             return
+        self.active = True
         self._masks = {}
         self.row_slots = t = torch.tensor(row_slots, dtype=torch.int32 if self.kernel else torch.long, device=device)
-        small = not self.kernel and len(row_slots) <= DENSE_MAX_ROWS
-        self.fused = small and self.cpu_kernel
-        self.dense = small and not self.fused and len(slots) > 1
-        if self.kernel or self.fused or (len(slots) == 1 and -1 not in row_slots):  # kernel: no host sync (attach_lora made stacks)
+        self.fused_rows, self.dense = None, False
+        if self.kernel:  # no host sync (attach_lora made stacks)
             self.groups = [(s, None) for s in slots]
-        else:  # the per-slot rows (the wrappers' path when the kernel or the dense weights are not there)
-            self.groups = [(s, torch.nonzero(t == s).flatten()) for s in slots]
+            return
+        loop = slots
+        if self.cpu_kernel:  # slots with few rows (decodes) in the kernel, a slot's long prefill chunk in matmuls
+            counts = Counter(row_slots)
+            loop = [s for s in slots if counts[s] > FUSED_MAX_SLOT_ROWS]
+            if len(loop) < len(slots):
+                self.fused_rows = t if not loop else torch.tensor(
+                    [-1 if s in loop else s for s in row_slots], dtype=torch.long, device=device)
+        else:
+            self.dense = len(row_slots) <= DENSE_MAX_ROWS and len(slots) > 1
+            loop = [] if self.dense else slots
+        if len(loop) == 1 and len(slots) == 1 and -1 not in row_slots:
+            self.groups = [(loop[0], None)]
+        else:
+            self.groups = [(s, torch.nonzero(t == s).flatten()) for s in loop]
 
     def mask(self, slots: int, rank: int, parts: int, dtype: torch.dtype) -> torch.Tensor:
         """[T, parts * slots * rank]: 1 where a column belongs to the row's slot (dense path; once per step)."""
@@ -84,9 +101,9 @@ class LoRABatch:
         return m
 
     def clear(self) -> None:
+        self.active = self.dense = False
         self.groups = []
-        self.row_slots = None
-        self.dense = self.fused = False
+        self.row_slots = self.fused_rows = None
 
 
 class LoRALinear(nn.Module):
@@ -120,7 +137,7 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if not self.batch.groups:
+        if not self.batch.active:
             return y
         if self.batch.kernel and self.stacks is not None and self.batch.row_slots is not None:
             from engine.kernels.lora import lora_gathered_  # imported late: Triton's interpreter mode
@@ -130,9 +147,8 @@ class LoRALinear(nn.Module):
                 lora_gathered_(y[:, off:off + size], x, a, b, self.batch.row_slots)
                 off += size
             return y
-        if self.batch.fused and self.dense_at is not None and self.batch.row_slots is not None:
-            cpu_ops.ops().lora_add_(y, x.contiguous(), self.dense_at, self.dense_b, self.ranks, self.batch.row_slots)
-            return y
+        if self.batch.fused_rows is not None and self.dense_at is not None:
+            cpu_ops.ops().lora_add_(y, x.contiguous(), self.dense_at, self.dense_b, self.ranks, self.batch.fused_rows)
         if self.batch.dense and self.dense_at is not None:
             xa = x @ self.dense_at.view(-1, self.dense_at.shape[-1]).t()
             xa *= self.batch.mask(self.num_slots, self.dense_rank, len(self.sizes), xa.dtype)

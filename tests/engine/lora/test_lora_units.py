@@ -113,24 +113,33 @@ def test_gathered_products_equal_a_per_row_reference(repeat, fused):
                1: [(torch.randn(5, 6), torch.randn(n, 5)) for n in sizes]}
     for slot, parts in weights.items():
         layer.set_slot(slot, parts)
+    def reference(x, row_slots):
+        want = base(x).detach().clone()
+        for t, slot in enumerate(row_slots):
+            if slot in weights:
+                off = 0
+                for pair, size in zip(weights[slot], sizes, strict=True):
+                    if pair is not None:
+                        want[t, off:off + size] += (x[t] @ pair[0].t()) @ pair[1].t()
+                    off += size
+        return want
+
     row_slots = [0, -1, 1, 1, 2, 0, -1] * repeat
     x = torch.randn(len(row_slots), 6)
-    want = base(x).detach().clone()
-    for t, slot in enumerate(row_slots):
-        if slot in weights:
-            off = 0
-            for pair, size in zip(weights[slot], sizes, strict=True):
-                if pair is not None:
-                    want[t, off:off + size] += (x[t] @ pair[0].t()) @ pair[1].t()
-                off += size
+    want = reference(x, row_slots)
     with torch.no_grad():
         batch.set(row_slots, x.device)
-        assert [s for s, _ in batch.groups] == [0, 1, 2]
-        assert (batch.dense, batch.fused) == (repeat == 1 and not fused, repeat == 1 and fused)
+        assert batch.dense == (repeat == 1 and not fused) and (batch.fused_rows is not None) == fused
+        assert [s for s, _ in batch.groups] == ([] if fused or repeat == 1 else [0, 1, 2])
         got = layer(x)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        batch.set([1] * 50, x.device)  # every row under one adapter: no gather
-        assert batch.groups[0][1] is None and not batch.dense and not batch.fused
+        batch.set([1] * 70, x.device)  # every row under one adapter, more than the fused kernel takes: no gather
+        assert batch.groups[0][1] is None and not batch.dense and batch.fused_rows is None
+        mixed = [1] * 65 + [0, -1]  # a long run of slot 1 (matmuls) beside a decode of slot 0 (fused)
+        batch.set(mixed, x.device)
+        assert [s for s, _ in batch.groups] == ([1] if fused else [0, 1]) and (batch.fused_rows is not None) == fused
+        x2 = torch.randn(len(mixed), 6)
+        torch.testing.assert_close(layer(x2), reference(x2, mixed), rtol=1e-5, atol=1e-5)
         batch.set([-1] * 7, x.device)  # no adapter rows: the base path
         assert batch.groups == [] and torch.equal(layer(x), base(x))
         layer.clear_slot(1)

@@ -2,15 +2,16 @@
 same trace, same concurrency.
 
     python -m loadtest.lora_serve_bench [--concurrency 16] [--adapters 8] [--rank 16] [--targets all|qv]
-                                        [--num-requests 64] [--rounds 1] [--no-vllm]
+                                        [--num-requests 64] [--rounds 1] [--repeats 3] [--no-vllm]
 
 Writes `adapters` random adapters in PEFT's format (tests/engine/lora/_adapters.py's recipe), then gives each
 server a turn of its own (started with the adapters as `--lora-modules`, `--max-loras` = adapters, one request
-per adapter first so every adapter is in; stopped afterwards; rounds alternate kvfleet and vLLM): the seeded chat trace of loadtest.http_bench (EOS banned, so both
-produce the same tokens), three times on the same server: every request on the base model, on the adapters
-drawn uniformly, and by zipf popularity (s = 1.1). Prints a table, each mix's rate over the same server's base
-model (the issue's target on CPU: >= 0.8x) and kvfleet over vLLM per mix. vLLM needs the peers venv
-(../shared/peers; KVFLEET_PEERS_DIR). Nothing else should run on the machine meanwhile.
+per adapter first so every adapter is in; stopped afterwards; rounds alternate kvfleet and vLLM). In a turn the
+seeded chat trace of loadtest.http_bench (EOS banned, so both produce the same tokens) runs with every request
+on the base model, on the adapters drawn uniformly, and by zipf popularity (s = 1.1), the three in turn
+`repeats` times. Prints a table, each mix's median rate over the same server's base model (the issue's target
+on CPU: >= 0.8x) and kvfleet over vLLM per mix. vLLM needs the peers venv (../shared/peers;
+KVFLEET_PEERS_DIR). Nothing else should run on the machine meanwhile.
 """
 
 from __future__ import annotations
@@ -66,10 +67,11 @@ async def amain(ns: argparse.Namespace) -> list[LevelResult]:
     for turn, url in turns({k: urls[k] for k in starts}, starts, ns.rounds, 900, "lora_serve_bench"):
         async with turn:
             await run_level(url, list(paths), trace[:len(paths)], len(paths), "warm", 0.0, 900)  # every adapter in
-            for mix, models in by_mix.items():
-                r = await run_level(url, models, trace, ns.concurrency, f"{turn.name.split('#')[0]}:{mix}", 0.0, 900)
-                print_table([r])
-                results.append(r)
+            for _ in range(ns.repeats):
+                for mix, models in by_mix.items():
+                    r = await run_level(url, models, trace, ns.concurrency, f"{turn.name.split('#')[0]}:{mix}", 0.0, 900)
+                    print_table([r])
+                    results.append(r)
     return results
 
 
@@ -77,7 +79,7 @@ def report(results: list[LevelResult]) -> None:
     rate: dict[str, float] = {}
     for name in dict.fromkeys(r.target for r in results):
         rate[name] = statistics.median(r.output_tok_s for r in results if r.target == name)
-    print("\nmedian output tokens/s, and the ratio to the same server's base model")
+    print("\nmedian output tokens/s over the runs, and the ratio to the same server's base model")
     for name, value in rate.items():
         server, mix = name.split(":")
         print(f"  {name:<18} {value:8.1f} tok/s  {value / rate[f'{server}:base']:.2f}x base")
@@ -94,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--targets", choices=tuple(TARGETS), default="all")
     ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1, help="turns per server, alternating kvfleet and vLLM")
+    ap.add_argument("--repeats", type=int, default=3, help="times the three mixes run in a turn, in turn")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-vllm", action="store_true", help="kvfleet only")
     ap.add_argument("--peers-dir", default=str(peers_dir()), help="vLLM's venv and model (env KVFLEET_PEERS_DIR)")

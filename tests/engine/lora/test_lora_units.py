@@ -133,9 +133,9 @@ def test_gathered_products_equal_a_per_row_reference(repeat, fused):
         assert [s for s, _ in batch.groups] == ([] if fused or repeat == 1 else [0, 1, 2])
         got = layer(x)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        batch.set([1] * 70, x.device)  # every row under one adapter, more than the fused kernel takes: no gather
-        assert batch.groups[0][1] is None and not batch.dense and batch.fused_rows is None
-        mixed = [1] * 65 + [0, -1]  # a long run of slot 1 (matmuls) beside a decode of slot 0 (fused)
+        batch.set([1] * 520, x.device)  # every row under one adapter, more than the fused kernel takes: no gather
+        assert batch.groups[0][1] == slice(0, 520) and not batch.dense and batch.fused_rows is None
+        mixed = [1] * 513 + [0, -1]  # a long run of slot 1 (matmuls) beside a decode of slot 0 (fused)
         batch.set(mixed, x.device)
         assert [s for s, _ in batch.groups] == ([1] if fused else [0, 1]) and (batch.fused_rows is not None) == fused
         x2 = torch.randn(len(mixed), 6)

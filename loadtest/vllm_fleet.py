@@ -59,9 +59,10 @@ def ensure_vllm(peers: Path, install: bool) -> None:
                        check=True)
 
 
-def start_vllm(peers: Path, log_dir: str, name: str, core: str, dtype: str, block_size: int
-               ) -> tuple[Proc, str, str]:
-    """One vLLM-CPU engine with prefix caching, prompt-token details and ZMQ KV events; (proc, pub, replay)."""
+def start_vllm(peers: Path, log_dir: str, name: str, core: str, dtype: str, block_size: int,
+               extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> tuple[Proc, str, str]:
+    """One vLLM-CPU engine with prefix caching, prompt-token details and ZMQ KV events; (proc, pub, replay).
+    extra: more vLLM flags; env: more environment."""
     port, pub, replay = free_port(), free_port(), free_port()
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
               "replay_endpoint": f"tcp://*:{replay}", "topic": "kv"}
@@ -69,9 +70,9 @@ def start_vllm(peers: Path, log_dir: str, name: str, core: str, dtype: str, bloc
             "--model", str(vllm_model_dir(peers, dtype)), "--served-model-name", "smollm2", "--host", "127.0.0.1",
             "--port", str(port), "--dtype", dtype, "--max-model-len", "2048", "--enable-prompt-tokens-details",
             "--block-size", str(block_size),
-            "--kv-events-config", json.dumps(events)]
+            "--kv-events-config", json.dumps(events), *extra]
     proc = Proc(argv, f"http://127.0.0.1:{port}", log_dir, name,
-                {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": core})
+                {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": core, **(env or {})})
     return proc, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
 
 

@@ -273,7 +273,8 @@ class RouterApp:
         await send_json(send, 404, error_body(f"no route for {method} {path}", error_type(404)))
 
     async def _models(self, send, headers) -> None:
-        """Every model the ready replicas serve, once each (those the caller's tenant may use); 503 +
+        """Every model the ready replicas serve, once each, with the LoRA adapters of those models the replicas list
+        or a pool loads on demand (those the caller's tenant may use); 503 +
         Retry-After until a chat can succeed (so a client polling /v1/models for readiness never sees 200 too
         early)."""
         tenant = self.admission.identify(headers)
@@ -283,10 +284,16 @@ class RouterApp:
         why = self.not_serving()
         models = [] if why else await fleet_models(self.session, self.fleet.ready_urls(), self._internal_headers)
         served = self.pools.catalog.pools_of
-        models = [m for m in models if m["id"] in served]
+        models = [m for m in models if m["id"] in served or m.get("parent") in served]  # adapters of served models
+        on_demand = {name: pc.spec.models[0] for pc in self.pools.config.pools if pc.spec.models
+                     for name, _ in pc.spec.adapters}
         for model, pools in served.items():  # declared models of replicas that list none (a third-party engine)
-            if not why and not any(m["id"] == model for m in models) and any(self.fleet.ready_urls(p) for p in pools):
+            if not why and model not in on_demand and not any(m["id"] == model for m in models) \
+                    and any(self.fleet.ready_urls(p) for p in pools):
                 models.append({"id": model, "object": "model", "created": 0, "owned_by": "kvfleet"})
+        for name, parent in [] if why else on_demand.items():  # adapters a pool loads on demand, not loaded yet
+            if not any(m["id"] == name for m in models):
+                models.append({"id": name, "object": "model", "created": 0, "owned_by": "kvfleet", "parent": parent})
         if tenant is not None and tenant.models is not None:
             models = [m for m in models if m["id"] in tenant.models]
         if not models and why is None and served and tenant is not None and tenant.models is not None:

@@ -140,7 +140,7 @@ class Pools:
 
     def _recatalog(self) -> None:
         """The models each pool serves changed (pools file, or what replicas list): the catalog follows."""
-        cat = catalog([p.spec for p in self.config.pools], self.fleet.learned_models())
+        cat = catalog([p.spec for p in self.config.pools], self.fleet.learned_models(), self.fleet.learned_adapters())
         if cat != self.catalog:
             if cat.models != self.catalog.models:
                 log.info("models served: %s", ", ".join(f"{m} ({', '.join(ps)})" for m, ps in cat.pools_of.items())

@@ -1,7 +1,9 @@
 """Which pools serve which model, and what a request's `model` resolves to. Pure: the pools (their declared
 `models`) and what each pool's replicas list on /v1/models come in; no I/O.
 
-A pool that declares its models (pools file `model:` / `models:`) serves exactly those. A pool that declares
+A pool that declares its models (pools file `model:` / `models:`) serves those, and the LoRA adapters its
+replicas list (an adapter of a replica is an adapter of the pool's model), and the adapters it loads on
+demand (`adapters:`). A pool that declares
 none serves what its replicas list (the union over its members whose /v1/models answered); until one of them
 has answered, the pool is *unlearned*: a model no pool is known to serve is then "not known yet" (503, retry),
 not "does not exist" (404).
@@ -36,12 +38,14 @@ class ModelCatalog:
         return tuple(self.pools_of)
 
 
-def catalog(pools: Sequence[PoolSpec], learned: Mapping[str, frozenset[str]]) -> ModelCatalog:
-    """The catalog of `pools`; `learned[pool]`: the models its replicas list (absent: none has answered)."""
+def catalog(pools: Sequence[PoolSpec], learned: Mapping[str, frozenset[str]],
+            adapters: Mapping[str, frozenset[str]] = MappingProxyType({})) -> ModelCatalog:
+    """The catalog of `pools`; `learned[pool]`: the models its replicas list (absent: none has answered);
+    `adapters[pool]`: of those, the LoRA adapters (listed with a parent model)."""
     pools_of: dict[str, list[str]] = {}
     unlearned = []
     for p in pools:
-        names = p.models if p.models else learned.get(p.name)
+        names = (*p.models, *sorted(adapters.get(p.name, ()))) if p.models else learned.get(p.name)
         on_demand = tuple(name for name, _ in p.adapters)  # its replicas load these when asked: always served
         if names is None and not on_demand:
             unlearned.append(p.name)

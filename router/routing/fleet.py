@@ -221,6 +221,10 @@ class Fleet:
         """Per pool, the models its replicas list (router/pools/models.py decides what they serve)."""
         return self.placement.learned_models()
 
+    def learned_adapters(self) -> dict[str, frozenset[str]]:
+        """Per pool, the LoRA adapters its replicas list (served with the pool's declared models)."""
+        return self.placement.learned_adapters()
+
     def not_serving(self, pool: str, model: str) -> frozenset[str]:
         """The pool's replicas that list their models, without this one."""
         return self.placement.not_serving(pool, model)

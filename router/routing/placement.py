@@ -240,6 +240,11 @@ class Placement:
                 out[pool] = frozenset().union(*listed)
         return out
 
+    def learned_adapters(self) -> dict[str, frozenset[str]]:
+        """Per pool, the LoRA adapters its replicas list (with a parent model) on /v1/models."""
+        return {pool: frozenset().union(*(self.replicas[u].adapters for u in urls))
+                for pool, urls in self.members.items() if urls}
+
     def not_serving(self, pool: str, model: str) -> frozenset[str]:
         """The pool's replicas that list models, but not this one (a request for it must not go there)."""
         return frozenset(u for u in self.members.get(pool, ())

@@ -78,6 +78,8 @@ def _zipf_trace(n: int, seed: int = 0) -> list[tuple[str, list[int]]]:
 
 def _measure(procs, tmp_path, policy: str) -> dict:
     rt, fakes = _fleet(procs, tmp_path, policy, True)
+    listed = {m["id"]: m.get("parent") for m in httpx.get(rt.url + "/v1/models", timeout=10).json()["data"]}
+    assert all(listed.get(a) == "smollm2" for a in ADAPTERS), listed  # on-demand adapters listed before any load
     trace = _zipf_trace(160)
     for adapter, prompt in trace:
         r = httpx.post(rt.url + "/v1/completions", json={"model": adapter, "prompt": prompt, "max_tokens": 2},

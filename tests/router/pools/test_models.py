@@ -21,6 +21,15 @@ def test_declared_and_learned_models():
     assert cat.unlearned == ()  # a declared pool serves what it declares, whatever its replicas list ("x")
 
 
+def test_a_declared_pool_also_serves_the_adapters_its_replicas_list():
+    """vLLM or kvfleet replicas list their LoRA adapters with the base model as parent: a pool declaring the base
+    model serves them (what they list that is not an adapter, "x", stays out)."""
+    cat = catalog([SMALL, LARGE], {"small": frozenset({"smollm2", "sql", "x"})}, {"small": frozenset({"sql"})})
+    assert dict(cat.pools_of) == {"smollm2": ("small",), "sql": ("small",), "llama-70b": ("large",),
+                                  "llama-70b-chat": ("large",)}
+    assert resolve_model("sql", None, None, cat) == ("sql", ("small",))
+
+
 def test_a_pool_no_replica_has_answered_for_is_unlearned():
     cat = catalog([SMALL, LEARNED], {})
     assert dict(cat.pools_of) == {"smollm2": ("small",)} and cat.unlearned == ("misc",)

@@ -4,13 +4,16 @@ read from memory, not from a cache that a repeated call keeps warm.
     python -m loadtest.cpu_kernels_bench projections --rows 1,16,64,128,256
     python -m loadtest.cpu_kernels_bench attention --batch 64 --context 125
     python -m loadtest.cpu_kernels_bench --threads 2 projections   # torch threads
+    python -m loadtest.cpu_kernels_bench lora --rows-per-slot 1,2,4,16,64 --adapters 8 --rank 16
 
 `projections`: one step's projections of a Llama-shaped model (SmolLM2-135M by default: 30 layers of
 qkv, o, gate/up and down) with exact 4-bit group weights, through `q4_linear` (packed 4-bit, AMX) and
 through oneDNN on the same weights in bf16 (what the engine uses otherwise), alternating per row count;
 the median of --rounds is printed with the ratio. `attention`: `paged_decode_` over --layers separate KV
 caches with shuffled blocks; achieved GB/s of K/V read and the fraction of this machine's read bandwidth
-(a sum over a 1 GiB tensor on the same threads).
+(a sum over a 1 GiB tensor on the same threads). `lora`: one step's LoRA products (every projection of every
+layer, --adapters slots of --rank on every part, each row under one slot) through the fused kernel and through
+the torch paths (masked over every slot for steps of up to 32 rows, per slot otherwise), ms per step.
 """
 
 from __future__ import annotations
@@ -125,12 +128,75 @@ def bench_attention(a: argparse.Namespace) -> int:
     return 0
 
 
+class _Zeros(torch.nn.Module):
+    """A projection whose output is zeros: the LoRA wrapper's own cost, without the base matmul."""
+
+    def __init__(self, out: int):
+        super().__init__()
+        self.out = out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(x.shape[0], self.out)
+
+
+def bench_lora(a: argparse.Namespace) -> int:
+    from engine.lora import layers
+
+    h, inter, kv = a.hidden, a.intermediate, a.kv_dim
+    shapes = [(h, [h, kv, kv]), (h, [h]), (h, [inter, inter]), (inter, [h])]  # qkv, o, gate|up, down
+    gen = torch.Generator().manual_seed(0)
+    dt = torch.bfloat16
+    paths = {"fused": dict(cpu_kernel=True, max_rows=10**9), "torch": dict(cpu_kernel=False, max_rows=0)}
+    print(f"{a.layers} layers x 4 projections, {a.adapters} slots of rank {a.rank} on every part, bf16; "
+          f"ms per step for the LoRA products alone")
+    print(f"{'rows/slot':>9} {'rows':>5} {'fused ms':>9} {'torch ms':>9} {'ratio':>6}")
+    for per_slot in a.rows_per_slot:
+        row_slots = [s for s in range(a.adapters) for _ in range(per_slot)]
+        times: dict[str, list[float]] = {name: [] for name in paths}
+        built = {}
+        for name, how in paths.items():  # separate weights per path and layer: read from memory, as in a step
+            batch = layers.LoRABatch()
+            batch.cpu_kernel = how["cpu_kernel"]
+            wrappers = []
+            for _ in range(a.layers):
+                for fan_in, sizes in shapes:
+                    w = layers.LoRALinear(_Zeros(sum(sizes)), batch, sizes, fan_in, a.adapters, a.rank, dt,
+                                          torch.device("cpu"))
+                    for slot in range(a.adapters):
+                        w.set_slot(slot, [((torch.randn(a.rank, fan_in, generator=gen) * 0.05).to(dt),
+                                           (torch.randn(n, a.rank, generator=gen) * 0.05).to(dt)) for n in sizes])
+                    wrappers.append((fan_in, w))
+            built[name] = (batch, wrappers, how["max_rows"])
+        xs = {fan_in: torch.randn(len(row_slots), fan_in, generator=gen).to(dt) for fan_in in (h, inter)}
+        for _ in range(a.rounds):
+            for name, (batch, wrappers, max_rows) in built.items():
+                layers.FUSED_MAX_SLOT_ROWS = max_rows
+                batch.set(row_slots, torch.device("cpu"))
+                with torch.no_grad():
+                    t0 = time.perf_counter()
+                    for fan_in, w in wrappers:
+                        w(xs[fan_in])
+                    times[name].append(time.perf_counter() - t0)
+        fused, plain = (statistics.median(times[n]) * 1e3 for n in ("fused", "torch"))
+        print(f"{per_slot:>9} {len(row_slots):>5} {fused:>9.2f} {plain:>9.2f} {plain / fused:>5.2f}x")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     sub = ap.add_subparsers(dest="what", required=True)
     p = sub.add_parser("projections", help="q4_linear vs oneDNN bf16 over one step's projections")
     p.add_argument("--rows", type=int_list, default=[1, 16, 64, 128, 256], help="comma-separated row counts")
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--hidden", type=int, default=576)
+    p.add_argument("--intermediate", type=int, default=1536)
+    p.add_argument("--kv-dim", type=int, default=192, help="kv heads x head_dim")
+    p.add_argument("--rounds", type=int, default=5)
+    p = sub.add_parser("lora", help="the fused LoRA kernel vs the torch paths over one step's projections")
+    p.add_argument("--rows-per-slot", type=int_list, default=[1, 2, 4, 16, 64], help="comma-separated")
+    p.add_argument("--adapters", type=int, default=8)
+    p.add_argument("--rank", type=int, default=16)
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--hidden", type=int, default=576)
     p.add_argument("--intermediate", type=int, default=1536)
@@ -148,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     sizes = {k: v for k, v in vars(a).items() if k in ("layers", "hidden", "intermediate", "kv_dim", "rounds", "batch",
                                                           "context", "kv_heads", "group", "head_dim", "block_size",
-                                                          "threads") and v is not None}
+                                                          "threads", "adapters", "rank") and v is not None}
     bad = [k for k, v in sizes.items() if v < 1]
     if bad:
         ap.error(f"--{bad[0].replace('_', '-')} must be >= 1")
@@ -159,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if a.threads:
         torch.set_num_threads(a.threads)
-    return bench_projections(a) if a.what == "projections" else bench_attention(a)
+    return {"projections": bench_projections, "attention": bench_attention, "lora": bench_lora}[a.what](a)
 
 
 if __name__ == "__main__":

@@ -146,7 +146,7 @@ def bench_lora(a: argparse.Namespace) -> int:
     shapes = [(h, [h, kv, kv]), (h, [h]), (h, [inter, inter]), (inter, [h])]  # qkv, o, gate|up, down
     gen = torch.Generator().manual_seed(0)
     dt = torch.bfloat16
-    paths = {"fused": dict(cpu_kernel=True, max_rows=10**9), "torch": dict(cpu_kernel=False, max_rows=0)}
+    paths = {"fused": (True, 10**9), "torch": (False, 0)}  # (fused kernel on, FUSED_MAX_SLOT_ROWS)
     print(f"{a.layers} layers x 4 projections, {a.adapters} slots of rank {a.rank} on every part, bf16; "
           f"ms per step for the LoRA products alone")
     print(f"{'rows/slot':>9} {'rows':>5} {'fused ms':>9} {'torch ms':>9} {'ratio':>6}")
@@ -154,9 +154,9 @@ def bench_lora(a: argparse.Namespace) -> int:
         row_slots = [s for s in range(a.adapters) for _ in range(per_slot)]
         times: dict[str, list[float]] = {name: [] for name in paths}
         built = {}
-        for name, how in paths.items():  # separate weights per path and layer: read from memory, as in a step
+        for name, (fused, max_rows) in paths.items():  # weights per path and layer: read from memory, as in a step
             batch = layers.LoRABatch()
-            batch.cpu_kernel = how["cpu_kernel"]
+            batch.cpu_kernel = fused
             wrappers = []
             for _ in range(a.layers):
                 for fan_in, sizes in shapes:
@@ -166,7 +166,7 @@ def bench_lora(a: argparse.Namespace) -> int:
                         w.set_slot(slot, [((torch.randn(a.rank, fan_in, generator=gen) * 0.05).to(dt),
                                            (torch.randn(n, a.rank, generator=gen) * 0.05).to(dt)) for n in sizes])
                     wrappers.append((fan_in, w))
-            built[name] = (batch, wrappers, how["max_rows"])
+            built[name] = (batch, wrappers, max_rows)
         xs = {fan_in: torch.randn(len(row_slots), fan_in, generator=gen).to(dt) for fan_in in (h, inter)}
         for _ in range(a.rounds):
             for name, (batch, wrappers, max_rows) in built.items():
@@ -177,8 +177,8 @@ def bench_lora(a: argparse.Namespace) -> int:
                     for fan_in, w in wrappers:
                         w(xs[fan_in])
                     times[name].append(time.perf_counter() - t0)
-        fused, plain = (statistics.median(times[n]) * 1e3 for n in ("fused", "torch"))
-        print(f"{per_slot:>9} {len(row_slots):>5} {fused:>9.2f} {plain:>9.2f} {plain / fused:>5.2f}x")
+        fused_ms, torch_ms = (statistics.median(times[n]) * 1e3 for n in ("fused", "torch"))
+        print(f"{per_slot:>9} {len(row_slots):>5} {fused_ms:>9.2f} {torch_ms:>9.2f} {torch_ms / fused_ms:>5.2f}x")
     return 0
 
 

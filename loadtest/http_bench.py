@@ -84,7 +84,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> R
     rec = record_from_sse(lines, scenario="", start_s=0.0, end_s=time.perf_counter() - t0)
     if not rec.ok:
         return RequestResult(False, error="no tokens received" if rec.error == "no_tokens" else rec.error)
-    return RequestResult(True, rec.ttft_s, rec.tpot_s or 0.0, rec.end_s, rec.output_tokens)
+    return RequestResult(True, rec.ttft_s or 0.0, rec.tpot_s or 0.0, rec.end_s, rec.output_tokens)
 
 
 async def run_level(url: str, model: str | list[str], trace: list[ChatRequest], concurrency: int, name: str,

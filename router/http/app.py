@@ -24,7 +24,7 @@ from router.admission.gate import Gate, Pass
 from router.admission.pipeline import Admission
 from router.config import RouterConfig
 from router.http.migrate import Resume
-from router.http.models import fleet_models
+from router.http.models import fleet_models, listed_models
 from router.http.proxy import Attempts, Proxy
 from router.http.responses import send_bytes, send_json
 from router.http.tokenizers import THIRD_PARTY, Tokenizers
@@ -282,18 +282,11 @@ class RouterApp:
             await send_json(send, tenant.status, tenant.body, tenant.headers)
             return
         why = self.not_serving()
-        models = [] if why else await fleet_models(self.session, self.fleet.ready_urls(), self._internal_headers)
         served = self.pools.catalog.pools_of
-        models = [m for m in models if m["id"] in served or m.get("parent") in served]  # adapters of served models
-        on_demand = {name: pc.spec.models[0] for pc in self.pools.config.pools if pc.spec.models
-                     for name, _ in pc.spec.adapters}
-        for model, pools in served.items():  # declared models of replicas that list none (a third-party engine)
-            if not why and model not in on_demand and not any(m["id"] == model for m in models) \
-                    and any(self.fleet.ready_urls(p) for p in pools):
-                models.append({"id": model, "object": "model", "created": 0, "owned_by": "kvfleet"})
-        for name, parent in [] if why else on_demand.items():  # adapters a pool loads on demand, not loaded yet
-            if not any(m["id"] == name for m in models):
-                models.append({"id": name, "object": "model", "created": 0, "owned_by": "kvfleet", "parent": parent})
+        models = [] if why else listed_models(
+            await fleet_models(self.session, self.fleet.ready_urls(), self._internal_headers), served,
+            {pc.spec.name: pc.spec for pc in self.pools.config.pools},
+            lambda pools: any(self.fleet.ready_urls(p) for p in pools))
         if tenant is not None and tenant.models is not None:
             models = [m for m in models if m["id"] in tenant.models]
         if not models and why is None and served and tenant is not None and tenant.models is not None:

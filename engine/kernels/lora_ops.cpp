@@ -52,6 +52,25 @@ inline void load_chunk(const T* src, float* dst) {  // L elements to float32
   for (int64_t l = 0; l < L; ++l) dst[l] = to_float(src[l]);
 }
 
+// x . a over the inputs from `from` on (past the last whole chunk), one at a time
+template <typename T>
+inline float dot_tail(const float* x, const T* a, int64_t from, int64_t in) {
+  float sum = 0.f;
+  for (int64_t t = from; t < in; ++t) sum += x[t] * to_float(a[t]);
+  return sum;
+}
+
+// the B side's columns from j on (past the last whole chunk), one at a time
+template <int64_t N, typename T>
+void b_tail(const float* xa, const T* b, int64_t r_used, int64_t size, int64_t j, T* const* y) {
+  for (; j < size; ++j)
+    for (int64_t k = 0; k < N; ++k) {
+      float sum = to_float(y[k][j]);
+      for (int64_t r = 0; r < r_used; ++r) sum += xa[r * TILE + k] * to_float(b[r * size + j]);
+      from_f32(&sum, y[k] + j, 1);
+    }
+}
+
 #ifdef __AVX512F__
 // xa[r * TILE + k] = x[k] . a[r] for r in [r0, r0 + RB), k < N: N * RB independent vector sums in registers,
 // every 16 inputs of a row of A loaded once for the N rows
@@ -72,7 +91,7 @@ void dots(const float* xrow, const T* a, int64_t in, int64_t r0, float* xa) {
   for (int64_t k = 0; k < N; ++k)
     for (int64_t rr = 0; rr < RB; ++rr) {
       float sum = _mm512_reduce_add_ps(acc[k][rr]);
-      for (int64_t t = i; t < in; ++t) sum += xrow[k * in + t] * to_float(a[(r0 + rr) * in + t]);
+      sum += dot_tail(xrow + k * in, a + (r0 + rr) * in, i, in);
       xa[(r0 + rr) * TILE + k] = sum;
     }
 }
@@ -94,12 +113,7 @@ void b_side(const float* xa, const T* b, int64_t r_used, int64_t size, T* const*
       from_f32(yv, y[k] + j, L);
     }
   }
-  for (; j < size; ++j)
-    for (int64_t k = 0; k < N; ++k) {
-      float sum = to_float(y[k][j]);
-      for (int64_t r = 0; r < r_used; ++r) sum += xa[r * TILE + k] * to_float(b[r * size + j]);
-      from_f32(&sum, y[k] + j, 1);
-    }
+  b_tail<N>(xa, b, r_used, size, j, y);
 }
 #else
 // the same in portable loops the compiler vectorizes (AVX2 and others): x[k] . a[r] with RB * N sums of L lanes
@@ -119,7 +133,7 @@ void dots(const float* xrow, const T* a, int64_t in, int64_t r0, float* xa) {
     for (int64_t rr = 0; rr < RB; ++rr) {
       float sum = 0.f;
       for (int64_t l = 0; l < L; ++l) sum += acc[k][rr][l];
-      for (int64_t t = i; t < in; ++t) sum += xrow[k * in + t] * to_float(a[(r0 + rr) * in + t]);
+      sum += dot_tail(xrow + k * in, a + (r0 + rr) * in, i, in);
       xa[(r0 + rr) * TILE + k] = sum;
     }
 }
@@ -146,12 +160,7 @@ void b_side(const float* xa, const T* b, int64_t r_used, int64_t size, T* const*
       from_f32(yv, y[k] + j, L);
     }
   }
-  for (; j < size; ++j)
-    for (int64_t k = 0; k < N; ++k) {
-      float sum = to_float(y[k][j]);
-      for (int64_t r = 0; r < r_used; ++r) sum += xa[r * TILE + k] * to_float(b[r * size + j]);
-      from_f32(&sum, y[k] + j, 1);
-    }
+  b_tail<N>(xa, b, r_used, size, j, y);
 }
 
 #endif

@@ -36,11 +36,17 @@ class ScoringConfig:
     # Consistent hashing with bounded load: a replica takes at most c * average load.
     session_load_factor: float = 1.25
     session_vnodes: int = 64
+    # Peer pulls (issue 31): a cached prefix a peer replica holds can be pulled instead of recomputed, at this
+    # cost per token and per pull, in prefill-token units (the transfer's seconds over a prefill token's);
+    # pull_token_cost 0: no pulls. The simulator derives both from a link's bandwidth and latency.
+    pull_token_cost: float = 0.0
+    pull_fixed_tokens: float = 0.0
 
     def validate(self) -> None:
         if not self.prefill_weight >= 1:
             raise ConfigError("prefill_weight", f"must be >= 1, got {self.prefill_weight}")
-        for name in ("kv_token_cost", "waiting_cost_tokens", "running_cost_tokens"):
+        for name in ("kv_token_cost", "waiting_cost_tokens", "running_cost_tokens", "pull_token_cost",
+                     "pull_fixed_tokens"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
         if self.overload_waiting < 1:

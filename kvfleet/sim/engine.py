@@ -148,6 +148,19 @@ class SimEngine:
                 s.on_done(s)
         return firsts
 
+    def import_from(self, source: SimEngine, hashes: tuple[int, ...]) -> int:
+        """Take into this pool, as cached blocks, the leading blocks of `hashes` the source holds past this pool's
+        own leading run (as many as free blocks allow); how many."""
+        mine, theirs = _leading(self.pool, hashes), _leading(source.pool, hashes)
+        n = min(theirs - mine, self.pool.num_free_blocks)
+        if n <= 0:
+            return 0
+        blocks = self.pool.get_new_blocks(n)
+        hs = list(hashes[mine:mine + n])
+        self.pool.cache_blocks(blocks, hs, [(h,) for h in hs], hashes[mine - 1] if mine else None)
+        self.pool.free_blocks(reversed(blocks))
+        return n
+
     def _admit(self) -> None:
         pool = self.pool
         while self.waiting and len(self.running) < self.max_num_seqs:
@@ -176,3 +189,13 @@ class SimEngine:
         self.pool.cache_blocks(s.blocks[s.registered:full], list(hs), [(h,) for h in hs],
                                s.hashes[s.registered - 1] if s.registered else None)
         s.registered = full
+
+
+def _leading(pool: BlockPool, hashes: tuple[int, ...]) -> int:
+    """How many of the leading blocks of `hashes` the pool holds."""
+    n = 0
+    for h in hashes:
+        if pool.get_cached_block(h, (h,)) is None:
+            break
+        n += 1
+    return n

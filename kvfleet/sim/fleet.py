@@ -13,7 +13,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from contract.kv_events import Snapshot
 from deploy.hpa import HPA, HPASpec, MetricTarget, ScalingRules
@@ -49,6 +49,32 @@ class Autoscale:
 
 
 @dataclass(frozen=True)
+class PullLink:
+    """The link a peer pull crosses (issue 31): a pull of n prompt tokens takes latency_s + n * kv_bytes_per_token /
+    bandwidth_bytes_s. Defaults: SmolLM2-135M's KV (30 layers x 2 x 3 kv heads x 64 x 2 bytes) over a TCP link of
+    1 GB/s with 2 ms to set up."""
+
+    bandwidth_bytes_s: float = 1e9
+    latency_s: float = 0.002
+    kv_bytes_per_token: int = 23_040
+
+    def __post_init__(self) -> None:
+        for name in ("bandwidth_bytes_s", "kv_bytes_per_token"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"PullLink.{name}: must be > 0, got {getattr(self, name)}")
+        if not self.latency_s >= 0:
+            raise ValueError(f"PullLink.latency_s: must be >= 0, got {self.latency_s}")
+
+    def seconds(self, tokens: int) -> float:
+        return self.latency_s + tokens * self.kv_bytes_per_token / self.bandwidth_bytes_s
+
+    def scoring(self, scoring: ScoringConfig, cost: CostModel) -> ScoringConfig:
+        """The routing score's pull costs, in prefill-token units of `cost`."""
+        return replace(scoring, pull_token_cost=self.kv_bytes_per_token / self.bandwidth_bytes_s / cost.prefill_token_s,
+                       pull_fixed_tokens=self.latency_s / cost.prefill_token_s)
+
+
+@dataclass(frozen=True)
 class SimConfig:
     replicas: int
     policy: str
@@ -61,6 +87,7 @@ class SimConfig:
     scrape_stale_s: float = 3.0
     approx_max_blocks: int = 200_000
     autoscale: Autoscale | None = None
+    pull: PullLink | None = None  # peer pulls over this link (None: a replica computes what it lacks)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -88,8 +115,10 @@ class Simulator:
         self.wl = workload
         self.bs = workload.block_size
         self.num_blocks = max(cfg.kv_tokens_per_replica // self.bs, 1)
-        self.router = SimRouter(cfg.policy, cfg.scoring, self.bs, SIM_HASH_SEED, cfg.scrape_stale_s,
+        scoring = cfg.pull.scoring(cfg.scoring, cfg.cost) if cfg.pull is not None else cfg.scoring
+        self.router = SimRouter(cfg.policy, scoring, self.bs, SIM_HASH_SEED, cfg.scrape_stale_s,
                                 cfg.approx_max_blocks)
+        self.pulls = self.pulled_blocks = 0
         self.engines: dict[str, SimEngine] = {}
         self._events: list[tuple[float, int, Callable[[float], None]]] = []
         self._seq = itertools.count()
@@ -241,6 +270,18 @@ class Simulator:
             router.on_done(d.url, ticket)
             self._turn_done(t, si, ti)
             return
+        if d.pull_from is not None and self.cfg.pull is not None:  # the engine pulls, then queues the request
+            source = self.engines[d.pull_from]
+            self.at(t + self.cfg.pull.seconds(d.pull_tokens), lambda t2: self._pulled(engine, source, seq, t2))
+            return
+        self._schedule(engine, engine.add(seq, t))
+
+    def _pulled(self, engine: SimEngine, source: SimEngine, seq: SimSeq, t: float) -> None:
+        """The pull has crossed the link: what the source still holds past the engine's own prefix is now cached
+        there (announced in its KV events at its next step), and the request queues."""
+        n = engine.import_from(source, seq.hashes)
+        self.pulls += n > 0
+        self.pulled_blocks += n
         self._schedule(engine, engine.add(seq, t))
 
     def _turn_done(self, t: float, si: int, ti: int) -> None:
@@ -288,6 +329,7 @@ class Simulator:
             "max_over_mean_load": round(max(counts) / (sum(counts) / len(counts)), 3) if sum(counts) else 0.0,
             "max_over_mean_prefill": round(max(prefill) / (sum(prefill) / len(prefill)), 3) if sum(prefill) else 0.0,
             "follow_ups_home": round(self.follow_ups_home / self.follow_ups, 4) if self.follow_ups else None,
+            "pulls": self.pulls, "pulled_blocks": self.pulled_blocks,
             "sim_seconds": round(self.end_s, 3),
             "mean_busy": round(sum(e.busy_s for e in self.engines.values()) / len(self.engines) / self.end_s, 3)
             if self.end_s else 0.0,

@@ -17,7 +17,7 @@ import sys
 import time
 
 from kvfleet.sim.cost import COST_MODELS
-from kvfleet.sim.fleet import Autoscale, SimConfig, Simulator
+from kvfleet.sim.fleet import Autoscale, PullLink, SimConfig, Simulator
 from kvfleet.sim.workload import mooncake, multi_turn
 from router.config import ScoringConfig
 from router.routing.policies import POLICIES
@@ -60,6 +60,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--target-waiting", type=float, default=2.0)
     ap.add_argument("--scale-down-stabilization-s", type=float, default=600.0)
     ap.add_argument("--replica-start-s", type=float, default=60.0)
+    ap.add_argument("--pull", action="store_true",
+                    help="peer pulls: a replica lacking a prefix a peer holds pulls it when that is cheaper (issue 31)")
+    ap.add_argument("--pull-gbps", type=float, default=1.0, help="the pull link's bandwidth, GB/s")
+    ap.add_argument("--pull-latency-ms", type=float, default=2.0, help="the pull link's set-up time per pull")
+    ap.add_argument("--kv-bytes-per-token", type=int, default=23_040, help="KV bytes per token (SmolLM2-135M's)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     return ap.parse_args(argv)
 
@@ -85,7 +90,8 @@ def build(a: argparse.Namespace) -> Simulator:
         autoscale = Autoscale(a.min_replicas, a.max_replicas, a.target_kv_usage, a.target_waiting,
                               a.scale_down_stabilization_s, start_s=a.replica_start_s)
     cfg = SimConfig(a.replicas, a.policy, COST_MODELS[a.cost_model].scaled(a.speedup), a.kv_tokens_per_replica,
-                    ScoringConfig(**overrides), a.max_num_seqs, a.max_batched_tokens, autoscale=autoscale)
+                    ScoringConfig(**overrides), a.max_num_seqs, a.max_batched_tokens, autoscale=autoscale,
+                    pull=PullLink(a.pull_gbps * 1e9, a.pull_latency_ms / 1e3, a.kv_bytes_per_token) if a.pull else None)
     return Simulator(cfg, wl)
 
 

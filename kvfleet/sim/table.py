@@ -5,12 +5,15 @@
         --offered-load 0.9
     python -m kvfleet.sim.table --format sessions --sessions 16 --concurrency 4 --output-tokens 8 \\
         --replicas 2 --policies kv,round-robin --seeds 0-9 --reference      # issue 15's two slow engines
+    python -m kvfleet.sim.table --format mooncake --replicas 64 --offered-load 0.9 --policies kv,kv+pull
 
 `--offered-load L` sets each run's engine speed so that the workload's prompt tokens, prefilled with no cache
 at all, would keep the fleet busy a fraction L of the trace's span (the cost model's speed otherwise):
 the same work per replica at every fleet size, so the columns differ by how the cache splits, not by load.
 `--reference` adds one replica (the same KV per replica) running the whole workload: its hit rate is the
-"one engine" reference of loadtest/vllm_fleet.py.
+"one engine" reference of loadtest/vllm_fleet.py. A policy written `NAME+pull` runs with peer pulls over a link
+of `--pull-gbps` and `--pull-latency-ms` (kvfleet/sim/fleet.py's PullLink); the `pulled` column counts the blocks
+pulled instead of computed (they count as hits).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import sys
 import time
 
 from kvfleet.sim.cost import COST_MODELS
-from kvfleet.sim.fleet import SimConfig, Simulator
+from kvfleet.sim.fleet import PullLink, SimConfig, Simulator
 from kvfleet.sim.workload import SimWorkload, mooncake, multi_turn
 from router.config import ScoringConfig
 
@@ -88,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cost-model", choices=sorted(COST_MODELS), default="smollm2-1core")
     ap.add_argument("--offered-load", type=float, default=None)
     ap.add_argument("--prefill-weight", type=float, default=None, help="override ScoringConfig.prefill_weight")
+    ap.add_argument("--pull-gbps", type=float, default=1.0, help="the pull link of NAME+pull policies, GB/s")
+    ap.add_argument("--pull-latency-ms", type=float, default=2.0)
+    ap.add_argument("--kv-bytes-per-token", type=int, default=23_040)
     a = ap.parse_args(argv)
     if a.format == "sessions" and a.session_rate is None and a.concurrency is None:
         a.concurrency = 4
@@ -99,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     reference: list[dict] = []
     runs += [(n, p) for n in _ints(a.replicas) for p in a.policies.split(",")]
     print("| replicas | policy | block hit rate | TTFT p50 | TTFT p99 | max/mean load | follow-ups home | "
-          "speedup | mean busy |" + (" hit / one replica |" if a.reference else ""))
-    print("|---|---|---|---|---|---|---|---|---|" + ("---|" if a.reference else ""))
+          "speedup | mean busy | pulled |" + (" hit / one replica |" if a.reference else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if a.reference else ""))
+    link = PullLink(a.pull_gbps * 1e9, a.pull_latency_ms / 1e3, a.kv_bytes_per_token)
     for n, policy in runs:
         rows = []
         t0 = time.perf_counter()
@@ -108,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
             wl = wls[seed]
             s = speedup(wl, n if not (a.reference and n == 1) else _ints(a.replicas)[0], a.offered_load,
                         cost.prefill_token_s)
-            cfg = SimConfig(n, policy, cost.scaled(s), a.kv_tokens_per_replica, scoring)
+            name, _, pull = policy.partition("+")
+            cfg = SimConfig(n, name, cost.scaled(s), a.kv_tokens_per_replica, scoring,
+                            pull=link if pull == "pull" else None)
             rows.append((Simulator(cfg, wl).run(), s))
         outs = [r for r, _ in rows]
         if a.reference and n == 1:
@@ -119,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         label = f"{n} (reference)" if a.reference and n == 1 else str(n)
         print(f"| {label} | {policy} | {agg(outs, 'block_hit_rate')} | {agg(outs, 'ttft_p50', '{:.2f}')} s | "
               f"{agg(outs, 'ttft_p99', '{:.1f}')} s | {agg(outs, 'max_over_mean_load', '{:.2f}')} | "
-              f"{agg(outs, 'follow_ups_home')} | {rows[0][1]:.2f} | {agg(outs, 'mean_busy', '{:.2f}')} |"
+              f"{agg(outs, 'follow_ups_home')} | {rows[0][1]:.2f} | {agg(outs, 'mean_busy', '{:.2f}')} | "
+              f"{agg(outs, 'pulled_blocks', '{:.0f}')} |"
               + (f" {agg(outs, 'hit_over_reference')} |" if a.reference else ""), flush=True)
         print(f"<!-- {n} {policy}: {time.perf_counter() - t0:.0f} s -->", file=sys.stderr)
     return 0

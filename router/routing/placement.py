@@ -19,7 +19,7 @@ Pure: no I/O, and no clock of its own (every call that needs the time takes `now
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from contract.hashing import DEFAULT_HASH_SEED
@@ -287,8 +287,20 @@ class Placement:
         """What the policy sees of each replica for this request (an excluded one is not routable)."""
         cached = self.predict_cached(prompt, replicas)
         adapter = getattr(prompt, "adapter", None)
-        return [self.replicas[r].view(now, self.cfg.stale_s, cached.get(r, 0), r in excluded, adapter)
-                for r in replicas]
+        views = [self.replicas[r].view(now, self.cfg.stale_s, cached.get(r, 0), r in excluded, adapter)
+                 for r in replicas]
+        if self.cfg.scoring.pull_token_cost <= 0:
+            return views
+        sources = sorted(((n, r) for r, n in cached.items() if n > 0 and self.replicas[r].ready), reverse=True)[:2]
+        if not sources:
+            return views
+        return [replace(v, peer_cached_tokens=next((n for n, r in sources if r != v.url), 0)) for v in views]
+
+    def pull_source(self, prompt: Prompt, decision: Decision, replicas: Sequence[str]) -> str | None:
+        """The ready replica other than the chosen one holding the most of the prompt (where it pulls from)."""
+        cached = self.predict_cached(prompt, replicas)
+        best = max(((n, r) for r, n in cached.items() if r != decision.url and self.replicas[r].ready), default=None)
+        return best[1] if best is not None and best[0] > 0 else None
 
     # -- placing -------------------------------------------------------------------------------------------
     def choose(self, prompt: Prompt, now: float, pool: str = DEFAULT_POOL,
@@ -308,8 +320,13 @@ class Placement:
         turn = self.turn
         if not peek:
             self.turn += 1
-        return self.policy.choose(views, RouteRequest(prompt.num_prompt_tokens, prompt.session_key),
-                                  self.cfg.scoring, ring, turn)
+        d = self.policy.choose(views, RouteRequest(prompt.num_prompt_tokens, prompt.session_key),
+                               self.cfg.scoring, ring, turn)
+        if d is not None and d.pull_tokens:
+            source = self.pull_source(prompt, d, replicas)
+            d = replace(d, pull_from=source) if source is not None else replace(
+                d, pull_tokens=0, predicted_cached_tokens=d.predicted_cached_tokens - d.pull_tokens)
+        return d
 
     def on_routed(self, replica: str, prompt: Prompt, predicted_cached_tokens: int, now: float) -> Ticket | None:
         """The request went to `replica` (None: the replica is not known, nothing to book). Its uncached prompt

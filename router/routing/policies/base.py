@@ -38,6 +38,7 @@ class ReplicaView:
     cached_tokens: int = 0  # predicted prefix-cache hit for this request
     adapter_missing: bool = False  # the request names a LoRA adapter this replica does not list (loaded on demand)
     adapter_slots_full: bool = False  # every LoRA slot there runs another adapter (vllm:lora_requests_info)
+    peer_cached_tokens: int = 0  # the most of the prompt another ready replica holds (a pull's source)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +62,10 @@ class Reason(StrEnum):
 class Decision:
     url: str
     reason: Reason
-    predicted_cached_tokens: int
+    predicted_cached_tokens: int  # its own cached prefix, plus what it pulls
     cost: float
+    pull_tokens: int = 0  # prompt tokens past its own cached prefix to pull from a peer (0: none)
+    pull_from: str | None = None  # that peer (Placement.choose names it)
 
 
 class IndexKind(StrEnum):

@@ -95,12 +95,26 @@ ADAPTER_LOAD_COST_TOKENS = 2048  # a replica without the request's LoRA adapter:
 ADAPTER_SLOT_WAIT_COST_TOKENS = 1024  # every LoRA slot there runs another adapter: the request waits for one
 
 
+def pulled_tokens(view: ReplicaView, req: RouteRequest, cfg: ScoringConfig) -> int:
+    """Prompt tokens past the replica's own cached prefix worth pulling from the peer that holds the most: when
+    pulls are on and their transfer costs less than prefilling them there (0 otherwise)."""
+    if cfg.pull_token_cost <= 0:
+        return 0
+    extra = min(view.peer_cached_tokens, cacheable_tokens(req.num_prompt_tokens)) - view.cached_tokens
+    if extra <= 0 or cfg.pull_fixed_tokens + cfg.pull_token_cost * extra >= extra:
+        return 0
+    return extra
+
+
 def cost(view: ReplicaView, load: Load, req: RouteRequest, cfg: ScoringConfig) -> float:
-    """One score in prefill-token units: the uncached prompt (prefix affinity), the load ahead, and the load of
-    the request's LoRA adapter where the replica does not hold it (adapter affinity, spread when holders are busy),
-    and a wait for a LoRA slot where every slot runs another adapter."""
-    uncached = max(req.num_prompt_tokens - view.cached_tokens, 0)
-    return (cfg.prefill_weight * uncached + load.pending_tokens + cfg.kv_token_cost * load.kv_tokens
+    """One score in prefill-token units: the uncached prompt (prefix affinity; a prefix pulled from a peer costs
+    its transfer instead), the load ahead, and the load of the request's LoRA adapter where the replica does not
+    hold it (adapter affinity, spread when holders are busy), and a wait for a LoRA slot where every slot runs
+    another adapter."""
+    pulled = pulled_tokens(view, req, cfg)
+    uncached = max(req.num_prompt_tokens - view.cached_tokens - pulled, 0)
+    pull = cfg.pull_fixed_tokens + cfg.pull_token_cost * pulled if pulled else 0.0
+    return (cfg.prefill_weight * uncached + pull + load.pending_tokens + cfg.kv_token_cost * load.kv_tokens
             + cfg.waiting_cost_tokens * max(load.waiting - load.pending, 0) + cfg.running_cost_tokens * load.running
             + (ADAPTER_LOAD_COST_TOKENS if view.adapter_missing else 0)
             + (ADAPTER_SLOT_WAIT_COST_TOKENS if view.adapter_slots_full else 0))
@@ -132,5 +146,6 @@ def least_load(views: Sequence[ReplicaView], loads: list[Load], idx: list[int], 
 def decision(views: Sequence[ReplicaView], loads: list[Load], req: RouteRequest, cfg: ScoringConfig, i: int,
              reason: Reason) -> Decision:
     v = views[i]
-    predicted = min(v.cached_tokens, cacheable_tokens(req.num_prompt_tokens))
-    return Decision(v.url, reason, predicted, cost(v, loads[i], req, cfg))
+    pulled = pulled_tokens(v, req, cfg)
+    predicted = min(v.cached_tokens + pulled, cacheable_tokens(req.num_prompt_tokens))
+    return Decision(v.url, reason, predicted, cost(v, loads[i], req, cfg), pulled)

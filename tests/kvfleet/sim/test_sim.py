@@ -116,3 +116,25 @@ def test_kvfleet_sim_command(capsys):
     assert out["requests"] == 24 and out["completed"] == 24
     for key in ("block_hit_rate", "max_over_mean_load", "ttft_p50", "ttft_p99", "follow_ups_home"):
         assert key in out
+
+
+def test_a_follow_up_pulls_its_history_to_the_idle_replica():
+    """test_prefill_weight_keeps_a_follow_up_home_behind_a_short_queue's case with peer pulls over a link of
+    1 MB/s, 1 ms set-up, 100 bytes per token (0.1 prefill tokens per pulled token, 1 per pull): A's follow-up
+    costs 3 * 13 + 1 + 3.2 at the idle replica against 76 at home, goes there and pulls its 8 blocks first."""
+    from kvfleet.sim.fleet import PullLink
+
+    hist = tuple(range(1, 9))
+    wl = SimWorkload((_one_turn(0.0, 33, 1, hist, 8), _one_turn(0.6, 17, 1, (1, 2, 3, 100), 4),
+                      _one_turn(0.601, 45, 1, (*hist, 9, 10), 11)), block_size=4)
+    link = PullLink(bandwidth_bytes_s=1e6, latency_s=0.001, kv_bytes_per_token=100)
+    assert link.seconds(32) == pytest.approx(0.0042)
+    sim = Simulator(SimConfig(2, "kv", COST, 256, pull=link), wl)
+    out = sim.run()
+    assert [(r.replica[-1], r.hit_blocks, r.predicted_cached_tokens) for r in sim.results] == \
+        [("0", 0, 0), ("0", 3, 12), ("1", 8, 32)]  # B stays home (15 < 3 * 5 + 1 + 1.2 there); A pulls
+    assert (out["pulls"], out["pulled_blocks"]) == (1, 8)
+    assert sim.results[2].ttft_s == pytest.approx(0.0042 + 0.023)  # the pull, then 13 tokens in one step
+    for url, e in sim.engines.items():  # the pulled blocks reached the router's index in the puller's events
+        assert set(sim.index._blocks[url]) == set(e.pool.cached)
+    assert set(hist) <= set(sim.engines["http://replica-001"].pool.cached)

@@ -1,0 +1,60 @@
+"""Peer pulls in the placement core (issue 31): where a peer holds more of the prompt than the chosen replica,
+the score counts that part at its transfer cost instead of its prefill, so a busy holder no longer wins by its
+cache alone; the decision names the peer and the tokens to pull. Exact."""
+
+from __future__ import annotations
+
+from contract.hashing import hash_blocks
+from router.config import ScoringConfig
+from router.routing.placement import DEFAULT_POOL, Placement, PlacementConfig
+from router.routing.policies import POLICIES
+from router.routing.prepare import PreparedRequest
+from router.routing.replicas import EngineLoad
+from router.states import KVEventsState
+
+A, B = "http://a:1", "http://b:1"
+BS, SEED = 4, 0
+TOKENS = list(range(17))  # 4 full blocks: 16 cacheable tokens
+CHEAP = ScoringConfig(pull_token_cost=0.1, pull_fixed_tokens=1.0)
+
+
+def _placement(scoring: ScoringConfig) -> Placement:
+    p = Placement(POLICIES["kv"], PlacementConfig(scoring, BS, SEED))
+    p.set_members(DEFAULT_POOL, [A, B])
+    for r in (A, B):
+        p.on_health(r, True, 0.0)
+        p.on_kv_events(r, KVEventsState.LIVE)
+        p.index.reset(r, (), BS, SEED)
+    p.index.reset(A, tuple(hash_blocks(TOKENS[:16], BS, None, SEED)), BS, SEED)  # A holds the whole prefix
+    p.on_load(A, EngineLoad(running=10), 0.0, 0.0)  # A is busy: 10 running requests, 320 tokens of load
+    p.on_load(B, EngineLoad(), 0.0, 0.0)
+    return p
+
+
+def _request() -> PreparedRequest:
+    return PreparedRequest(list(TOKENS), None, None, False)
+
+
+def test_a_cheap_pull_sends_the_request_to_the_idle_replica_with_the_holder_as_source():
+    d = _placement(CHEAP).choose(_request(), 0.0)
+    assert (d.url, d.pull_from, d.pull_tokens, d.predicted_cached_tokens) == (B, A, 16, 16)
+    assert d.cost == 3 * 1 + 1.0 + 0.1 * 16  # 1 uncached token, the pull's set-up and 16 tokens' transfer
+
+
+def test_without_pulls_the_idle_replica_recomputes_and_a_dear_pull_is_not_taken():
+    d = _placement(ScoringConfig()).choose(_request(), 0.0)  # A: 3 * 1 + 320; B: 3 * 17, every token computed
+    assert (d.url, d.pull_from, d.pull_tokens, d.predicted_cached_tokens) == (B, None, 0, 0) and d.cost == 3 * 17
+    p = _placement(ScoringConfig(pull_token_cost=0.9, pull_fixed_tokens=2.0))  # 2 + 14.4 >= 16: recompute
+    d = p.choose(_request(), 0.0)
+    assert (d.url, d.pull_from, d.pull_tokens, d.predicted_cached_tokens) == (B, None, 0, 0)
+    idle = _placement(CHEAP)
+    idle.on_load(A, EngineLoad(), 0.0, 0.0)
+    d = idle.choose(_request(), 0.0)
+    assert (d.url, d.pull_from, d.pull_tokens, d.predicted_cached_tokens) == (A, None, 0, 16)  # the holder itself
+
+
+def test_no_pull_from_a_replica_that_is_not_ready():
+    p = _placement(CHEAP)
+    p.on_health(A, False, 0.0)
+    d = p.choose(_request(), 0.0)
+    assert (d.url, d.pull_from, d.pull_tokens, d.predicted_cached_tokens) == (B, None, 0, 0)

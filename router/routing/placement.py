@@ -296,10 +296,10 @@ class Placement:
             return views
         return [replace(v, peer_cached_tokens=next((n for n, r in sources if r != v.url), 0)) for v in views]
 
-    def pull_source(self, prompt: Prompt, decision: Decision, replicas: Sequence[str]) -> str | None:
+    def pull_source(self, decision: Decision, views: Sequence[ReplicaView]) -> str | None:
         """The ready replica other than the chosen one holding the most of the prompt (where it pulls from)."""
-        cached = self.predict_cached(prompt, replicas)
-        best = max(((n, r) for r, n in cached.items() if r != decision.url and self.replicas[r].ready), default=None)
+        best = max(((v.cached_tokens, v.url) for v in views if v.url != decision.url and self.replicas[v.url].ready),
+                   default=None)
         return best[1] if best is not None and best[0] > 0 else None
 
     # -- placing -------------------------------------------------------------------------------------------
@@ -323,7 +323,7 @@ class Placement:
         d = self.policy.choose(views, RouteRequest(prompt.num_prompt_tokens, prompt.session_key),
                                self.cfg.scoring, ring, turn)
         if d is not None and d.pull_tokens:
-            source = self.pull_source(prompt, d, replicas)
+            source = self.pull_source(d, views)
             d = replace(d, pull_from=source) if source is not None else replace(
                 d, pull_tokens=0, predicted_cached_tokens=d.predicted_cached_tokens - d.pull_tokens)
         return d

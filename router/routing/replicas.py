@@ -145,7 +145,7 @@ def parse_engine_metrics(text: str) -> EngineLoad:
                     engine = kind if engine == "unknown" or kind == "kvfleet" else engine
                     break
         if name == "vllm:lora_requests_info":  # one series per label set seen; the value is its time: latest wins
-            at = _sample_value(line)
+            at = _sample_value(line, end)
             if at is not None and at >= lora_at:
                 lora, lora_at = _lora_info(line), at
             continue
@@ -157,12 +157,9 @@ def parse_engine_metrics(text: str) -> EngineLoad:
         field = _LOAD_METRICS.get(name)
         if field is None:
             continue
-        value_part = line[line.rfind("}") + 1:] if line[end:end + 1] == "{" else line[end:]
-        try:
-            value = float(value_part.split()[0])
-        except (ValueError, IndexError):
-            continue
-        sums[field] = sums.get(field, 0.0) + value
+        value = _sample_value(line, end)
+        if value is not None:
+            sums[field] = sums.get(field, 0.0) + value
     return EngineLoad(kv_usage=sums.get("kv_usage", 0.0), running=int(sums.get("running", 0)),
                       waiting=int(sums.get("waiting", 0)), prefix_queries=sums.get("prefix_queries", 0.0),
                       prefix_hits=sums.get("prefix_hits", 0.0), kv_capacity_tokens=sums.get("kv_capacity_tokens", 0.0),
@@ -170,9 +167,11 @@ def parse_engine_metrics(text: str) -> EngineLoad:
                       engine=engine, lora=lora)
 
 
-def _sample_value(line: str) -> float | None:
+def _sample_value(line: str, end: int) -> float | None:
+    """The value of a sample line whose metric name ends at `end` (None: not a number)."""
+    rest = line[line.rfind("}") + 1:] if line[end:end + 1] == "{" else line[end:]
     try:
-        return float(line[line.rfind("}") + 1:].split()[0])
+        return float(rest.split()[0])
     except (ValueError, IndexError):
         return None
 

@@ -24,7 +24,17 @@ from collections.abc import Sequence as Seq
 from contract.kv_events import KVEvent
 from engine.admission import admit
 from engine.args import EngineArgs
-from engine.core.messages import Abort, AddRequest, CoreFailed, DropAdapter, Stop, TurnReport
+from engine.core.messages import (
+    Abort,
+    AddRequest,
+    CoreFailed,
+    DropAdapter,
+    ExportBlocks,
+    ImportBlocks,
+    Stop,
+    TransferDone,
+    TurnReport,
+)
 from engine.errors import EngineDeadError, QueueFullError
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.outputs import RequestDelta
@@ -100,6 +110,7 @@ class AsyncLLMEngine:
         self.model_name = info.model_name
         self.limits = info.limits
         self.hash_seed = info.hash_seed
+        self.kv_layout = info.layout  # contract.kv_transfer.Layout, for transfers between engines
         self.core_pid = info.pid or None  # the core process's pid; None when the core is a thread
         self.max_requests = None if max_queued_requests is None else args.max_num_seqs + max_queued_requests
         self._started = False
@@ -112,6 +123,8 @@ class AsyncLLMEngine:
         self._last_event_seq = info.last_event_seq
         self._stats: EngineStats = info.stats
         self.kv_events_published = 0
+        self._transfers: dict[int, asyncio.Future[TransferDone]] = {}
+        self._next_transfer = 0
         self.dead: BaseException | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -182,6 +195,43 @@ class AsyncLLMEngine:
         if self.dead is None:
             self._core.send(DropAdapter(adapter_id))
 
+    # ---- KV blocks between engines (engine/server/kv_transfer.py) -------------------------------
+
+    def cached_prefix(self, hashes: Seq[int]) -> int:
+        """How many leading hashes of a chain the prefix cache holds, as of the core's last report."""
+        n = 0
+        for h in hashes:
+            if h not in self._cached:
+                break
+            n += 1
+        return n
+
+    async def export_blocks(self, hashes: Seq[int], max_blocks: int) -> TransferDone:
+        """The leading run of `hashes` the core holds (at most max_blocks), with their payload."""
+        return await self._transfer(lambda tid: ExportBlocks(tid, tuple(hashes), max_blocks))
+
+    async def import_blocks(self, prefix: Seq[int], hashes: Seq[int], tokens: Seq[tuple[int, ...]], lora: str | None,
+                            payload: bytes) -> TransferDone:
+        """Verified blocks of a peer into the core's prefix cache, after the blocks `prefix` it holds."""
+        return await self._transfer(lambda tid: ImportBlocks(tid, tuple(prefix), tuple(hashes), tuple(tokens), lora,
+                                                             payload))
+
+    async def _transfer(self, make) -> TransferDone:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine is not running: {self.dead}")
+        self._next_transfer += 1
+        tid = self._next_transfer
+        fut: asyncio.Future[TransferDone] = asyncio.get_running_loop().create_future()
+        self._transfers[tid] = fut
+        try:
+            self._core.send(make(tid))
+            done = await fut
+        finally:
+            self._transfers.pop(tid, None)
+        if done.error is not None:
+            raise done.error
+        return done
+
     # ---- KV events ---------------------------------------------------------------------------
 
     def subscribe_kv_events(self) -> tuple[list[int], int, asyncio.Queue]:
@@ -219,6 +269,10 @@ class AsyncLLMEngine:
             return
         self._stats = item.stats
         self._dispatch(item.outputs, item.errors, item.events)
+        for done in item.transfers:
+            fut = self._transfers.get(done.transfer_id)
+            if fut is not None and not fut.done():
+                fut.set_result(done)
         if item.stopped:
             self._set_stopped()
 
@@ -254,3 +308,6 @@ class AsyncLLMEngine:
     def _fail_all(self, err: BaseException) -> None:
         for stream in self._streams.values():
             stream.put(err)
+        for fut in self._transfers.values():
+            if not fut.done():
+                fut.set_exception(err)

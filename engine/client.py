@@ -16,7 +16,9 @@ import asyncio
 from collections.abc import Sequence
 from typing import Protocol
 
+from contract.kv_transfer import Layout
 from engine.admission import EngineLimits
+from engine.core.messages import TransferDone
 from engine.llm_engine import EngineStats
 from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams
@@ -41,6 +43,7 @@ class EngineClient(Protocol):
     hash_seed: int
     grammars: GrammarCache
     dead: BaseException | None  # why the engine loop stopped; None while it runs
+    kv_layout: Layout  # of its KV cache, for transfers between engines (engine/server/kv_transfer.py)
 
     async def start(self) -> None: ...
 
@@ -52,6 +55,13 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     def stats(self) -> EngineStats: ...
+
+    def cached_prefix(self, hashes: Sequence[int]) -> int: ...
+
+    async def export_blocks(self, hashes: Sequence[int], max_blocks: int) -> TransferDone: ...
+
+    async def import_blocks(self, prefix: Sequence[int], hashes: Sequence[int], tokens: Sequence[tuple[int, ...]],
+                            lora: str | None, payload: bytes) -> TransferDone: ...
 
     def subscribe_kv_events(self) -> tuple[list[int], int, asyncio.Queue]: ...
 

@@ -31,6 +31,7 @@ from engine.config import SchedulerConfig
 from engine.cpu_cores import parse_cpu_list, pin_process
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError, RequestOutOfMemoryError
+from engine.kv import transfer as kv_transfer
 from engine.kv.config import CacheConfig
 from engine.kv.manager import KVCacheManager
 from engine.kv.sizing import GIB, plan_fixed, plan_from_profile
@@ -335,6 +336,25 @@ class LLMEngine:
     def _delta(self, req: _Request, deltas: list[CompletionDelta]) -> RequestDelta:
         return RequestDelta(req.request_id, deltas, req.finished, len(req.prompt), req.seqs[0].num_cached_tokens,
                             req.metrics)
+
+    @property
+    def kv_layout(self):
+        """contract.kv_transfer.Layout of this engine's KV cache."""
+        return kv_transfer.layout_of(self.model_name, self.runner.kv_caches, self.hash_seed)
+
+    def export_blocks(self, hashes, max_blocks: int):
+        """Blocks a peer pulls (engine/kv/transfer.py): (hashes, tokens, adapter, payload) of the leading run held,
+        and whether the next of `hashes` is being computed here (a request in the engine has it in its prompt)."""
+        found, tokens, lora, payload = kv_transfer.export_blocks(self.kv, self.runner.kv_caches, hashes, max_blocks)
+        nxt = hashes[len(found)] if len(found) < min(len(hashes), max_blocks) else None
+        pending = nxt is not None and any(nxt in self.kv.hash_prompt(seq) for req in self.requests.values()
+                                          for seq in req.seqs if not seq.is_finished)
+        return found, tokens, lora, payload, pending
+
+    def import_blocks(self, prefix, hashes, tokens, lora: str | None, payload: bytes) -> tuple[int, int]:
+        """Verified blocks of a peer into the prefix cache: (blocks imported, blocks held already)."""
+        return kv_transfer.import_blocks(self.kv, self.runner.kv_caches, self.kv_layout, prefix, hashes, tokens,
+                                         lora, payload)
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.kv.drain_events()

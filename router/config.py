@@ -193,6 +193,9 @@ class RouterConfig:
             raise ConfigError("default_model", "must be a model name")
         if self.engine_type not in ENGINE_TYPES:
             raise ConfigError("engine_type", f"must be one of {', '.join(ENGINE_TYPES)}, got {self.engine_type!r}")
+        if self.scoring.pull_token_cost > 0 and self.engine_type in ("vllm", "sglang"):
+            raise ConfigError("pull_token_cost", f"peer pulls need kvfleet engines; {self.engine_type} engines cannot "
+                                                 f"pull a prefix from a peer (set it to 0)")
         if self.discovery not in DISCOVERY_KINDS:
             raise ConfigError("discovery", f"must be one of {', '.join(DISCOVERY_KINDS)}, got {self.discovery!r}")
         if not 0 <= self.port <= 65535:

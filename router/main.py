@@ -94,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cost of one waiting request this router did not send, in prefill-token equivalents")
     p.add_argument("--running-cost-tokens", type=float, default=s.running_cost_tokens,
                    help="cost of one running request on a replica, in prefill-token equivalents")
+    p.add_argument("--pull-token-cost", type=float, default=s.pull_token_cost,
+                   help="cost of pulling one cached prompt token from a peer replica instead of prefilling it, in "
+                        "prefill tokens (loadtest/kv_transfer_bench.py measures it; 0: no pulls, the default). "
+                        "With it, a replica chosen for its load pulls the prefix another replica holds (kvfleet "
+                        "engines only)")
+    p.add_argument("--pull-fixed-tokens", type=float, default=s.pull_fixed_tokens,
+                   help="fixed cost of one pull (its set-up), in prefill tokens")
     p.add_argument("--overload-waiting", type=int, default=s.overload_waiting)
     p.add_argument("--overload-kv-usage", type=float, default=s.overload_kv_usage)
     p.add_argument("--pools", metavar="FILE", help="engine pools YAML: per pool its replicas (static, DNS or "
@@ -153,6 +160,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     scoring = ScoringConfig(kv_token_cost=ns.kv_token_cost, prefill_weight=ns.prefill_weight,
                             waiting_cost_tokens=ns.waiting_cost_tokens,
                             running_cost_tokens=ns.running_cost_tokens,
+                            pull_token_cost=ns.pull_token_cost, pull_fixed_tokens=ns.pull_fixed_tokens,
                             overload_waiting=ns.overload_waiting,
                             overload_kv_usage=ns.overload_kv_usage)
     return RouterConfig(

@@ -44,6 +44,11 @@ class RouterMetrics:
                                        "reported (usage.prompt_tokens)", ["replica"], registry=r)
         self.prediction_error = Histogram("kvfleet_router_cached_tokens_prediction_error", "|predicted - "
                                           "reported| cached tokens per request", buckets=_TOKEN_BUCKETS, registry=r)
+        self.pulls = Counter("kvfleet_router_kv_pulls", "Requests sent to a replica with a peer to pull their "
+                             "cached prefix from (the pulling replica and the source)", ["replica", "source"],
+                             registry=r)
+        self.pull_tokens = Counter("kvfleet_router_kv_pull_tokens", "Prompt tokens the router expected pulled from "
+                                   "a peer rather than prefilled", ["replica"], registry=r)
         self.adapter_loads = Counter("kvfleet_router_adapter_loads", "LoRA adapters this router had a replica "
                                      "load on demand (POST /v1/load_lora_adapter), by pool and outcome (loaded, "
                                      "failed)", ["pool", "outcome"], registry=r)

@@ -14,7 +14,18 @@ a request wherever it is: parked, waiting or running. Pure logic over the engine
 
 from __future__ import annotations
 
-from engine.core.messages import Abort, AddRequest, Command, DropAdapter, Stop, TurnReport
+from engine.core.messages import (
+    Abort,
+    AddRequest,
+    Command,
+    DropAdapter,
+    ExportBlocks,
+    ImportBlocks,
+    Stop,
+    TransferDone,
+    TurnReport,
+    portable,
+)
 from engine.outputs import CompletionDelta, RequestDelta, RequestMetrics
 
 PARKED_POLL_S = 0.005  # how often a core with only parked requests looks at their grammars
@@ -37,6 +48,7 @@ class CoreLoop:
         engine = self.engine
         outputs: list[RequestDelta] = []
         errors: list[tuple[str, BaseException]] = []
+        moves: list[ExportBlocks | ImportBlocks] = []
         stopping = False
         for cmd in commands:
             if isinstance(cmd, AddRequest):
@@ -48,16 +60,20 @@ class CoreLoop:
                     outputs.append(out)
             elif isinstance(cmd, DropAdapter):
                 engine.remove_lora(cmd.adapter_id)
+            elif isinstance(cmd, (ExportBlocks, ImportBlocks)):
+                moves.append(cmd)
             elif isinstance(cmd, Stop):
                 stopping = True
         self._admit_parked(errors)
+        transfers = [_transfer(engine, cmd) for cmd in moves]  # after the new requests: an export sees their prompts
         if stopping:
             outputs.extend(_aborted(p) for p in self._parked.values())
             self._parked.clear()
             outputs.extend(engine.abort_all())
         elif engine.has_unfinished_requests():
             outputs.extend(engine.step())
-        return TurnReport(outputs, errors, engine.drain_kv_events(), engine.stats(), stopped=stopping)
+        return TurnReport(outputs, errors, engine.drain_kv_events(), engine.stats(), stopped=stopping,
+                          transfers=transfers)
 
     def _admit_parked(self, errors: list[tuple[str, BaseException]]) -> None:
         engine = self.engine
@@ -71,6 +87,17 @@ class CoreLoop:
                                                          add.cache_salt, add.arrival_time))
             except Exception as e:  # noqa: BLE001 - reported to that request's stream
                 errors.append((rid, e))
+
+
+def _transfer(engine, cmd: ExportBlocks | ImportBlocks) -> TransferDone:
+    try:
+        if isinstance(cmd, ExportBlocks):
+            hashes, tokens, lora, payload, pending = engine.export_blocks(cmd.hashes, cmd.max_blocks)
+            return TransferDone(cmd.transfer_id, tuple(hashes), tuple(tokens), lora, payload, pending=pending)
+        imported, present = engine.import_blocks(cmd.prefix, cmd.hashes, cmd.tokens, cmd.lora, cmd.payload)
+        return TransferDone(cmd.transfer_id, imported=imported, present=present)
+    except Exception as e:  # noqa: BLE001 - one transfer's failure (a bad payload) is that transfer's, not the core's
+        return TransferDone(cmd.transfer_id, error=portable(e))
 
 
 def _aborted(add: AddRequest) -> RequestDelta:

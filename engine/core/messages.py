@@ -1,7 +1,8 @@
 """What crosses between the front end (engine/async_engine.py) and the engine core, in either direction.
 
 Front end → core: `AddRequest` (a request already admitted by engine/admission.py, so the core trusts it),
-`Abort`, `DropAdapter` (a LoRA adapter was unloaded: free its weights), `Stop`. Core → front end: `CoreInfo` once, when the model is loaded and the KV cache sized, then a
+`Abort`, `DropAdapter` (a LoRA adapter was unloaded: free its weights), `ExportBlocks` / `ImportBlocks` (KV
+blocks for or from a peer engine, answered by a `TransferDone` in the next report), `Stop`. Core → front end: `CoreInfo` once, when the model is loaded and the KV cache sized, then a
 `TurnReport` after every turn that changed something, and `CoreFailed` if the core cannot go on. Plain
 frozen dataclasses of ints, strings and the engine's own dataclasses: pickled as they are (a 64-request
 report is ~9 KB and 0.15 ms to pickle on this machine's CPU), with no framing of our own.
@@ -44,7 +45,44 @@ class DropAdapter:
     adapter_id: int
 
 
-Command = AddRequest | Abort | DropAdapter | Stop
+@dataclass(frozen=True)
+class ExportBlocks:
+    """Copy out the leading run of `hashes` the prefix cache holds, at most max_blocks (a peer pulls them)."""
+
+    transfer_id: int
+    hashes: tuple[int, ...]
+    max_blocks: int
+
+
+@dataclass(frozen=True)
+class ImportBlocks:
+    """Take in verified blocks of a peer that follow `prefix` in one hash chain (engine/kv/transfer.py)."""
+
+    transfer_id: int
+    prefix: tuple[int, ...]
+    hashes: tuple[int, ...]
+    tokens: tuple[tuple[int, ...], ...]
+    lora: str | None
+    payload: bytes = field(repr=False)
+
+
+Command = AddRequest | Abort | DropAdapter | ExportBlocks | ImportBlocks | Stop
+
+
+@dataclass(frozen=True)
+class TransferDone:
+    """The answer to an ExportBlocks (the blocks found and their payload) or an ImportBlocks (how many it took
+    and how many it held already)."""
+
+    transfer_id: int
+    hashes: tuple[int, ...] = ()
+    tokens: tuple[tuple[int, ...], ...] = ()
+    lora: str | None = None
+    payload: bytes = field(default=b"", repr=False)
+    imported: int = 0
+    present: int = 0
+    pending: bool = False  # export: the next block asked for is being computed here (ask again soon)
+    error: BaseException | None = None  # the core could not do it (the caller counts a failed transfer)
 
 
 @dataclass(frozen=True)
@@ -57,6 +95,7 @@ class CoreInfo:
     vocab_size: int  # the model's (the tokenizer's may be smaller)
     cached_hashes: list[int]
     last_event_seq: int
+    layout: object  # contract.kv_transfer.Layout of its KV cache, for transfers between engines
     pid: int  # the core process's; 0 when the core is a thread of the front end's process
     stats: object  # engine.llm_engine.EngineStats at start
 
@@ -70,6 +109,7 @@ class TurnReport:
     events: list[KVEvent] = field(default_factory=list)
     stats: object = None  # engine.llm_engine.EngineStats (typed loosely: that module imports torch)
     stopped: bool = False  # the core ended after this report (a Stop was applied)
+    transfers: list[TransferDone] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ class ThreadCore:
         self.engine = engine
         kv = engine.kv
         self.info = CoreInfo(engine.model_name, engine.limits, engine.hash_seed, engine.config.vocab_size,
-                             list(kv.snapshot()), kv.last_event_seq, 0, engine.stats())
+                             list(kv.snapshot()), kv.last_event_seq, engine.kv_layout, 0, engine.stats())
         kv.drain_events()  # covered by the snapshot
         self.tokenizer = engine.tokenizer
         self.grammars = engine.grammars

@@ -36,7 +36,7 @@ def main(args, commands: Connection, reports: Connection, log_level: int) -> Non
         sys.exit(1)
     kv = engine.kv
     reports.send(CoreInfo(engine.model_name, engine.limits, engine.hash_seed, engine.config.vocab_size,
-                          list(kv.snapshot()), kv.last_event_seq, os.getpid(), engine.stats()))
+                          list(kv.snapshot()), kv.last_event_seq, engine.kv_layout, os.getpid(), engine.stats()))
     kv.drain_events()  # covered by the snapshot
     sys.exit(_serve(CoreLoop(engine), commands, reports))
 

@@ -9,6 +9,8 @@ registers the blocks that became full, hashing only those (seq.block_hashes grow
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from contract.cacheable import cacheable_blocks
@@ -145,6 +147,57 @@ class KVCacheManager:
             seq.lora.name if seq.lora is not None else None,
         )
         self._num_registered[seq.seq_id] = end
+
+    # ---- blocks between engines (engine/kv/transfer.py) --------------------------------------
+
+    def cached_run(self, hashes: Seq[int]) -> list[KVCacheBlock]:
+        """The cached blocks of the leading run of `hashes` this cache holds."""
+        out: list[KVCacheBlock] = []
+        for h in hashes:
+            block = self.pool.cached.get(h)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def hash_prompt(self, seq: Sequence) -> list[int]:
+        """The chained hashes of the sequence's full blocks (computed once, as a prefix lookup would)."""
+        if self.enable_caching and not self._stale_adapter(seq):
+            self._extend_hashes(seq, seq.num_tokens)
+        return seq.block_hashes
+
+    def import_blocks(self, prefix: Seq[int], hashes: Seq[int], tokens: Seq[tuple[int, ...]], lora_name: str | None,
+                      write: Callable[[list[int], list[int]], None]) -> tuple[int, int]:
+        """Take in the blocks `hashes` (with their `tokens`) that follow `prefix` in one hash chain: those not cached
+        yet get free blocks, `write(block_ids, rows)` fills them from rows of the payload, and they enter the prefix
+        cache (a `stored` event) free, as if computed here. The chain's blocks held already are kept from eviction
+        meanwhile. Nothing is taken when a block of `prefix` is no longer cached (the import could never be hit);
+        fewer are when free blocks run short. Returns (blocks imported, blocks of `hashes` held already)."""
+        if not self.enable_caching:
+            return 0, 0
+        held = self.cached_run(prefix)
+        if len(held) < len(prefix):
+            return 0, 0
+        present = 0
+        while present < len(hashes) and self.pool.get_cached_block(hashes[present], tokens[present]) is not None:
+            held.append(self.pool.cached[hashes[present]])
+            present += 1
+        self.pool.touch(held)
+        try:
+            n = min(len(hashes) - present, self.pool.num_free_blocks)
+            if n <= 0:
+                return 0, present
+            blocks = self.pool.get_new_blocks(n)
+            try:
+                write([b.block_id for b in blocks], list(range(present, present + n)))
+                parent = hashes[present - 1] if present else (prefix[-1] if prefix else None)
+                self.pool.cache_blocks(blocks, list(hashes[present:present + n]), list(tokens[present:present + n]),
+                                       parent, lora_name)
+            finally:
+                self.pool.free_blocks(reversed(blocks))
+            return n, present
+        finally:
+            self.pool.free_blocks(reversed(held))
 
     # ---- sharing and release ---------------------------------------------------------------
 

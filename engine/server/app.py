@@ -19,11 +19,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from contract.kv_transfer import PATH
 from engine.server.auth import InternalTokenGuard
 from engine.server.chat import create_chat_completion
 from engine.server.completions import create_completion
 from engine.server.errors import error_response, install_error_handlers
 from engine.server.kv_events import check_internal_token, kv_events
+from engine.server.kv_transfer import KVPuller, kv_blocks
 from engine.server.lora import LoRARegistry, load_lora_adapter, model_cards, unload_lora_adapter
 from engine.server.metrics import EngineMetrics
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -89,6 +91,8 @@ def build_app(config: ServerConfig, engine=None, engine_factory: Callable[[], ob
     state.lora = lora
     metrics = metrics or EngineMetrics(config.model_name, stats=lambda: state.engine.stats() if state.engine else None,
                                        extra_info=lambda: {"instance_id": config.instance_id})
+    if config.kv_pull_timeout > 0:
+        state.kv_puller = KVPuller(state, metrics, config.kv_pull_timeout, config.kv_pull_max_bytes)
 
     async def load() -> None:
         try:
@@ -119,6 +123,8 @@ def build_app(config: ServerConfig, engine=None, engine_factory: Callable[[], ob
             state.closing = True
             if not loader.done():
                 loader.cancel()
+            if state.kv_puller is not None:
+                await state.kv_puller.close()
             if state.engine is not None:
                 await state.engine.shutdown()
 
@@ -177,6 +183,10 @@ def build_app(config: ServerConfig, engine=None, engine_factory: Callable[[], ob
     @app.get("/v1/kv/events")
     async def events(request: Request) -> Response:
         return await kv_events(state, request)
+
+    @app.post(PATH)
+    async def blocks(request: Request) -> Response:
+        return await kv_blocks(state, request)
 
     @app.get("/v1/kvfleet/tokenizer")
     async def tokenizer_files(request: Request) -> Response:

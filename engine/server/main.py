@@ -4,7 +4,7 @@
 
 Engine flags (incl. --served-model-name) come from `EngineArgs.add_cli_args`; the server adds
 --host, --port, --instance-id, --internal-token, --require-internal-token, --drain-timeout,
---max-body-bytes, --sse-keepalive, --header-timeout, --body-timeout, --max-connections,
+--max-body-bytes, --sse-keepalive, --kv-pull-timeout, --kv-pull-max-bytes, --header-timeout, --body-timeout, --max-connections,
 --log-level and --access-log. The model loads after the server is up (/health answers, /ready
 says 503 until it is loaded). SIGTERM (or Ctrl-C) drains: /ready turns 503, new requests get 503,
 running ones finish for up to --drain-timeout seconds, then the process exits 0; a second signal
@@ -50,6 +50,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queued-requests", type=int, default=None,
                    help="requests allowed to wait beyond --max-num-seqs; more get 429 + Retry-After (default: no limit)")
     http_limits.add_cli_args(g)
+    g.add_argument("--kv-pull-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="how long a request may spend pulling its cached prefix from the peer a router names "
+                        "before it is queued; what has not arrived by then is computed (0: pulls off)")
+    g.add_argument("--kv-pull-max-bytes", type=int, default=2 * 1024 ** 3, metavar="BYTES",
+                   help="the most KV payload one pull takes from a peer")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
 
@@ -84,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             served_model_names=tuple(_names(ns.served_model_name) or [ns.model]),
             instance_id=ns.instance_id or f"{socket.gethostname()}:{ns.port}",
             internal_token=ns.internal_token, require_internal_token=ns.require_internal_token,
-            drain_timeout=ns.drain_timeout, max_body_bytes=ns.max_body_bytes, sse_keepalive=ns.sse_keepalive)
+            drain_timeout=ns.drain_timeout, max_body_bytes=ns.max_body_bytes, sse_keepalive=ns.sse_keepalive,
+            kv_pull_timeout=ns.kv_pull_timeout, kv_pull_max_bytes=ns.kv_pull_max_bytes)
         limits = http_limits.from_cli(ns)
         from engine.server.lora import LoRARegistry
 

@@ -121,6 +121,25 @@ class EngineMetrics:
                                 ["model_name", "status"], registry=r)
         for status in ("400", "404", "413", "503"):  # exported from the start, at 0
             self.rejected.labels(model_name, status)
+        # KV blocks between engines (engine/server/kv_transfer.py)
+        self.kv_blocks = Counter("kvfleet:kv_transfer_blocks", "KV blocks sent to peers (export) or taken from "
+                                 "them (import).", ["model_name", "direction"], registry=r)
+        self.kv_bytes = Counter("kvfleet:kv_transfer_bytes", "KV payload bytes sent to peers (export) or taken "
+                                "from them (import).", ["model_name", "direction"], registry=r)
+        self.kv_pulls = Counter("kvfleet:kv_pulls", "Prefix pulls from a peer, by outcome (pulled, partial, none, "
+                                "held, refused, failed, timeout, invalid; joined: a request that waited for another's pull).",
+                                ["model_name", "outcome"], registry=r)
+        self.kv_pull_seconds = Histogram("kvfleet:kv_pull_seconds", "Time a request spent pulling its prefix "
+                                         "from a peer before it was queued.", lab, buckets=QUEUE_BUCKETS, registry=r)
+        self.kv_refusals = Counter("kvfleet:kv_import_refusals", "KV transfers refused, by reason (hash, tokens, "
+                                   "layout, size, adapter, stream).", ["model_name", "reason"], registry=r)
+        for direction in ("export", "import"):
+            self.kv_blocks.labels(model_name, direction)
+            self.kv_bytes.labels(model_name, direction)
+        for outcome in ("pulled", "partial", "none", "held", "refused", "failed", "timeout", "invalid", "joined"):
+            self.kv_pulls.labels(model_name, outcome)
+        for reason in ("hash", "tokens", "layout", "size", "adapter", "stream"):
+            self.kv_refusals.labels(model_name, reason)
         r.register(_StatsCollector(model_name, stats, extra_info))
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
 

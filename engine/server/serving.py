@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from contract.errors import ConfigError
+from contract.kv_transfer import PULL_HEADER
 from engine.client import EngineClient
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.server.errors import APIError, bad_request, engine_error
@@ -35,6 +36,8 @@ class ServerConfig:
     drain_timeout: float = 30.0
     max_body_bytes: int = 4 * 1024 * 1024
     sse_keepalive: float = 10.0  # seconds a stream may go without a byte before a `: keep-alive` comment; 0: none
+    kv_pull_timeout: float = 5.0  # seconds a request may spend pulling its prefix from a peer (0: pulls off)
+    kv_pull_max_bytes: int = 2 * 1024 ** 3  # the most KV payload one pull takes
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -46,6 +49,11 @@ class ServerConfig:
             raise ConfigError("--drain-timeout", f"--drain-timeout must be >= 0, got {self.drain_timeout}")
         if self.max_body_bytes < 1024:
             raise ConfigError("--max-body-bytes", f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
+        if not 0 <= self.kv_pull_timeout < float("inf"):
+            raise ConfigError("--kv-pull-timeout", f"--kv-pull-timeout must be a number of seconds >= 0 (0: pulls "
+                                                   f"off), got {self.kv_pull_timeout}")
+        if self.kv_pull_max_bytes < 1:
+            raise ConfigError("--kv-pull-max-bytes", f"--kv-pull-max-bytes must be >= 1, got {self.kv_pull_max_bytes}")
         if not self.sse_keepalive >= 0 or self.sse_keepalive == float("inf"):
             raise ConfigError("--sse-keepalive", f"--sse-keepalive must be a number of seconds >= 0 (0: off), "
                                                  f"got {self.sse_keepalive}")
@@ -62,6 +70,7 @@ class ServerState:
         self.config = config
         self.engine = engine
         self.lora = None  # engine/server/lora.py's LoRARegistry when LoRA adapters are enabled
+        self.kv_puller = None  # engine/server/kv_transfer.py's KVPuller, unless pulls are off
         self.load_error: str | None = None
         self.draining = False
         self.closing = False  # set when the process exits: long-lived streams end
@@ -134,6 +143,10 @@ async def respond(state: ServerState, request: Request, req: _SamplingRequest, f
     lora = state.lora.get(model) if state.lora is not None else None
     if lora is not None:  # the adapter rides with the request's params to the engine core
         params = [dataclasses.replace(p, lora=lora) for p in params]
+    if state.kv_puller is not None:  # a pull the router asked for, or one in flight for the same prefix
+        hint = request.headers.get(PULL_HEADER) if state.kv_puller.allowed(request) else None
+        for ids, sp in zip(prompts, params, strict=True):  # before the requests are added: they find the blocks
+            await state.kv_puller.pull(hint or None, ids, req.cache_salt, sp.lora.name if sp.lora is not None else None)
     streams: list[Tracked] = []
     try:
         for k, (ids, sp) in enumerate(zip(prompts, params, strict=True)):

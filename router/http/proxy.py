@@ -29,6 +29,7 @@ from typing import NamedTuple
 import aiohttp
 
 from contract.errors import error_body, error_type
+from contract.kv_transfer import PULL_HEADER
 from router.http.migrate import Migrator, Resume
 from router.http.responses import send_json
 from router.http.usage import StreamUsage
@@ -43,6 +44,7 @@ log = logging.getLogger("kvfleet.router.proxy")
 RETRY_STATUSES = (502, 503, 504)
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
                          b"trailers", b"transfer-encoding", b"upgrade", b"host", b"content-length"})
+_PULL = PULL_HEADER.encode()  # the router's own word to an engine: a client's is dropped
 _DROP_RESPONSE = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date",
                             b"server"})
 
@@ -52,7 +54,8 @@ def forward_headers(raw_headers, internal_token: str | None = None, own_credenti
     """The client's headers for the replica, hop-by-hop ones dropped. With `own_credentials` (tenants on,
     or an internal token set) the client's Authorization / api-key never go upstream; the router's internal
     token does, where one is set."""
-    out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw_headers if k.lower() not in _HOP_BY_HOP]
+    out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw_headers
+           if k.lower() not in _HOP_BY_HOP and k.lower() != _PULL]
     if own_credentials or internal_token:
         out = strip_client_credentials(out)
     if internal_token:
@@ -231,6 +234,10 @@ class Proxy:
                        ls: Lease, extra_headers, attempts: Attempts) -> _Result:
         metrics = self.metrics
         predicted = ls.predicted_cached_tokens
+        if ls.decision.pull_from is not None:  # the engine pulls the prefix a peer holds before it queues the request
+            fwd_headers = [*fwd_headers, (PULL_HEADER, ls.decision.pull_from)]
+            metrics.pulls.labels(url, ls.decision.pull_from).inc()
+            metrics.pull_tokens.labels(url).inc(ls.decision.pull_tokens)
         try:
             resp = await self.session.post(url + path, data=body, headers=fwd_headers)
         except _UPSTREAM_ERRORS as e:

@@ -25,6 +25,7 @@ from typing import Protocol
 from contract.hashing import DEFAULT_HASH_SEED
 from router.config import ScoringConfig
 from router.routing.approx_index import ApproxPrefixIndex
+from router.routing.inflight_prefixes import InflightPrefixes
 from router.routing.policies import Decision, HashRing, IndexKind, Policy, ReplicaView, RouteRequest
 from router.routing.prefix_index import PrefixIndex
 from router.routing.replicas import CircuitBreaker, EngineLoad, ReplicaState, Ticket
@@ -76,12 +77,15 @@ class PlacementConfig:
     grace_s: float = 0.2  # requests dispatched this long before a reading was taken are not in it yet
     breaker_failures: int = 3
     breaker_open_s: float = 5.0
+    # with pulls on: how long a prompt routed to a replica counts as held there before its KV events say so
+    # (router/routing/inflight_prefixes.py); 0: never (the simulator imports only what a source holds)
+    inflight_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "approx_max_blocks", "breaker_failures"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("stale_s", "grace_s", "breaker_open_s"):
+        for name in ("stale_s", "grace_s", "breaker_open_s", "inflight_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
 
@@ -101,6 +105,7 @@ class Placement:
         self.cfg = cfg = cfg or PlacementConfig()
         self.index = PrefixIndex()
         self.approx = ApproxPrefixIndex(cfg.approx_max_blocks)
+        self.inflight = InflightPrefixes(cfg.inflight_s or 1.0)  # with pulls on: prompts routed, not in KV events yet
         self.replicas: dict[str, ReplicaState] = {}
         self.members: dict[str, list[str]] = {}  # pool -> its replicas, in the order the driver listed them
         self.pool_of: dict[str, str] = {}  # replica -> its pool
@@ -149,6 +154,7 @@ class Placement:
         if self.index.has(replica):
             self.index.drop(replica)
         self.approx.drop(replica)
+        self.inflight.drop(replica)
 
     # -- what the drivers observe --------------------------------------------------------------------------
     def on_health(self, replica: str, ready: bool, now: float) -> bool:
@@ -259,10 +265,21 @@ class Placement:
                 out[u] = st.load
         return out
 
-    def predict_cached(self, prompt: Prompt, replicas: Sequence[str]) -> dict[str, int]:
+    @property
+    def pulls(self) -> bool:
+        return self.cfg.scoring.pull_token_cost > 0
+
+    @property
+    def _inflight_on(self) -> bool:
+        return self.pulls and self.cfg.inflight_s > 0
+
+    def predict_cached(self, prompt: Prompt, replicas: Sequence[str], now: float | None = None,
+                       on_the_way: set[str] | None = None) -> dict[str, int]:
         """Per replica, the prompt tokens its prefix cache holds: from the exact index where its KV events are
         live (hashed with the block size and seed of its snapshot), from the approximate index where the policy
-        falls back to it; no entry where neither predicts."""
+        falls back to it; no entry where neither predicts. With pulls on (and `now` given), a prompt routed to an
+        exact-index replica in the last cfg.inflight_s seconds counts as held there already (on_the_way, if given,
+        collects the replicas predicted so)."""
         needs = self.policy.needs
         out: dict[str, int] = {}
         approx: list[str] = []
@@ -277,6 +294,12 @@ class Placement:
             hashes = prompt.block_hashes(bs, seed)
             if hashes is not None:
                 out.update((r, n * bs) for r, n in self.index.matched_blocks(hashes, group).items())
+                if now is not None and self._inflight_on:
+                    for r, n in self.inflight.matched_blocks(hashes, group, now).items():
+                        if n * bs > out.get(r, 0):
+                            out[r] = n * bs
+                            if on_the_way is not None:
+                                on_the_way.add(r)
         if approx and (hashes := prompt.block_hashes(self.cfg.block_size, self.cfg.hash_seed)) is not None:
             bs = self.cfg.block_size
             out.update((r, n * bs) for r, n in self.approx.matched_blocks(hashes, approx).items())
@@ -285,7 +308,8 @@ class Placement:
     def views(self, prompt: Prompt, replicas: Sequence[str], now: float,
               excluded: set[str] | frozenset[str] = frozenset()) -> list[ReplicaView]:
         """What the policy sees of each replica for this request (an excluded one is not routable)."""
-        cached = self.predict_cached(prompt, replicas)
+        on_the_way: set[str] = set()
+        cached = self.predict_cached(prompt, replicas, now, on_the_way)
         adapter = getattr(prompt, "adapter", None)
         views = [self.replicas[r].view(now, self.cfg.stale_s, cached.get(r, 0), r in excluded, adapter)
                  for r in replicas]
@@ -294,7 +318,13 @@ class Placement:
         sources = sorted(((n, r) for r, n in cached.items() if n > 0 and self.replicas[r].ready), reverse=True)[:2]
         if not sources:
             return views
-        return [replace(v, peer_cached_tokens=next((n for n, r in sources if r != v.url), 0)) for v in views]
+        # a source whose copy is on the way streams it as its prefill computes it: the pull waits for that prefill
+        wait = {r: v.pending_tokens for v in views if (r := v.url) in on_the_way}
+        out = []
+        for v in views:
+            n, r = next(((n, r) for n, r in sources if r != v.url), (0, ""))
+            out.append(replace(v, peer_cached_tokens=n, peer_wait_tokens=wait.get(r, 0)))
+        return out
 
     def pull_source(self, decision: Decision, views: Sequence[ReplicaView]) -> str | None:
         """The ready replica other than the chosen one holding the most of the prompt (where it pulls from)."""
@@ -337,10 +367,15 @@ class Placement:
             return None
         ticket = st.on_dispatch(max(prompt.num_prompt_tokens - predicted_cached_tokens, 0), now)
         st.breaker.on_attempt(now)
-        if self.policy.needs.index_for(st.kv_events) is IndexKind.APPROX:
+        kind = self.policy.needs.index_for(st.kv_events)
+        if kind is IndexKind.APPROX:
             hashes = prompt.block_hashes(self.cfg.block_size, self.cfg.hash_seed)
             if hashes:
                 self.approx.record(replica, hashes)
+        elif kind is IndexKind.EXACT and self._inflight_on and (params := self.index.params.get(replica)) is not None:
+            hashes = prompt.block_hashes(*params)
+            if hashes:
+                self.inflight.record(replica, hashes, now)
         return ticket
 
     def on_first_token(self, replica: str, ticket: Ticket) -> None:

@@ -108,12 +108,12 @@ def pulled_tokens(view: ReplicaView, req: RouteRequest, cfg: ScoringConfig) -> i
 
 def cost(view: ReplicaView, load: Load, req: RouteRequest, cfg: ScoringConfig) -> float:
     """One score in prefill-token units: the uncached prompt (prefix affinity; a prefix pulled from a peer costs
-    its transfer instead), the load ahead, and the load of the request's LoRA adapter where the replica does not
+    its transfer instead, plus the peer's prefill ahead when its copy is still being computed), the load ahead, and the load of the request's LoRA adapter where the replica does not
     hold it (adapter affinity, spread when holders are busy), and a wait for a LoRA slot where every slot runs
     another adapter."""
     pulled = pulled_tokens(view, req, cfg)
     uncached = max(req.num_prompt_tokens - view.cached_tokens - pulled, 0)
-    pull = cfg.pull_fixed_tokens + cfg.pull_token_cost * pulled if pulled else 0.0
+    pull = cfg.pull_fixed_tokens + cfg.pull_token_cost * pulled + view.peer_wait_tokens if pulled else 0.0
     return (cfg.prefill_weight * uncached + pull + load.pending_tokens + cfg.kv_token_cost * load.kv_tokens
             + cfg.waiting_cost_tokens * max(load.waiting - load.pending, 0) + cfg.running_cost_tokens * load.running
             + (ADAPTER_LOAD_COST_TOKENS if view.adapter_missing else 0)

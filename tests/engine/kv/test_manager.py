@@ -184,3 +184,60 @@ def test_stats_and_reset():
     kv.free(a)
     assert kv.reset_prefix_cache() is True and kv.snapshot() == []
     assert kv.drain_events()[-1].kind == "cleared"
+
+
+# ---- blocks between engines (engine/kv/transfer.py) -----------------------------------------------------------
+
+
+def _chain(tokens: list[int]) -> tuple[list[int], list[tuple[int, ...]]]:
+    n = len(tokens) // 16
+    return hash_blocks(tokens[:n * 16], 16, None, CacheConfig(16, 1).hash_seed), \
+        [tuple(tokens[i * 16:(i + 1) * 16]) for i in range(n)]
+
+
+def test_imported_blocks_are_cached_free_and_hit_like_computed_ones():
+    kv = KVCacheManager(CacheConfig(block_size=16, num_blocks=8))
+    hashes, tokens = _chain(SYSTEM)
+    kv.drain_events()
+    written = []
+    assert kv.import_blocks([], hashes, tokens, None, lambda ids, rows: written.append((ids, rows))) == (3, 0)
+    assert written == [([0, 1, 2], [0, 1, 2])]
+    assert kv.pool.num_free_blocks == 8 and all(b.ref_cnt == 0 for b in kv.pool.blocks)  # nothing held
+    (ev,) = kv.drain_events()
+    assert (ev.kind, ev.block_hashes, ev.parent_hash) == ("stored", tuple(hashes), None)
+    assert [b.block_id for b in kv.cached_run(hashes + [123])] == [0, 1, 2]
+    seq = Sequence("s", SYSTEM + [1, 2])
+    assert admit(kv, seq)[0] == 48
+    # again: everything held already, nothing written
+    assert kv.import_blocks([], hashes, tokens, None, lambda ids, rows: written.append(ids)) == (0, 3)
+    assert len(written) == 1
+
+
+def test_an_import_continues_a_held_prefix_and_keeps_it_from_eviction():
+    kv = KVCacheManager(CacheConfig(block_size=16, num_blocks=4))
+    long = SYSTEM + list(range(2000, 2032))  # 5 blocks
+    hashes, tokens = _chain(long)
+    assert kv.import_blocks([], hashes[:2], tokens[:2], None, lambda ids, rows: None) == (2, 0)
+    # 3 more wanted, 4 blocks in all: the 2 held stay (touched), 2 free ones are taken, the fifth does not fit
+    assert kv.import_blocks(hashes[:2], hashes[2:], tokens[2:], None, lambda ids, rows: None) == (2, 0)
+    assert [b.block_hash for b in kv.cached_run(hashes)] == hashes[:4]
+    assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def test_an_import_whose_prefix_was_evicted_takes_nothing():
+    kv = KVCacheManager(CacheConfig(block_size=16, num_blocks=4))
+    hashes, tokens = _chain(SYSTEM)
+    assert kv.import_blocks(hashes[:1], hashes[1:], tokens[1:], None, lambda ids, rows: None) == (0, 0)
+    assert kv.pool.num_free_blocks == 4 and not kv.pool.cached
+
+
+def test_a_failed_write_leaks_nothing_and_caches_nothing():
+    kv = KVCacheManager(CacheConfig(block_size=16, num_blocks=4))
+    hashes, tokens = _chain(SYSTEM)
+
+    def boom(ids, rows):
+        raise RuntimeError("bad payload")
+
+    with pytest.raises(RuntimeError):
+        kv.import_blocks([], hashes, tokens, None, boom)
+    assert kv.pool.num_free_blocks == 4 and not kv.pool.cached

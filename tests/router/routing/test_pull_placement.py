@@ -58,3 +58,37 @@ def test_no_pull_from_a_replica_that_is_not_ready():
     p.on_health(A, False, 0.0)
     d = p.choose(_request(), 0.0)
     assert (d.url, d.pull_from, d.pull_tokens, d.predicted_cached_tokens) == (B, None, 0, 0)
+
+
+def test_a_burst_on_a_new_prompt_pulls_from_the_replica_it_was_first_routed_to():
+    """Nobody holds the prompt yet; the first request goes to one replica, and with in-flight prefixes on the next
+    one counts it held there (its prefill is computing it): the other replica takes it and pulls from the first."""
+    p = Placement(POLICIES["kv"], PlacementConfig(CHEAP, BS, SEED, inflight_s=30.0))
+    p.set_members(DEFAULT_POOL, [A, B])
+    for r in (A, B):
+        p.on_health(r, True, 0.0)
+        p.on_kv_events(r, KVEventsState.LIVE)
+        p.index.reset(r, (), BS, SEED)
+        p.on_load(r, EngineLoad(), 0.0, 0.0)
+    first = p.choose(_request(), 1.0)
+    assert (first.pull_from, first.predicted_cached_tokens) == (None, 0)
+    p.on_routed(first.url, _request(), first.predicted_cached_tokens, 1.0)
+    second = p.choose(_request(), 1.1)
+    other = B if first.url == A else A
+    assert (second.url, second.pull_from, second.pull_tokens) == (other, first.url, 16)
+    p.on_routed(second.url, _request(), second.predicted_cached_tokens, 1.1)
+    late = p.choose(_request(), 40.0)  # past inflight_s, and no KV event said either holds it: nothing to pull
+    assert late.pull_from is None and late.predicted_cached_tokens == 0
+
+
+def test_in_flight_prefixes_are_off_without_pulls_or_without_inflight_s():
+    for scoring, inflight in ((ScoringConfig(), 30.0), (CHEAP, 0.0)):
+        p = Placement(POLICIES["kv"], PlacementConfig(scoring, BS, SEED, inflight_s=inflight))
+        p.set_members(DEFAULT_POOL, [A, B])
+        for r in (A, B):
+            p.on_health(r, True, 0.0)
+            p.on_kv_events(r, KVEventsState.LIVE)
+            p.index.reset(r, (), BS, SEED)
+            p.on_load(r, EngineLoad(), 0.0, 0.0)
+        p.on_routed(A, _request(), 0, 1.0)
+        assert p.predict_cached(_request(), [A, B], 1.1) == {A: 0, B: 0}

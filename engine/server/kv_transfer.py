@@ -1,0 +1,260 @@
+"""KV blocks between engines over HTTP (contract/kv_transfer.py): the source's endpoint and the puller.
+
+Source: `POST /v1/kv/blocks` streams the leading run of the wanted blocks its prefix cache holds, a frame of
+at most FRAME_BLOCKS blocks at a time, each copied out by the engine core between two steps (one frame in
+flight: the stream goes as fast as the puller reads, and a frame never holds the core for long).
+
+Puller: a request that comes with `x-kvfleet-kv-pull: <replica URL>` (a router's decision, router/routing/
+placement.py) first pulls the blocks of its prompt this engine lacks from that replica, then is added as
+usual and finds them in its prefix cache. Each block is checked before it is taken (its hash is the one
+computed here from the prompt, the tokens are the prompt's, the hash recomputed from those tokens matches);
+the first one that fails ends the pull, refused and counted. The pull is bounded: --kv-pull-timeout seconds
+and --kv-pull-max-bytes of payload; whatever did not arrive by then is computed, as is everything when the
+source fails, refuses or is gone. Nothing stays held on either side: the source copies, the puller's
+blocks enter its cache free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import aiohttp
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from contract.cacheable import cacheable_blocks
+from contract.errors import ConfigError
+from contract.hashing import hash_blocks
+from contract.kv_transfer import (
+    PATH,
+    BlockFrame,
+    FrameError,
+    FrameReader,
+    Layout,
+    PullRequest,
+    Refusal,
+    end_frame,
+    verify,
+)
+from engine.server.auth import token_matches
+from engine.server.errors import APIError
+from engine.server.kv_events import check_internal_token
+from engine.server.serving import ServerState
+
+logger = logging.getLogger("kvfleet.kv_transfer")
+
+FRAME_BLOCKS = 32  # blocks per frame: 11.5 MB of SmolLM2's bf16 KV at 16 tokens a block
+READ_CHUNK = 1 << 20
+MAX_WAIT_S = 60.0  # the longest a source waits for blocks its prefill is computing, whatever the puller asks
+PENDING_POLL_S = 0.01  # how often it looks again meanwhile (the core answers between two steps)
+
+
+class Outcome:
+    """How one pull ended (values label kvfleet:kv_pulls_total)."""
+
+    PULLED = "pulled"  # every block asked for arrived
+    PARTIAL = "partial"  # some arrived; the source held no more, or the byte limit was reached
+    NONE = "none"  # the source held none of them
+    HELD = "held"  # this engine held the whole prefix already: nothing asked
+    REFUSED = "refused"  # a block or the layout failed the checks (kvfleet:kv_import_refusals_total says which)
+    FAILED = "failed"  # the source could not be reached, answered an error, or died mid-stream
+    TIMEOUT = "timeout"  # --kv-pull-timeout passed first
+    INVALID = "invalid"  # the header is not an http(s)://host:port URL
+    JOINED = "joined"  # a request without a header waited for another's pull of its prefix instead of computing it
+
+
+OUTCOMES = (Outcome.PULLED, Outcome.PARTIAL, Outcome.NONE, Outcome.HELD, Outcome.REFUSED, Outcome.FAILED,
+            Outcome.TIMEOUT, Outcome.INVALID, Outcome.JOINED)
+
+
+@dataclass(frozen=True)
+class PullResult:
+    outcome: str
+    blocks: int  # imported into this engine's cache
+    seconds: float
+
+
+async def kv_blocks(state: ServerState, request: Request) -> Response:
+    """The source's side: stream the wanted blocks it holds."""
+    check_internal_token(state, request)
+    engine = state.engine_or_503()
+    try:
+        want = PullRequest.from_json(await request.body())
+    except ConfigError as e:
+        raise APIError(400, str(e), e.field, "invalid_kv_pull") from None
+    mine: Layout = engine.kv_layout
+    field = mine.mismatch(want.layout)
+    metrics = request.app.state.metrics
+    if field is not None:
+        metrics.kv_refusals.labels(metrics.model_name, Refusal.LAYOUT.value).inc()
+        raise APIError(409, f"KV layout differs in {field}: this engine has {getattr(mine, field)!r}, the puller "
+                            f"{getattr(want.layout, field)!r}", f"layout.{field}", "kv_layout_mismatch")
+    max_blocks = want.max_bytes // mine.block_bytes
+
+    deadline = time.monotonic() + min(want.wait_s, MAX_WAIT_S)
+
+    async def frames() -> AsyncIterator[bytes]:
+        sent = 0
+        hashes = want.hashes[:max_blocks]
+        while sent < len(hashes):
+            chunk = hashes[sent:sent + FRAME_BLOCKS]
+            done = await engine.export_blocks(chunk, len(chunk))
+            if done.hashes:
+                sent += len(done.hashes)
+                metrics.kv_blocks.labels(metrics.model_name, "export").inc(len(done.hashes))
+                metrics.kv_bytes.labels(metrics.model_name, "export").inc(len(done.payload))
+                yield BlockFrame(done.hashes, done.tokens, done.lora, done.payload).encode()
+            if len(done.hashes) == len(chunk):
+                continue
+            if not done.pending or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(PENDING_POLL_S)  # its prefill is computing the next block: stream it when cached
+        yield end_frame(sent)
+
+    return StreamingResponse(frames(), media_type="application/octet-stream")
+
+
+def source_url(value: str) -> str | None:
+    """The replica URL of a pull header, normalized (scheme://host:port), or None when it is not one."""
+    try:
+        parts = urlsplit(value.strip())
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") or parts.query:
+        return None
+    del port  # parsed only to refuse a bad one
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+class KVPuller:
+    def __init__(self, state: ServerState, metrics, timeout: float, max_bytes: int):
+        self.state = state
+        self.metrics = metrics
+        self.timeout = timeout
+        self.max_bytes = max_bytes
+        self._session: aiohttp.ClientSession | None = None
+        self._inflight: list[tuple[set[int], asyncio.Future]] = []  # pulls running: the hashes each fetches
+
+    def allowed(self, request: Request) -> bool:
+        """Pull hints are obeyed from routers only: with an internal token set, the request must carry it."""
+        token = self.state.config.internal_token
+        return token is None or token_matches(request.headers.get("authorization"), token)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def pull(self, header: str | None, prompt: list[int], salt: str | None, adapter: str | None) -> None:
+        """Before a request is added: wait for pulls in flight here that fetch its blocks (another request's: one
+        pull per prefix, however many requests want it), then, with a header, pull what is still missing."""
+        if header is None and not self._inflight:
+            return
+        t0 = time.perf_counter()
+        m, name = self.metrics, self.metrics.model_name
+        engine = self.state.engine_or_503()
+        layout: Layout = engine.kv_layout
+        bs = layout.block_size
+        hashes = hash_blocks(prompt[:cacheable_blocks(len(prompt), bs) * bs], bs, salt, layout.hash_seed,
+                             adapter=adapter)
+        if await self._join(engine, hashes, t0 + self.timeout) and header is None:
+            m.kv_pulls.labels(name, Outcome.JOINED).inc()
+        if header is None:
+            return
+        source = source_url(header)
+        if source is None:
+            m.kv_pulls.labels(name, Outcome.INVALID).inc()
+            return
+        first = engine.cached_prefix(hashes)
+        if first >= len(hashes):
+            m.kv_pulls.labels(name, Outcome.HELD).inc()
+            return
+        entry = (set(hashes[first:]), asyncio.get_running_loop().create_future())
+        self._inflight.append(entry)
+        try:
+            result = await self._pull(engine, source, layout, hashes, first, prompt, salt, adapter, t0)
+        finally:
+            self._inflight.remove(entry)
+            entry[1].set_result(None)
+        m.kv_pulls.labels(name, result.outcome).inc()
+        m.kv_pull_seconds.labels(name).observe(result.seconds)
+
+    async def _join(self, engine, hashes: list[int], deadline: float) -> bool:
+        """Wait (until deadline) while a pull in flight fetches the first block of `hashes` not cached; whether
+        it waited."""
+        waited = False
+        while True:
+            first = engine.cached_prefix(hashes)
+            busy = next((fut for want, fut in self._inflight if first < len(hashes) and hashes[first] in want), None)
+            left = deadline - time.perf_counter()
+            if busy is None or left <= 0:
+                return waited
+            waited = True
+            try:
+                await asyncio.wait_for(asyncio.shield(busy), left)
+            except TimeoutError:
+                return waited
+
+    async def _pull(self, engine, source: str, layout: Layout, hashes: list[int], first: int, prompt: list[int],
+                    salt: str | None, adapter: str | None, t0: float) -> PullResult:
+        imported = 0
+        got = [0]  # blocks checked and handed to the core so far (read by the timeout path)
+        outcome = Outcome.FAILED
+        try:
+            async with asyncio.timeout(self.timeout):
+                outcome, imported = await self._stream(engine, source, layout, hashes, first, prompt, salt, adapter,
+                                                       got)
+        except TimeoutError:
+            outcome, imported = Outcome.TIMEOUT, got[0]
+        except (aiohttp.ClientError, ConnectionError, FrameError) as e:
+            logger.info("KV pull from %s failed: %s", source, e)
+            imported = got[0]
+            if isinstance(e, FrameError):
+                self.metrics.kv_refusals.labels(self.metrics.model_name, Refusal.STREAM.value).inc()
+                outcome = Outcome.REFUSED
+        return PullResult(outcome, imported, time.perf_counter() - t0)
+
+    async def _stream(self, engine, source: str, layout: Layout, hashes: list[int], first: int, prompt: list[int],
+                      salt: str | None, adapter: str | None, got: list[int]) -> tuple[str, int]:
+        m, name = self.metrics, self.metrics.model_name
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        headers = {"content-type": "application/json"}
+        if self.state.config.internal_token:
+            headers["authorization"] = f"Bearer {self.state.config.internal_token}"
+        want = PullRequest(tuple(hashes[first:]), layout, self.max_bytes, self.timeout)
+        async with self._session.post(source + PATH, data=want.to_json(), headers=headers) as resp:
+            if resp.status == 409:
+                m.kv_refusals.labels(name, Refusal.LAYOUT.value).inc()
+                return Outcome.REFUSED, 0
+            if resp.status != 200:
+                logger.info("KV pull from %s: HTTP %s", source, resp.status)
+                return Outcome.FAILED, 0
+            reader = FrameReader()
+            at = first
+            async for data in resp.content.iter_chunked(READ_CHUNK):
+                for frame in reader.feed(data):
+                    ok, why = verify(frame, layout, hashes, prompt, at, hashes[at - 1] if at else None, salt, adapter)
+                    if ok:
+                        done = await engine.import_blocks(hashes[:at], frame.hashes[:ok], frame.tokens[:ok],
+                                                          adapter, frame.payload[:ok * layout.block_bytes])
+                        got[0] += done.imported
+                        m.kv_blocks.labels(name, "import").inc(done.imported)
+                        m.kv_bytes.labels(name, "import").inc(done.imported * layout.block_bytes)
+                        at += ok
+                    if why is not None:
+                        m.kv_refusals.labels(name, why.value).inc()
+                        return Outcome.REFUSED, got[0]
+                if reader.ended:
+                    break
+            if not reader.ended:
+                return Outcome.FAILED, got[0]  # the source died mid-stream: what arrived whole is kept
+        if at >= len(hashes):
+            return Outcome.PULLED, got[0]
+        return (Outcome.PARTIAL if at > first else Outcome.NONE), got[0]

@@ -1,0 +1,286 @@
+"""KV that moves (issue 31): real SmolLM2 engines (float32) pulling cached prefixes from each other over HTTP,
+and the router that tells them to.
+
+- Exactness: after a pulled prefix (whole, or a multi-turn conversation's earlier turns) the greedy tokens are
+  those of an engine computing everything (the reference runs under its own cache_salt: no prefix hit).
+- Refusals: a source that sends other tokens, another hash, a short payload, another adapter, another layout,
+  or that dies mid-stream or stalls: the request is computed, exactly as the reference; the refusal is counted
+  by reason; no block stays held on either engine.
+- Obeyed from routers only: with an internal token set, a client's pull header without it is ignored.
+- Through the router with pulls on, a burst on a new prompt: both replicas serve, the fleet computes the
+  prompt about once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import json
+import threading
+
+import httpx
+import pytest
+from aiohttp import web
+
+from contract.hashing import DEFAULT_HASH_SEED, hash_blocks
+from contract.kv_transfer import PATH, PULL_HEADER, FrameReader, Layout, PullRequest, end_frame
+from tests.router.conftest import free_port, metric, router, wait_for
+
+pytestmark = pytest.mark.model
+
+TOKEN = "pull-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+NUM_BLOCKS = 512
+WORDS = ("lighthouse harbor ferry captain storm lantern compass tide anchor gull rope sail keel reef beacon "
+         "island mist current chart voyage").split()
+
+
+def engine(procs, name: str, *extra: str):
+    port = free_port()
+    return procs(["-m", "kvfleet", "engine", "--model", "smollm2", "--dtype", "float32", "--port", str(port),
+                  "--instance-id", name, "--num-threads", "1", "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs",
+                  "8", "--internal-token", TOKEN, "--kv-pull-timeout", "3", "--log-level", "warning", *extra],
+                 f"http://127.0.0.1:{port}", name)
+
+
+@pytest.fixture(scope="module")
+def fleet(module_procs):
+    a, b = engine(module_procs, "a"), engine(module_procs, "b")
+    r = router(module_procs, [a.url, b.url], "--internal-token", TOKEN, "--pull-token-cost", "0.05",
+               "--pull-fixed-tokens", "32", model="smollm2")
+    for p in (a, b, r):
+        p.wait_ready(timeout=300)
+    wait_for(lambda: httpx.get(r.url + "/ready").json().get("ready_replicas") == 2, timeout=30, what="replicas")
+    wait_for(lambda: metric(httpx.get(r.url + "/metrics").text, "kvfleet_router_kv_events_live") == 2, timeout=30,
+             what="both KV event streams live")
+    return a, b, r
+
+
+def text(seed: int, words: int) -> str:
+    return " ".join(WORDS[(seed * 7 + i * (seed % 5 + 1)) % len(WORDS)] for i in range(words))
+
+
+def complete(url: str, prompt: str, *, salt: str | None = None, pull: str | None = None, auth: bool = True,
+             max_tokens: int = 8) -> dict:
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    if salt is not None:
+        body["cache_salt"] = salt
+    headers = dict(AUTH) if auth else {}
+    if pull is not None:
+        headers[PULL_HEADER] = pull
+    r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def tokens(resp: dict) -> list[int]:
+    return resp["choices"][0]["token_ids"]
+
+
+def cached(resp: dict) -> int:
+    return resp["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def pulls(e, outcome: str) -> float:
+    return metric(httpx.get(e.url + "/metrics").text, "kvfleet:kv_pulls_total", outcome=outcome)
+
+
+def refusals(e, reason: str) -> float:
+    return metric(httpx.get(e.url + "/metrics").text, "kvfleet:kv_import_refusals_total", reason=reason)
+
+
+def idle_and_whole(e) -> None:
+    """Nothing runs and every block is free (cached ones among them): nothing leaked."""
+    def whole():
+        m = httpx.get(e.url + "/metrics").text
+        return (metric(m, "kvfleet:num_free_kv_blocks") == NUM_BLOCKS and metric(m, "vllm:num_requests_running") == 0
+                and metric(m, "vllm:num_requests_waiting") == 0)
+    wait_for(whole, timeout=10, what=f"{e.url} idle with every block free")
+
+
+def test_greedy_tokens_after_a_pulled_prefix_equal_computing_everything(fleet):
+    a, b, _ = fleet
+    before = pulls(b, "pulled") + pulls(b, "partial")
+    for i in range(12):  # whole prompts the source computed
+        prompt = f"Story {i}: " + text(i, 120 + 10 * i)
+        ref = complete(a.url, prompt, salt=f"ref-{i}")
+        complete(a.url, prompt)
+        got = complete(b.url, prompt, pull=a.url)
+        assert tokens(got) == tokens(ref), i
+        assert cached(got) == (got["usage"]["prompt_tokens"] - 1) // 16 * 16, i  # every full block arrived
+    for i in range(4):  # multi-turn: the source holds the earlier turns, the puller computes the new one
+        turn1 = f"Conversation {i}. User: " + text(40 + i, 150) + "\nAssistant:"
+        first = complete(a.url, turn1, max_tokens=12)
+        turn2 = turn1 + first["choices"][0]["text"] + "\nUser: " + text(50 + i, 40) + "\nAssistant:"
+        ref = complete(a.url, turn2, salt=f"ref-turn-{i}")
+        got = complete(b.url, turn2, pull=a.url)
+        assert tokens(got) == tokens(ref), i
+        assert 0 < cached(got) < got["usage"]["prompt_tokens"] - 16
+    assert pulls(b, "pulled") + pulls(b, "partial") - before == 16
+    idle_and_whole(a)
+    idle_and_whole(b)
+
+
+def test_a_pull_header_without_the_internal_token_is_ignored(fleet):
+    a, b, _ = fleet
+    prompt = "Unauthorized: " + text(3, 100)
+    complete(a.url, prompt)
+    before = sum(pulls(b, o) for o in ("pulled", "partial", "none", "refused", "failed", "timeout", "invalid"))
+    got = complete(b.url, prompt, pull=a.url, auth=False)
+    assert cached(got) == 0
+    assert sum(pulls(b, o) for o in ("pulled", "partial", "none", "refused", "failed", "timeout", "invalid")) == before
+    assert complete(b.url, "x " + prompt, pull="ftp://nowhere")["usage"]["prompt_tokens"] > 0
+    assert pulls(b, "invalid") >= 1
+
+
+def test_the_source_refuses_another_layout_naming_the_field(fleet):
+    a, _, _ = fleet
+    layout = Layout("smollm2", 16, "bfloat16", 30, 3, 64, DEFAULT_HASH_SEED)
+    r = httpx.post(a.url + PATH, content=PullRequest((1,), layout, 1 << 20).to_json(), headers=AUTH)
+    assert r.status_code == 409
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("kv_layout_mismatch", "layout.dtype")
+    assert refusals(a, "layout") >= 1
+    assert httpx.post(a.url + PATH, content=b'{"hashes": 3}', headers=AUTH).status_code == 400
+    assert httpx.post(a.url + PATH, content=b"{}").status_code == 401  # the internal token, as for KV events
+
+
+class Tamperer:
+    """A source that relays the real engine's blocks, altered as `mode` says."""
+
+    def __init__(self, source: str):
+        self.source = source
+        self.mode = "tokens"
+        self.port = free_port()
+        self.loop = asyncio.new_event_loop()
+        ready = concurrent.futures.Future()
+        threading.Thread(target=self._run, args=(ready,), daemon=True).start()
+        ready.result(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _run(self, ready) -> None:
+        asyncio.set_event_loop(self.loop)
+        app = web.Application()
+        app.router.add_post(PATH, self.handle)
+        runner = web.AppRunner(app)
+        self.loop.run_until_complete(runner.setup())
+        self.loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        ready.set_result(None)
+        self.loop.run_forever()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        if self.mode == "stall":
+            await asyncio.sleep(20)
+        if self.mode == "layout":
+            d = json.loads(body)
+            d["layout"]["dtype"] = "bfloat16"
+            body = json.dumps(d).encode()
+        async with httpx.AsyncClient() as client:
+            r = await client.post(self.source + PATH, content=body, headers=AUTH, timeout=30)
+        if r.status_code != 200:
+            return web.Response(status=r.status_code, body=r.content, content_type="application/json")
+        reader = FrameReader()
+        frames = reader.feed(r.content)
+        first = frames[0]
+        if self.mode == "tokens":
+            bad = list(first.tokens)
+            bad[1] = tuple(t + 1 for t in bad[1])
+            frames[0] = dataclasses.replace(first, tokens=tuple(bad))
+        elif self.mode == "hash":
+            frames[0] = dataclasses.replace(first, hashes=(first.hashes[0], first.hashes[2], *first.hashes[2:]))
+        elif self.mode == "size":
+            frames[0] = dataclasses.replace(first, payload=first.payload[:-10])
+        elif self.mode == "adapter":
+            frames[0] = dataclasses.replace(first, lora="sql-expert")
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        data = b"".join(f.encode() for f in frames) + end_frame(sum(len(f.hashes) for f in frames))
+        if self.mode == "die":  # the first frame whole, then half of the next, then the connection drops
+            cut = len(frames[0].encode()) + len(frames[1].encode()) // 2
+            await resp.write(data[:cut])
+            request.transport.close()
+            return resp
+        await resp.write(data)
+        await resp.write_eof()
+        return resp
+
+
+@pytest.fixture(scope="module")
+def tamperer(fleet):
+    return Tamperer(fleet[0].url)
+
+
+@pytest.mark.parametrize("mode, reason, blocks", [("tokens", "tokens", 1), ("hash", "hash", 1), ("size", "size", 0),
+                                                  ("adapter", "adapter", 0), ("layout", "layout", 0)])
+def test_a_block_that_fails_the_checks_is_refused_and_the_rest_computed(fleet, tamperer, mode, reason, blocks):
+    a, b, _ = fleet
+    tamperer.mode = mode
+    prompt = f"Refusal {mode}: " + text(hash(mode) % 97, 140)
+    ref = complete(a.url, prompt, salt=f"ref-{mode}")
+    complete(a.url, prompt)
+    before, refused = refusals(b, reason), pulls(b, "refused")
+    got = complete(b.url, prompt, pull=tamperer.url)
+    assert tokens(got) == tokens(ref)
+    assert cached(got) == 16 * blocks  # the blocks before the bad one were good, and kept
+    assert refusals(b, reason) == before + 1 and pulls(b, "refused") == refused + 1
+    idle_and_whole(b)
+
+
+def test_a_source_that_dies_mid_stream_or_stalls_leaves_the_request_computed(fleet, tamperer):
+    a, b, _ = fleet
+    for mode, outcome, arrived in (("die", "failed", 32), ("stall", "timeout", 0)):
+        tamperer.mode = mode
+        prompt = f"Broken source {mode}: " + text(7 if mode == "die" else 9, 700)  # > 2 frames of 32 blocks
+        ref = complete(a.url, prompt, salt=f"ref-{mode}")
+        complete(a.url, prompt)
+        before = pulls(b, outcome)
+        got = complete(b.url, prompt, pull=tamperer.url)
+        assert tokens(got) == tokens(ref)
+        assert cached(got) == 16 * arrived  # the whole frame that arrived is kept, the torn one is not
+        assert pulls(b, outcome) == before + 1
+        idle_and_whole(b)
+    idle_and_whole(a)
+
+
+def test_a_puller_that_goes_away_mid_stream_leaves_the_source_whole(fleet):
+    a, _, _ = fleet
+    prompt = "Abandoned pull: " + text(11, 900)
+    ids = complete(a.url, prompt, max_tokens=1)["choices"][0]["prompt_token_ids"]
+    hashes = hash_blocks(ids, 16, None, DEFAULT_HASH_SEED)
+    layout = Layout("smollm2", 16, "float32", 30, 3, 64, DEFAULT_HASH_SEED)
+    with httpx.stream("POST", a.url + PATH, content=PullRequest(tuple(hashes), layout, 1 << 30).to_json(),
+                      headers=AUTH) as r:
+        assert r.status_code == 200
+        next(r.iter_bytes(1 << 16))  # one read, then the connection closes
+    idle_and_whole(a)
+    assert complete(a.url, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # still serving
+
+
+def test_a_burst_on_a_new_prompt_through_the_router_is_computed_about_once(fleet):
+    a, b, r = fleet
+    prompt = "Burst: " + text(23, 500)
+
+    def one(i: int):
+        body = {"model": "smollm2", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        resp = httpx.post(r.url + "/v1/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        u = resp.json()["usage"]
+        return resp.headers["x-kvfleet-replica"], u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"]
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(one, range(6)))
+    replicas = [rep for rep, _ in results]
+    computed = sum(c for _, c in results)
+    assert set(replicas) == {a.url, b.url}, replicas
+    single = complete(a.url, prompt + " again", salt="single-burst")["usage"]["prompt_tokens"]
+    # one engine would compute the prompt once and each other request's last partial block: about `single`
+    assert computed <= 1.1 * single + 6 * 16, (computed, single, results)
+    assert max(replicas.count(a.url), replicas.count(b.url)) <= 4, replicas  # neither serves more than 70%
+    m = httpx.get(r.url + "/metrics").text
+    assert metric(m, "kvfleet_router_kv_pulls_total") >= 1

@@ -71,6 +71,26 @@ ENGINE = [
              "events/s {{instance}}")), min=0),
 ]
 
+TRANSFERS = [
+    Panel("KV pulls by outcome", "Requests that pulled their cached prefix from a peer before they were queued: "
+          "pulled (all of it), partial, none (the peer held none), held (this replica had it), joined (waited for "
+          "another request's pull), and the failures: refused, failed, timeout, invalid.",
+          (q(f"sum by (instance, outcome) (rate(kvfleet:kv_pulls_total{INST}[{RATE}]))",
+             "{{outcome}} {{instance}}"),), unit="reqps", min=0),
+    Panel("KV transfer bytes/s", "KV payload this replica sent to peers (export) and took from them (import).",
+          (q(f"sum by (instance, direction) (rate(kvfleet:kv_transfer_bytes_total{INST}[{RATE}]))",
+             "{{direction}} {{instance}}"),), unit="Bps", min=0),
+    Panel("KV pull time p50 / p99", "Time a request spent pulling its prefix before it was queued.",
+          (q(f"histogram_quantile(0.5, sum by (instance, le) (rate(kvfleet:kv_pull_seconds_bucket{INST}[{RATE}])))",
+             "p50 {{instance}}"),
+           q(f"histogram_quantile(0.99, sum by (instance, le) (rate(kvfleet:kv_pull_seconds_bucket{INST}[{RATE}])))",
+             "p99 {{instance}}")), unit="s", min=0),
+    Panel("KV import refusals by reason", "Blocks or streams a peer offered that failed the checks (hash, tokens, "
+          "layout, size, adapter, stream): the request computed them instead.",
+          (q(f"sum by (instance, reason) (rate(kvfleet:kv_import_refusals_total{INST}[{RATE}]))",
+             "{{reason}} {{instance}}"),), min=0),
+]
+
 ROUTERS = [
     Panel("Router requests by status", "Requests the routers sent to this replica, by final status.",
           (q(f"sum by (replica, status) (rate(kvfleet_router_requests_total{REPL}[{RATE}]))", "{{status}} {{replica}}"),),
@@ -91,6 +111,11 @@ ROUTERS = [
           "stream is live in every router.",
           (q(f"max by (replica) (kvfleet_router_indexed_blocks{REPL})", "blocks {{replica}}"),
            q(f"min by (replica) (kvfleet_router_kv_events_live{REPL})", "events live {{replica}}")), min=0),
+    Panel("Pulls the routers asked for", "Requests sent to this replica with a peer to pull their prefix from, "
+          "and the prompt tokens expected to arrive so.",
+          (q(f"sum by (replica) (rate(kvfleet_router_kv_pulls_total{REPL}[{RATE}]))", "pulls {{replica}}"),
+           q(f"sum by (replica) (rate(kvfleet_router_kv_pull_tokens_total{REPL}[{RATE}]))",
+             "tokens {{replica}}")), min=0),
 ]
 
 
@@ -98,4 +123,5 @@ def replica_dashboard():
     return board("kvfleet-replica", "kvfleet / Replica",
                  "One engine replica in detail (choose it with $instance), and the routers' view of it.",
                  [datasource_variable(), label_variable("instance", "Replica", "vllm:num_requests_running")],
-                 [("Engine", ENGINE), ("The routers' view of this replica", ROUTERS)])
+                 [("Engine", ENGINE), ("KV transfers between replicas", TRANSFERS),
+                  ("The routers' view of this replica", ROUTERS)])

@@ -9,7 +9,16 @@ import pytest
 
 from contract.errors import ConfigError
 from contract.hashing import hash_blocks
-from contract.kv_transfer import BlockFrame, FrameError, FrameReader, Layout, PullRequest, Refusal, end_frame, verify
+from contract.kv_transfer import (
+    BlockFrame,
+    FrameError,
+    FrameReader,
+    Layout,
+    PullRequest,
+    Refusal,
+    end_frame,
+    verify,
+)
 
 LAYOUT = Layout("smollm2", 4, "bfloat16", 2, 1, 2, 7)  # block_bytes = 2 * 2 * 4 * 1 * 2 * 2 = 64
 PROMPT = list(range(100, 113))  # 3 full blocks of 4

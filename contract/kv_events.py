@@ -4,6 +4,8 @@ Every event carries the engine's next sequence number (strictly increasing from 
 a `Snapshot` (every cached block hash as of `seq`), then the events numbered seq+1, seq+2, ...; a
 `Heartbeat` repeats the newest number sent. `follows` says whether a message may come next; when it may
 not, events were missed and the subscriber needs a new snapshot. kv_wire.py encodes these as NDJSON lines.
+An engine with a lower tier (host memory or disk, engine/kv/tier.py) announces the blocks it keeps there with
+their `medium`: a hit there costs a reload, not a prefill.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class KVEvent:
     block_hashes: tuple[int, ...] = ()
     parent_hash: int | None = None  # for STORED: the hash the first stored block chains on (None: block 0)
     lora_name: str | None = None  # for STORED: the LoRA adapter the blocks were computed under (None: the base)
+    medium: str | None = None  # where the blocks are: None the engine's KV cache; "CPU" / "DISK" its lower tier
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class Snapshot:
     block_size: int
     hash_seed: int
     block_hashes: tuple[int, ...]
+    tiers: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (medium, hashes) the engine's lower tier holds
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,11 @@
 """The KV event wire format (GET /v1/kv/events): one JSON object per line, hashes as 32-char lowercase hex.
 
-    {"type":"snapshot","instance_id":I,"seq":S,"block_size":B,"hash_seed":H,"block_hashes":[...]}
-    {"type":"stored","instance_id":I,"seq":S,"block_hashes":[...],"parent_hash":hex|null[,"lora_name":str]}
-    {"type":"removed","instance_id":I,"seq":S,"block_hashes":[...]}
+    {"type":"snapshot","instance_id":I,"seq":S,"block_size":B,"hash_seed":H,"block_hashes":[...][,"tiers":{M:[...]}]}
+    {"type":"stored","instance_id":I,"seq":S,"block_hashes":[...],"parent_hash":hex|null[,"lora_name":str][,"medium":M]}
+    {"type":"removed","instance_id":I,"seq":S,"block_hashes":[...][,"medium":M]}
+
+`medium` (absent: the engine's KV cache) names a lower tier ("CPU", "DISK"); a snapshot's `tiers` lists what
+each lower tier holds.
     {"type":"cleared","instance_id":I,"seq":S}
     {"type":"heartbeat","instance_id":I,"seq":S}
 
@@ -35,6 +38,8 @@ def encode_line(instance_id: str, message: KVMessage) -> bytes:
         obj = {"type": "snapshot", "instance_id": instance_id, "seq": message.seq,
                "block_size": message.block_size, "hash_seed": message.hash_seed,
                "block_hashes": _hex_list(message.block_hashes)}
+        if message.tiers:
+            obj["tiers"] = {medium: _hex_list(hashes) for medium, hashes in message.tiers}
     elif isinstance(message, Heartbeat):
         obj = {"type": "heartbeat", "instance_id": instance_id, "seq": message.seq}
     else:
@@ -45,6 +50,8 @@ def encode_line(instance_id: str, message: KVMessage) -> bytes:
             obj["parent_hash"] = None if message.parent_hash is None else _hex(message.parent_hash)
             if message.lora_name is not None:  # blocks of a LoRA adapter (vLLM's BlockStored.lora_name)
                 obj["lora_name"] = message.lora_name
+        if message.medium is not None:
+            obj["medium"] = message.medium
     return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
 
 
@@ -61,7 +68,8 @@ def decode_line(line: str | bytes) -> KVLine:
         raise KVWireError(f"{kind} event: instance_id must be a string, got {instance_id!r}")
     seq = _int(obj, "seq", 0)
     if kind == "snapshot":
-        message: KVMessage = Snapshot(seq, _int(obj, "block_size", 1), _int(obj, "hash_seed", 0), _hashes(obj))
+        message: KVMessage = Snapshot(seq, _int(obj, "block_size", 1), _int(obj, "hash_seed", 0), _hashes(obj),
+                                      _tiers(obj))
     elif kind == "heartbeat":
         message = Heartbeat(seq)
     elif kind == "stored":
@@ -70,14 +78,33 @@ def decode_line(line: str | bytes) -> KVLine:
         if lora_name is not None and not isinstance(lora_name, str):
             raise KVWireError(f"stored event: lora_name must be a string or absent, got {lora_name!r}")
         message = KVEvent(seq, KVEventKind.STORED, _hashes(obj),
-                          None if parent is None else _parse_hash(obj, "parent_hash", parent), lora_name)
+                          None if parent is None else _parse_hash(obj, "parent_hash", parent), lora_name, _medium(obj))
     elif kind == "removed":
-        message = KVEvent(seq, KVEventKind.REMOVED, _hashes(obj))
+        message = KVEvent(seq, KVEventKind.REMOVED, _hashes(obj), medium=_medium(obj))
     elif kind == "cleared":
         message = KVEvent(seq, KVEventKind.CLEARED)
     else:
         raise KVWireError(f"unknown KV event type {kind!r}")
     return KVLine(instance_id, message)
+
+
+def _medium(obj: dict) -> str | None:
+    medium = obj.get("medium")
+    if medium is not None and (not isinstance(medium, str) or not medium):
+        raise KVWireError(f"{obj.get('type')} event: medium must be a non-empty string or absent, got {medium!r}")
+    return medium
+
+
+def _tiers(obj: dict) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    raw = obj.get("tiers", {})
+    if not isinstance(raw, dict):
+        raise KVWireError(f"snapshot: tiers must be an object of medium -> hashes, got {raw!r}")
+    out = []
+    for medium, hashes in raw.items():
+        if not isinstance(hashes, list):
+            raise KVWireError(f"snapshot: tiers.{medium} must be a list, got {hashes!r}")
+        out.append((medium, tuple(_parse_hash(obj, f"tiers.{medium}", h) for h in hashes)))
+    return tuple(out)
 
 
 def _hex(h: int) -> str:

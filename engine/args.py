@@ -41,6 +41,8 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"  # fcfs | priority (requests' `priority` field; engine/scheduler.py)
     priority_aging: float = 30.0  # seconds of waiting that raise a request's priority by one (policy priority)
     enable_prefix_caching: bool = True
+    kv_tier_gib: float = 0.0  # a lower tier of this many GiB keeps evicted blocks (engine/kv/tier.py); 0: none
+    kv_tier_path: str | None = None  # the tier's directory on local disk; None: host memory
     allow_download: bool = False  # fetch a hub id missing from the local Hugging Face cache (off: offline)
     hash_seed: int = DEFAULT_HASH_SEED
     seed: int = 0
@@ -78,6 +80,14 @@ class EngineArgs:
         if self.max_model_len is not None:
             check_int("--max-model-len", self.max_model_len, 2)
         check_int("--max-num-seqs", self.max_num_seqs, 1)
+        _check(isinstance(self.kv_tier_gib, (int, float)) and not isinstance(self.kv_tier_gib, bool)
+               and 0 <= self.kv_tier_gib <= 65536, "--kv-tier-gib", f"must be a number of GiB in [0, 65536], got "
+                                                                     f"{self.kv_tier_gib!r}")
+        _check(self.kv_tier_path is None or (isinstance(self.kv_tier_path, str) and self.kv_tier_path.strip() != ""),
+               "--kv-tier-path", "must be a directory path")
+        _check(self.kv_tier_path is None or self.kv_tier_gib > 0, "--kv-tier-path", "needs --kv-tier-gib above 0")
+        _check(self.kv_tier_gib == 0 or self.enable_prefix_caching, "--kv-tier-gib",
+               "a lower tier keeps cached blocks: it needs --enable-prefix-caching")
         check_int("--max-num-batched-tokens", self.max_num_batched_tokens, 1)
         _check(self.max_num_batched_tokens >= self.max_num_seqs, "--max-num-batched-tokens",
                f"must be at least --max-num-seqs ({self.max_num_seqs}) so every running sequence can decode "
@@ -174,6 +184,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "many seconds, so low priorities are never starved (default %(default)s)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
                    help="reuse KV blocks of shared prefixes")
+    g.add_argument("--kv-tier-gib", type=float, default=d.kv_tier_gib, metavar="GIB",
+                   help="keep blocks evicted from the KV cache in a lower tier of this many GiB (host memory, or "
+                        "files under --kv-tier-path) and bring them back for a request that needs them instead of "
+                        "prefilling them again; 0: no tier")
+    g.add_argument("--kv-tier-path", default=d.kv_tier_path, metavar="DIR",
+                   help="directory of the lower tier on local disk (emptied at start); default: host memory")
     g.add_argument("--hash-seed", type=int, default=d.hash_seed,
                    help="seed of the prefix block hashes (must match the routers')")
     g.add_argument("--seed", type=int, default=d.seed, help="seed of requests sampled without their own seed")

@@ -120,6 +120,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, RequestStream] = {}  # running requests (loop thread only)
         self._subscribers: set[asyncio.Queue] = set()
         self._cached: dict[int, None] = dict.fromkeys(info.cached_hashes)  # the prefix cache's hashes, in order
+        self._tiers: dict[str, dict[int, None]] = {}  # medium -> hashes the lower tier holds
         self._last_event_seq = info.last_event_seq
         self._stats: EngineStats = info.stats
         self.kv_events_published = 0
@@ -240,6 +241,10 @@ class AsyncLLMEngine:
         self._subscribers.add(queue)
         return list(self._cached), self._last_event_seq, queue
 
+    def tier_snapshot(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """What each lower tier holds, as of the same event as subscribe_kv_events (call it right after)."""
+        return tuple((medium, tuple(held)) for medium, held in self._tiers.items() if held)
+
     def unsubscribe_kv_events(self, queue: asyncio.Queue) -> None:
         self._subscribers.discard(queue)
 
@@ -290,13 +295,15 @@ class AsyncLLMEngine:
             if stream is not None:
                 stream.put(err)
         for ev in events:
+            held = self._cached if ev.medium is None else self._tiers.setdefault(ev.medium, {})
             if ev.kind == "stored":
-                self._cached.update(dict.fromkeys(ev.block_hashes))
+                held.update(dict.fromkeys(ev.block_hashes))
             elif ev.kind == "removed":
                 for h in ev.block_hashes:
-                    self._cached.pop(h, None)
+                    held.pop(h, None)
             else:
                 self._cached.clear()
+                self._tiers.clear()
             self._last_event_seq = ev.seq
             for sub in self._subscribers:
                 try:

@@ -34,7 +34,9 @@ from engine.errors import InvalidRequestError, RequestOutOfMemoryError
 from engine.kv import transfer as kv_transfer
 from engine.kv.config import CacheConfig
 from engine.kv.manager import KVCacheManager
+from engine.kv.offload import Offload
 from engine.kv.sizing import GIB, plan_fixed, plan_from_profile
+from engine.kv.tier import KVTier
 from engine.lora.manager import lora_manager
 from engine.memory_profile import cuda_baseline, host_memory_bytes, profile_cuda, tensor_bytes
 from engine.model.cpu_layers import use_cpu_kernels
@@ -80,6 +82,10 @@ class EngineStats:
     num_free_blocks: int = 0  # blocks no request holds (cached ones among them, evictable)
     num_cached_blocks: int = 0  # blocks whose content the prefix cache holds (held or free)
     max_loras: int = 0  # adapter slots per step (0: LoRA off)
+    tier_blocks: int = 0  # blocks the lower tier holds (--kv-tier-gib)
+    tier_bytes: int = 0
+    tier_spilled_blocks: int = 0  # evicted blocks it took, since start
+    tier_reloaded_blocks: int = 0  # blocks brought back from it into the cache, since start
     lora_running: tuple[str, ...] = ()  # adapters of the running requests
     lora_waiting: tuple[str, ...] = ()  # adapters of the waiting ones
 
@@ -151,6 +157,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, backend, num_blocks, args.block_size, self.device,
                                   args.debug_oom_every, max_num_seqs=args.max_num_seqs,
                                   max_model_len=self.max_model_len, cuda_graphs=args.cuda_graphs, lora=self.lora)
+        self.offload = None  # engine/kv/offload.py: evicted blocks kept in a lower tier (--kv-tier-gib)
+        if args.kv_tier_gib > 0:
+            self.offload = Offload(self.kv, self.runner.kv_caches, KVTier(int(args.kv_tier_gib * GIB), args.kv_tier_path))
         if self.device.type == "cuda":
             self.runner.warm_up()  # every Triton kernel compiled (and graphs captured) before the first request
         self.sampler = Sampler(seed=args.seed)
@@ -209,6 +218,8 @@ class LLMEngine:
                                                    f"none (start it with --enable-lora)")
             self.lora.ensure_loaded(seq.lora)
             self.kv.on_adapter_load(seq.lora.name, seq.lora.id)  # a reloaded name: its old blocks leave the cache
+        if self.offload is not None:  # its prompt's blocks the lower tier holds come back before it is scheduled
+            self.offload.reload(seq)
         self.scheduler.add(seq)
         req = self.requests[seq.request_id] = _Request(seq)
         self._track(req, seq)
@@ -353,8 +364,7 @@ class LLMEngine:
 
     def import_blocks(self, prefix, hashes, tokens, lora: str | None, payload: bytes) -> tuple[int, int]:
         """Verified blocks of a peer into the prefix cache: (blocks imported, blocks held already)."""
-        return kv_transfer.import_blocks(self.kv, self.runner.kv_caches, self.kv_layout, prefix, hashes, tokens,
-                                         lora, payload)
+        return kv_transfer.import_blocks(self.kv, self.runner.kv_caches, prefix, hashes, tokens, lora, payload)
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.kv.drain_events()
@@ -369,7 +379,13 @@ class LLMEngine:
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
             oom_events=self.oom_events, gpu_memory_used_bytes=self._gpu_memory_used(),
             num_free_blocks=kv.num_free_blocks, num_cached_blocks=len(kv.pool.cached),
+            **(self._tier_stats() if self.offload is not None else {}),
             **(self._lora_stats() if self.lora is not None else {}))
+
+    def _tier_stats(self) -> dict:
+        off = self.offload
+        return {"tier_blocks": len(off.tier), "tier_bytes": off.tier.used_bytes, "tier_spilled_blocks": off.spilled_blocks,
+                "tier_reloaded_blocks": off.reloaded_blocks}
 
     def _lora_stats(self) -> dict:
         sched = self.scheduler

@@ -41,12 +41,14 @@ class ScoringConfig:
     # pull_token_cost 0: no pulls. The simulator derives both from a link's bandwidth and latency.
     pull_token_cost: float = 0.0
     pull_fixed_tokens: float = 0.0
+    # A prompt token a replica's lower KV tier holds (engine/kv/tier.py) costs this much to reload, in prefill tokens.
+    tier_token_cost: float = 0.1
 
     def validate(self) -> None:
         if not self.prefill_weight >= 1:
             raise ConfigError("prefill_weight", f"must be >= 1, got {self.prefill_weight}")
         for name in ("kv_token_cost", "waiting_cost_tokens", "running_cost_tokens", "pull_token_cost",
-                     "pull_fixed_tokens"):
+                     "pull_fixed_tokens", "tier_token_cost"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
         if self.overload_waiting < 1:

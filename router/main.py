@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "engines only)")
     p.add_argument("--pull-fixed-tokens", type=float, default=s.pull_fixed_tokens,
                    help="fixed cost of one pull (its set-up), in prefill tokens")
+    p.add_argument("--tier-token-cost", type=float, default=s.tier_token_cost,
+                   help="cost of reloading one prompt token a replica's lower KV tier holds (engine --kv-tier-gib), "
+                        "in prefill tokens (default %(default)s)")
     p.add_argument("--overload-waiting", type=int, default=s.overload_waiting)
     p.add_argument("--overload-kv-usage", type=float, default=s.overload_kv_usage)
     p.add_argument("--pools", metavar="FILE", help="engine pools YAML: per pool its replicas (static, DNS or "
@@ -161,6 +164,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
                             waiting_cost_tokens=ns.waiting_cost_tokens,
                             running_cost_tokens=ns.running_cost_tokens,
                             pull_token_cost=ns.pull_token_cost, pull_fixed_tokens=ns.pull_fixed_tokens,
+                            tier_token_cost=ns.tier_token_cost,
                             overload_waiting=ns.overload_waiting,
                             overload_kv_usage=ns.overload_kv_usage)
     return RouterConfig(

@@ -10,7 +10,7 @@ end of a hash chain is evicted before its start.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from engine.kv.events import KVEventLog
 
@@ -99,6 +99,9 @@ class BlockPool:
         self.cached: dict[int, KVCacheBlock] = {}  # hash -> the block holding that content
         self.events = events if events is not None else KVEventLog()
         self.num_evictions = 0
+        # called with (block id, hash, tokens, adapter) of the blocks an allocation evicts, while their contents
+        # are still intact (engine/kv/offload.py keeps them in the lower tier); None: they are simply lost
+        self.on_evict: Callable[[list[tuple[int, int, tuple[int, ...], str | None]]], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -118,16 +121,21 @@ class BlockPool:
             raise ValueError(f"cannot allocate {n} blocks: only {self.free_queue.num_free} free")
         out: list[KVCacheBlock] = []
         evicted: list[int] = []
+        spilled: list[tuple[int, int, tuple[int, ...], str | None]] = []
         for _ in range(n):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
                 evicted.append(block.block_hash)
+                if self.on_evict is not None and block.token_ids is not None:
+                    spilled.append((block.block_id, block.block_hash, block.token_ids, block.lora_name))
                 self._uncache(block)
             block.ref_cnt = 1
             out.append(block)
         if evicted:
             self.num_evictions += len(evicted)
             self.events.removed(evicted)
+        if spilled and self.on_evict is not None:
+            self.on_evict(spilled)
         return out
 
     def get_cached_block(self, block_hash: int, token_ids: tuple[int, ...]) -> KVCacheBlock | None:

@@ -23,13 +23,14 @@ class KVEventLog:
         self.last_seq = 0  # number of the newest event recorded (drained or not)
         self.num_dropped = 0
 
-    def stored(self, block_hashes: list[int], parent_hash: int | None, lora_name: str | None = None) -> None:
+    def stored(self, block_hashes: list[int], parent_hash: int | None, lora_name: str | None = None,
+               medium: str | None = None) -> None:
         if block_hashes:
-            self._record(KVEventKind.STORED, block_hashes, parent_hash, lora_name)
+            self._record(KVEventKind.STORED, block_hashes, parent_hash, lora_name, medium)
 
-    def removed(self, block_hashes: list[int]) -> None:
+    def removed(self, block_hashes: list[int], medium: str | None = None) -> None:
         if block_hashes:
-            self._record(KVEventKind.REMOVED, block_hashes, None)
+            self._record(KVEventKind.REMOVED, block_hashes, None, None, medium)
 
     def cleared(self) -> None:
         self._record(KVEventKind.CLEARED, [], None)
@@ -45,9 +46,9 @@ class KVEventLog:
         return len(self._pending)
 
     def _record(self, kind: KVEventKind, block_hashes: list[int], parent_hash: int | None,
-                lora_name: str | None = None) -> None:
+                lora_name: str | None = None, medium: str | None = None) -> None:
         self.last_seq += 1
-        self._pending.append(KVEvent(self.last_seq, kind, tuple(block_hashes), parent_hash, lora_name))
+        self._pending.append(KVEvent(self.last_seq, kind, tuple(block_hashes), parent_hash, lora_name, medium))
         if len(self._pending) > self._max_pending:
             self._pending.popleft()
             self.num_dropped += 1

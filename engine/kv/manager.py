@@ -47,6 +47,7 @@ class KVCacheManager:
         self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching, self.events)
         self._num_registered: dict[int, int] = {}  # seq_id -> leading blocks already in the cache
         self.lora_ids: dict[str, int] = {}  # LoRA adapter name -> the id of its current load (engine/lora/)
+        self.lower = None  # engine/kv/offload.py's Offload when a lower tier keeps evicted blocks
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
         self.alloc_failures = 0
@@ -221,7 +222,10 @@ class KVCacheManager:
         self._num_registered.pop(seq.seq_id, None)
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        done = self.pool.reset_prefix_cache()
+        if done and self.lower is not None:
+            self.lower.clear()
+        return done
 
     # ---- LoRA adapters ---------------------------------------------------------------------
 
@@ -234,6 +238,8 @@ class KVCacheManager:
             return
         if current is not None:
             self.pool.uncache_adapter(name)
+            if self.lower is not None:
+                self.lower.forget_adapter(name)
         self.lora_ids[name] = adapter_id
 
     def _stale_adapter(self, seq: Sequence) -> bool:

@@ -33,20 +33,24 @@ def export_blocks(kv: KVCacheManager, kv_caches: KVCaches, hashes: Sequence[int]
         return [], [], None, b""
     lora = blocks[0].lora_name
     blocks = [b for b in blocks[:next((i for i, b in enumerate(blocks) if b.lora_name != lora), len(blocks))]]
-    idx = torch.tensor([b.block_id for b in blocks], dtype=torch.long, device=kv_caches[0][0].device)
-    data = torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)), 1) for k, v in kv_caches], 1)
-    payload = data.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    payload = gather(kv_caches, [b.block_id for b in blocks])
     return [b.block_hash for b in blocks], [b.token_ids for b in blocks], lora, payload  # type: ignore[misc]
 
 
-def import_blocks(kv: KVCacheManager, kv_caches: KVCaches, layout: Layout, prefix: Sequence[int],
-                  hashes: Sequence[int], tokens: Sequence[tuple[int, ...]], lora: str | None, payload: bytes
-                  ) -> tuple[int, int]:
-    """Take in blocks that follow `prefix` (hashes of the chain's blocks this cache should hold already).
-    Returns (blocks imported, blocks it held already)."""
+def gather(kv_caches: KVCaches, block_ids: Sequence[int]) -> bytes:
+    """The blocks' K and V as bytes, laid out [block, layer, K|V, slot, kv head, head dim]."""
+    idx = torch.tensor(list(block_ids), dtype=torch.long, device=kv_caches[0][0].device)
+    data = torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)), 1) for k, v in kv_caches], 1)
+    return data.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def import_blocks(kv: KVCacheManager, kv_caches: KVCaches, prefix: Sequence[int], hashes: Sequence[int],
+                  tokens: Sequence[tuple[int, ...]], lora: str | None, payload: bytes) -> tuple[int, int]:
+    """Take in blocks that follow `prefix` (hashes of the chain's blocks this cache should hold already), their
+    payload laid out as `gather` writes it. Returns (blocks imported, blocks it held already)."""
     k0 = kv_caches[0][0]
     dtype, device = k0.dtype, k0.device
-    shape = (len(hashes), layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    shape = (len(hashes), len(kv_caches), 2, *k0.shape[1:])
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(shape)
 
     def write(block_ids: list[int], rows: list[int]) -> None:

@@ -38,16 +38,18 @@ async def kv_events(state: ServerState, request: Request) -> StreamingResponse:
     check_internal_token(state, request)
     engine = state.engine_or_503()
     snapshot, last_seq, queue = engine.subscribe_kv_events()
-    return DisconnectAwareStreamingResponse(_stream(state, engine, snapshot, last_seq, queue),
+    tiers = engine.tier_snapshot() if hasattr(engine, "tier_snapshot") else ()
+    return DisconnectAwareStreamingResponse(_stream(state, engine, snapshot, tiers, last_seq, queue),
                                             media_type="application/x-ndjson",
                                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _stream(state: ServerState, engine, snapshot, last_seq: int, queue: asyncio.Queue) -> AsyncIterator[bytes]:
+async def _stream(state: ServerState, engine, snapshot, tiers, last_seq: int, queue: asyncio.Queue
+                  ) -> AsyncIterator[bytes]:
     iid = state.config.instance_id
     getter: asyncio.Future | None = None  # one pending queue.get(), never cancelled mid-item
     try:
-        yield encode_line(iid, Snapshot(last_seq, engine.limits.block_size, engine.hash_seed, tuple(snapshot)))
+        yield encode_line(iid, Snapshot(last_seq, engine.limits.block_size, engine.hash_seed, tuple(snapshot), tiers))
         sent = last_seq
         next_beat = time.monotonic() + HEARTBEAT_S
         while not state.closing:

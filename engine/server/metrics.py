@@ -38,6 +38,10 @@ _COUNTERS = (
     ("kvfleet:block_allocation_failures", "alloc_failures", "KV block allocations that found no free block."),
     ("kvfleet:block_evictions", "evictions", "Cached KV blocks evicted from the prefix cache to be reused."),
     ("kvfleet:kv_events_published", "kv_events_published", "KV cache events (stored/removed/cleared) published."),
+    ("kvfleet:kv_tier_spilled_blocks", "tier_spilled_blocks", "Blocks evicted from the KV cache that the lower "
+     "tier took (--kv-tier-gib)."),
+    ("kvfleet:kv_tier_reloaded_blocks", "tier_reloaded_blocks", "Blocks brought back from the lower tier into the "
+     "KV cache instead of being prefilled again."),
     ("kvfleet:oom_events", "oom_events", "Steps that ran out of memory and were recovered (retried smaller)."),
 )
 _GAUGES = (
@@ -46,6 +50,8 @@ _GAUGES = (
     ("vllm:num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
     ("kvfleet:num_kv_blocks", "num_total_blocks", "KV cache blocks in total."),
     ("kvfleet:num_free_kv_blocks", "num_free_blocks", "KV cache blocks no request holds (cached ones among them)."),
+    ("kvfleet:kv_tier_blocks", "tier_blocks", "Blocks the lower KV tier holds (0 without one)."),
+    ("kvfleet:kv_tier_bytes", "tier_bytes", "Bytes the lower KV tier holds."),
     ("kvfleet:num_cached_kv_blocks", "num_cached_blocks", "KV cache blocks whose content the prefix cache holds "
      "(held or free): what the KV events announce."),
 )

@@ -33,7 +33,8 @@ class EventApplier:
 
     def apply(self, message: KVMessage) -> bool:
         if isinstance(message, Snapshot):
-            self.index.reset(self.replica, message.block_hashes, message.block_size, message.hash_seed)
+            self.index.reset(self.replica, message.block_hashes, message.block_size, message.hash_seed,
+                             [h for _, hashes in message.tiers for h in hashes])
             self.last_seq = message.seq
             return True
         if self.last_seq is None or not follows(self.last_seq, message):
@@ -41,9 +42,9 @@ class EventApplier:
         if isinstance(message, Heartbeat):
             return True
         if message.kind is KVEventKind.STORED:
-            self.index.store(self.replica, message.block_hashes)
+            self.index.store(self.replica, message.block_hashes, message.medium)
         elif message.kind is KVEventKind.REMOVED:
-            self.index.remove(self.replica, message.block_hashes)
+            self.index.remove(self.replica, message.block_hashes, message.medium)
         else:
             self.index.clear(self.replica)
         self.last_seq = message.seq

@@ -274,12 +274,13 @@ class Placement:
         return self.pulls and self.cfg.inflight_s > 0
 
     def predict_cached(self, prompt: Prompt, replicas: Sequence[str], now: float | None = None,
-                       on_the_way: set[str] | None = None) -> dict[str, int]:
+                       on_the_way: set[str] | None = None, tiered: dict[str, int] | None = None) -> dict[str, int]:
         """Per replica, the prompt tokens its prefix cache holds: from the exact index where its KV events are
         live (hashed with the block size and seed of its snapshot), from the approximate index where the policy
         falls back to it; no entry where neither predicts. With pulls on (and `now` given), a prompt routed to an
         exact-index replica in the last cfg.inflight_s seconds counts as held there already (on_the_way, if given,
-        collects the replicas predicted so)."""
+        collects the replicas predicted so). tiered, if given, gets per replica the tokens past its cached prefix its
+        lower tier holds."""
         needs = self.policy.needs
         out: dict[str, int] = {}
         approx: list[str] = []
@@ -293,11 +294,18 @@ class Placement:
         for (bs, seed), group in exact.items():
             hashes = prompt.block_hashes(bs, seed)
             if hashes is not None:
-                out.update((r, n * bs) for r, n in self.index.matched_blocks(hashes, group).items())
+                matched = self.index.matched_blocks(hashes, group)
+                out.update((r, n * bs) for r, n in matched.items())
+                if tiered is not None:
+                    for r, n in matched.items():
+                        if (t := self.index.tier_run(hashes, r, n)) > 0:
+                            tiered[r] = t * bs
                 if now is not None and self._inflight_on:
                     for r, n in self.inflight.matched_blocks(hashes, group, now).items():
                         if n * bs > out.get(r, 0):
                             out[r] = n * bs
+                            if tiered is not None:
+                                tiered.pop(r, None)
                             if on_the_way is not None:
                                 on_the_way.add(r)
         if approx and (hashes := prompt.block_hashes(self.cfg.block_size, self.cfg.hash_seed)) is not None:
@@ -309,10 +317,13 @@ class Placement:
               excluded: set[str] | frozenset[str] = frozenset()) -> list[ReplicaView]:
         """What the policy sees of each replica for this request (an excluded one is not routable)."""
         on_the_way: set[str] = set()
-        cached = self.predict_cached(prompt, replicas, now, on_the_way)
+        tiered: dict[str, int] = {}
+        cached = self.predict_cached(prompt, replicas, now, on_the_way, tiered)
         adapter = getattr(prompt, "adapter", None)
         views = [self.replicas[r].view(now, self.cfg.stale_s, cached.get(r, 0), r in excluded, adapter)
                  for r in replicas]
+        if tiered:
+            views = [replace(v, tier_tokens=tiered[v.url]) if v.url in tiered else v for v in views]
         if self.cfg.scoring.pull_token_cost <= 0:
             return views
         sources = sorted(((n, r) for r, n in cached.items() if n > 0 and self.replicas[r].ready), reverse=True)[:2]

@@ -19,22 +19,31 @@ class PrefixIndex:
         self._holders: dict[int, set[str]] = {}
         self._blocks: dict[str, set[int]] = {}
         self.params: dict[str, tuple[int, int]] = {}  # replica → (block_size, hash_seed) from its snapshot
+        self._tier: dict[str, set[int]] = {}  # replica → blocks its lower tier holds (events with a medium)
 
     # -- updates (from KV events) --------------------------------------------------------------------------
-    def reset(self, replica: str, block_hashes: Iterable[int], block_size: int, hash_seed: int) -> None:
-        """A snapshot: the replica holds exactly these blocks."""
+    def reset(self, replica: str, block_hashes: Iterable[int], block_size: int, hash_seed: int,
+              tier_hashes: Iterable[int] = ()) -> None:
+        """A snapshot: the replica holds exactly these blocks (and its lower tier those)."""
         self.drop(replica)
         self.params[replica] = (block_size, hash_seed)
         self.store(replica, block_hashes)
+        self.store(replica, tier_hashes, "tier")
 
-    def store(self, replica: str, block_hashes: Iterable[int]) -> None:
+    def store(self, replica: str, block_hashes: Iterable[int], medium: str | None = None) -> None:
+        if medium is not None:
+            self._tier.setdefault(replica, set()).update(block_hashes)
+            return
         mine = self._blocks.setdefault(replica, set())
         for h in block_hashes:
             if h not in mine:
                 mine.add(h)
                 self._holders.setdefault(h, set()).add(replica)
 
-    def remove(self, replica: str, block_hashes: Iterable[int]) -> None:
+    def remove(self, replica: str, block_hashes: Iterable[int], medium: str | None = None) -> None:
+        if medium is not None:
+            self._tier.get(replica, set()).difference_update(block_hashes)
+            return
         mine = self._blocks.get(replica)
         if mine is None:
             return
@@ -48,6 +57,7 @@ class PrefixIndex:
         for h in self._blocks.pop(replica, ()):
             self._discard_holder(h, replica)
         self._blocks[replica] = set()
+        self._tier.pop(replica, None)
 
     def drop(self, replica: str) -> None:
         """Forget the replica entirely (it left the fleet or its event stream broke)."""
@@ -72,6 +82,18 @@ class PrefixIndex:
     def matched_blocks(self, block_hashes: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
         """Per replica, how many leading blocks of the chain it holds."""
         return leading_matches(block_hashes, {r for r in replicas if r in self._blocks}, self._holders)
+
+    def tier_run(self, block_hashes: Sequence[int], replica: str, start: int) -> int:
+        """How many blocks of the chain from `start` on the replica's lower tier holds (it reloads them)."""
+        tier = self._tier.get(replica)
+        if not tier:
+            return 0
+        n = 0
+        for h in block_hashes[start:]:
+            if h not in tier:
+                break
+            n += 1
+        return n
 
 
 def leading_matches(block_hashes: Sequence[int], replicas: set[str],

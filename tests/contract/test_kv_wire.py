@@ -15,6 +15,9 @@ H64 = (1 << 64) + 12345  # past 64 bits: must not be truncated to a JSON number
 MESSAGES = [
     Snapshot(7, 16, (1 << 64) - 1, (1, H64, BIG)),
     Snapshot(0, 1, 0, ()),
+    Snapshot(3, 16, 0, (1,), (("DISK", (2, BIG)),)),  # what a lower tier holds
+    KVEvent(11, KVEventKind.STORED, (7,), None, None, "DISK"),
+    KVEvent(12, KVEventKind.REMOVED, (7,), medium="CPU"),
     KVEvent(8, KVEventKind.STORED, (H64, BIG), None),
     KVEvent(9, KVEventKind.STORED, (5,), BIG),
     KVEvent(10, KVEventKind.REMOVED, (BIG, 0)),

@@ -218,3 +218,29 @@ def test_a_full_replica_refuses_at_add_request_and_takes_requests_again_after(ti
             await eng.shutdown()
 
     run(main())
+
+
+def test_a_lower_tier_is_announced_and_snapshotted_with_its_medium(tiny):
+    """A pool of 8 blocks: the second prompt evicts the first's blocks into the host-memory tier (a `removed`
+    event, then `stored` with medium CPU); the snapshot a new subscriber gets lists them under CPU; the first prompt
+    again finds them reloaded (cached tokens), the same tokens as the first time."""
+    async def main():
+        eng = _engine(tiny, enable_prefix_caching=True, num_blocks=8, kv_tier_gib=0.01)
+        await eng.start()
+        try:
+            first = list(range(100, 165))  # 4 full blocks of 16
+            greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+            a = await _collect(eng, first, greedy, "t1")
+            await _collect(eng, list(range(300, 420)), greedy, "t2")  # 8 blocks: all of the first's go
+            _, _, q = eng.subscribe_kv_events()
+            tiers = dict(eng.tier_snapshot())
+            assert set(tiers) == {"CPU"} and len(tiers["CPU"]) == 4
+            again = await _collect(eng, first, greedy, "t3")
+            assert again[-1].num_cached_tokens == 64
+            assert [t for d in again for c in d.outputs for t in c.token_ids] == \
+                [t for d in a for c in d.outputs for t in c.token_ids]
+            assert eng.stats().tier_reloaded_blocks == 4 and eng.stats().tier_spilled_blocks >= 4
+        finally:
+            await eng.shutdown()
+
+    run(main())

@@ -39,6 +39,7 @@ class ReplicaView:
     adapter_missing: bool = False  # the request names a LoRA adapter this replica does not list (loaded on demand)
     adapter_slots_full: bool = False  # every LoRA slot there runs another adapter (vllm:lora_requests_info)
     peer_cached_tokens: int = 0  # the most of the prompt another ready replica holds (a pull's source)
+    tier_tokens: int = 0  # prompt tokens past cached_tokens its lower tier holds (a reload, not a prefill)
     peer_wait_tokens: int = 0  # the prefill ahead on that replica when its copy is on the way (still computing)
 
 

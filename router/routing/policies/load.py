@@ -100,7 +100,7 @@ def pulled_tokens(view: ReplicaView, req: RouteRequest, cfg: ScoringConfig) -> i
     pulls are on and their transfer costs less than prefilling them there (0 otherwise)."""
     if cfg.pull_token_cost <= 0:
         return 0
-    extra = min(view.peer_cached_tokens, cacheable_tokens(req.num_prompt_tokens)) - view.cached_tokens
+    extra = min(view.peer_cached_tokens, cacheable_tokens(req.num_prompt_tokens)) - view.cached_tokens - view.tier_tokens
     if extra <= 0 or cfg.pull_fixed_tokens + cfg.pull_token_cost * extra >= extra:
         return 0
     return extra
@@ -108,13 +108,14 @@ def pulled_tokens(view: ReplicaView, req: RouteRequest, cfg: ScoringConfig) -> i
 
 def cost(view: ReplicaView, load: Load, req: RouteRequest, cfg: ScoringConfig) -> float:
     """One score in prefill-token units: the uncached prompt (prefix affinity; a prefix pulled from a peer costs
-    its transfer instead, plus the peer's prefill ahead when its copy is still being computed), the load ahead, and the load of the request's LoRA adapter where the replica does not
+    its transfer instead, plus the peer's prefill ahead when its copy is still being computed; one its lower tier
+    holds, its reload), the load ahead, and the load of the request's LoRA adapter where the replica does not
     hold it (adapter affinity, spread when holders are busy), and a wait for a LoRA slot where every slot runs
     another adapter."""
     pulled = pulled_tokens(view, req, cfg)
-    uncached = max(req.num_prompt_tokens - view.cached_tokens - pulled, 0)
+    uncached = max(req.num_prompt_tokens - view.cached_tokens - view.tier_tokens - pulled, 0)
     pull = cfg.pull_fixed_tokens + cfg.pull_token_cost * pulled + view.peer_wait_tokens if pulled else 0.0
-    return (cfg.prefill_weight * uncached + pull + load.pending_tokens + cfg.kv_token_cost * load.kv_tokens
+    return (cfg.prefill_weight * uncached + pull + cfg.tier_token_cost * view.tier_tokens + load.pending_tokens + cfg.kv_token_cost * load.kv_tokens
             + cfg.waiting_cost_tokens * max(load.waiting - load.pending, 0) + cfg.running_cost_tokens * load.running
             + (ADAPTER_LOAD_COST_TOKENS if view.adapter_missing else 0)
             + (ADAPTER_SLOT_WAIT_COST_TOKENS if view.adapter_slots_full else 0))
@@ -147,5 +148,5 @@ def decision(views: Sequence[ReplicaView], loads: list[Load], req: RouteRequest,
              reason: Reason) -> Decision:
     v = views[i]
     pulled = pulled_tokens(v, req, cfg)
-    predicted = min(v.cached_tokens + pulled, cacheable_tokens(req.num_prompt_tokens))
+    predicted = min(v.cached_tokens + v.tier_tokens + pulled, cacheable_tokens(req.num_prompt_tokens))
     return Decision(v.url, reason, predicted, cost(v, loads[i], req, cfg), pulled)

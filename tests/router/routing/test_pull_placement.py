@@ -92,3 +92,25 @@ def test_in_flight_prefixes_are_off_without_pulls_or_without_inflight_s():
             p.on_load(r, EngineLoad(), 0.0, 0.0)
         p.on_routed(A, _request(), 0, 1.0)
         assert p.predict_cached(_request(), [A, B], 1.1) == {A: 0, B: 0}
+
+
+def test_blocks_a_lower_tier_holds_count_at_their_reload_cost():
+    """B's KV cache holds the first block, its lower tier the next three: a reload at 0.1 per token, not a prefill;
+    the tier's blocks come and go with events of their medium, and a snapshot's tiers restore them."""
+    p = Placement(POLICIES["kv"], PlacementConfig(ScoringConfig(tier_token_cost=0.1), BS, SEED))
+    p.set_members(DEFAULT_POOL, [A, B])
+    hashes = hash_blocks(TOKENS[:16], BS, None, SEED)
+    for r in (A, B):
+        p.on_health(r, True, 0.0)
+        p.on_kv_events(r, KVEventsState.LIVE)
+        p.on_load(r, EngineLoad(), 0.0, 0.0)
+    p.index.reset(A, (), BS, SEED)
+    p.index.reset(B, hashes[:1], BS, SEED, tier_hashes=hashes[1:])
+    d = p.choose(_request(), 0.0)
+    assert (d.url, d.predicted_cached_tokens) == (B, 16)
+    assert d.cost == 3 * 1 + 0.1 * 12  # the last token computed, 12 tokens reloaded
+    p.index.remove(B, hashes[2:3], "DISK")  # the tier let block 2 go: only block 1 reloads
+    d = p.choose(_request(), 0.0)
+    assert (d.url, d.predicted_cached_tokens) == (B, 8) and d.cost == 3 * 9 + 0.1 * 4
+    p.index.clear(B)
+    assert p.index.tier_run(hashes, B, 0) == 0

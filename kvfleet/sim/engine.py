@@ -9,6 +9,15 @@ the rest of `max_batched_tokens` on prefill chunks, in admission order; blocks t
 prefix cache at its end (as the engine registers them), and a finished sequence frees its blocks tail first.
 No preemption: the whole output's blocks are reserved at admission.
 
+With a lower tier (tier.py), admission also takes back the run of the prompt's blocks the tier holds right after
+the pool's own hit: they get pool blocks, enter the prefix cache and count as hits, and the step that admits them
+is longer by their reload time (latency + bytes / bandwidth per request). The engine reloads on its core between
+steps (engine/kv/offload.py) when a request arrives; the simulator when it admits it, so a reloaded block cannot
+be evicted again while the request waits.
+
+A sequence handed over already prefilled (`prefilled`: a decode replica's, in a disaggregated fleet) takes
+blocks for its prompt and output, caches nothing, and produces its first token in its first decode step.
+
 Runs of identical decode-only steps are planned as one stretch (until the first sequence finishes); an
 arrival cuts the stretch at the end of the step in progress, so the result is the same as stepping one by
 one, only faster.
@@ -21,16 +30,19 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from contract.kv_events import Snapshot
 from engine.kv.block_pool import BlockPool, KVCacheBlock
 from kvfleet.sim.cost import CostModel
+from kvfleet.sim.tier import MEDIUM, KVTier, TierSpec
 
 
 class SimSeq:
     __slots__ = ("rid", "hashes", "prompt", "output", "arrival", "computed", "generated", "blocks", "registered",
-                 "hit_blocks", "first_token_s", "done_s", "on_first", "on_done")
+                 "hit_blocks", "reloaded_blocks", "prefilled", "first_token_s", "done_s", "on_first", "on_done")
 
     def __init__(self, rid: int, hashes: tuple[int, ...], prompt: int, output: int, arrival: float,
-                 on_first: Callable[[SimSeq], None] | None = None, on_done: Callable[[SimSeq], None] | None = None):
+                 on_first: Callable[[SimSeq], None] | None = None, on_done: Callable[[SimSeq], None] | None = None,
+                 prefilled: bool = False):
         self.rid = rid
         self.hashes = hashes  # chained hashes of the prompt's cacheable blocks
         self.prompt = prompt
@@ -40,7 +52,9 @@ class SimSeq:
         self.generated = 0
         self.blocks: list[KVCacheBlock] = []
         self.registered = 0
-        self.hit_blocks = 0
+        self.hit_blocks = 0  # cached blocks it found at admission, reloaded ones included
+        self.reloaded_blocks = 0  # of those, the ones reloaded from the tier
+        self.prefilled = prefilled  # its prompt's KV arrives computed (a decode replica's sequence)
         self.first_token_s: float | None = None
         self.done_s: float | None = None
         self.on_first = on_first
@@ -58,13 +72,20 @@ class _Plan:
 
 class SimEngine:
     def __init__(self, name: str, num_blocks: int, block_size: int, cost: CostModel, max_num_seqs: int = 128,
-                 max_batched_tokens: int = 2048):
+                 max_batched_tokens: int = 2048, tier: TierSpec | None = None):
         self.name = name
         self.block_size = block_size
         self.cost = cost
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
+        self.tier_spec = tier
         self.pool = BlockPool(num_blocks)
+        self.tier: KVTier | None = None
+        if tier is not None:
+            self.tier = KVTier(tier.blocks(num_blocks), self.pool.events)
+            self.pool.on_evict = self.tier.spill
+        self.reload_s = 0.0  # reload time the next planned step carries (sequences it admitted from the tier)
+        self.reloaded_blocks = 0
         self.waiting: deque[SimSeq] = deque()
         self.running: list[SimSeq] = []
         self.plan: _Plan | None = None
@@ -107,8 +128,10 @@ class SimEngine:
                 c = min(s.prompt - s.computed, budget)
                 chunks.append((s, c))
                 budget -= c
-        steps = 1 if chunks else min(s.output - s.generated for s in decode)
-        dt = self.cost.step_s(sum(c for _, c in chunks), len(decode))
+        one = bool(chunks) or self.reload_s > 0 or any(s.generated == 0 for s in decode)  # first tokens: step by step
+        steps = 1 if one else min(s.output - s.generated for s in decode)
+        dt = self.cost.step_s(sum(c for _, c in chunks), len(decode)) + self.reload_s
+        self.reload_s = 0.0
         self.plan = _Plan(now, dt, steps, decode, chunks)
         self.version += 1
         return now + dt * steps
@@ -122,6 +145,9 @@ class SimEngine:
         firsts: list[SimSeq] = []
         done: list[SimSeq] = []
         for s in p.decode:
+            if s.generated == 0:  # handed over prefilled: this step made its first token
+                s.first_token_s = now
+                firsts.append(s)
             s.generated += p.steps
             if s.generated >= s.output:
                 done.append(s)
@@ -161,6 +187,11 @@ class SimEngine:
         self.pool.free_blocks(reversed(blocks))
         return n
 
+    def snapshot(self, block_size: int, hash_seed: int) -> Snapshot:
+        """What a new subscriber to the engine's KV events gets: the pool's blocks, and the tier's with its medium."""
+        tiers = ((MEDIUM, tuple(self.tier.hashes())),) if self.tier is not None else ()
+        return Snapshot(self.pool.events.last_seq, block_size, hash_seed, tuple(self.pool.cached), tiers)
+
     def _admit(self) -> None:
         pool = self.pool
         while self.waiting and len(self.running) < self.max_num_seqs:
@@ -176,10 +207,26 @@ class SimEngine:
                 return  # head of line waits for blocks to free
             self.waiting.popleft()
             pool.touch(hits)
+            reload = self._reload(s.hashes[len(hits):])  # before allocating: its evictions may fill the tier
             s.blocks = hits + pool.get_new_blocks(new)
-            s.hit_blocks = s.registered = len(hits)
-            s.computed = len(hits) * self.block_size
+            if reload:
+                parent = s.hashes[len(hits) - 1] if hits else None
+                pool.cache_blocks(s.blocks[len(hits):len(hits) + len(reload)], reload, [(h,) for h in reload],
+                                  parent)
+            s.hit_blocks = s.registered = len(hits) + len(reload)
+            s.reloaded_blocks = len(reload)
+            s.computed = s.prompt if s.prefilled else s.registered * self.block_size
             self.running.append(s)
+
+    def _reload(self, hashes: tuple[int, ...]) -> list[int]:
+        """The leading run of `hashes` the tier holds; their reload time goes to the next step."""
+        if self.tier is None or self.tier_spec is None:
+            return []
+        taken = self.tier.take(hashes)
+        if taken:
+            self.reload_s += self.tier_spec.link.seconds(len(taken) * self.block_size)
+            self.reloaded_blocks += len(taken)
+        return taken
 
     def _register(self, s: SimSeq) -> None:
         full = min(s.computed // self.block_size, len(s.hashes))

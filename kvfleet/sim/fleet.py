@@ -1,5 +1,6 @@
 """The fleet simulator: a discrete-event loop that routes a `SimWorkload` over simulated engines
-(kvfleet/sim/engine.py), optionally autoscaled by the chart's HPA (deploy/hpa.py).
+(kvfleet/sim/engine.py), optionally autoscaled by the chart's HPA (deploy/hpa.py), with peer pulls (link.py),
+a lower KV tier per engine (tier.py) or prefill/decode disaggregation (disagg.py).
 
 The router side (router.py) is the live router's own placement core (router/routing/placement.py), fed as the
 HTTP router feeds it: a scrape of every replica's load each `scrape_interval_s` and each engine's KV events at
@@ -11,16 +12,18 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from contract.kv_events import Snapshot
 from deploy.hpa import HPA, HPASpec, MetricTarget, ScalingRules
 from kvfleet.sim.cost import CostModel
+from kvfleet.sim.disagg import Disagg
 from kvfleet.sim.engine import SimEngine, SimSeq
+from kvfleet.sim.link import PullLink
 from kvfleet.sim.router import SIM_HASH_SEED, SimRouter
-from kvfleet.sim.workload import SimWorkload
+from kvfleet.sim.slo import Latency, percentile
+from kvfleet.sim.tier import TierSpec
+from kvfleet.sim.workload import SimWorkload, Turn
 from router.config import ScoringConfig
 from router.routing.placement import HashedPrompt
 from router.routing.policies import POLICIES
@@ -49,32 +52,6 @@ class Autoscale:
 
 
 @dataclass(frozen=True)
-class PullLink:
-    """The link a peer pull crosses (issue 31): a pull of n prompt tokens takes latency_s + n * kv_bytes_per_token /
-    bandwidth_bytes_s. Defaults: SmolLM2-135M's KV (30 layers x 2 x 3 kv heads x 64 x 2 bytes) over a TCP link of
-    1 GB/s with 2 ms to set up."""
-
-    bandwidth_bytes_s: float = 1e9
-    latency_s: float = 0.002
-    kv_bytes_per_token: int = 23_040
-
-    def __post_init__(self) -> None:
-        for name in ("bandwidth_bytes_s", "kv_bytes_per_token"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"PullLink.{name}: must be > 0, got {getattr(self, name)}")
-        if not self.latency_s >= 0:
-            raise ValueError(f"PullLink.latency_s: must be >= 0, got {self.latency_s}")
-
-    def seconds(self, tokens: int) -> float:
-        return self.latency_s + tokens * self.kv_bytes_per_token / self.bandwidth_bytes_s
-
-    def scoring(self, scoring: ScoringConfig, cost: CostModel) -> ScoringConfig:
-        """The routing score's pull costs, in prefill-token units of `cost`."""
-        return replace(scoring, pull_token_cost=self.kv_bytes_per_token / self.bandwidth_bytes_s / cost.prefill_token_s,
-                       pull_fixed_tokens=self.latency_s / cost.prefill_token_s)
-
-
-@dataclass(frozen=True)
 class SimConfig:
     replicas: int
     policy: str
@@ -88,12 +65,20 @@ class SimConfig:
     approx_max_blocks: int = 200_000
     autoscale: Autoscale | None = None
     pull: PullLink | None = None  # peer pulls over this link (None: a replica computes what it lacks)
+    tier: TierSpec | None = None  # a lower KV tier on every replica (None: evicted blocks are gone)
+    disagg: Disagg | None = None  # prefill/decode disaggregation (None: every replica does both)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy: must be one of {sorted(POLICIES)}, got {self.policy!r}")
         if self.replicas < 1:
             raise ValueError(f"replicas: must be >= 1, got {self.replicas}")
+        if self.disagg is not None:
+            if self.disagg.prefill_replicas >= self.replicas:
+                raise ValueError(f"disagg: {self.disagg.prefill_replicas} prefill replicas leave none of "
+                                 f"{self.replicas} to decode")
+            if self.autoscale is not None:
+                raise ValueError("disagg: autoscaling a disaggregated fleet is not modelled")
         self.scoring.validate()
 
 
@@ -104,7 +89,10 @@ class TurnResult:
     replica: str
     arrival_s: float
     ttft_s: float | None = None
+    tpot_s: float | None = None  # (last token - first token) / (output tokens - 1); None for one-token outputs
     hit_blocks: int = 0
+    reloaded_blocks: int = 0  # of the hits, blocks reloaded from the replica's tier
+    decode_replica: str | None = None  # disaggregated: the replica that decoded it
     num_blocks: int = 0
     predicted_cached_tokens: int = 0
 
@@ -116,8 +104,13 @@ class Simulator:
         self.bs = workload.block_size
         self.num_blocks = max(cfg.kv_tokens_per_replica // self.bs, 1)
         scoring = cfg.pull.scoring(cfg.scoring, cfg.cost) if cfg.pull is not None else cfg.scoring
+        scoring = cfg.tier.scoring(scoring, cfg.cost) if cfg.tier is not None else scoring
         self.router = SimRouter(cfg.policy, scoring, self.bs, SIM_HASH_SEED, cfg.scrape_stale_s,
                                 cfg.approx_max_blocks)
+        # disaggregated: `router` places over the prefill replicas, `decode_router` over the decode ones
+        self.decode_router = SimRouter(cfg.disagg.decode_policy, cfg.scoring, self.bs, SIM_HASH_SEED,
+                                       cfg.scrape_stale_s, cfg.approx_max_blocks) if cfg.disagg is not None else None
+        self.routers: dict[str, SimRouter] = {}  # replica -> the router its KV events and loads go to
         self.pulls = self.pulled_blocks = 0
         self.engines: dict[str, SimEngine] = {}
         self._events: list[tuple[float, int, Callable[[float], None]]] = []
@@ -149,8 +142,9 @@ class Simulator:
         heapq.heappush(self._events, (t, next(self._seq), fn))
 
     def run(self) -> dict:
-        for _ in range(self.cfg.replicas):
-            self._add_replica(0.0)
+        prefill = self.cfg.disagg.prefill_replicas if self.cfg.disagg is not None else self.cfg.replicas
+        for i in range(self.cfg.replicas):
+            self._add_replica(0.0, decode=i >= prefill)
         self.replicas_over_time.append((0.0, len(self.members)))
         sessions = self.wl.sessions
         self._pending_sessions = len(sessions)
@@ -176,12 +170,17 @@ class Simulator:
             self._arrive(t, self._queue.pop(), 0)
 
     # -- replicas ------------------------------------------------------------------------------------------
-    def _add_replica(self, t: float) -> None:
-        url = f"http://replica-{len(self.engines):03d}"
+    def _add_replica(self, t: float, decode: bool = False) -> None:
         cfg = self.cfg
+        if cfg.disagg is None:
+            url = f"http://replica-{len(self.engines):03d}"
+        else:
+            url = f"http://{'decode' if decode else 'prefill'}-{len(self.engines):03d}"
         self.engines[url] = SimEngine(url, self.num_blocks, self.bs, cfg.cost, cfg.max_num_seqs,
-                                      cfg.max_batched_tokens)
-        self.router.join(url, t)
+                                      cfg.max_batched_tokens, tier=None if decode else cfg.tier)
+        router = self.decode_router if decode and self.decode_router is not None else self.router
+        self.routers[url] = router
+        router.join(url, t)
         self._scrape_one(url, t)
 
     def _remove_replica(self) -> None:
@@ -191,10 +190,10 @@ class Simulator:
         e = self.engines[url]
         load = EngineLoad(kv_usage=e.pool.usage, running=len(e.running), waiting=len(e.waiting),
                           kv_capacity_tokens=float(e.pool.num_blocks * self.bs), engine="kvfleet")
-        self.router.on_scrape(url, load, t)
+        self.routers[url].on_scrape(url, load, t)
 
     def _scrape(self, t: float) -> None:
-        for url in self.members:
+        for url in self.members + (self.decode_router.members if self.decode_router is not None else []):
             self._scrape_one(url, t)
         if self._pending_sessions:
             self.at(t + self.cfg.scrape_interval_s, self._scrape)
@@ -254,17 +253,18 @@ class Simulator:
             self.follow_ups_home += self._last_replica.get(si) == d.url
         self._last_replica[si] = d.url
 
+        disagg = self.cfg.disagg is not None
+
         def done(seq: SimSeq) -> None:
             router.on_done(d.url, ticket)
-            first, end = seq.first_token_s, seq.done_s
-            if first is None or end is None:  # the engine sets both before it calls on_done
-                raise RuntimeError(f"sequence {seq.rid} done without its first-token and end times")
-            res.ttft_s = first - seq.arrival
-            res.hit_blocks = seq.hit_blocks
-            self._turn_done(end, si, ti)
+            res.hit_blocks, res.reloaded_blocks = seq.hit_blocks, seq.reloaded_blocks
+            if disagg:  # prefilled: the KV goes on to a decode replica
+                self._hand_over(_times(seq)[1], prompt, turn, res, si, ti)
+            else:
+                self._finished(seq, res, si, ti)
 
-        seq = SimSeq(next(self._rid), turn.block_hashes, turn.prompt_tokens, turn.output_tokens, t,
-                     lambda _: router.on_first_token(d.url, ticket), done)
+        seq = SimSeq(next(self._rid), turn.block_hashes, turn.prompt_tokens, 1 if disagg else turn.output_tokens,
+                     t, lambda _: router.on_first_token(d.url, ticket), done)
         if not engine.fits(seq):
             self.dropped += 1
             router.on_done(d.url, ticket)
@@ -275,6 +275,35 @@ class Simulator:
             self.at(t + self.cfg.pull.seconds(d.pull_tokens), lambda t2: self._pulled(engine, source, seq, t2))
             return
         self._schedule(engine, engine.add(seq, t))
+
+    def _hand_over(self, t: float, prompt: HashedPrompt, turn: Turn, res: TurnResult, si: int, ti: int) -> None:
+        """A prefill replica finished the prompt at `t`: a decode replica is chosen, the prompt's KV crosses the
+        link, and the request queues there to decode its whole output."""
+        router, disagg = self.decode_router, self.cfg.disagg
+        if router is None or disagg is None:  # only a disaggregated fleet hands requests over
+            raise RuntimeError("hand-over in a colocated fleet")
+        d, ticket = router.route(prompt, t)
+        engine = self.engines[d.url]
+        res.decode_replica = d.url
+
+        def done(seq: SimSeq) -> None:
+            router.on_done(d.url, ticket)
+            self._finished(seq, res, si, ti)
+
+        seq = SimSeq(next(self._rid), (), turn.prompt_tokens, turn.output_tokens, res.arrival_s,
+                     lambda _: router.on_first_token(d.url, ticket), done, prefilled=True)
+        if not engine.fits(seq):
+            self.dropped += 1
+            router.on_done(d.url, ticket)
+            self._turn_done(t, si, ti)
+            return
+        self.at(t + disagg.link.seconds(turn.prompt_tokens), lambda t2: self._schedule(engine, engine.add(seq, t2)))
+
+    def _finished(self, seq: SimSeq, res: TurnResult, si: int, ti: int) -> None:
+        first, end = _times(seq)
+        res.ttft_s = first - res.arrival_s
+        res.tpot_s = (end - first) / (seq.output - 1) if seq.output > 1 else None
+        self._turn_done(end, si, ti)
 
     def _pulled(self, engine: SimEngine, source: SimEngine, seq: SimSeq, t: float) -> None:
         """The pull has crossed the link: what the source still holds past the engine's own prefix is now cached
@@ -304,17 +333,21 @@ class Simulator:
         if version != engine.version:
             return  # the stretch was cut short by an arrival; its new end is scheduled
         engine.finish(t)
-        pool = engine.pool
-        if not self.router.on_kv_events(engine.name, pool.events.drain_events()):  # events were dropped: resync
-            self.router.on_kv_events(engine.name, [Snapshot(pool.events.last_seq, self.bs, SIM_HASH_SEED,
-                                                            tuple(pool.cached))])
+        pool, router = engine.pool, self.routers[engine.name]
+        if not router.on_kv_events(engine.name, pool.events.drain_events()):  # events were dropped: resync
+            router.on_kv_events(engine.name, [engine.snapshot(self.bs, SIM_HASH_SEED)])
         self._schedule(engine, engine.start(t))
 
     # -- results -------------------------------------------------------------------------------------------
+    def latencies(self) -> list[Latency]:
+        """Every request's TTFT and TPOT (None: dropped, or one output token), in arrival order."""
+        return [Latency(r.ttft_s, r.tpot_s) for r in self.results]
+
     def summary(self) -> dict:
         done = [r for r in self.results if r.ttft_s is not None]
         ttfts = sorted(r.ttft_s for r in done if r.ttft_s is not None)
-        per_replica: dict[str, int] = dict.fromkeys(self.engines, 0)
+        tpots = sorted(r.tpot_s for r in done if r.tpot_s is not None)
+        per_replica: dict[str, int] = {u: 0 for u, r in self.routers.items() if r is self.router}
         for r in self.results:
             per_replica[r.replica] += 1
         counts = list(per_replica.values())
@@ -324,22 +357,35 @@ class Simulator:
             "policy": self.cfg.policy, "replicas": self.cfg.replicas, "requests": len(self.results),
             "completed": len(done), "dropped": self.dropped,
             "block_hit_rate": round(sum(r.hit_blocks for r in done) / blocks, 4) if blocks else 0.0,
-            "ttft_p50": round(_pct(ttfts, 0.5), 4), "ttft_p99": round(_pct(ttfts, 0.99), 4),
+            "ttft_p50": round(percentile(ttfts, 0.5), 4), "ttft_p99": round(percentile(ttfts, 0.99), 4),
             "ttft_mean": round(sum(ttfts) / len(ttfts), 4) if ttfts else 0.0,
             "max_over_mean_load": round(max(counts) / (sum(counts) / len(counts)), 3) if sum(counts) else 0.0,
             "max_over_mean_prefill": round(max(prefill) / (sum(prefill) / len(prefill)), 3) if sum(prefill) else 0.0,
             "follow_ups_home": round(self.follow_ups_home / self.follow_ups, 4) if self.follow_ups else None,
             "pulls": self.pulls, "pulled_blocks": self.pulled_blocks,
             "sim_seconds": round(self.end_s, 3),
-            "mean_busy": round(sum(e.busy_s for e in self.engines.values()) / len(self.engines) / self.end_s, 3)
-            if self.end_s else 0.0,
+            "mean_busy": _busy(list(self.engines.values()), self.end_s),
+            "ttft_p90": round(percentile(ttfts, 0.9), 4),
+            "tpot_p50": round(percentile(tpots, 0.5), 4), "tpot_p90": round(percentile(tpots, 0.9), 4),
         }
+        if self.cfg.tier is not None:
+            out["tier_reloaded_blocks"] = sum(e.reloaded_blocks for e in self.engines.values())
+        if self.decode_router is not None:
+            decode = set(self.decode_router.members)
+            out["prefill_replicas"] = self.cfg.replicas - len(decode)
+            out["mean_busy_prefill"] = _busy([e for u, e in self.engines.items() if u not in decode], self.end_s)
+            out["mean_busy_decode"] = _busy([e for u, e in self.engines.items() if u in decode], self.end_s)
         if self.cfg.autoscale is not None:
             out["replicas_over_time"] = [[round(t, 1), n] for t, n in self.replicas_over_time]
         return out
 
 
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+def _times(seq: SimSeq) -> tuple[float, float]:
+    """(first token, last token) of a finished sequence."""
+    if seq.first_token_s is None or seq.done_s is None:  # the engine sets both before it calls on_done
+        raise RuntimeError(f"sequence {seq.rid} done without its first-token and end times")
+    return seq.first_token_s, seq.done_s
+
+
+def _busy(engines: list[SimEngine], span_s: float) -> float:
+    return round(sum(e.busy_s for e in engines) / len(engines) / span_s, 3) if engines and span_s else 0.0

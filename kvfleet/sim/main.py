@@ -4,6 +4,8 @@
         --policy kv --json
     kvfleet sim --format sessions --sessions 2000 --session-rate 2 --replicas 8 --policy kv --json
     kvfleet sim --format mooncake --replicas 8 --autoscale --min-replicas 8 --max-replicas 64 --json
+    kvfleet sim --format mooncake --replicas 16 --tier-factor 4 --json          # a lower KV tier, 4x the pool
+    kvfleet sim --format mooncake --replicas 16 --disagg-prefill 3:1 --ttft-slo 60 --tpot-slo 0.2 --json
 
 The Mooncake trace is `--trace`, else $KVFLEET_MOONCAKE_TRACE, else ../shared/traces/ beside the checkout.
 """
@@ -17,7 +19,11 @@ import sys
 import time
 
 from kvfleet.sim.cost import COST_MODELS
-from kvfleet.sim.fleet import Autoscale, PullLink, SimConfig, Simulator
+from kvfleet.sim.disagg import Disagg, prefill_count
+from kvfleet.sim.fleet import Autoscale, SimConfig, Simulator
+from kvfleet.sim.link import PullLink
+from kvfleet.sim.slo import SLO, attainment
+from kvfleet.sim.tier import TierSpec
 from kvfleet.sim.workload import mooncake, multi_turn
 from router.config import ScoringConfig
 from router.routing.policies import POLICIES
@@ -65,6 +71,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--pull-gbps", type=float, default=1.0, help="the pull link's bandwidth, GB/s")
     ap.add_argument("--pull-latency-ms", type=float, default=2.0, help="the pull link's set-up time per pull")
     ap.add_argument("--kv-bytes-per-token", type=int, default=23_040, help="KV bytes per token (SmolLM2-135M's)")
+    ap.add_argument("--tier-factor", type=float, default=0.0,
+                    help="a lower KV tier on each replica of F x its pool's KV (0: none); evicted blocks go there")
+    ap.add_argument("--tier-gbps", type=float, default=2.0, help="the tier's reload bandwidth, GB/s")
+    ap.add_argument("--tier-latency-ms", type=float, default=1.0, help="the tier's set-up time per reload")
+    ap.add_argument("--disagg-prefill", default=None, metavar="P|P:D",
+                    help="disaggregate: P prefill replicas (or a prefill:decode ratio), the rest decode; the KV "
+                         "moves over the pull link (--pull-gbps, --pull-latency-ms)")
+    ap.add_argument("--decode-policy", choices=sorted(POLICIES), default="least-load",
+                    help="how a disaggregated fleet picks the decode replica")
+    ap.add_argument("--ttft-slo", type=float, default=None, help="with --tpot-slo: report the SLO attainment")
+    ap.add_argument("--tpot-slo", type=float, default=None)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     return ap.parse_args(argv)
 
@@ -89,16 +106,26 @@ def build(a: argparse.Namespace) -> Simulator:
     if a.autoscale:
         autoscale = Autoscale(a.min_replicas, a.max_replicas, a.target_kv_usage, a.target_waiting,
                               a.scale_down_stabilization_s, start_s=a.replica_start_s)
+    link = PullLink(a.pull_gbps * 1e9, a.pull_latency_ms / 1e3, a.kv_bytes_per_token)
+    tier = TierSpec(a.tier_factor, PullLink(a.tier_gbps * 1e9, a.tier_latency_ms / 1e3, a.kv_bytes_per_token)) \
+        if a.tier_factor > 0 else None
+    disagg = Disagg(prefill_count(a.disagg_prefill, a.replicas), link, a.decode_policy) \
+        if a.disagg_prefill is not None else None
     cfg = SimConfig(a.replicas, a.policy, COST_MODELS[a.cost_model].scaled(a.speedup), a.kv_tokens_per_replica,
                     ScoringConfig(**overrides), a.max_num_seqs, a.max_batched_tokens, autoscale=autoscale,
-                    pull=PullLink(a.pull_gbps * 1e9, a.pull_latency_ms / 1e3, a.kv_bytes_per_token) if a.pull else None)
+                    pull=link if a.pull else None, tier=tier, disagg=disagg)
     return Simulator(cfg, wl)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if (a.ttft_slo is None) != (a.tpot_slo is None):
+        raise SystemExit("kvfleet sim: give both --ttft-slo and --tpot-slo, or neither")
     t0 = time.perf_counter()
-    out = build(a).run()
+    sim = build(a)
+    out = sim.run()
+    if a.ttft_slo is not None and a.tpot_slo is not None:
+        out["slo_attainment"] = round(attainment(sim.latencies(), SLO(a.ttft_slo, a.tpot_slo)), 4)
     out["wall_seconds"] = round(time.perf_counter() - t0, 1)
     if a.json:
         print(json.dumps(out))

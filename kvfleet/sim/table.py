@@ -6,14 +6,17 @@
     python -m kvfleet.sim.table --format sessions --sessions 16 --concurrency 4 --output-tokens 8 \\
         --replicas 2 --policies kv,round-robin --seeds 0-9 --reference      # issue 15's two slow engines
     python -m kvfleet.sim.table --format mooncake --replicas 64 --offered-load 0.9 --policies kv,kv+pull
+    python -m kvfleet.sim.table --format mooncake --replicas 16,64 --offered-load 0.9 --policies kv,kv+tier,kv+pull+tier
 
 `--offered-load L` sets each run's engine speed so that the workload's prompt tokens, prefilled with no cache
 at all, would keep the fleet busy a fraction L of the trace's span (the cost model's speed otherwise):
 the same work per replica at every fleet size, so the columns differ by how the cache splits, not by load.
 `--reference` adds one replica (the same KV per replica) running the whole workload: its hit rate is the
 "one engine" reference of loadtest/vllm_fleet.py. A policy written `NAME+pull` runs with peer pulls over a link
-of `--pull-gbps` and `--pull-latency-ms` (kvfleet/sim/fleet.py's PullLink); the `pulled` column counts the blocks
-pulled instead of computed (they count as hits).
+of `--pull-gbps` and `--pull-latency-ms` (kvfleet/sim/link.py's PullLink); the `pulled` column counts the blocks
+pulled instead of computed (they count as hits). `NAME+tier` gives every replica a lower KV tier of
+`--tier-factor` x its KV, reloaded at `--tier-gbps` and `--tier-latency-ms` (kvfleet/sim/tier.py); a `reloaded`
+column counts the blocks reloaded from tiers instead of computed (they count as hits too). `NAME+pull+tier`: both.
 """
 
 from __future__ import annotations
@@ -24,11 +27,14 @@ import sys
 import time
 
 from kvfleet.sim.cost import COST_MODELS
-from kvfleet.sim.fleet import PullLink, SimConfig, Simulator
+from kvfleet.sim.fleet import SimConfig, Simulator
+from kvfleet.sim.link import PullLink
+from kvfleet.sim.tier import TierSpec
 from kvfleet.sim.workload import SimWorkload, mooncake, multi_turn
 from router.config import ScoringConfig
 
 ALL = "kv,approx-prefix,session,least-load,round-robin"
+EXTRAS = ("pull", "tier")  # what a policy may add after a "+"
 
 
 def _ints(spec: str) -> list[int]:
@@ -66,8 +72,17 @@ def agg(outs: list[dict], key: str, fmt: str = "{:.3f}") -> str:
     return f"{fmt.format(statistics.mean(vals))} ({fmt.format(min(vals))}-{fmt.format(max(vals))})"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def policy_spec(policy: str) -> tuple[str, set[str]]:
+    """`kv+pull+tier` -> ("kv", {"pull", "tier"})."""
+    name, *extras = policy.split("+")
+    unknown = set(extras) - set(EXTRAS)
+    if unknown:
+        raise SystemExit(f"policy {policy!r}: unknown {'+'.join(sorted(unknown))} (after '+': {', '.join(EXTRAS)})")
+    return name, set(extras)
+
+
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The workload's flags (what `workload()` reads), shared with goodput.py."""
     ap.add_argument("--format", choices=("mooncake", "sessions"), default="mooncake")
     ap.add_argument("--trace", default=None)
     ap.add_argument("--limit", type=int, default=None)
@@ -83,6 +98,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--session-rate", type=float, default=None)
     ap.add_argument("--concurrency", type=int, default=None)
     ap.add_argument("--block-size", type=int, default=32)
+
+
+def add_link_args(ap: argparse.ArgumentParser) -> None:
+    """The pull link's flags, shared with goodput.py (its prefill -> decode hand-off crosses the same link)."""
+    ap.add_argument("--pull-gbps", type=float, default=1.0, help="the pull link (NAME+pull, hand-offs), GB/s")
+    ap.add_argument("--pull-latency-ms", type=float, default=2.0)
+    ap.add_argument("--kv-bytes-per-token", type=int, default=23_040)
+
+
+def pull_link(a: argparse.Namespace) -> PullLink:
+    return PullLink(a.pull_gbps * 1e9, a.pull_latency_ms / 1e3, a.kv_bytes_per_token)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_workload_args(ap)
     ap.add_argument("--replicas", default="8,16,64")
     ap.add_argument("--policies", default=ALL)
     ap.add_argument("--seeds", default="0")
@@ -91,9 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cost-model", choices=sorted(COST_MODELS), default="smollm2-1core")
     ap.add_argument("--offered-load", type=float, default=None)
     ap.add_argument("--prefill-weight", type=float, default=None, help="override ScoringConfig.prefill_weight")
-    ap.add_argument("--pull-gbps", type=float, default=1.0, help="the pull link of NAME+pull policies, GB/s")
-    ap.add_argument("--pull-latency-ms", type=float, default=2.0)
-    ap.add_argument("--kv-bytes-per-token", type=int, default=23_040)
+    add_link_args(ap)
+    ap.add_argument("--tier-factor", type=float, default=4.0, help="NAME+tier: each tier holds F x the replica's KV")
+    ap.add_argument("--tier-gbps", type=float, default=2.0, help="NAME+tier: the tier's reload bandwidth, GB/s")
+    ap.add_argument("--tier-latency-ms", type=float, default=1.0, help="NAME+tier: set-up time per reload")
     a = ap.parse_args(argv)
     if a.format == "sessions" and a.session_rate is None and a.concurrency is None:
         a.concurrency = 4
@@ -104,10 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     runs = [(1, "kv")] if a.reference else []
     reference: list[dict] = []
     runs += [(n, p) for n in _ints(a.replicas) for p in a.policies.split(",")]
+    tiered = any("tier" in policy_spec(p)[1] for _, p in runs)
     print("| replicas | policy | block hit rate | TTFT p50 | TTFT p99 | max/mean load | follow-ups home | "
-          "speedup | mean busy | pulled |" + (" hit / one replica |" if a.reference else ""))
-    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if a.reference else ""))
-    link = PullLink(a.pull_gbps * 1e9, a.pull_latency_ms / 1e3, a.kv_bytes_per_token)
+          "speedup | mean busy | pulled |" + (" reloaded |" if tiered else "")
+          + (" hit / one replica |" if a.reference else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if tiered else "") + ("---|" if a.reference else ""))
+    link = pull_link(a)
+    tier = TierSpec(a.tier_factor, PullLink(a.tier_gbps * 1e9, a.tier_latency_ms / 1e3, a.kv_bytes_per_token))
     for n, policy in runs:
         rows = []
         t0 = time.perf_counter()
@@ -115,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
             wl = wls[seed]
             s = speedup(wl, n if not (a.reference and n == 1) else _ints(a.replicas)[0], a.offered_load,
                         cost.prefill_token_s)
-            name, _, pull = policy.partition("+")
+            name, extras = policy_spec(policy)
             cfg = SimConfig(n, name, cost.scaled(s), a.kv_tokens_per_replica, scoring,
-                            pull=link if pull == "pull" else None)
+                            pull=link if "pull" in extras else None, tier=tier if "tier" in extras else None)
             rows.append((Simulator(cfg, wl).run(), s))
         outs = [r for r, _ in rows]
         if a.reference and n == 1:
@@ -130,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{agg(outs, 'ttft_p99', '{:.1f}')} s | {agg(outs, 'max_over_mean_load', '{:.2f}')} | "
               f"{agg(outs, 'follow_ups_home')} | {rows[0][1]:.2f} | {agg(outs, 'mean_busy', '{:.2f}')} | "
               f"{agg(outs, 'pulled_blocks', '{:.0f}')} |"
+              + (f" {agg(outs, 'tier_reloaded_blocks', '{:.0f}')} |" if tiered else "")
               + (f" {agg(outs, 'hit_over_reference')} |" if a.reference else ""), flush=True)
         print(f"<!-- {n} {policy}: {time.perf_counter() - t0:.0f} s -->", file=sys.stderr)
     return 0

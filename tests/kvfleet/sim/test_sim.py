@@ -122,7 +122,7 @@ def test_a_follow_up_pulls_its_history_to_the_idle_replica():
     """test_prefill_weight_keeps_a_follow_up_home_behind_a_short_queue's case with peer pulls over a link of
     1 MB/s, 1 ms set-up, 100 bytes per token (0.1 prefill tokens per pulled token, 1 per pull): A's follow-up
     costs 3 * 13 + 1 + 3.2 at the idle replica against 76 at home, goes there and pulls its 8 blocks first."""
-    from kvfleet.sim.fleet import PullLink
+    from kvfleet.sim.link import PullLink
 
     hist = tuple(range(1, 9))
     wl = SimWorkload((_one_turn(0.0, 33, 1, hist, 8), _one_turn(0.6, 17, 1, (1, 2, 3, 100), 4),

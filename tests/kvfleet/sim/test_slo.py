@@ -1,0 +1,52 @@
+"""SLO attainment and goodput (DistServe's definitions) on hand-made latencies, and the goodput table's run."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfleet.sim.goodput import at_rate, main, request_rate
+from kvfleet.sim.slo import SLO, Latency, attainment, goodput, percentile
+from kvfleet.sim.workload import Session, SimWorkload
+
+
+def test_attainment_needs_both_targets():
+    slo = SLO(ttft_s=1.0, tpot_s=0.1)
+    lat = [Latency(0.5, 0.05), Latency(1.0, 0.1),  # met (the targets are inclusive)
+           Latency(1.5, 0.05), Latency(0.5, 0.2),  # TTFT missed, TPOT missed
+           Latency(None, None),  # dropped: missed
+           Latency(0.9, None)]  # one output token: judged on TTFT alone
+    assert attainment(lat, slo) == pytest.approx(3 / 6)
+    assert attainment([], slo) == 0.0
+    assert slo.scaled(4.0) == SLO(0.25, 0.025)
+
+
+def test_goodput_is_the_highest_rate_before_the_first_shortfall():
+    points = [(4.0, 0.91), (1.0, 0.95), (3.0, 0.85), (2.0, 0.90)]
+    assert goodput(points, 0.9) == 2.0  # 4.0 meets the goal again, past a shortfall: not counted
+    assert goodput([(1.0, 0.5)], 0.9) == 0.0
+    assert goodput([(1.0, 1.0), (2.0, 0.99)], 0.9) == 2.0
+
+
+def test_percentile_is_nearest_rank():
+    xs = [float(i) for i in range(1, 11)]
+    assert (percentile(xs, 0.5), percentile(xs, 0.9), percentile(xs, 0.99), percentile([], 0.9)) == (5.0, 9.0, 10.0, 0.0)
+
+
+def test_slo_rejects_bad_targets():
+    for args in ((0.0, 0.1), (1.0, -1.0), (1.0, 0.1, 0.0)):
+        with pytest.raises(ValueError):
+            SLO(*args)
+
+
+def test_at_rate_divides_arrival_times():
+    wl = SimWorkload((Session(None, 0.0, ()), Session(None, 10.0, ())), block_size=4)
+    fast = at_rate(wl, 2.0)
+    assert [s.start_s for s in fast.sessions] == [0.0, 5.0]
+    assert request_rate(wl) == 0.0 and fast.block_size == 4
+
+
+def test_goodput_table(capsys):
+    assert main(["--format", "sessions", "--sessions", "6", "--session-rate", "2", "--output-tokens", "4",
+                 "--replicas", "4", "--splits", "colocated,1:1", "--rates", "0.5,1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 4 |")]
+    assert [row.split(" | ")[1] for row in rows] == ["colocated", "1:1 (2P + 2D)"]

@@ -77,6 +77,18 @@ CACHE = [
           (q(f"sum by (pool) (rate(kvfleet:block_allocation_failures_total{P}[{RATE}]))",
              "allocation failures {{pool}}"),
            q(f"sum by (pool) (rate(kvfleet:block_evictions_total{P}[{RATE}]))", "evictions {{pool}}")), min=0),
+    Panel("KV moved between replicas and tiers", "Blocks/s pulled from peers (imports), taken by the lower tier "
+          "(spills) and brought back from it (reloads), per pool.",
+          (q(f'sum by (pool) (rate(kvfleet:kv_transfer_blocks_total{{direction="import",pool=~"$pool"}}[{RATE}]))',
+             "pulled {{pool}}"),
+           q(f"sum by (pool) (rate(kvfleet:kv_tier_spilled_blocks_total{P}[{RATE}]))", "to tier {{pool}}"),
+           q(f"sum by (pool) (rate(kvfleet:kv_tier_reloaded_blocks_total{P}[{RATE}]))", "from tier {{pool}}")),
+          min=0),
+    Panel("Pull outcomes and disaggregated prefills", "Engines' pulls by outcome, and the routers' prefills of "
+          "decode pools' requests on prefill pools by outcome.",
+          (q(f"sum by (outcome) (rate(kvfleet:kv_pulls_total{P}[{RATE}]))", "pull {{outcome}}"),
+           q(f"sum by (pool, outcome) (rate(kvfleet_router_disagg_prefills_total[{RATE}]))",
+             "prefill {{outcome}} {{pool}}")), unit="reqps", min=0),
 ]
 
 ERRORS = [

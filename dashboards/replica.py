@@ -85,6 +85,12 @@ TRANSFERS = [
              "p50 {{instance}}"),
            q(f"histogram_quantile(0.99, sum by (instance, le) (rate(kvfleet:kv_pull_seconds_bucket{INST}[{RATE}])))",
              "p99 {{instance}}")), unit="s", min=0),
+    Panel("Lower KV tier", "Blocks the lower tier holds (--kv-tier-gib), and blocks/s it takes from the KV cache "
+          "and gives back.",
+          (q(f"kvfleet:kv_tier_blocks{INST}", "held {{instance}}"),
+           q(f"sum by (instance) (rate(kvfleet:kv_tier_spilled_blocks_total{INST}[{RATE}]))", "in/s {{instance}}"),
+           q(f"sum by (instance) (rate(kvfleet:kv_tier_reloaded_blocks_total{INST}[{RATE}]))",
+             "back/s {{instance}}")), min=0),
     Panel("KV import refusals by reason", "Blocks or streams a peer offered that failed the checks (hash, tokens, "
           "layout, size, adapter, stream): the request computed them instead.",
           (q(f"sum by (instance, reason) (rate(kvfleet:kv_import_refusals_total{INST}[{RATE}]))",

@@ -49,6 +49,13 @@ class RouterMetrics:
                              registry=r)
         self.pull_tokens = Counter("kvfleet_router_kv_pull_tokens", "Prompt tokens the router expected pulled from "
                                    "a peer rather than prefilled", ["replica"], registry=r)
+        self.disagg = Counter("kvfleet_router_disagg_prefills", "Prefills of a decode pool's requests on a prefill "
+                              "pool (router/http/disagg.py), by prefill pool and outcome (ok; no_replica, failed, "
+                              "refused: the decode replica computed the prompt itself)", ["pool", "outcome"],
+                              registry=r)
+        self.disagg_prefill_seconds = Histogram("kvfleet_router_disagg_prefill_seconds", "Time of a disaggregated "
+                                                "request's prefill on the prefill pool", ["pool"],
+                                                buckets=_TTFT_BUCKETS, registry=r)
         self.adapter_loads = Counter("kvfleet_router_adapter_loads", "LoRA adapters this router had a replica "
                                      "load on demand (POST /v1/load_lora_adapter), by pool and outcome (loaded, "
                                      "failed)", ["pool", "outcome"], registry=r)

@@ -23,9 +23,10 @@ from router.admission.fair_queue import FairQueueConfig
 from router.admission.gate import Gate, Pass
 from router.admission.pipeline import Admission
 from router.config import RouterConfig
+from router.http.disagg import prefill, pull_from
 from router.http.migrate import Resume
 from router.http.models import fleet_models, listed_models
-from router.http.proxy import Attempts, Proxy
+from router.http.proxy import Attempts, Proxy, forward_headers
 from router.http.responses import send_bytes, send_json
 from router.http.tokenizers import THIRD_PARTY, Tokenizers
 from router.http.usage import StreamUsage, ask_for_usage
@@ -409,12 +410,17 @@ class RouterApp:
         prepared_s = time.perf_counter() - t0
         metrics = self.metrics
         unfit = self.fleet.not_serving(pool.name, req.model)  # replicas of the pool that list other models
+        source = None  # with disaggregation: the replica that prefilled the prompt
+        if pool.role == "decode" and (prefill_pool := self.pools.prefill_pool(req.model)) is not None:
+            source = await prefill(self.proxy.session, self.fleet, metrics, path, req, prep, prefill_pool,
+                                   forward_headers(headers, self.cfg.internal_token, self.proxy.own_credentials))
 
         def lease(p, tried):
             if passed is not None:
                 passed.sent()
             t = time.perf_counter()
-            ls = self.fleet.lease(p, tried | unfit if unfit else tried, pool.name)
+            ls = pull_from(self.fleet.lease(p, tried | unfit if unfit else tried, pool.name), source,
+                           p.num_prompt_tokens)
             metrics.decision_seconds.observe(time.perf_counter() - t + (prepared_s if not tried else 0.0))
             if ls is not None:
                 metrics.decisions.labels(metrics.policy, ls.reason).inc()

@@ -5,7 +5,8 @@ Choice, in order:
 1. A pool *admits* a request when prompt_tokens + its effective max_tokens (after `apply_caps` for that
    pool) is at most the pool's `max_context_tokens` (None: no limit). A request without max_tokens in a
    pool with neither a default nor a cap counts its prompt only.
-2. Among the regular (not long-context) pools with weight > 0 that admit the request, a weighted choice.
+2. Among the regular (not long-context) pools with weight > 0 that admit the request, a weighted choice
+   (pools with role `prefill` are never chosen: they prefill for `decode` pools, router/http/disagg.py).
    If none admits it but some regular pool has weight > 0, the long-context pools with weight > 0 that
    admit it are tried the same way; failing those, a 400 refusal naming the largest context limit.
    If no regular pool has weight > 0 at all, a 503 refusal.
@@ -34,6 +35,7 @@ import xxhash
 from contract.errors import ConfigError
 
 _2_64 = float(1 << 64)
+ROLES = ("both", "prefill", "decode")
 
 
 def _optional_positive(field: str, value: int | None) -> None:
@@ -55,6 +57,9 @@ class PoolSpec:
     canary: bool = False  # degradation may roll it back (weight -> 0) when it misbehaves
     models: tuple[str, ...] = ()  # the model names it serves; (): learned from its replicas' /v1/models
     adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters (name, path on the engines) loaded on demand
+    # prefill/decode disaggregation (router/http/disagg.py): "prefill" pools only prefill for "decode" pools of the
+    # same model (never chosen here); a "decode" pool's requests are prefilled there first; "both": colocated
+    role: str = "both"
 
     def __post_init__(self) -> None:
         for field in ("name", "version"):
@@ -75,6 +80,8 @@ class PoolSpec:
         _optional_positive("max_tokens_cap", self.max_tokens_cap)
         _optional_positive("default_max_tokens", self.default_max_tokens)
         _optional_positive("max_context_tokens", self.max_context_tokens)
+        if self.role not in ROLES:
+            raise ConfigError("role", f"pool {self.name}: role must be one of {', '.join(ROLES)}, got {self.role!r}")
         for flag in ("long_context", "canary"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(flag, f"pool {self.name}: {flag} must be a bool")
@@ -159,6 +166,7 @@ def _weighted(candidates: Sequence[PoolSpec], session_key: str | None, salt_seed
 def choose_pool(pools: Sequence[PoolSpec], session_key: str | None, prompt_tokens: int,
                 max_tokens: int | None, salt_seed: int, rng: random.Random) -> PoolChoice | PoolRefusal:
     """The pool for one request (rules in the module docstring)."""
+    pools = [p for p in pools if p.role != "prefill"]  # they take requests from decode pools only
     regular = [p for p in pools if not p.long_context and p.weight > 0]
     if not regular:
         return PoolRefusal(503, "no_pool", "no engine pool accepts new requests (every weight is 0)")

@@ -212,6 +212,11 @@ class Pools:
         other = choose_pool(up, session_key, prompt_tokens, max_tokens, seed, self.rng) if up else choice
         return other if isinstance(other, PoolChoice) else choice
 
+    def prefill_pool(self, model: str) -> str | None:
+        """The `role: prefill` pool of `model` with a routable replica (the first listed), for a decode pool."""
+        pools = [p.name for p in self._of_model.get(model, ()) if p.role == "prefill"]
+        return next((p for p in pools if self.fleet.ready_urls(p)), pools[0] if pools else None)
+
     def tokenizer_paths(self) -> dict[str, str]:
         """model -> the `tokenizer:` of the first pool serving it that names one."""
         named = {pc.spec.name: pc.tokenizer for pc in self.config.pools if pc.tokenizer}

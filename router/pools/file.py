@@ -22,6 +22,9 @@ update: `helm upgrade` / `helm rollback` change weights without restarting route
         # adapters:                   # optional: LoRA adapters the router has a replica load on demand
         #   sql-expert: /adapters/sql # (POST /v1/load_lora_adapter, path as the engines see it) when no replica
         #                             #   holds one, or its holders are busier than an adapter load costs
+        # role: decode                # optional: both (default), or decode: each request is prefilled on a
+        #                             #   replica of a `role: prefill` pool of its model first, and this pool's
+        #                             #   replica pulls that KV (kvfleet engines; router/http/disagg.py)
       canary:
         version: "v2"
         weight: 5
@@ -71,7 +74,7 @@ from router.routing.discovery import DnsSource, K8sSource, Source, StaticSource
 NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # a DNS label: pool names become k8s names and labels
 TOP_FIELDS = ("pools", "degradation")
 POOL_FIELDS = ("version", "weight", "canary", "long_context", "max_tokens_cap", "default_max_tokens",
-               "max_context_tokens", "model", "models", "adapters", "engine", "kv_events", "tokenizer", "replicas",
+               "max_context_tokens", "model", "models", "adapters", "role", "engine", "kv_events", "tokenizer", "replicas",
                "dns", "k8s")
 SOURCES = ("replicas", "dns", "k8s")
 DEGRADATION_FIELDS = ("window_s", "min_requests", "interval_s", "dwell_s", "max_tokens_factor", *SIGNALS)
@@ -130,7 +133,7 @@ def parse_pools(text: str | bytes, path: str = "<pools>") -> PoolsConfig:
                                   f"{owner[url]}: a replica belongs to one pool")
                 owner[url] = name
         pools.append(pool)
-    if not any(p.spec.weight > 0 and not p.spec.long_context for p in pools):
+    if not any(p.spec.weight > 0 and not p.spec.long_context and p.spec.role != "prefill" for p in pools):
         raise r.error(top["pools"][1], "pools", "no regular (not long_context) pool has a weight above 0: "
                       "nothing could take a request")
     degradation = _degradation(r, top["degradation"][1]) if "degradation" in top else DegradationSettings()
@@ -174,7 +177,7 @@ def _pool(r: NodeReader, name: str, name_node: yaml.Node, body_node: yaml.Node) 
                   default_max_tokens=get("default_max_tokens", r.int_field, 1, True),
                   max_context_tokens=get("max_context_tokens", r.int_field, 1, True),
                   long_context=get("long_context", r.bool_field, default=False),
-                  canary=get("canary", r.bool_field, default=False))
+                  canary=get("canary", r.bool_field, default=False), role=get("role", r.str_field, default="both"))
     try:
         spec = PoolSpec(name=name, version=version, **values)
     except ConfigError as e:  # a rule between two fields (e.g. default above cap)

@@ -284,3 +284,74 @@ def test_a_burst_on_a_new_prompt_through_the_router_is_computed_about_once(fleet
     assert max(replicas.count(a.url), replicas.count(b.url)) <= 4, replicas  # neither serves more than 70%
     m = httpx.get(r.url + "/metrics").text
     assert metric(m, "kvfleet_router_kv_pulls_total") >= 1
+
+
+def disagg_router(module_procs, tmp_path_factory, prefill: str, decode: str):
+    path = tmp_path_factory.mktemp("disagg") / "pools.yaml"
+    path.write_text(f"""pools:
+  pre:
+    version: "v1"
+    weight: 1
+    role: prefill
+    model: smollm2
+    engine: kvfleet
+    replicas: ["{prefill}"]
+  dec:
+    version: "v1"
+    weight: 1
+    role: decode
+    model: smollm2
+    engine: kvfleet
+    replicas: ["{decode}"]
+""")
+    r = router(module_procs, None, "--internal-token", TOKEN, "--pools", str(path), model="smollm2")
+    r.wait_ready(timeout=60)
+    return r
+
+
+def test_prefill_on_one_engine_decode_on_the_other_gives_the_same_greedy_tokens(fleet, module_procs,
+                                                                               tmp_path_factory):
+    a, b, _ = fleet
+    r = disagg_router(module_procs, tmp_path_factory, a.url, b.url)
+    wait_for(lambda: httpx.get(r.url + "/ready").json().get("ready_replicas") == 2, timeout=30, what="replicas")
+    before = pulls(b, "pulled") + pulls(b, "partial")
+    convs: list[list[dict]] = [[{"role": "user", "content": f"Handoff {i}: " + text(60 + i, 80)}] for i in range(8)]
+    for turn in range(2):  # 8 conversations x 2 turns: 16 prompts, the second turn's history prefilled again
+        for i, conv in enumerate(convs):
+            body = {"model": "smollm2", "messages": conv, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True}
+            got = httpx.post(r.url + "/v1/chat/completions", json=body, timeout=120)
+            assert got.status_code == 200, got.text
+            assert got.headers["x-kvfleet-replica"] == b.url  # decoded on the decode pool's replica
+            ref = httpx.post(a.url + "/v1/chat/completions", json={**body, "cache_salt": f"ref-{turn}-{i}"},
+                             headers=AUTH, timeout=120).json()
+            g = got.json()
+            assert g["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"], (turn, i)
+            assert g["usage"]["prompt_tokens_details"]["cached_tokens"] >= g["usage"]["prompt_tokens"] - 16
+            conv += [{"role": "assistant", "content": g["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": text(70 + i + turn, 10)}]
+    assert pulls(b, "pulled") + pulls(b, "partial") - before == 16
+    m = httpx.get(r.url + "/metrics").text
+    assert metric(m, "kvfleet_router_disagg_prefills_total", pool="pre", outcome="ok") == 16
+    # streamed too: the client's stream comes from the decode replica
+    body = {"model": "smollm2", "prompt": "Streamed handoff: " + text(5, 60), "max_tokens": 6, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", r.url + "/v1/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200 and resp.headers["x-kvfleet-replica"] == b.url
+        assert any(line == "data: [DONE]" for line in resp.iter_lines())
+    idle_and_whole(a)
+    idle_and_whole(b)
+
+
+def test_without_a_prefill_replica_the_decode_replica_computes_the_prompt(fleet, module_procs, tmp_path_factory):
+    a, b, _ = fleet
+    dead = f"http://127.0.0.1:{free_port()}"
+    r = disagg_router(module_procs, tmp_path_factory, dead, b.url)
+    wait_for(lambda: httpx.get(r.url + "/ready").json().get("ready_replicas") == 1, timeout=30, what="decode ready")
+    prompt = "No prefill replica: " + text(31, 90)
+    got = httpx.post(r.url + "/v1/completions", json={"model": "smollm2", "prompt": prompt, "max_tokens": 6,
+                                                      "temperature": 0, "ignore_eos": True}, timeout=120)
+    assert got.status_code == 200, got.text
+    assert got.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    m = httpx.get(r.url + "/metrics").text
+    assert metric(m, "kvfleet_router_disagg_prefills_total", pool="pre", outcome="no_replica") == 1

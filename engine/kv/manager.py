@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Protocol
 
 from contract.cacheable import cacheable_blocks
 from contract.hashing import hash_block
@@ -20,6 +21,14 @@ from engine.kv.block_pool import BlockPool, KVCacheBlock
 from engine.kv.config import CacheConfig
 from engine.kv.events import KVEventLog
 from engine.sequence import Sequence
+
+
+class LowerTier(Protocol):
+    """What the manager asks of a lower tier (engine/kv/offload.py)."""
+
+    def forget_adapter(self, lora_name: str) -> None: ...
+
+    def clear(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -47,7 +56,7 @@ class KVCacheManager:
         self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching, self.events)
         self._num_registered: dict[int, int] = {}  # seq_id -> leading blocks already in the cache
         self.lora_ids: dict[str, int] = {}  # LoRA adapter name -> the id of its current load (engine/lora/)
-        self.lower = None  # engine/kv/offload.py's Offload when a lower tier keeps evicted blocks
+        self.lower: LowerTier | None = None  # engine/kv/offload.py's Offload when a lower tier keeps evicted blocks
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
         self.alloc_failures = 0

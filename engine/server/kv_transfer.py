@@ -11,7 +11,9 @@ computed here from the prompt, the tokens are the prompt's, the hash recomputed 
 the first one that fails ends the pull, refused and counted. The pull is bounded: --kv-pull-timeout seconds
 and --kv-pull-max-bytes of payload; whatever did not arrive by then is computed, as is everything when the
 source fails, refuses or is gone. Nothing stays held on either side: the source copies, the puller's
-blocks enter its cache free.
+blocks enter its cache free. The bytes travel through a `KVTransport` (engine/server/kv_transport.py: HTTP here).
+A source whose running prefill is computing the blocks wanted streams them as they are cached; requests for a
+prefix a pull is already fetching wait for it instead of computing it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from contract.cacheable import cacheable_blocks
 from contract.errors import ConfigError
 from contract.hashing import hash_blocks
 from contract.kv_transfer import (
-    PATH,
     BlockFrame,
     FrameError,
     FrameReader,
@@ -44,12 +45,12 @@ from contract.kv_transfer import (
 from engine.server.auth import token_matches
 from engine.server.errors import APIError
 from engine.server.kv_events import check_internal_token
+from engine.server.kv_transport import HttpTransport, KVTransport, LayoutRefused, SourceFailed
 from engine.server.serving import ServerState
 
 logger = logging.getLogger("kvfleet.kv_transfer")
 
 FRAME_BLOCKS = 32  # blocks per frame: 11.5 MB of SmolLM2's bf16 KV at 16 tokens a block
-READ_CHUNK = 1 << 20
 MAX_WAIT_S = 60.0  # the longest a source waits for blocks its prefill is computing, whatever the puller asks
 PENDING_POLL_S = 0.01  # how often it looks again meanwhile (the core answers between two steps)
 
@@ -138,7 +139,7 @@ class KVPuller:
         self.metrics = metrics
         self.timeout = timeout
         self.max_bytes = max_bytes
-        self._session: aiohttp.ClientSession | None = None
+        self.transport: KVTransport = HttpTransport(state.config.internal_token)
         self._inflight: list[tuple[set[int], asyncio.Future]] = []  # pulls running: the hashes each fetches
 
     def allowed(self, request: Request) -> bool:
@@ -147,9 +148,7 @@ class KVPuller:
         return token is None or token_matches(request.headers.get("authorization"), token)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self.transport.close()
 
     async def pull(self, header: str | None, prompt: list[int], salt: str | None, adapter: str | None) -> None:
         """Before a request is added: wait for pulls in flight here that fetch its blocks (another request's: one
@@ -223,38 +222,35 @@ class KVPuller:
     async def _stream(self, engine, source: str, layout: Layout, hashes: list[int], first: int, prompt: list[int],
                       salt: str | None, adapter: str | None, got: list[int]) -> tuple[str, int]:
         m, name = self.metrics, self.metrics.model_name
-        if self._session is None:
-            self._session = aiohttp.ClientSession()
-        headers = {"content-type": "application/json"}
-        if self.state.config.internal_token:
-            headers["authorization"] = f"Bearer {self.state.config.internal_token}"
         want = PullRequest(tuple(hashes[first:]), layout, self.max_bytes, self.timeout)
-        async with self._session.post(source + PATH, data=want.to_json(), headers=headers) as resp:
-            if resp.status == 409:
-                m.kv_refusals.labels(name, Refusal.LAYOUT.value).inc()
-                return Outcome.REFUSED, 0
-            if resp.status != 200:
-                logger.info("KV pull from %s: HTTP %s", source, resp.status)
-                return Outcome.FAILED, 0
-            reader = FrameReader()
-            at = first
-            async for data in resp.content.iter_chunked(READ_CHUNK):
-                for frame in reader.feed(data):
-                    ok, why = verify(frame, layout, hashes, prompt, at, hashes[at - 1] if at else None, salt, adapter)
-                    if ok:
-                        done = await engine.import_blocks(hashes[:at], frame.hashes[:ok], frame.tokens[:ok],
-                                                          adapter, frame.payload[:ok * layout.block_bytes])
-                        got[0] += done.imported
-                        m.kv_blocks.labels(name, "import").inc(done.imported)
-                        m.kv_bytes.labels(name, "import").inc(done.imported * layout.block_bytes)
-                        at += ok
-                    if why is not None:
-                        m.kv_refusals.labels(name, why.value).inc()
-                        return Outcome.REFUSED, got[0]
-                if reader.ended:
-                    break
-            if not reader.ended:
-                return Outcome.FAILED, got[0]  # the source died mid-stream: what arrived whole is kept
+        at = first
+        try:
+            async with self.transport.open(source, want) as chunks:
+                reader = FrameReader()
+                async for data in chunks:
+                    for frame in reader.feed(data):
+                        ok, why = verify(frame, layout, hashes, prompt, at, hashes[at - 1] if at else None, salt,
+                                         adapter)
+                        if ok:
+                            done = await engine.import_blocks(hashes[:at], frame.hashes[:ok], frame.tokens[:ok],
+                                                              adapter, frame.payload[:ok * layout.block_bytes])
+                            got[0] += done.imported
+                            m.kv_blocks.labels(name, "import").inc(done.imported)
+                            m.kv_bytes.labels(name, "import").inc(done.imported * layout.block_bytes)
+                            at += ok
+                        if why is not None:
+                            m.kv_refusals.labels(name, why.value).inc()
+                            return Outcome.REFUSED, got[0]
+                    if reader.ended:
+                        break
+                if not reader.ended:
+                    return Outcome.FAILED, got[0]  # the source died mid-stream: what arrived whole is kept
+        except LayoutRefused:
+            m.kv_refusals.labels(name, Refusal.LAYOUT.value).inc()
+            return Outcome.REFUSED, 0
+        except SourceFailed as e:
+            logger.info("KV pull from %s: %s", source, e)
+            return Outcome.FAILED, 0
         if at >= len(hashes):
             return Outcome.PULLED, got[0]
         return (Outcome.PARTIAL if at > first else Outcome.NONE), got[0]

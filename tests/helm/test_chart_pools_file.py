@@ -30,6 +30,15 @@ def test_pools_carry_weights_flags_limits_and_k8s_discovery():
                  "k8s": {"service": f"{svc}-long", "namespace": NAMESPACE, "port_name": "http"}}}}
 
 
+def test_prefill_and_decode_roles_reach_the_pools_file():
+    doc = pools_file(render({"pools": {"stable": {"role": "decode"}, "canary": {"enabled": True, "role": "prefill",
+                                                                               "weight": 1}}}))
+    assert doc["pools"]["stable"]["role"] == "decode" and doc["pools"]["canary"]["role"] == "prefill"
+    cfg = parse_pools(yaml.safe_dump(doc), "pools.yaml")
+    assert {p.spec.name: p.spec.role for p in cfg.pools} == {"stable": "decode", "canary": "prefill"}
+    assert "role" not in pools_file(render({}))["pools"]["stable"]  # both: the default, not written
+
+
 def test_dns_discovery_names_the_headless_services_and_degradation_passes_through():
     doc = pools_file(render({"router": {"discovery": "dns", "degradation": {
         "window_s": 60, "p99_ttft_s": {"trip": 3.0, "clear": 1.5}}}}))
@@ -58,6 +67,7 @@ def test_weight_change_alone_touches_only_the_configmap():
 @pytest.mark.parametrize("values,message", [
     ({"pools": {"stable": {"enabled": False}}}, "enable at least one engine pool"),
     ({"pools": {"stable": {"weight": 0}}}, "at least one enabled pool that is not longContext needs weight > 0"),
+    ({"pools": {"stable": {"role": "prefill"}}}, "at least one enabled pool that is not longContext needs weight > 0"),
 ])
 def test_pool_sets_the_router_cannot_route_are_refused(values, message):
     import helm_python as helm

@@ -57,6 +57,19 @@ def test_a_good_file():
     assert cfg.describe() == "stable (v1, weight 80), canary (2, weight 20), long (1.10, weight 1)"
 
 
+def test_roles_parse_and_a_prefill_pool_is_never_chosen():
+    from random import Random
+
+    from router.pools.choice import PoolChoice, choose_pool
+
+    cfg = parse_pools("pools:\n  pre:\n    version: v1\n    weight: 9\n    role: prefill\n    replicas: [http://h:1]\n"
+                      "  dec:\n    version: v1\n    weight: 1\n    role: decode\n    replicas: [http://h:2]\n")
+    specs = [p.spec for p in cfg.pools]
+    assert [(s.name, s.role) for s in specs] == [("pre", "prefill"), ("dec", "decode")]
+    picks = {choose_pool(specs, None, 10, None, 0, Random(i)) for i in range(50)}
+    assert {c.pool.name for c in picks if isinstance(c, PoolChoice)} == {"dec"}
+
+
 def test_degradation_is_optional():
     cfg = parse_pools("pools:\n  a:\n    version: v1\n    weight: 1\n    replicas: [http://h:1]\n")
     assert cfg.degradation == DegradationSettings()
@@ -102,6 +115,10 @@ def _bad(old: str, new: str) -> str:
      "endpoints are tcp://HOST:PORT"),
     (_bad("    canary: true", "    engine: kvfleet\n    kv_events: tcp://{host}:5557"), 13, "pools.canary.kv_events",
      "kv_events (ZMQ) is for vllm and sglang pools"),
+    (_bad("    canary: true", "    role: prefil"), 12, "pools.canary.role",
+     "role must be one of both, prefill, decode, got 'prefil'"),
+    (_bad("weight: 80", "weight: 80\n    role: prefill").replace("weight: 20", "weight: 0"), 2, "pools",
+     "no regular (not long_context) pool has a weight above 0"),
     ("pools: {}\n", 1, "pools", "at least one pool"),
     ("pool:\n  a: {}\n", 1, "pool", "unknown field (the file holds pools, degradation)"),
     ("", 1, "", "the file is empty"),

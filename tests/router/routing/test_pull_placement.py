@@ -60,16 +60,22 @@ def test_no_pull_from_a_replica_that_is_not_ready():
     assert (d.url, d.pull_from, d.pull_tokens, d.predicted_cached_tokens) == (B, None, 0, 0)
 
 
-def test_a_burst_on_a_new_prompt_pulls_from_the_replica_it_was_first_routed_to():
-    """Nobody holds the prompt yet; the first request goes to one replica, and with in-flight prefixes on the next
-    one counts it held there (its prefill is computing it): the other replica takes it and pulls from the first."""
-    p = Placement(POLICIES["kv"], PlacementConfig(CHEAP, BS, SEED, inflight_s=30.0))
+def _empty(scoring: ScoringConfig, inflight_s: float) -> Placement:
+    """Two idle replicas whose caches hold nothing."""
+    p = Placement(POLICIES["kv"], PlacementConfig(scoring, BS, SEED, inflight_s=inflight_s))
     p.set_members(DEFAULT_POOL, [A, B])
     for r in (A, B):
         p.on_health(r, True, 0.0)
         p.on_kv_events(r, KVEventsState.LIVE)
         p.index.reset(r, (), BS, SEED)
         p.on_load(r, EngineLoad(), 0.0, 0.0)
+    return p
+
+
+def test_a_burst_on_a_new_prompt_pulls_from_the_replica_it_was_first_routed_to():
+    """Nobody holds the prompt yet; the first request goes to one replica, and with in-flight prefixes on the next
+    one counts it held there (its prefill is computing it): the other replica takes it and pulls from the first."""
+    p = _empty(CHEAP, 30.0)
     first = p.choose(_request(), 1.0)
     assert (first.pull_from, first.predicted_cached_tokens) == (None, 0)
     p.on_routed(first.url, _request(), first.predicted_cached_tokens, 1.0)
@@ -83,13 +89,7 @@ def test_a_burst_on_a_new_prompt_pulls_from_the_replica_it_was_first_routed_to()
 
 def test_in_flight_prefixes_are_off_without_pulls_or_without_inflight_s():
     for scoring, inflight in ((ScoringConfig(), 30.0), (CHEAP, 0.0)):
-        p = Placement(POLICIES["kv"], PlacementConfig(scoring, BS, SEED, inflight_s=inflight))
-        p.set_members(DEFAULT_POOL, [A, B])
-        for r in (A, B):
-            p.on_health(r, True, 0.0)
-            p.on_kv_events(r, KVEventsState.LIVE)
-            p.index.reset(r, (), BS, SEED)
-            p.on_load(r, EngineLoad(), 0.0, 0.0)
+        p = _empty(scoring, inflight)
         p.on_routed(A, _request(), 0, 1.0)
         assert p.predict_cached(_request(), [A, B], 1.1) == {A: 0, B: 0}
 
@@ -97,14 +97,8 @@ def test_in_flight_prefixes_are_off_without_pulls_or_without_inflight_s():
 def test_blocks_a_lower_tier_holds_count_at_their_reload_cost():
     """B's KV cache holds the first block, its lower tier the next three: a reload at 0.1 per token, not a prefill;
     the tier's blocks come and go with events of their medium, and a snapshot's tiers restore them."""
-    p = Placement(POLICIES["kv"], PlacementConfig(ScoringConfig(tier_token_cost=0.1), BS, SEED))
-    p.set_members(DEFAULT_POOL, [A, B])
+    p = _empty(ScoringConfig(tier_token_cost=0.1), 0.0)
     hashes = hash_blocks(TOKENS[:16], BS, None, SEED)
-    for r in (A, B):
-        p.on_health(r, True, 0.0)
-        p.on_kv_events(r, KVEventsState.LIVE)
-        p.on_load(r, EngineLoad(), 0.0, 0.0)
-    p.index.reset(A, (), BS, SEED)
     p.index.reset(B, hashes[:1], BS, SEED, tier_hashes=hashes[1:])
     d = p.choose(_request(), 0.0)
     assert (d.url, d.predicted_cached_tokens) == (B, 16)

@@ -18,6 +18,7 @@ import concurrent.futures
 import dataclasses
 import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -368,3 +369,32 @@ def test_without_a_prefill_replica_the_decode_replica_computes_the_prompt(fleet,
     assert got.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     m = httpx.get(r.url + "/metrics").text
     assert metric(m, "kvfleet_router_disagg_prefills_total", pool="pre", outcome="no_replica") == 1
+
+
+@pytest.mark.slow
+def test_a_source_engine_killed_mid_pull_leaves_the_request_computed(fleet, module_procs):
+    """A real source: engine C prefills a long prompt in small chunks and streams its blocks to B as they are
+    cached; C is SIGKILLed once B has taken some. B's request completes with the reference's tokens, the blocks
+    that arrived kept, and B ends idle with every block free."""
+    a, b, _ = fleet
+    c = engine(module_procs, "c", "--max-num-batched-tokens", "128")
+    c.wait_ready(timeout=300)
+    prompt = "Killed source: " + text(77, 900)
+    ref = complete(a.url, prompt, salt="ref-killed")
+    computing = concurrent.futures.ThreadPoolExecutor(1).submit(
+        lambda: httpx.post(c.url + "/v1/completions", json={"model": "smollm2", "prompt": prompt, "max_tokens": 1},
+                           timeout=120))
+    time.sleep(0.3)  # C has the request and is prefilling it
+    before = metric(httpx.get(b.url + "/metrics").text, "kvfleet:kv_transfer_blocks_total", direction="import")
+    failed = pulls(b, "failed")
+    got = concurrent.futures.ThreadPoolExecutor(1).submit(complete, b.url, prompt, pull=c.url)
+    wait_for(lambda: metric(httpx.get(b.url + "/metrics").text, "kvfleet:kv_transfer_blocks_total",
+                            direction="import") > before, timeout=30, what="B took C's first blocks")
+    c.kill()
+    resp = got.result(timeout=120)
+    assert tokens(resp) == tokens(ref)
+    assert 0 < cached(resp) < resp["usage"]["prompt_tokens"] - 16  # what arrived was kept, the rest computed
+    assert pulls(b, "failed") == failed + 1
+    with pytest.raises(httpx.HTTPError):
+        computing.result(timeout=30)
+    idle_and_whole(b)

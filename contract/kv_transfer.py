@@ -176,6 +176,20 @@ class Refusal(str, Enum):
     STREAM = "stream"  # the stream did not parse as frames
 
 
+class PullOutcome(str, Enum):
+    """How one pull ended, on the puller (values label kvfleet:kv_pulls_total)."""
+
+    PULLED = "pulled"  # every block asked for arrived
+    PARTIAL = "partial"  # some arrived; the source held no more, or the byte limit was reached
+    NONE = "none"  # the source held none of them
+    HELD = "held"  # the puller held the whole prefix already: nothing asked
+    REFUSED = "refused"  # a block or the layout failed the checks (kvfleet:kv_import_refusals_total says which)
+    FAILED = "failed"  # the source could not be reached, answered an error, or died mid-stream
+    TIMEOUT = "timeout"  # the puller's --kv-pull-timeout passed first
+    INVALID = "invalid"  # the pull header is not an http(s)://host:port URL
+    JOINED = "joined"  # a request without a header waited for another's pull of its prefix instead of computing it
+
+
 def verify(frame: BlockFrame, layout: Layout, expected_hashes: list[int], prompt: list[int], first_block: int,
            parent: int | None, salt: str | None, adapter: str | None) -> tuple[int, Refusal | None]:
     """How many of the frame's blocks are the prompt's blocks first_block, first_block+1, ...: each one's hash

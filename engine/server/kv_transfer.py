@@ -42,6 +42,9 @@ from contract.kv_transfer import (
     end_frame,
     verify,
 )
+from contract.kv_transfer import (
+    PullOutcome as Outcome,
+)
 from engine.server.auth import token_matches
 from engine.server.errors import APIError
 from engine.server.kv_events import check_internal_token
@@ -55,27 +58,9 @@ MAX_WAIT_S = 60.0  # the longest a source waits for blocks its prefill is comput
 PENDING_POLL_S = 0.01  # how often it looks again meanwhile (the core answers between two steps)
 
 
-class Outcome:
-    """How one pull ended (values label kvfleet:kv_pulls_total)."""
-
-    PULLED = "pulled"  # every block asked for arrived
-    PARTIAL = "partial"  # some arrived; the source held no more, or the byte limit was reached
-    NONE = "none"  # the source held none of them
-    HELD = "held"  # this engine held the whole prefix already: nothing asked
-    REFUSED = "refused"  # a block or the layout failed the checks (kvfleet:kv_import_refusals_total says which)
-    FAILED = "failed"  # the source could not be reached, answered an error, or died mid-stream
-    TIMEOUT = "timeout"  # --kv-pull-timeout passed first
-    INVALID = "invalid"  # the header is not an http(s)://host:port URL
-    JOINED = "joined"  # a request without a header waited for another's pull of its prefix instead of computing it
-
-
-OUTCOMES = (Outcome.PULLED, Outcome.PARTIAL, Outcome.NONE, Outcome.HELD, Outcome.REFUSED, Outcome.FAILED,
-            Outcome.TIMEOUT, Outcome.INVALID, Outcome.JOINED)
-
-
 @dataclass(frozen=True)
 class PullResult:
-    outcome: str
+    outcome: Outcome
     blocks: int  # imported into this engine's cache
     seconds: float
 
@@ -163,16 +148,16 @@ class KVPuller:
         hashes = hash_blocks(prompt[:cacheable_blocks(len(prompt), bs) * bs], bs, salt, layout.hash_seed,
                              adapter=adapter)
         if await self._join(engine, hashes, t0 + self.timeout) and header is None:
-            m.kv_pulls.labels(name, Outcome.JOINED).inc()
+            m.kv_pulls.labels(name, Outcome.JOINED.value).inc()
         if header is None:
             return
         source = source_url(header)
         if source is None:
-            m.kv_pulls.labels(name, Outcome.INVALID).inc()
+            m.kv_pulls.labels(name, Outcome.INVALID.value).inc()
             return
         first = engine.cached_prefix(hashes)
         if first >= len(hashes):
-            m.kv_pulls.labels(name, Outcome.HELD).inc()
+            m.kv_pulls.labels(name, Outcome.HELD.value).inc()
             return
         entry = (set(hashes[first:]), asyncio.get_running_loop().create_future())
         self._inflight.append(entry)
@@ -181,7 +166,7 @@ class KVPuller:
         finally:
             self._inflight.remove(entry)
             entry[1].set_result(None)
-        m.kv_pulls.labels(name, result.outcome).inc()
+        m.kv_pulls.labels(name, result.outcome.value).inc()
         m.kv_pull_seconds.labels(name).observe(result.seconds)
 
     async def _join(self, engine, hashes: list[int], deadline: float) -> bool:
@@ -220,7 +205,7 @@ class KVPuller:
         return PullResult(outcome, imported, time.perf_counter() - t0)
 
     async def _stream(self, engine, source: str, layout: Layout, hashes: list[int], first: int, prompt: list[int],
-                      salt: str | None, adapter: str | None, got: list[int]) -> tuple[str, int]:
+                      salt: str | None, adapter: str | None, got: list[int]) -> tuple[Outcome, int]:
         m, name = self.metrics, self.metrics.model_name
         want = PullRequest(tuple(hashes[first:]), layout, self.max_bytes, self.timeout)
         at = first

@@ -18,6 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 
+from contract.kv_transfer import PullOutcome, Refusal
+
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
@@ -142,10 +144,10 @@ class EngineMetrics:
         for direction in ("export", "import"):
             self.kv_blocks.labels(model_name, direction)
             self.kv_bytes.labels(model_name, direction)
-        for outcome in ("pulled", "partial", "none", "held", "refused", "failed", "timeout", "invalid", "joined"):
-            self.kv_pulls.labels(model_name, outcome)
-        for reason in ("hash", "tokens", "layout", "size", "adapter", "stream"):
-            self.kv_refusals.labels(model_name, reason)
+        for outcome in PullOutcome:
+            self.kv_pulls.labels(model_name, outcome.value)
+        for reason in Refusal:
+            self.kv_refusals.labels(model_name, reason.value)
         r.register(_StatsCollector(model_name, stats, extra_info))
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
 

@@ -25,6 +25,7 @@ from contract.hashing import hash_block
 
 PATH = "/v1/kv/blocks"
 PULL_HEADER = "x-kvfleet-kv-pull"  # router → engine: the replica URL to pull the request's prefix from
+PENDING = "pending"  # ... followed by "; pending" when that replica is still computing it (just routed there)
 _LEN = struct.Struct("<I")
 MAX_META_BYTES = 1 << 20
 
@@ -67,16 +68,27 @@ class Layout:
             raise ConfigError("layout", f"layout is missing or has a bad field: {e}") from None
 
 
+def pull_header(source: str, pending: bool) -> str:
+    return f"{source}; {PENDING}" if pending else source
+
+
+def parse_pull_header(value: str) -> tuple[str, bool]:
+    """(the source URL as written, whether it is still computing the prefix)."""
+    source, _, flag = value.partition(";")
+    return source.strip(), flag.strip() == PENDING
+
+
 @dataclass(frozen=True)
 class PullRequest:
     hashes: tuple[int, ...]
     layout: Layout
     max_bytes: int  # the most payload the puller takes; the source stops before a frame would pass it
     wait_s: float = 0.0  # how long the source may wait for blocks its running prefill is computing
+    expect_s: float = 0.0  # how long it may wait for the request that computes them to reach it (a router just sent it)
 
     def to_json(self) -> bytes:
         return json.dumps({"hashes": [f"{h:032x}" for h in self.hashes], "layout": asdict(self.layout),
-                           "max_bytes": self.max_bytes, "wait_s": self.wait_s}).encode()
+                           "max_bytes": self.max_bytes, "wait_s": self.wait_s, "expect_s": self.expect_s}).encode()
 
     @classmethod
     def from_json(cls, body: bytes) -> PullRequest:
@@ -96,10 +108,13 @@ class PullRequest:
         max_bytes = d.get("max_bytes")
         if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 1:
             raise ConfigError("max_bytes", "max_bytes must be a positive integer")
-        wait_s = d.get("wait_s", 0.0)
-        if not isinstance(wait_s, (int, float)) or isinstance(wait_s, bool) or not 0 <= wait_s < float("inf"):
-            raise ConfigError("wait_s", "wait_s must be a number of seconds >= 0")
-        return cls(parsed, Layout.from_dict(d.get("layout")), max_bytes, float(wait_s))
+        waits = []
+        for name in ("wait_s", "expect_s"):
+            value = d.get(name, 0.0)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+                raise ConfigError(name, f"{name} must be a number of seconds >= 0")
+            waits.append(float(value))
+        return cls(parsed, Layout.from_dict(d.get("layout")), max_bytes, *waits)
 
 
 @dataclass(frozen=True)
@@ -108,10 +123,11 @@ class BlockFrame:
     tokens: tuple[tuple[int, ...], ...]
     lora: str | None
     payload: bytes = field(repr=False)
+    waited_s: float = 0.0  # how long the source waited for its prefill to compute these blocks before sending them
 
     def encode(self) -> bytes:
         meta = json.dumps({"hashes": [f"{h:032x}" for h in self.hashes], "tokens": self.tokens, "lora": self.lora,
-                           "nbytes": len(self.payload)}).encode()
+                           "nbytes": len(self.payload), "waited_s": round(self.waited_s, 6)}).encode()
         return _LEN.pack(len(meta)) + meta + self.payload
 
 
@@ -159,7 +175,7 @@ class FrameReader:
             try:
                 out.append(BlockFrame(tuple(int(h, 16) for h in meta["hashes"]),
                                       tuple(tuple(int(t) for t in tok) for tok in meta["tokens"]),
-                                      meta.get("lora"), payload))
+                                      meta.get("lora"), payload, float(meta.get("waited_s", 0.0))))
             except (KeyError, TypeError, ValueError):
                 raise FrameError("block frame meta lacks hashes or tokens") from None
         return out

@@ -41,6 +41,9 @@ class ScoringConfig:
     # pull_token_cost 0: no pulls. The simulator derives both from a link's bandwidth and latency.
     pull_token_cost: float = 0.0
     pull_fixed_tokens: float = 0.0
+    # pull_token_cost measured from the engines' rates (router/routing/pull_rates.py); pull_token_cost is then the
+    # prior, used until both rates are known
+    pull_cost_measured: bool = False
     # A prompt token a replica's lower KV tier holds (engine/kv/tier.py) costs this much to reload, in prefill tokens.
     tier_token_cost: float = 0.1
 

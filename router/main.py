@@ -94,9 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cost of one waiting request this router did not send, in prefill-token equivalents")
     p.add_argument("--running-cost-tokens", type=float, default=s.running_cost_tokens,
                    help="cost of one running request on a replica, in prefill-token equivalents")
-    p.add_argument("--pull-token-cost", type=float, default=s.pull_token_cost,
+    p.add_argument("--pull-token-cost", type=_pull_cost, default=s.pull_token_cost,
                    help="cost of pulling one cached prompt token from a peer replica instead of prefilling it, in "
-                        "prefill tokens (loadtest/kv_transfer_bench.py measures it; 0: no pulls, the default). "
+                        "prefill tokens (loadtest/kv_transfer_bench.py measures it; 0: no pulls, the default), or "
+                        "`auto`: measured from the engines' prefill and pull rates (0.05 until both are known). "
                         "With it, a replica chosen for its load pulls the prefix another replica holds (kvfleet "
                         "engines only)")
     p.add_argument("--pull-fixed-tokens", type=float, default=s.pull_fixed_tokens,
@@ -157,13 +158,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+AUTO_PULL_PRIOR = 0.05  # --pull-token-cost auto: the cost until the engines' rates are known
+
+
+def _pull_cost(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of prefill tokens or `auto`, got {text!r}") from None
+
+
 def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     replicas = tuple(u.strip().rstrip("/") for u in ns.replicas.split(",") if u.strip())
     discovery = ns.discovery or ("dns" if ns.dns_name else "k8s" if ns.k8s_service else "static")
     scoring = ScoringConfig(kv_token_cost=ns.kv_token_cost, prefill_weight=ns.prefill_weight,
                             waiting_cost_tokens=ns.waiting_cost_tokens,
                             running_cost_tokens=ns.running_cost_tokens,
-                            pull_token_cost=ns.pull_token_cost, pull_fixed_tokens=ns.pull_fixed_tokens,
+                            pull_token_cost=AUTO_PULL_PRIOR if ns.pull_token_cost == "auto" else ns.pull_token_cost,
+                            pull_cost_measured=ns.pull_token_cost == "auto", pull_fixed_tokens=ns.pull_fixed_tokens,
                             tier_token_cost=ns.tier_token_cost,
                             overload_waiting=ns.overload_waiting,
                             overload_kv_usage=ns.overload_kv_usage)

@@ -195,6 +195,14 @@ class _FleetCollector:
         count.add_metric(["ready"], n_ready)
         count.add_metric(["routable"], n_routable)
         yield from (circuit, ready, inflight, blocks, kv_live, count)
+        placement = self.fleet.placement
+        scoring = placement.cfg.scoring
+        if scoring.pull_token_cost > 0:
+            cost = GaugeMetricFamily("kvfleet_router_pull_token_cost", "The cost of a pulled prompt token in prefill "
+                                     "tokens the router routes with (--pull-token-cost, or measured with auto)")
+            cost.add_metric([], placement.pull_rates.cost(scoring.pull_token_cost) if scoring.pull_cost_measured
+                            else scoring.pull_token_cost)
+            yield cost
 
     def describe(self):
         return []

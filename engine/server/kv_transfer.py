@@ -40,6 +40,7 @@ from contract.kv_transfer import (
     PullRequest,
     Refusal,
     end_frame,
+    parse_pull_header,
     verify,
 )
 from contract.kv_transfer import (
@@ -55,6 +56,7 @@ logger = logging.getLogger("kvfleet.kv_transfer")
 
 FRAME_BLOCKS = 32  # blocks per frame: 11.5 MB of SmolLM2's bf16 KV at 16 tokens a block
 MAX_WAIT_S = 60.0  # the longest a source waits for blocks its prefill is computing, whatever the puller asks
+EXPECT_S = 1.0  # how long a source waits for a request a router just sent it, when the pull says so
 PENDING_POLL_S = 0.01  # how often it looks again meanwhile (the core answers between two steps)
 
 
@@ -63,6 +65,15 @@ class PullResult:
     outcome: Outcome
     blocks: int  # imported into this engine's cache
     seconds: float
+    waited_s: float = 0.0  # of those seconds, the source's waits for its prefill (not transfer)
+
+
+@dataclass
+class _Progress:
+    """What a pull got so far (read when it times out)."""
+
+    blocks: int = 0
+    waited_s: float = 0.0
 
 
 async def kv_blocks(state: ServerState, request: Request) -> Response:
@@ -82,10 +93,13 @@ async def kv_blocks(state: ServerState, request: Request) -> Response:
                             f"{getattr(want.layout, field)!r}", f"layout.{field}", "kv_layout_mismatch")
     max_blocks = want.max_bytes // mine.block_bytes
 
-    deadline = time.monotonic() + min(want.wait_s, MAX_WAIT_S)
+    started = time.monotonic()
+    deadline = started + min(want.wait_s, MAX_WAIT_S)
+    expect_until = started + min(want.expect_s, MAX_WAIT_S)
 
     async def frames() -> AsyncIterator[bytes]:
         sent = 0
+        waited = 0.0  # since the last frame: time spent waiting for the prefill, not moving blocks
         hashes = want.hashes[:max_blocks]
         while sent < len(hashes):
             chunk = hashes[sent:sent + FRAME_BLOCKS]
@@ -94,12 +108,18 @@ async def kv_blocks(state: ServerState, request: Request) -> Response:
                 sent += len(done.hashes)
                 metrics.kv_blocks.labels(metrics.model_name, "export").inc(len(done.hashes))
                 metrics.kv_bytes.labels(metrics.model_name, "export").inc(len(done.payload))
-                yield BlockFrame(done.hashes, done.tokens, done.lora, done.payload).encode()
+                yield BlockFrame(done.hashes, done.tokens, done.lora, done.payload, waited).encode()
+                waited = 0.0
             if len(done.hashes) == len(chunk):
                 continue
-            if not done.pending or time.monotonic() >= deadline:
+            now = time.monotonic()
+            # nothing held nor computing yet, but a router just sent the request that computes it: it may be on its way
+            expecting = not done.hashes and not sent and now < expect_until
+            if (not done.pending and not expecting) or now >= deadline:
                 break
+            t = time.monotonic()
             await asyncio.sleep(PENDING_POLL_S)  # its prefill is computing the next block: stream it when cached
+            waited += time.monotonic() - t
         yield end_frame(sent)
 
     return StreamingResponse(frames(), media_type="application/octet-stream")
@@ -151,7 +171,8 @@ class KVPuller:
             m.kv_pulls.labels(name, Outcome.JOINED.value).inc()
         if header is None:
             return
-        source = source_url(header)
+        url, pending = parse_pull_header(header)
+        source = source_url(url)
         if source is None:
             m.kv_pulls.labels(name, Outcome.INVALID.value).inc()
             return
@@ -162,12 +183,14 @@ class KVPuller:
         entry = (set(hashes[first:]), asyncio.get_running_loop().create_future())
         self._inflight.append(entry)
         try:
-            result = await self._pull(engine, source, layout, hashes, first, prompt, salt, adapter, t0)
+            result = await self._pull(engine, source, layout, hashes, first, prompt, salt, adapter, t0, pending)
         finally:
             self._inflight.remove(entry)
             entry[1].set_result(None)
         m.kv_pulls.labels(name, result.outcome.value).inc()
         m.kv_pull_seconds.labels(name).observe(result.seconds)
+        if result.blocks:
+            m.kv_pull_transfer_seconds.inc(max(0.0, result.seconds - result.waited_s))
 
     async def _join(self, engine, hashes: list[int], deadline: float) -> bool:
         """Wait (until deadline) while a pull in flight fetches the first block of `hashes` not cached; whether
@@ -186,56 +209,56 @@ class KVPuller:
                 return waited
 
     async def _pull(self, engine, source: str, layout: Layout, hashes: list[int], first: int, prompt: list[int],
-                    salt: str | None, adapter: str | None, t0: float) -> PullResult:
-        imported = 0
-        got = [0]  # blocks checked and handed to the core so far (read by the timeout path)
+                    salt: str | None, adapter: str | None, t0: float, pending: bool) -> PullResult:
+        got = _Progress()
         outcome = Outcome.FAILED
         try:
             async with asyncio.timeout(self.timeout):
-                outcome, imported = await self._stream(engine, source, layout, hashes, first, prompt, salt, adapter,
-                                                       got)
+                outcome = await self._stream(engine, source, layout, hashes, first, prompt, salt, adapter, got, pending)
         except TimeoutError:
-            outcome, imported = Outcome.TIMEOUT, got[0]
+            outcome = Outcome.TIMEOUT
         except (aiohttp.ClientError, ConnectionError, FrameError) as e:
             logger.info("KV pull from %s failed: %s", source, e)
-            imported = got[0]
             if isinstance(e, FrameError):
                 self.metrics.kv_refusals.labels(self.metrics.model_name, Refusal.STREAM.value).inc()
                 outcome = Outcome.REFUSED
-        return PullResult(outcome, imported, time.perf_counter() - t0)
+        return PullResult(outcome, got.blocks, time.perf_counter() - t0, got.waited_s)
 
     async def _stream(self, engine, source: str, layout: Layout, hashes: list[int], first: int, prompt: list[int],
-                      salt: str | None, adapter: str | None, got: list[int]) -> tuple[Outcome, int]:
+                      salt: str | None, adapter: str | None, got: _Progress, pending: bool) -> Outcome:
         m, name = self.metrics, self.metrics.model_name
-        want = PullRequest(tuple(hashes[first:]), layout, self.max_bytes, self.timeout)
+        want = PullRequest(tuple(hashes[first:]), layout, self.max_bytes, self.timeout,
+                           min(EXPECT_S, self.timeout) if pending else 0.0)
         at = first
         try:
             async with self.transport.open(source, want) as chunks:
                 reader = FrameReader()
                 async for data in chunks:
                     for frame in reader.feed(data):
+                        got.waited_s += frame.waited_s
                         ok, why = verify(frame, layout, hashes, prompt, at, hashes[at - 1] if at else None, salt,
                                          adapter)
                         if ok:
                             done = await engine.import_blocks(hashes[:at], frame.hashes[:ok], frame.tokens[:ok],
                                                               adapter, frame.payload[:ok * layout.block_bytes])
-                            got[0] += done.imported
+                            got.blocks += done.imported
                             m.kv_blocks.labels(name, "import").inc(done.imported)
                             m.kv_bytes.labels(name, "import").inc(done.imported * layout.block_bytes)
+                            m.kv_pulled_tokens.inc(done.imported * layout.block_size)
                             at += ok
                         if why is not None:
                             m.kv_refusals.labels(name, why.value).inc()
-                            return Outcome.REFUSED, got[0]
+                            return Outcome.REFUSED
                     if reader.ended:
                         break
                 if not reader.ended:
-                    return Outcome.FAILED, got[0]  # the source died mid-stream: what arrived whole is kept
+                    return Outcome.FAILED  # the source died mid-stream: what arrived whole is kept
         except LayoutRefused:
             m.kv_refusals.labels(name, Refusal.LAYOUT.value).inc()
-            return Outcome.REFUSED, 0
+            return Outcome.REFUSED
         except SourceFailed as e:
             logger.info("KV pull from %s: %s", source, e)
-            return Outcome.FAILED, 0
+            return Outcome.FAILED
         if at >= len(hashes):
-            return Outcome.PULLED, got[0]
-        return (Outcome.PARTIAL if at > first else Outcome.NONE), got[0]
+            return Outcome.PULLED
+        return Outcome.PARTIAL if at > first else Outcome.NONE

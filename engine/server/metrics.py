@@ -129,6 +129,18 @@ class EngineMetrics:
                                 ["model_name", "status"], registry=r)
         for status in ("400", "404", "413", "503"):  # exported from the start, at 0
             self.rejected.labels(model_name, status)
+        # measured rates (the router's --pull-token-cost auto compares them): prefill seconds per computed prompt
+        # token, from each request's first scheduling to its first token, and pull seconds per pulled token
+        self.prefill_seconds = Counter("kvfleet:prefill_seconds", "Seconds requests spent from their first "
+                                       "scheduling to their first token (their prefill, sharing steps with others).",
+                                       lab, registry=r).labels(model_name)
+        self.prefill_tokens = Counter("kvfleet:prefill_computed_tokens", "Prompt tokens those requests computed "
+                                      "(not found in the prefix cache).", lab, registry=r).labels(model_name)
+        self.kv_pull_transfer_seconds = Counter("kvfleet:kv_pull_transfer_seconds", "Seconds pulls that took blocks "
+                                                "spent moving them (their time less the source's waits for its "
+                                                "prefill).", lab, registry=r).labels(model_name)
+        self.kv_pulled_tokens = Counter("kvfleet:kv_pulled_tokens", "Prompt tokens pulled from peers (blocks "
+                                        "imported × block size).", lab, registry=r).labels(model_name)
         # KV blocks between engines (engine/server/kv_transfer.py)
         self.kv_blocks = Counter("kvfleet:kv_transfer_blocks", "KV blocks sent to peers (export) or taken from "
                                  "them (import).", ["model_name", "direction"], registry=r)
@@ -185,6 +197,11 @@ class RequestTimer:
         if self.first_token is None:
             self.first_token = now
             self.m.ttft.observe(now - self.arrival)
+            sched = getattr(getattr(output, "metrics", None), "first_scheduled_time", None)
+            computed = getattr(output, "num_prompt_tokens", 0) - getattr(output, "num_cached_tokens", 0)
+            if sched is not None and computed > 0:
+                self.m.prefill_seconds.inc(max(0.0, now - sched))
+                self.m.prefill_tokens.inc(computed)
             gaps -= 1
             per = 0.0  # tokens that arrived together with the first one
         else:

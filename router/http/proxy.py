@@ -29,7 +29,7 @@ from typing import NamedTuple
 import aiohttp
 
 from contract.errors import error_body, error_type
-from contract.kv_transfer import PULL_HEADER
+from contract.kv_transfer import PULL_HEADER, pull_header
 from router.http.migrate import Migrator, Resume
 from router.http.responses import send_json
 from router.http.usage import StreamUsage
@@ -235,7 +235,7 @@ class Proxy:
         metrics = self.metrics
         predicted = ls.predicted_cached_tokens
         if ls.decision.pull_from is not None:  # the engine pulls the prefix a peer holds before it queues the request
-            fwd_headers = [*fwd_headers, (PULL_HEADER, ls.decision.pull_from)]
+            fwd_headers = [*fwd_headers, (PULL_HEADER, pull_header(ls.decision.pull_from, ls.decision.pull_pending))]
             metrics.pulls.labels(url, ls.decision.pull_from).inc()
             metrics.pull_tokens.labels(url).inc(ls.decision.pull_tokens)
         try:

@@ -28,6 +28,7 @@ from router.routing.approx_index import ApproxPrefixIndex
 from router.routing.inflight_prefixes import InflightPrefixes
 from router.routing.policies import Decision, HashRing, IndexKind, Policy, ReplicaView, RouteRequest
 from router.routing.prefix_index import PrefixIndex
+from router.routing.pull_rates import PullRates
 from router.routing.replicas import CircuitBreaker, EngineLoad, ReplicaState, Ticket
 from router.states import CircuitState, KVEventsState
 
@@ -105,6 +106,7 @@ class Placement:
         self.cfg = cfg = cfg or PlacementConfig()
         self.index = PrefixIndex()
         self.approx = ApproxPrefixIndex(cfg.approx_max_blocks)
+        self.pull_rates = PullRates()  # --pull-token-cost auto: the engines' measured rates
         self.inflight = InflightPrefixes(cfg.inflight_s or 1.0)  # with pulls on: prompts routed, not in KV events yet
         self.replicas: dict[str, ReplicaState] = {}
         self.members: dict[str, list[str]] = {}  # pool -> its replicas, in the order the driver listed them
@@ -155,6 +157,7 @@ class Placement:
             self.index.drop(replica)
         self.approx.drop(replica)
         self.inflight.drop(replica)
+        self.pull_rates.drop(replica)
 
     # -- what the drivers observe --------------------------------------------------------------------------
     def on_health(self, replica: str, ready: bool, now: float) -> bool:
@@ -204,6 +207,8 @@ class Placement:
         st = self.replicas.get(replica)
         if st is not None:
             st.on_scrape(load, sent_at, now)
+            if self.cfg.scoring.pull_cost_measured:
+                self.pull_rates.on_load(replica, load, now)
 
     def on_load_failed(self, replica: str) -> None:
         st = self.replicas.get(replica)
@@ -334,7 +339,7 @@ class Placement:
         out = []
         for v in views:
             n, r = next(((n, r) for n, r in sources if r != v.url), (0, ""))
-            out.append(replace(v, peer_cached_tokens=n, peer_wait_tokens=wait.get(r, 0)))
+            out.append(replace(v, peer_cached_tokens=n, peer_wait_tokens=wait.get(r, 0), peer_on_the_way=r in on_the_way))
         return out
 
     def pull_source(self, decision: Decision, views: Sequence[ReplicaView]) -> str | None:
@@ -361,11 +366,15 @@ class Placement:
         turn = self.turn
         if not peek:
             self.turn += 1
-        d = self.policy.choose(views, RouteRequest(prompt.num_prompt_tokens, prompt.session_key),
-                               self.cfg.scoring, ring, turn)
+        scoring = self.cfg.scoring
+        if scoring.pull_cost_measured:
+            scoring = replace(scoring, pull_token_cost=self.pull_rates.cost(scoring.pull_token_cost))
+        d = self.policy.choose(views, RouteRequest(prompt.num_prompt_tokens, prompt.session_key), scoring, ring,
+                               turn)
         if d is not None and d.pull_tokens:
             source = self.pull_source(d, views)
-            d = replace(d, pull_from=source) if source is not None else replace(
+            pending = any(v.url == d.url and v.peer_on_the_way for v in views)
+            d = replace(d, pull_from=source, pull_pending=pending) if source is not None else replace(
                 d, pull_tokens=0, predicted_cached_tokens=d.predicted_cached_tokens - d.pull_tokens)
         return d
 

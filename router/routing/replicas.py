@@ -89,6 +89,12 @@ class EngineLoad:
     oom_events: float = 0.0  # kvfleet:oom_events_total: steps that failed for memory (and were recovered)
     alloc_failures: float = 0.0  # kvfleet:block_allocation_failures_total
     lora: LoRAInfo | None = None  # vllm:lora_requests_info's latest sample (None: the engine serves no adapters)
+    # kvfleet engines' measured rates, cumulative (router/routing/pull_rates.py): prefill seconds and the prompt
+    # tokens they computed, pull transfer seconds and the tokens pulled
+    prefill_seconds: float = 0.0
+    prefill_tokens: float = 0.0
+    pull_seconds: float = 0.0
+    pulled_tokens: float = 0.0
 
     @property
     def kv_tokens(self) -> float:
@@ -111,6 +117,10 @@ _LOAD_METRICS = {
     "sglang:max_total_num_tokens": "kv_capacity_tokens",
     "kvfleet:oom_events_total": "oom_events",
     "kvfleet:block_allocation_failures_total": "alloc_failures",
+    "kvfleet:prefill_seconds_total": "prefill_seconds",
+    "kvfleet:prefill_computed_tokens_total": "prefill_tokens",
+    "kvfleet:kv_pull_transfer_seconds_total": "pull_seconds",
+    "kvfleet:kv_pulled_tokens_total": "pulled_tokens",
 }
 
 
@@ -164,7 +174,9 @@ def parse_engine_metrics(text: str) -> EngineLoad:
                       waiting=int(sums.get("waiting", 0)), prefix_queries=sums.get("prefix_queries", 0.0),
                       prefix_hits=sums.get("prefix_hits", 0.0), kv_capacity_tokens=sums.get("kv_capacity_tokens", 0.0),
                       oom_events=sums.get("oom_events", 0.0), alloc_failures=sums.get("alloc_failures", 0.0),
-                      engine=engine, lora=lora)
+                      engine=engine, lora=lora, prefill_seconds=sums.get("prefill_seconds", 0.0),
+                      prefill_tokens=sums.get("prefill_tokens", 0.0), pull_seconds=sums.get("pull_seconds", 0.0),
+                      pulled_tokens=sums.get("pulled_tokens", 0.0))
 
 
 def _sample_value(line: str, end: int) -> float | None:

@@ -41,7 +41,7 @@ def engine(procs, name: str, *extra: str):
     port = free_port()
     return procs(["-m", "kvfleet", "engine", "--model", "smollm2", "--dtype", "float32", "--port", str(port),
                   "--instance-id", name, "--num-threads", "1", "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs",
-                  "8", "--internal-token", TOKEN, "--kv-pull-timeout", "3", "--log-level", "warning", *extra],
+                  "8", "--internal-token", TOKEN, "--kv-pull-timeout", "6", "--log-level", "warning", *extra],
                  f"http://127.0.0.1:{port}", name)
 
 
@@ -298,6 +298,32 @@ def test_a_burst_on_a_new_prompt_through_the_router_is_computed_about_once(fleet
     assert max(replicas.count(a.url), replicas.count(b.url)) <= 4, replicas  # neither serves more than 70%
     m = httpx.get(r.url + "/metrics").text
     assert metric(m, "kvfleet_router_kv_pulls_total") >= 1
+    assert metric(m, "kvfleet_router_pull_token_cost") == 0.05
+
+
+def test_pull_token_cost_auto_is_measured_from_the_engines_rates(fleet, module_procs):
+    """A router with --pull-token-cost auto starts at the prior (0.05); once the engines have prefilled and pulled
+    enough tokens since it started, it routes with their measured ratio (here, float32 on one thread: well under
+    0.5 prefill tokens per pulled token)."""
+    a, b, _ = fleet
+    r = router(module_procs, [a.url, b.url], "--internal-token", TOKEN, "--pull-token-cost", "auto", model="smollm2")
+    r.wait_ready(timeout=60)
+    wait_for(lambda: metric(httpx.get(r.url + "/metrics").text, "kvfleet_router_kv_events_live") == 2, timeout=30,
+             what="both KV event streams live")
+    assert metric(httpx.get(r.url + "/metrics").text, "kvfleet_router_pull_token_cost") == 0.05
+    for i in range(5):  # about 2,000 tokens prefilled on A and pulled by B
+        prompt = f"Measured {i}: " + text(90 + i, 380)
+        complete(a.url, prompt)
+        complete(b.url, prompt, pull=a.url)
+    mb = httpx.get(b.url + "/metrics").text
+    assert metric(mb, "kvfleet:kv_pulled_tokens_total") > 0 and metric(mb, "kvfleet:kv_pull_transfer_seconds_total") > 0
+    ma = httpx.get(a.url + "/metrics").text
+    assert metric(ma, "kvfleet:prefill_seconds_total") > 0 and metric(ma, "kvfleet:prefill_computed_tokens_total") > 0
+
+    def measured() -> bool:
+        cost = metric(httpx.get(r.url + "/metrics").text, "kvfleet_router_pull_token_cost")
+        return cost != 0.05 and 0 < cost < 0.5
+    wait_for(measured, timeout=10, what="the measured pull cost in force")
 
 
 def disagg_router(module_procs, tmp_path_factory, prefill: str, decode: str):

@@ -41,6 +41,7 @@ class ReplicaView:
     peer_cached_tokens: int = 0  # the most of the prompt another ready replica holds (a pull's source)
     tier_tokens: int = 0  # prompt tokens past cached_tokens its lower tier holds (a reload, not a prefill)
     peer_wait_tokens: int = 0  # the prefill ahead on that replica when its copy is on the way (still computing)
+    peer_on_the_way: bool = False  # that replica's copy is on the way: routed there, not yet in its KV events
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,7 @@ class Decision:
     cost: float
     pull_tokens: int = 0  # prompt tokens past its own cached prefix to pull from a peer (0: none)
     pull_from: str | None = None  # that peer (Placement.choose names it)
+    pull_pending: bool = False  # the peer is still computing it (its copy is on the way): the pull may wait for it
 
 
 class IndexKind(StrEnum):

@@ -11,7 +11,7 @@ index mirrored from KV events (the approximate one for replicas without them), o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from router.routing.policies.base import Decision, PolicyNeeds, Reason, ReplicaView, RouteRequest
@@ -37,10 +37,11 @@ class CachePolicy:
             best = pick(idx, lambda i: cost(views[i], loads[i], req, cfg), turn)
             return decision(views, loads, req, cfg, best, Reason.ALL_OVERLOADED)
         holders = sum(1 for i in idx if not views[i].adapter_missing)
-        if any(views[i].cached_tokens > 0 for i in idx) or 0 < holders < len(idx):  # a prefix or an adapter is here
+        if any(views[i].cached_tokens > 0 or views[i].tier_tokens > 0 for i in idx) or 0 < holders < len(idx):
+            # a prefix (in a cache or a lower tier) or an adapter is here
             best = pick(idx, lambda i: (cost(views[i], loads[i], req, cfg), -views[i].cached_tokens), turn)
-            return decision(views, loads, req, cfg, best,
-                            Reason.CACHE if views[best].cached_tokens > 0 else Reason.ADAPTER)
+            d = decision(views, loads, req, cfg, best, Reason.CACHE)
+            return d if d.predicted_cached_tokens > 0 else replace(d, reason=Reason.ADAPTER)
         if req.session_key is not None:
             best = ring.choose(req.session_key, views, loads, idx, cfg.session_load_factor)
             return decision(views, loads, req, cfg, best, Reason.SESSION)

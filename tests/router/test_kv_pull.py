@@ -101,25 +101,27 @@ def idle_and_whole(e) -> None:
     wait_for(whole, timeout=10, what=f"{e.url} idle with every block free")
 
 
-def test_greedy_tokens_after_a_pulled_prefix_equal_computing_everything(fleet):
+# the acceptance's 16 prompts under -m slow; 6 in the default suite (it is near its time budget)
+@pytest.mark.parametrize("whole, turns", [(4, 2), pytest.param(12, 4, marks=pytest.mark.slow)])
+def test_greedy_tokens_after_a_pulled_prefix_equal_computing_everything(fleet, whole, turns):
     a, b, _ = fleet
     before = pulls(b, "pulled") + pulls(b, "partial")
-    for i in range(12):  # whole prompts the source computed
-        prompt = f"Story {i}: " + text(i, 120 + 10 * i)
+    for i in range(whole):  # whole prompts the source computed
+        prompt = f"Story {i} of {whole}: " + text(i, 120 + 10 * i)
         ref = complete(a.url, prompt, salt=f"ref-{i}")
         complete(a.url, prompt)
         got = complete(b.url, prompt, pull=a.url)
         assert tokens(got) == tokens(ref), i
         assert cached(got) == (got["usage"]["prompt_tokens"] - 1) // 16 * 16, i  # every full block arrived
-    for i in range(4):  # multi-turn: the source holds the earlier turns, the puller computes the new one
-        turn1 = f"Conversation {i}. User: " + text(40 + i, 150) + "\nAssistant:"
+    for i in range(turns):  # multi-turn: the source holds the earlier turns, the puller computes the new one
+        turn1 = f"Conversation {i} of {turns}. User: " + text(40 + i, 150) + "\nAssistant:"
         first = complete(a.url, turn1, max_tokens=12)
         turn2 = turn1 + first["choices"][0]["text"] + "\nUser: " + text(50 + i, 40) + "\nAssistant:"
         ref = complete(a.url, turn2, salt=f"ref-turn-{i}")
         got = complete(b.url, turn2, pull=a.url)
         assert tokens(got) == tokens(ref), i
         assert 0 < cached(got) < got["usage"]["prompt_tokens"] - 16
-    assert pulls(b, "pulled") + pulls(b, "partial") - before == 16
+    assert pulls(b, "pulled") + pulls(b, "partial") - before == whole + turns
     idle_and_whole(a)
     idle_and_whole(b)
 
@@ -349,14 +351,17 @@ def disagg_router(module_procs, tmp_path_factory, prefill: str, decode: str):
     return r
 
 
+# the acceptance's 16 prompts under -m slow; 4 in the default suite
+@pytest.mark.parametrize("conversations", [2, pytest.param(8, marks=pytest.mark.slow)])
 def test_prefill_on_one_engine_decode_on_the_other_gives_the_same_greedy_tokens(fleet, module_procs,
-                                                                               tmp_path_factory):
+                                                                               tmp_path_factory, conversations):
     a, b, _ = fleet
     r = disagg_router(module_procs, tmp_path_factory, a.url, b.url)
     wait_for(lambda: httpx.get(r.url + "/ready").json().get("ready_replicas") == 2, timeout=30, what="replicas")
     before = pulls(b, "pulled") + pulls(b, "partial")
-    convs: list[list[dict]] = [[{"role": "user", "content": f"Handoff {i}: " + text(60 + i, 80)}] for i in range(8)]
-    for turn in range(2):  # 8 conversations x 2 turns: 16 prompts, the second turn's history prefilled again
+    convs: list[list[dict]] = [[{"role": "user", "content": f"Handoff {i} of {conversations}: " + text(60 + i, 80)}]
+                               for i in range(conversations)]
+    for turn in range(2):  # conversations x 2 turns, the second turn's history prefilled again
         for i, conv in enumerate(convs):
             body = {"model": "smollm2", "messages": conv, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
                     "return_token_ids": True}
@@ -370,9 +375,9 @@ def test_prefill_on_one_engine_decode_on_the_other_gives_the_same_greedy_tokens(
             assert g["usage"]["prompt_tokens_details"]["cached_tokens"] >= g["usage"]["prompt_tokens"] - 16
             conv += [{"role": "assistant", "content": g["choices"][0]["message"]["content"]},
                      {"role": "user", "content": text(70 + i + turn, 10)}]
-    assert pulls(b, "pulled") + pulls(b, "partial") - before == 16
+    assert pulls(b, "pulled") + pulls(b, "partial") - before == 2 * conversations
     m = httpx.get(r.url + "/metrics").text
-    assert metric(m, "kvfleet_router_disagg_prefills_total", pool="pre", outcome="ok") == 16
+    assert metric(m, "kvfleet_router_disagg_prefills_total", pool="pre", outcome="ok") == 2 * conversations
     # streamed too: the client's stream comes from the decode replica
     body = {"model": "smollm2", "prompt": "Streamed handoff: " + text(5, 60), "max_tokens": 6, "temperature": 0,
             "stream": True}

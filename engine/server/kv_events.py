@@ -38,7 +38,7 @@ async def kv_events(state: ServerState, request: Request) -> StreamingResponse:
     check_internal_token(state, request)
     engine = state.engine_or_503()
     snapshot, last_seq, queue = engine.subscribe_kv_events()
-    tiers = engine.tier_snapshot() if hasattr(engine, "tier_snapshot") else ()
+    tiers = engine.tier_snapshot()
     return DisconnectAwareStreamingResponse(_stream(state, engine, snapshot, tiers, last_seq, queue),
                                             media_type="application/x-ndjson",
                                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -129,12 +129,11 @@ def source_url(value: str) -> str | None:
     """The replica URL of a pull header, normalized (scheme://host:port), or None when it is not one."""
     try:
         parts = urlsplit(value.strip())
-        port = parts.port
+        parts.port  # noqa: B018 - raises ValueError for a port that is not one
     except ValueError:
         return None
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") or parts.query:
         return None
-    del port  # parsed only to refuse a bad one
     return f"{parts.scheme}://{parts.netloc}"
 
 

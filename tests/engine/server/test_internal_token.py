@@ -44,6 +44,9 @@ class StandInEngine:
         self.subscribers.append(queue)
         return [], 0, queue
 
+    def tier_snapshot(self):
+        return ()
+
     def unsubscribe_kv_events(self, queue) -> None:
         self.subscribers.remove(queue)
 

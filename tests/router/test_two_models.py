@@ -67,8 +67,10 @@ def fleet(module_procs, tmp_path_factory):
     for e in (small, tiny):
         e.wait_ready(timeout=300)
     r.wait_ready(timeout=60)
-    wait_for(lambda: "tokenizer of tiny-llama from" in r.tail() and "tokenizer of smollm2 from" in r.tail(),
-             timeout=60, what="both tokenizers fetched")
+    # the whole log: a replica's KV-event resyncs, logged every 2 s until it is ready, can push the first
+    # tokenizer's line out of a short tail (CI: one engine ready ~50 s before the other)
+    wait_for(lambda: all(f"tokenizer of {m} from" in r.tail(1 << 22) for m in ("tiny-llama", "smollm2")),
+             timeout=120, what="both tokenizers fetched")
     return r, small, tiny
 
 

@@ -38,7 +38,11 @@ def main(args, commands: Connection, reports: Connection, log_level: int) -> Non
     reports.send(CoreInfo(engine.model_name, engine.limits, engine.hash_seed, engine.config.vocab_size,
                           list(kv.snapshot()), kv.last_event_seq, engine.kv_layout, os.getpid(), engine.stats()))
     kv.drain_events()  # covered by the snapshot
-    sys.exit(_serve(CoreLoop(engine), commands, reports))
+    code = _serve(CoreLoop(engine), commands, reports)
+    # the reports are sent and the pipes closed by now: skip the interpreter's teardown of torch (most of a
+    # second, which a rolling restart would wait for)
+    logging.shutdown()
+    os._exit(code)
 
 
 def _serve(core: CoreLoop, commands: Connection, reports: Connection) -> int:

@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 from contract.kv_events import KVEvent
 from engine.admission import admit
@@ -39,6 +40,9 @@ from engine.errors import EngineDeadError, QueueFullError
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.core.process import ProcessCore
 
 logger = logging.getLogger(__name__)
 
@@ -86,27 +90,34 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, args: EngineArgs, engine: LLMEngine | None = None, max_queued_requests: int | None = None):
+    def __init__(self, args: EngineArgs, engine: LLMEngine | None = None, max_queued_requests: int | None = None,
+                 core: ProcessCore | None = None):
         """engine: a loaded LLMEngine to run on a thread of this process; without one, the core is built as
         args.engine_core says (a process: this call returns once its model is loaded, raising what it raised).
+        core: that process, already spawned for `args` (the server starts it before its own imports).
         max_queued_requests: beyond max_num_seqs running plus this many, add_request raises QueueFullError."""
         self.args = args
-        if engine is None and args.engine_core == "process":
+        if engine is None and (core is not None or args.engine_core == "process"):
             from engine.core.process import ProcessCore
             from engine.model.registry import resolve_model
             from engine.structured.grammars import GrammarCache
             from engine.tokenizer import load_tokenizer
 
-            self.tokenizer = load_tokenizer(resolve_model(args.model, args.allow_download))
-            self._core = ProcessCore(args)
-            self.grammars = GrammarCache(self.tokenizer.hf, self._core.info.vocab_size, self.tokenizer.eos_token_ids)
+            self._core = core or ProcessCore(args)  # the model loads in the core process while the tokenizer loads here
+            try:
+                self.tokenizer = load_tokenizer(resolve_model(args.model, args.allow_download))
+            except BaseException:
+                self._core.kill()
+                raise
+            info = self._core.wait_ready()
+            self.grammars = GrammarCache(self.tokenizer.hf, info.vocab_size, self.tokenizer.eos_token_ids)
         else:
             from engine.core.thread import ThreadCore
 
             self._core = ThreadCore(engine or LLMEngine(args))
             self.tokenizer = self._core.tokenizer
             self.grammars = self._core.grammars  # compiles on its own worker thread (engine/structured/grammars.py)
-        info = self._core.info
+            info = self._core.info
         self.model_name = info.model_name
         self.limits = info.limits
         self.hash_seed = info.hash_seed

@@ -123,7 +123,8 @@ class LLMEngine:
         self.source = resolve_model(args.model, args.allow_download)
         self.model_name = args.model_name
         self.dtype = resolve_dtype(args.dtype, self.device)
-        config = ModelConfig.from_hf(load_hf_config(self.source))
+        hf_config = load_hf_config(self.source)
+        config = ModelConfig.from_hf(hf_config)
         self.max_model_len = args.max_model_len or config.max_position_embeddings
         rope_type = config.rope_parameters.get("rope_type", config.rope_parameters.get("type", "default"))
         if self.max_model_len > config.max_position_embeddings and rope_type == "default":
@@ -134,7 +135,8 @@ class LLMEngine:
                                                      f"window ({config.sliding_window}), which is not implemented; "
                                                      f"use --max-model-len {config.sliding_window} or less")
         free_at_start = cuda_baseline(self.device) if self.device.type == "cuda" else 0
-        self.model, self.hf_config = model or load_model(self.source, self.dtype, self.device, self.max_model_len)
+        self.model, self.hf_config = model or load_model(self.source, self.dtype, self.device, self.max_model_len,
+                                                         hf_config=hf_config)
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = self.tokenizer.eos_token_ids

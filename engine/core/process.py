@@ -1,6 +1,7 @@
 """The engine core in a process of its own (the server's default), as vLLM v1 runs it.
 
-    core = ProcessCore(args)          # spawns the process and waits until the model is loaded (blocking)
+    core = ProcessCore(args)          # spawns the process (the model loads there meanwhile)
+    core.wait_ready()                 # blocks until the model is loaded; raises what the core raised if not
     core.start(report)                # a reader thread hands every TurnReport / CoreFailed to `report`
     core.send(AddRequest(...))        # commands go down one pipe, reports come up another
     core.send(Stop()); core.join()
@@ -30,7 +31,8 @@ START_POLL_S = 1.0
 
 class ProcessCore:
     def __init__(self, args):
-        """args: engine.args.EngineArgs. Returns once the model is loaded; raises what the core raised if not."""
+        """args: engine.args.EngineArgs. Returns at once; the caller does its own loading (the tokenizer)
+        while the core loads the model, then calls wait_ready()."""
         from engine.core.worker import main
 
         ctx = mp.get_context("spawn")
@@ -44,7 +46,13 @@ class ProcessCore:
         child_reports.close()
         self._send_lock = threading.Lock()
         self._reader: threading.Thread | None = None
-        self.info = self._wait_ready()
+        self.info: CoreInfo | None = None
+
+    def wait_ready(self) -> CoreInfo:
+        """The core's CoreInfo once its model is loaded; raises what the core raised while loading."""
+        if self.info is None:
+            self.info = self._wait_ready()
+        return self.info
 
     def _wait_ready(self) -> CoreInfo:
         while not self._reports.poll(START_POLL_S):
@@ -72,6 +80,12 @@ class ProcessCore:
                 self._commands.send(command)
             except OSError:  # the core is gone; the reader thread reports it
                 pass
+
+    def kill(self) -> None:
+        """Stop a core whose front end gave up before it was ready (e.g. the tokenizer failed to load)."""
+        self._process.kill()
+        self._process.join(5)
+        self._commands.close()
 
     def join(self, timeout: float | None = None) -> None:
         if self._reader is not None:

@@ -80,7 +80,8 @@ def rope_inv_freq(config: ModelConfig, hf_config=None, max_len: int | None = Non
     rope_type = config.rope_parameters.get("rope_type", config.rope_parameters.get("type", "default"))
     if rope_type == "default" or hf_config is None:
         dim = config.head_dim
-        inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        # on the CPU whatever the default device: on the meta device this division would import torch._dynamo
+        inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
         return inv, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -98,10 +99,11 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig, max_len: int, hf_config=None):
         super().__init__()
         inv_freq, scaling = rope_inv_freq(config, hf_config, max_len)
-        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
+        device = torch.get_default_device()  # the tables are computed where inv_freq is, then moved there
+        freqs = torch.arange(max_len, dtype=torch.float32, device=inv_freq.device)[:, None] * inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self.register_buffer("cos", (emb.cos() * scaling).to(device), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scaling).to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, D] for the tokens at positions [T], once per forward pass."""
@@ -213,7 +215,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_model_len: int, hf_config=None):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # no random init (load_weights fills every parameter, or says which it lacks); on the meta device the
+        # embedding's normal_ would import torch._dynamo, two seconds of every engine start
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(config, max_model_len, hf_config)

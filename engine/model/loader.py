@@ -22,6 +22,7 @@ from functools import cache
 import torch
 
 from engine.model.checkpoint import iter_tensors
+from engine.model.checkpoint_config import read_config
 from engine.model.cpu_linear import QuantCapture, can_prepack, prepack
 from engine.model.llama import LlamaForCausalLM, ModelConfig, RotaryEmbedding, UnsupportedModelError
 from engine.model.registry import ModelNotFoundError, ModelSource
@@ -57,20 +58,27 @@ def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
 
 
 def load_hf_config(source: ModelSource):
-    from transformers import AutoConfig
-
+    """The checkpoint's config: read from its config.json (engine/model/checkpoint_config.py), or by
+    transformers where that module says it must be."""
     directory = _materialize(source)
     try:
+        fast = read_config(directory)
+        if fast is not None:
+            return fast
+        from transformers import AutoConfig
+
         return AutoConfig.from_pretrained(directory)
     except (OSError, ValueError) as e:
         raise ModelNotFoundError(f"could not read the model config in {directory}: {e}") from e
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str = "cpu",
-               max_model_len: int | None = None, cpu_prepack: bool = True) -> tuple[LlamaForCausalLM, object]:
+               max_model_len: int | None = None, cpu_prepack: bool = True,
+               hf_config=None) -> tuple[LlamaForCausalLM, object]:
     """Build the decoder for `source` in `dtype` on `device` and fill its weights. Returns (model, hf_config).
-    cpu_prepack=False skips the oneDNN copies of bf16 projections on CPUs (which hold the weights a second time)."""
-    hf_config = load_hf_config(source)
+    cpu_prepack=False skips the oneDNN copies of bf16 projections on CPUs (which hold the weights a second time);
+    hf_config: load_hf_config(source) where the caller has read it already."""
+    hf_config = hf_config if hf_config is not None else load_hf_config(source)
     config = ModelConfig.from_hf(hf_config)
     max_len = max_model_len or config.max_position_embeddings
     with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint

@@ -111,4 +111,8 @@ async def tokenizer_from_engines(session: aiohttp.ClientSession, ready_urls: Cal
                 if url not in logged:  # once per replica
                     logged.add(url)
                     log.warning("no tokenizer from %s yet: %s", url, e)
+            except Exception:  # anything else is a bug, but must not end the fetch: the model would stay
+                # without a tokenizer, silently, for the router's life (the task's exception never read)
+                log.exception("fetching the tokenizer%s from %s failed; retrying", f" of {model}" if model else "",
+                              url)
         await asyncio.sleep(1.0)

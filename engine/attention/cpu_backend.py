@@ -3,9 +3,11 @@
 Decode tokens (one new token per sequence) are attended by one kernel call per layer that reads each
 sequence's K/V straight from its cache blocks (no gather into a padded copy, no mask); grouped-query
 heads share every K/V row they read. Short prefills and extends ride in the same call: query j of an
-extend is a decode over the first seq_len - q_len + j + 1 keys of its blocks. Long ones use
-scaled_dot_product_attention's flash kernel over their gathered context, whose matrix products win there
-(over a cached prefix in two unmasked passes, engine/attention/extend_sdpa.py). The KV write
+extend is a decode over the first seq_len - q_len + j + 1 keys of its blocks. Long ones run over their
+gathered context in our flash kernel (`prefill_attention.cpp`, AVX-512 BF16 dot products: 2.4-10x
+PyTorch's flash attention on a 2-core AMD EPYC without AMX) for bf16 where the CPU has those instructions,
+else in scaled_dot_product_attention's (over a cached prefix in two unmasked passes,
+engine/attention/extend_sdpa.py). The KV write
 is one call that copies each token's heads to its slot.
 
 Everything that depends only on the step's metadata (validation, which rows decode, their block tables,
@@ -29,6 +31,7 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # what the kernels read; float1
 # extends at most this big (query rows x context, and context) run in the kernel; larger ones in SDPA
 KERNEL_EXTEND_WORK = 64 * 1024
 KERNEL_EXTEND_CONTEXT = 1024
+PREFILL_HEAD_DIMS = (64, 128)  # what prefill_attention_ is built for
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().__init__()
         ops = cpu_ops.ops()
         self._write_kv, self._paged_decode_ = ops.write_kv, ops.paged_decode_
+        # long bf16 extends: our flash kernel on AVX-512 BF16 where the CPU has it (prefill_attention.cpp)
+        self._prefill_kernel = bool(ops.prefill_attention_available())
+        self._prefill_attention_ = ops.prefill_attention_
         self._plan_meta: AttentionMetadata | None = None
         self._plan: _Plan | None = None
         self._plan_key: tuple = ()
@@ -93,11 +99,16 @@ class CpuAttentionBackend(TorchAttentionBackend):
                                 scale)
             out.index_copy_(0, rows, res)
         hkv, d = k_cache.shape[2], k_cache.shape[3]
+        own_kernel = self._prefill_kernel and q.dtype == torch.bfloat16 and d in PREFILL_HEAD_DIMS \
+            and q.stride(1) == d and out.is_contiguous()
         for e in plan.extends:
-            k = self._ws.gather(k_cache, e.block_ids, 0).view(-1, hkv, d)[: e.seq_len].transpose(0, 1)[None]
-            v = self._ws.gather(v_cache, e.block_ids, 1).view(-1, hkv, d)[: e.seq_len].transpose(0, 1)[None]
+            k = self._ws.gather(k_cache, e.block_ids, 0).view(-1, hkv, d)[: e.seq_len]
+            v = self._ws.gather(v_cache, e.block_ids, 1).view(-1, hkv, d)[: e.seq_len]
+            if own_kernel:
+                self._prefill_attention_(out[e.start:e.start + e.q_len], q[e.start:e.start + e.q_len], k, v, scale)
+                continue
             qe = q[e.start:e.start + e.q_len].transpose(0, 1)[None]
-            o = extend_attention(qe, k, v, scale)
+            o = extend_attention(qe, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale)
             out[e.start:e.start + e.q_len] = o[0].transpose(0, 1)
         return out
 

@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 # one library: layer_ops.cpp defines it (TORCH_LIBRARY), the others add to it (TORCH_LIBRARY_FRAGMENT)
-SOURCES = tuple(_HERE / name for name in ("layer_ops.cpp", "attention_ops.cpp", "quant_gemm.cpp", "lora_ops.cpp"))
+SOURCES = tuple(_HERE / name for name in ("layer_ops.cpp", "attention_ops.cpp", "prefill_attention.cpp", "quant_gemm.cpp",
+                                           "lora_ops.cpp"))
 HEADERS = tuple(_HERE / name for name in ("cpu_common.h", "paged_scores.h", "amx.h"))
 ENV = "KVFLEET_CPU_KERNELS"  # "auto" (default) or "torch" (off)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17"]  # -fopenmp: ATen's parallel_for

@@ -203,6 +203,17 @@ def _inverse_cdf(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     running sum is float64 and short instead of a float64 cumsum over the whole vocabulary.
     """
     probs = torch.softmax(x, dim=-1)
+    degenerate = ~torch.isfinite(probs).all(dim=-1)
+    if bool(degenerate.any()):
+        # no distribution to draw from (every token excluded, or a +inf / NaN logit): the row's best token, as
+        # a temperature near 0 would pick; NaN counts as the lowest, -inf everywhere gives token 0
+        best = torch.nan_to_num(x[degenerate], nan=float("-inf")).argmax(dim=-1)
+        if bool(degenerate.all()):
+            return best
+        picked = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+        picked[degenerate] = best
+        picked[~degenerate] = _inverse_cdf(x[~degenerate], u[~degenerate])
+        return picked
     rows, width = probs.shape
     if width <= 4 * _BLOCK:
         return _search(probs.cumsum(dim=-1, dtype=torch.float64), u)

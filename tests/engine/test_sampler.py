@@ -56,6 +56,20 @@ def test_temperature_sampling_can_reach_every_token():
     assert sampled_set([0.0, 0.5, 1.0, -0.5, 0.2], temperature=1.0) == {0, 1, 2, 3, 4}
 
 
+@pytest.mark.parametrize("width", [5, 49152])  # one level, and the two-level search of wide rows
+def test_a_row_with_nothing_to_draw_from_gets_its_best_token_and_the_others_sample(width):
+    """A sampling row whose softmax is not a distribution (every token -inf, a +inf logit, a NaN) took the
+    engine down once (an index past the last block); it now gets its best token, its neighbours still sample."""
+    rows = torch.randn(4, width)
+    rows[0] = NEG  # everything excluded: token 0
+    rows[1, 3] = float("inf")
+    rows[2, 1], rows[2, 4] = float("nan"), 50.0
+    seqs = [seq(temperature=1.0, seed=i) for i in range(4)]
+    out = Sampler(seed=3)(rows, seqs)
+    assert out.token_ids[:3] == [0, 3, 4]
+    assert 0 <= out.token_ids[3] < width
+
+
 def test_negligible_temperature_is_greedy():
     assert sampled_set([0.0, 0.5, 1.0, 0.99], draws=500, temperature=1e-6) == {2}
 

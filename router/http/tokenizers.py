@@ -24,6 +24,7 @@ from router.routing.tokens import PromptTokenizer
 log = logging.getLogger("kvfleet.router")
 
 THIRD_PARTY = ("vllm", "sglang")  # engines without kvfleet's tokenizer endpoint
+LOAD_TIMEOUT_S = 120.0  # a fetched tokenizer's load (seconds, normally) past this is retried
 
 
 async def _load(name: str) -> PromptTokenizer:
@@ -102,8 +103,13 @@ async def tokenizer_from_engines(session: aiohttp.ClientSession, ready_urls: Cal
                     if resp.status != 200:
                         raise ValueError(f"HTTP {resp.status}")
                     data = await resp.read()
-                tok = await asyncio.to_thread(load_tokenizer_archive, data)
-                prompt_tokenizer = await asyncio.to_thread(PromptTokenizer, tok)
+                try:  # bounded: a load stuck in its thread must not keep the model without a tokenizer
+                    tok = await asyncio.wait_for(asyncio.to_thread(load_tokenizer_archive, data), LOAD_TIMEOUT_S)
+                    prompt_tokenizer = await asyncio.wait_for(asyncio.to_thread(PromptTokenizer, tok), LOAD_TIMEOUT_S)
+                except asyncio.TimeoutError:  # the thread stays stuck; another load is tried in a second
+                    log.error("loading the tokenizer%s from %s took over %g s; retrying",
+                              f" of {model}" if model else "", url, LOAD_TIMEOUT_S)
+                    continue
                 log.info("tokenizer%s from %s: vocab %d, %d bytes", f" of {model}" if model else "", url,
                          tok.vocab_size, len(data))
                 return prompt_tokenizer

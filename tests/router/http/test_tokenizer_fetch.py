@@ -1,12 +1,13 @@
 """The router's tokenizer fetch (router/http/tokenizers.py) against a real HTTP server on loopback serving the
 bundled model's tokenizer archive: an unexpected error while loading it (here one injected RuntimeError, as the
-tokenizers library raises when two threads share a tokenizer) is logged and retried, never the end of the fetch
-(the model would stay without a tokenizer for the router's life)."""
+tokenizers library raises when two threads share a tokenizer), or a load stuck in its thread, is logged and
+retried, never the end of the fetch (the model would stay without a tokenizer for the router's life)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import aiohttp
 import pytest
@@ -14,6 +15,7 @@ from aiohttp import web
 
 import engine.tokenizer as engine_tokenizer
 from engine.model.registry import resolve_model
+from router.http import tokenizers
 from router.http.tokenizers import tokenizer_from_engines
 
 pytestmark = pytest.mark.model
@@ -24,7 +26,7 @@ def archive() -> bytes:
     return engine_tokenizer.tokenizer_archive(engine_tokenizer.load_tokenizer(resolve_model("smollm2", False)))
 
 
-def test_an_unexpected_error_is_logged_and_the_fetch_retried(archive, monkeypatch, caplog, tmp_path):
+def test_an_unexpected_error_or_a_stuck_load_is_logged_and_the_fetch_retried(archive, monkeypatch, caplog, tmp_path):
     monkeypatch.setenv("KVFLEET_CACHE_DIR", str(tmp_path))
     real, calls = engine_tokenizer.load_tokenizer_archive, []
 
@@ -32,9 +34,12 @@ def test_an_unexpected_error_is_logged_and_the_fetch_retried(archive, monkeypatc
         calls.append(len(data))
         if len(calls) == 1:
             raise RuntimeError("Already borrowed")
+        if len(calls) == 2:
+            time.sleep(1.5)  # stuck, as far as a 0.5 s bound is concerned
         return real(data)
 
     monkeypatch.setattr(engine_tokenizer, "load_tokenizer_archive", flaky)
+    monkeypatch.setattr(tokenizers, "LOAD_TIMEOUT_S", 0.5)
 
     async def main():
         app = web.Application()
@@ -53,7 +58,8 @@ def test_an_unexpected_error_is_logged_and_the_fetch_retried(archive, monkeypatc
 
     with caplog.at_level(logging.INFO, logger="kvfleet.router"):
         tok = asyncio.run(main())
-    assert calls == [len(archive)] * 2  # failed once, then loaded
+    assert calls == [len(archive)] * 3  # failed once, stuck once, then loaded
     assert tok.encode_text("Hello harbour") == real(archive).encode("Hello harbour", add_special_tokens=False)
     assert "fetching the tokenizer of smollm2 from http://127.0.0.1" in caplog.text and "Already borrowed" in caplog.text
+    assert "loading the tokenizer of smollm2 from http://127.0.0.1" in caplog.text and "took over 0.5 s" in caplog.text
     assert "tokenizer of smollm2 from" in caplog.text

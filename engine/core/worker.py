@@ -39,7 +39,7 @@ def main(args, commands: Connection, reports: Connection, log_level: int) -> Non
                           list(kv.snapshot()), kv.last_event_seq, engine.kv_layout, os.getpid(), engine.stats()))
     kv.drain_events()  # covered by the snapshot
     code = _serve(CoreLoop(engine), commands, reports)
-    # the reports are sent and the pipes closed by now: skip the interpreter's teardown of torch (most of a
+    # the last report (stopped, or the failure) is sent: skip the interpreter's teardown of torch (most of a
     # second, which a rolling restart would wait for)
     logging.shutdown()
     os._exit(code)

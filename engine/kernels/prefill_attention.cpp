@@ -190,18 +190,12 @@ void run(Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v, float s
     for (int64_t kt = 0; kt <= last_tile; ++kt) {
       const int64_t key0 = kt * TK;
       for (int64_t r0 = 0; r0 < nrows; r0 += RB) {
-        const int64_t nr = std::min(RB, nrows - r0);
-        if (limit[r0] < key0) {  // rows are in token order: the first row of the block sees least
-          // the block's first rows see nothing of this tile; blocks mix tokens, so go row by row
-          int64_t first = r0;
-          while (first < r0 + nr && limit[first] < key0) ++first;
-          if (first == r0 + nr) continue;
-          block_tile<D>(rows.data() + first, limit.data() + first, r0 + nr - first, key0, kh + kt * TK * D / 2,
-                        vh + kt * TK / 2 * D, scale, m.data() + first, l.data() + first, o.data() + first * D);
-          continue;
-        }
-        block_tile<D>(rows.data() + r0, limit.data() + r0, nr, key0, kh + kt * TK * D / 2, vh + kt * TK / 2 * D,
-                      scale, m.data() + r0, l.data() + r0, o.data() + r0 * D);
+        const int64_t end = std::min(nrows, r0 + RB);
+        int64_t first = r0;  // rows are in token order: a block's first rows may see nothing of this tile
+        while (first < end && limit[first] < key0) ++first;
+        if (first == end) continue;
+        block_tile<D>(rows.data() + first, limit.data() + first, end - first, key0, kh + kt * TK * D / 2,
+                      vh + kt * TK / 2 * D, scale, m.data() + first, l.data() + first, o.data() + first * D);
       }
     }
     for (int64_t t = t0; t < t1; ++t)

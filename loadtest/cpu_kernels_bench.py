@@ -7,7 +7,8 @@ read from memory, not from a cache that a repeated call keeps warm.
     python -m loadtest.cpu_kernels_bench lora --rows-per-slot 1,2,4,16,64 --adapters 8 --rank 16
 
 `projections`: one step's projections of a Llama-shaped model (SmolLM2-135M by default: 30 layers of
-qkv, o, gate/up and down) with exact 4-bit group weights, through `q4_linear` (packed 4-bit, AMX) and
+qkv, o, gate/up and down) with exact 4-bit group weights, through `q4_linear` (packed 4-bit: AMX tiles, or
+AVX-512 BF16 dot products on CPUs without AMX) and
 through oneDNN on the same weights in bf16 (what the engine uses otherwise), alternating per row count;
 the median of --rounds is printed with the ratio. `attention`: `paged_decode_` over --layers separate KV
 caches with shuffled blocks; achieved GB/s of K/V read and the fraction of this machine's read bandwidth
@@ -49,8 +50,10 @@ def bench_projections(a: argparse.Namespace) -> int:
     from engine.model.quantized import dequant_reference, pack_q4
 
     ops = cpu_ops.ops()
-    if not ops.quant_amx():
-        print("q4_linear runs its portable loops here (no AMX): nothing to compare", file=sys.stderr)
+    path = ops.quant_path()
+    if path == "portable":
+        print("q4_linear runs its portable loops here (neither AMX nor AVX-512 BF16): nothing to compare",
+              file=sys.stderr)
         return 1
     h, inter = a.hidden, a.intermediate
     qkv = h + 2 * a.kv_dim
@@ -67,6 +70,7 @@ def bench_projections(a: argparse.Namespace) -> int:
     q4_bytes = sum(qw.numel() + sc.numel() * 2 for layer in layers for (qw, sc), _ in layer)
     print(f"{a.layers} layers, hidden {h}, intermediate {inter}: {q4_bytes / 2**20:.0f} MiB packed 4-bit vs "
           f"{sum(n * k for n, k in shapes) * a.layers * 2 / 2**20:.0f} MiB bf16 per step")
+    print(f"q4_linear on {path}")
     print(f"{'rows':>5} {'q4_linear ms':>13} {'oneDNN bf16 ms':>15} {'ratio':>6}")
     for rows in a.rows:
         xs = [torch.randn(rows, k, generator=gen).to(torch.bfloat16) for _, k in shapes]

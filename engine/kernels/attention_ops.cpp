@@ -4,7 +4,9 @@
 //   paged_decode_(out, q, k_cache, v_cache, tables, seq_lens, scale)
 //       one query token per sequence over its paged context, grouped-query heads share K/V reads; for
 //       bf16 with head_dim 64 the scores run on AMX tiles where the CPU has them (the next 16 keys
-//       prefetched while a tile is read).
+//       prefetched while a tile is read); elsewhere bf16 caches with an even block size use AVX-512 BF16
+//       dot products for the scores and for the weighted sum of V (weights rounded to bf16, as flash
+//       attention does; the softmax sum is taken over the rounded weights), two blocks prefetched ahead.
 //       Sequences run in parallel; when there are fewer sequences than threads, a long context is split
 //       into runs of blocks on several threads (flash-decoding): each part keeps its own float32 maximum,
 //       sum and weighted sum of V, and the parts are merged by rescaling to the common maximum.
@@ -92,6 +94,99 @@ struct Partial {
   float* sum;
 };
 
+#ifdef __AVX512BF16__
+// softmax_rows, and each row's numerators rounded to bf16 into pb (row stride lp, an even length >= len; a
+// last odd slot 0), the sums taken over the rounded values (the weights the V sums use).
+inline void softmax_rows_bf16(float* sc, int64_t rows, int64_t len, float* mx, float* sum, uint16_t* pb, int64_t lp) {
+  softmax_rows(sc, rows, len, mx, sum);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint32_t* s = reinterpret_cast<const uint32_t*>(sc + r * len);
+    uint16_t* d = pb + r * lp;
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < len; ++t) {
+      const uint32_t rounded = (s[t] + 0x7FFFu + ((s[t] >> 16) & 1u)) >> 16;  // finite, >= 0: nearest even
+      d[t] = uint16_t(rounded);
+      const uint32_t back = rounded << 16;
+      float f;
+      std::memcpy(&f, &back, sizeof(f));
+      total += f;
+    }
+    if (len < lp) d[len] = 0;
+    sum[r] = total;
+  }
+}
+
+// decode_part_avx512 for bf16 caches with an even block size, on AVX-512 BF16 dot products: scores as
+// scores_dpbf16 (AMX tiles where `amx`), then the weighted sum of V two keys at a time: their V rows
+// interleaved (one register: 16 dims x the two keys) times the pair of bf16 weights broadcast (VDPBF16PS),
+// float32 sums. Lane k of sum 2v holds dim 32v + 8(k/4) + k%4, of sum 2v + 1 dim 32v + 8(k/4) + 4 + k%4.
+template <int D, int G>
+void decode_part_dpbf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* table,
+                        int64_t len, int64_t bs, int64_t hkv, float scale, Partial part, std::vector<float>& work,
+                        bool amx) {
+  constexpr int V = D / 32;
+  const int64_t hq = hkv * G, row_elems = hkv * D, lp = (len + 1) & ~int64_t(1);
+  work.resize(hq * len + (hq * lp + 1) / 2);
+  float* sc = work.data();
+  uint16_t* pb = reinterpret_cast<uint16_t*>(sc + hq * len);
+  bool scored = false;
+#ifdef KVFLEET_AMX
+  if constexpr (D == 64) {
+    if (amx) {
+      scores_amx<G>(q, kc, table, len, bs, hkv, scale, sc);
+      scored = true;
+    }
+  }
+#endif
+  for (int64_t h = 0; h < hkv && !scored; ++h) scores_dpbf16<D, G>(q, kc, table, len, bs, hkv, h, scale, sc + h * G * len);
+  softmax_rows_bf16(sc, hq, len, part.max, part.sum, pb, lp);
+  const uint16_t* vb = reinterpret_cast<const uint16_t*>(vc);
+  const int64_t nblk = (len + bs - 1) / bs;
+  const __m512i lo_dims = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i hi_dims = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t h = 0; h < hkv; ++h) {
+    __m512 acc[G][2 * V];
+    for (int j = 0; j < G; ++j)
+      for (int v = 0; v < 2 * V; ++v) acc[j][v] = _mm512_setzero_ps();
+    const uint16_t* ph = pb + h * G * lp;
+    for (int64_t bi = 0; bi < nblk; ++bi) {
+      const uint16_t* block = vb + int64_t(table[bi]) * bs * row_elems + h * D;
+      const int64_t in_block = std::min(bs, len - bi * bs);
+      for (int64_t ahead = bi == 0 ? 1 : 2; ahead <= 2 && bi + ahead < nblk; ++ahead)  // as scores_dpbf16 does
+        prefetch_block(vb + int64_t(table[bi + ahead]) * bs * row_elems + h * D, bs, row_elems, D);
+      for (int64_t o = 0; o < in_block; o += 2) {  // an odd last key pairs with zeros (its weight slot is 0)
+        const int64_t t = bi * bs + o;
+        const uint16_t* r0 = block + o * row_elems;
+        const bool pair = o + 1 < in_block;
+        __m512bh lo[V], hi[V];
+        for (int v = 0; v < V; ++v) {
+          const __m512i a = _mm512_loadu_si512(r0 + v * 32);
+          const __m512i b = pair ? _mm512_loadu_si512(r0 + row_elems + v * 32) : _mm512_setzero_si512();
+          lo[v] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+          hi[v] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        }
+        for (int j = 0; j < G; ++j) {
+          int32_t w2;
+          std::memcpy(&w2, ph + j * lp + t, sizeof(w2));
+          const __m512bh w = (__m512bh)_mm512_set1_epi32(w2);
+          for (int v = 0; v < V; ++v) {
+            acc[j][2 * v] = _mm512_dpbf16_ps(acc[j][2 * v], lo[v], w);
+            acc[j][2 * v + 1] = _mm512_dpbf16_ps(acc[j][2 * v + 1], hi[v], w);
+          }
+        }
+      }
+    }
+    for (int j = 0; j < G; ++j)
+      for (int v = 0; v < V; ++v) {
+        float* dst = part.acc + (h * G + j) * D + v * 32;
+        _mm512_storeu_ps(dst, _mm512_permutex2var_ps(acc[j][2 * v], lo_dims, acc[j][2 * v + 1]));
+        _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(acc[j][2 * v], hi_dims, acc[j][2 * v + 1]));
+      }
+  }
+}
+#endif  // __AVX512BF16__
+
 #ifdef __AVX512F__
 // The partial of a run of `len` keys (blocks from `table`) with head_dim D (a multiple of 16) and G query
 // heads per kv head: scores per kv head (AMX tiles where `amx`, else AVX-512), softmax, then the weighted
@@ -99,6 +194,11 @@ struct Partial {
 template <int D, int G, typename T>
 void decode_part_avx512(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t len, int64_t bs,
                         int64_t hkv, float scale, Partial part, std::vector<float>& work, bool amx) {
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (bs % 2 == 0) return decode_part_dpbf16<D, G>(q, kc, vc, table, len, bs, hkv, scale, part, work, amx);
+  }
+#endif
   constexpr int V = D / 16;
   const int64_t hq = hkv * G, row_elems = hkv * D;
   work.resize(hq * len);

@@ -2,18 +2,20 @@
 //   Q4 (Q4_1, and Q4_0 groups spanning all 16 levels): w = s * q + m, q in 0..15, float16 s and m per 32 inputs
 //   Q8 (Q8_0): w = d * q, q in -128..127, float16 d per 32 inputs
 //
-//   q4_linear(x, qweight, scales, bias?, allow_amx=True, float_out=False) -> out
-//   q8_linear(x, qweight, scales, bias?, allow_amx=True, float_out=False) -> out
+//   q4_linear(x, qweight, scales, bias?, fast=True, float_out=False) -> out
+//   q8_linear(x, qweight, scales, bias?, fast=True, float_out=False) -> out
 //       out[M, N] = x[M, K] @ dequant(qweight)^T (+ bias), bf16 (float_out: the float32 sums, unrounded);
-//       allow_amx=False: the portable loops
+//       fast=False: the portable loops
 //   q4_dequant(qweight, scales) -> w, q8_dequant(...)   the bf16 weight [N, K] the kernel multiplies with
-//   quant_amx() -> bool                                 whether the *_linear ops run on AMX tiles here
+//   quant_path() -> str    what the *_linear ops run on here: "amx" (tiles), "avx512_bf16" (vdpbf16ps, CPUs
+//                          without AMX) or "portable"
 //
 // Decode steps are bound by reading weights from memory; packed, Q4 is 0.625 bytes per weight and Q8
 // 1.03 instead of bf16's 2. Each 16-column x 32-input chunk is dequantized in registers to exactly the bf16
 // value of the checkpoint's weight (s * q and d * q are exact in float32, so s * q + m rounds once, as the
-// float32 value did; then round-to-nearest-even to bf16) and multiplied on AMX tiles (TDPBF16PS: bf16
-// products, float32 sums), so the result is the bf16 model's matmul, read from a third (half) of the bytes.
+// float32 value did; then round-to-nearest-even to bf16) and multiplied on AMX tiles (TDPBF16PS) or with
+// AVX-512 BF16 dot products (VDPBF16PS): bf16 products, float32 sums, so the result is the bf16 model's
+// matmul, read from a third (half) of the bytes.
 //
 // Packed layouts (engine/model/quantized.py builds them); a chunk's row r holds inputs 2r and 2r+1 of its
 // group for 16 columns, in AMX B-tile order (element e: column e/2, input 2r + e%2):
@@ -30,11 +32,17 @@
 
 #include "amx.h"
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define KVFLEET_DPBF16 1  // AVX-512 BF16 dot products (vdpbf16ps): the path for CPUs without AMX
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -76,7 +84,7 @@ struct Q4 {
         dst[r * 32 + 16 + i] = round_bf16(float(byte >> 4) * float(sm[col_b]) + float(sm[16 + col_b]));
       }
   }
-#ifdef KVFLEET_AMX
+#ifdef KVFLEET_DPBF16
   static void dequant(const uint8_t* q, const c10::Half* sm, uint16_t* dst) {
     const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm)));
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + 16)));
@@ -104,7 +112,7 @@ struct Q8 {
   static void dequant_portable(const int8_t* q, const c10::Half* d, uint16_t* dst) {
     for (int64_t e = 0; e < 512; ++e) dst[e] = round_bf16(float(q[e]) * float(d[(e % 32) / 2]));
   }
-#ifdef KVFLEET_AMX
+#ifdef KVFLEET_DPBF16
   static void dequant(const int8_t* q, const c10::Half* d, uint16_t* dst) {
     const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
     const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
@@ -189,6 +197,9 @@ void nblocks_amx(const ActTiles& a, int64_t mblocks, int64_t kcs, const typename
   }
 }
 
+#endif
+
+#ifdef KVFLEET_DPBF16
 // out[r, 0:16] = c[r] + bias for rows [0, m): rounded to bf16 (nearest even), or kept in float32.
 void store_block_avx512(const float* c, int64_t m, const uint16_t* bias, void* out, int64_t n, bool float_out) {
   const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -202,7 +213,63 @@ void store_block_avx512(const float* c, int64_t m, const uint16_t* bias, void* o
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + r * n), (__m256i)_mm512_cvtneps_pbh(v));
   }
 }
-#endif
+
+// The AVX-512 BF16 path (CPUs without AMX): out rows [0, m) for two n-blocks at a time (NB = 2, or 1 for a
+// lone last block). Each n-block's chunks are dequantized once into w (AMX B order is vdpbf16ps' operand
+// order: a 64-byte row holds one input pair for 16 columns); then each weight row feeds the dot products of
+// R <= 12 activation rows, their input pair broadcast from x, float32 sums in 2 x 12 registers.
+constexpr int kRowsPerPass = 12;
+
+template <int R, int NB>
+void rows_dpbf16(const uint16_t* x, int64_t k, int64_t kcs, const uint16_t* w, float* c, int64_t c_stride) {
+  __m512 acc[NB][R];
+  for (int b = 0; b < NB; ++b)
+    for (int i = 0; i < R; ++i) acc[b][i] = _mm512_setzero_ps();
+  for (int64_t kc = 0; kc < kcs; ++kc) {
+    const uint16_t* xk = x + kc * kGroup;
+    const uint16_t* wk = w + kc * 512;
+    for (int p = 0; p < 16; ++p) {
+      __m512bh wv[NB];
+      for (int b = 0; b < NB; ++b) wv[b] = (__m512bh)_mm512_load_si512(wk + b * kcs * 512 + p * 32);
+      for (int i = 0; i < R; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, xk + i * k + 2 * p, 4);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+        for (int b = 0; b < NB; ++b) acc[b][i] = _mm512_dpbf16_ps(acc[b][i], xb, wv[b]);
+      }
+    }
+  }
+  for (int b = 0; b < NB; ++b)
+    for (int i = 0; i < R; ++i) _mm512_storeu_ps(c + b * c_stride + i * kCols, acc[b][i]);
+}
+
+template <int NB, int R = kRowsPerPass>
+void rows_dpbf16_any(int r, const uint16_t* x, int64_t k, int64_t kcs, const uint16_t* w, float* c, int64_t cs) {
+  if constexpr (R > 0) {
+    if (r == R) return rows_dpbf16<R, NB>(x, k, kcs, w, c, cs);
+    return rows_dpbf16_any<NB, R - 1>(r, x, k, kcs, w, c, cs);
+  }
+}
+
+// The n-blocks [nb0, nb1) of one thread; wbuf: 2 * kcs chunks, c: [2][m x 16] float32.
+template <typename F, typename Store>
+void nblocks_dpbf16(const uint16_t* x, int64_t m, int64_t k, int64_t kcs, const typename F::Q* qd,
+                    const c10::Half* sd, int64_t nb0, int64_t nb1, uint16_t* wbuf, float* c, Store&& store) {
+  for (int64_t nb = nb0; nb < nb1; nb += 2) {
+    const int nbs = int(std::min<int64_t>(2, nb1 - nb));
+    for (int64_t i = 0; i < nbs * kcs; ++i)  // the pair's chunks are consecutive: (nb, 0..kcs), (nb + 1, 0..kcs)
+      F::dequant(qd + (nb * kcs + i) * F::kChunkBytes, sd + (nb * kcs + i) * F::kScales, wbuf + i * 512);
+    for (int64_t r0 = 0; r0 < m; r0 += kRowsPerPass) {
+      const int r = int(std::min<int64_t>(kRowsPerPass, m - r0));
+      if (nbs == 2)
+        rows_dpbf16_any<2>(r, x + r0 * k, k, kcs, wbuf, c + r0 * kCols, m * kCols);
+      else
+        rows_dpbf16_any<1>(r, x + r0 * k, k, kcs, wbuf, c + r0 * kCols, m * kCols);
+    }
+    for (int b = 0; b < nbs; ++b) store(nb + b, c + b * m * kCols);
+  }
+}
+#endif  // KVFLEET_DPBF16
 
 bool use_amx() {
 #ifdef KVFLEET_AMX
@@ -248,7 +315,7 @@ void nblock_portable(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w,
 
 template <typename F>
 Tensor quant_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales, const std::optional<Tensor>& bias,
-                    bool allow_amx, bool float_out) {
+                    bool fast, bool float_out) {
   check_packed<F>(qweight, scales);
   check(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2, "x must be bf16 [M, K]");
   const int64_t nbs = qweight.size(0), kcs = qweight.size(1), n = nbs * kCols, k = kcs * kGroup, m = x.size(0);
@@ -264,7 +331,7 @@ Tensor quant_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales
   char* od = static_cast<char*>(out.data_ptr());
   const int64_t osize = out.element_size();
 #ifdef KVFLEET_AMX
-  if (allow_amx && use_amx()) {
+  if (fast && use_amx()) {
     const int64_t full = m / 16, mblocks = (m + 15) / 16;
     Scratch<uint16_t> tail(kcs * 512);  // the last partial 16-row block, zero-padded, packed per group
     if (full < mblocks) {
@@ -284,6 +351,20 @@ Tensor quant_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales
                     store_block_avx512(cb, m, bd ? bd + nb * kCols : nullptr, od + nb * kCols * osize, n, float_out);
                   });
       _tile_release();
+    });
+    return out;
+  }
+#endif
+#ifdef KVFLEET_DPBF16
+  if (fast) {
+    const int64_t pairs = (nbs + 1) / 2;  // whole pairs of n-blocks per thread, as above
+    at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+      Scratch<uint16_t> w(2 * kcs * 512);
+      Scratch<float> c(2 * m * kCols);
+      nblocks_dpbf16<F>(xd, m, k, kcs, qd, sd, 2 * p0, std::min(2 * p1, nbs), w.data, c.data,
+                        [&](int64_t nb, const float* cb) {
+                          store_block_avx512(cb, m, bd ? bd + nb * kCols : nullptr, od + nb * kCols * osize, n, float_out);
+                        });
     });
     return out;
   }
@@ -329,18 +410,25 @@ Tensor quant_dequant(const Tensor& qweight, const Tensor& scales) {
   return out;
 }
 
-bool quant_amx() { return use_amx(); }
+std::string quant_path() {
+  if (use_amx()) return "amx";
+#ifdef KVFLEET_DPBF16
+  return "avx512_bf16";
+#else
+  return "portable";
+#endif
+}
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
-  m.def("q4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias=None, bool allow_amx=True, "
+  m.def("q4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias=None, bool fast=True, "
         "bool float_out=False) -> Tensor",
         &quant_linear<Q4>);
-  m.def("q8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias=None, bool allow_amx=True, "
+  m.def("q8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias=None, bool fast=True, "
         "bool float_out=False) -> Tensor",
         &quant_linear<Q8>);
   m.def("q4_dequant(Tensor qweight, Tensor scales) -> Tensor", &quant_dequant<Q4>);
   m.def("q8_dequant(Tensor qweight, Tensor scales) -> Tensor", &quant_dequant<Q8>);
-  m.def("quant_amx() -> bool", &quant_amx);
+  m.def("quant_path() -> str", &quant_path);
 }

@@ -86,9 +86,9 @@ def use_cpu_kernels(model: LlamaForCausalLM) -> None:
     model.rope = RopeTable(model.rope)
     use_quant_kernels(model)
     if q4_projections(model) or q8_head(model):
-        logger.info("%d projections%s multiply through the checkpoint's packed 4-bit%s weights (AMX kernels, "
+        logger.info("%d projections%s multiply through the checkpoint's packed 4-bit%s weights (%s kernels, "
                     "the same bf16 values)", q4_projections(model), " and the output head" if q8_head(model)
-                    else "", " / 8-bit" if q8_head(model) else "")
+                    else "", " / 8-bit" if q8_head(model) else "", cpu_ops.ops().quant_path())
 
 
 def uses_cpu_kernels(model: nn.Module) -> bool:

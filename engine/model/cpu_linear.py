@@ -6,8 +6,9 @@ with `OneDnnLinear` (the weight pre-packed for oneDNN: no repacking per call) an
 `Int4Linear`: torch's int4 kernel serves steps of up to INT4_MAX_ROWS rows (the fastest there; its bf16
 scales round the weights slightly differently). `QuantCapture` watches `load_weights` for exact 4/8-bit
 groups in the float32 checkpoint values and keeps their packed copies on the modules; once the fused
-kernels are in use and the CPU has AMX, `use_quant_kernels` swaps in `Q4Linear` / `Q8Head`, which multiply
-through them (engine/kernels/quant_gemm.cpp: a third of the bytes, exactly the bf16 weights).
+kernels are in use, `use_quant_kernels` swaps in `Q4Linear` (on AMX, or AVX-512 BF16 for steps of up to
+Q4_AVX512_MAX_ROWS rows) and, on AMX, `Q8Head`, which multiply through them (engine/kernels/quant_gemm.cpp: a
+third of the bytes, exactly the bf16 weights).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from engine.model.quantized import find_q4, find_q8, pack_q4, pack_q8
 QUANT_ENV = "KVFLEET_QUANT_KERNELS"  # "off": keep the bf16 (oneDNN) matmuls even where the packed 4/8-bit kernels run
 Q8_HEAD_MAX_ROWS = 24  # the 8-bit head: 1.5x oneDNN at 1-16 rows, 1.06x at 24, parity at 32, 0.85x at 48 (AMX-bound)
 INT4_GROUP = 32
+# AVX-512 BF16 (no AMX), one step's projections of SmolLM2 (loadtest.cpu_kernels_bench projections): 1.5-1.7x
+# oneDNN bf16 at 1-8 rows, 1.14-1.21x at 16-64, 1.05x at 128, parity at 256, 0.96x at 512; the 8-bit head
+# is 0.8-0.9x oneDNN at every row count there, so it stays on oneDNN
+Q4_AVX512_MAX_ROWS = 128
 INT4_MAX_ROWS = 4  # steps of up to this many rows: 1.6-1.9x oneDNN bf16 at 1 row, 1.4x q4_linear at 1-2, ~1.1x at 4
 
 Packed = tuple[torch.Tensor, torch.Tensor]
@@ -99,15 +104,18 @@ class OneDnnLinear(nn.Module):
 
 
 class Q4Linear(nn.Module):
-    """A projection through its packed 4-bit weight (q4_linear on AMX: the same bf16 values)."""
+    """A projection through its packed 4-bit weight (q4_linear: the same bf16 values); steps of more than
+    max_rows rows (None: no limit) through `large`, its oneDNN projection."""
 
-    def __init__(self, linear: nn.Module, q4_packed: Packed):
+    def __init__(self, large: OneDnnLinear, q4_packed: Packed, max_rows: int | None = None):
         super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
-        self.q4_packed = q4_packed
+        self.weight, self.bias = large.weight, large.bias
+        self.q4_packed, self.large, self.max_rows = q4_packed, large, max_rows
         self._q4_linear = cpu_ops.ops().q4_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.max_rows is not None and x.shape[0] > self.max_rows:
+            return self.large(x)
         return self._q4_linear(x, self.q4_packed[0], self.q4_packed[1], self.bias)
 
 
@@ -177,14 +185,17 @@ def prepack(model: LlamaForCausalLM, capture: QuantCapture) -> None:
 
 
 def use_quant_kernels(model: LlamaForCausalLM) -> None:
-    """Where the CPU runs the AMX kernels (and KVFLEET_QUANT_KERNELS is not "off"), projections and the head
-    with exact 4/8-bit copies multiply through them."""
-    if not cpu_ops.ops().quant_amx() or os.environ.get(QUANT_ENV, "auto") == "off":
+    """Where the CPU runs the packed kernels fast (and KVFLEET_QUANT_KERNELS is not "off"), projections with
+    exact 4-bit copies multiply through them: every step on AMX, steps of up to Q4_AVX512_MAX_ROWS rows with
+    AVX-512 BF16; on AMX the head with an exact 8-bit copy too."""
+    path = cpu_ops.ops().quant_path()
+    if path == "portable" or os.environ.get(QUANT_ENV, "auto") == "off":
         return
+    max_rows = None if path == "amx" else Q4_AVX512_MAX_ROWS
     swap_modules(model, OneDnnLinear,
-                 lambda _, linear: linear if linear.q4_packed is None else Q4Linear(linear, linear.q4_packed))
+                 lambda _, linear: linear if linear.q4_packed is None else Q4Linear(linear, linear.q4_packed, max_rows))
     head = model.output_head
-    if isinstance(head, OneDnnHead) and head.q8_packed is not None:
+    if path == "amx" and isinstance(head, OneDnnHead) and head.q8_packed is not None:
         model.output_head = Q8Head(head.q8_packed, head)
 
 

@@ -1,6 +1,6 @@
 """Exact group-quantized weights: finding Q4 and Q8 groups in float32 checkpoint values, packing them, and
-the `q4_linear` / `q8_linear` kernels (AMX where the CPU has it, portable loops everywhere) against a
-float64 reference."""
+the `q4_linear` / `q8_linear` kernels (AMX tiles or AVX-512 BF16 dot products where the CPU has them,
+portable loops everywhere) against a float64 reference."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ if os.environ.get(cpu_ops.ENV) == "torch":
 
 assert cpu_ops.load(), f"the fused CPU kernels must build here: {cpu_ops.unavailable_reason()}"
 OPS = cpu_ops.ops()
-AMX = bool(OPS.quant_amx())
+PATH = OPS.quant_path()  # "amx", "avx512_bf16" or "portable"
+AMX = PATH == "amx"
+FAST = [True, False] if PATH != "portable" else [False]  # the op's `fast` flag: False runs the portable loops
 
 
 def q4_1_tensor(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -76,18 +78,18 @@ def test_kernel_dequantizes_to_the_bf16_weights_bit_for_bit():
     assert torch.equal(OPS.q4_dequant(qweight, scales), w.bfloat16())
 
 
-@pytest.mark.parametrize("amx", [True, False] if AMX else [False])
+@pytest.mark.parametrize("fast", FAST)
 @pytest.mark.parametrize("rows,n,k", [(1, 32, 64), (5, 48, 96), (16, 64, 64), (17, 64, 1536), (33, 96, 128),
                                       (64, 80, 576), (130, 32, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_q4_linear_matches_a_float64_reference(amx, rows, n, k, bias):
+def test_q4_linear_matches_a_float64_reference(fast, rows, n, k, bias):
     w = q4_1_tensor(n, k, seed=rows + n)
     qweight, scales = pack_q4(*find_q4(w))
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
     want = x.double() @ w.bfloat16().double().T + (b.double() if bias else 0)
-    got = OPS.q4_linear(x, qweight, scales, b, amx)
+    got = OPS.q4_linear(x, qweight, scales, b, fast)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     # float32 sums, one bf16 rounding of the result
     assert torch.allclose(got.double(), want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item())
@@ -126,17 +128,37 @@ def test_linear_with_q4_equals_the_bf16_linear():
 
 
 def test_smollm2_projections_run_4bit_on_the_same_bf16_weights():
-    """Every projection is packed from the GGUF's exact Q4_1 groups; where AMX runs the kernel, every
-    step beyond a few rows multiplies through them (elsewhere the packed copies stay unused)."""
+    """Every projection is packed from the GGUF's exact Q4_1 groups; where the CPU runs the packed kernel
+    (AMX or AVX-512 BF16), steps beyond a few rows multiply through them (elsewhere the copies stay unused)."""
     from engine.llm import LLM
 
     model = LLM("smollm2", dtype="bfloat16", num_blocks=64).engine.model
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, (OneDnnLinear, Q4Linear))]
+    linears = [(name, m) for name, m in model.named_modules()
+               if isinstance(m, Q4Linear) or (isinstance(m, OneDnnLinear) and not name.endswith(".large"))]
     assert len(linears) == 4 * model.config.num_layers  # qkv, o, gate_up, down
     for name, module in linears:
         assert module.q4_packed is not None, name
         assert torch.equal(OPS.q4_dequant(*module.q4_packed), module.weight), name
-    assert cpu_linear.q4_projections(model) == (len(linears) if AMX else 0)
+    assert cpu_linear.q4_projections(model) == (0 if PATH == "portable" else len(linears))
+    if PATH != "portable":
+        assert {m.max_rows for _, m in linears} == {None if AMX else cpu_linear.Q4_AVX512_MAX_ROWS}
+
+
+@pytest.mark.skipif(PATH != "avx512_bf16", reason="the row limit applies to the AVX-512 BF16 path")
+def test_avx512_q4_projection_hands_large_steps_to_onednn():
+    """Past Q4_AVX512_MAX_ROWS rows (prefill chunks) oneDNN is as fast: those steps go to its packed bf16
+    weight, bit for bit what OneDnnLinear returns; smaller ones through the 4-bit kernel, to float32 sums."""
+    w = q4_1_tensor(64, 128, seed=4)
+    lin = torch.nn.Linear(128, 64, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    dnn = OneDnnLinear(lin)
+    q4 = Q4Linear(dnn, pack_q4(*find_q4(w)), cpu_linear.Q4_AVX512_MAX_ROWS)
+    big = torch.randn(cpu_linear.Q4_AVX512_MAX_ROWS + 1, 128).bfloat16()
+    assert torch.equal(q4(big), dnn(big))
+    small = big[:cpu_linear.Q4_AVX512_MAX_ROWS]
+    assert torch.equal(q4(small), OPS.q4_linear(small, *q4.q4_packed))
+    assert torch.allclose(q4(small).double(), small.double() @ w.bfloat16().double().T, rtol=2 ** -7, atol=1e-2)
 
 
 # ---- 8-bit (Q8_0) --------------------------------------------------------------------------------
@@ -161,16 +183,16 @@ def test_find_q8_recovers_the_groups_exactly_and_refuses_others():
     assert find_q8(w) is None
 
 
-@pytest.mark.parametrize("amx", [True, False] if AMX else [False])
+@pytest.mark.parametrize("fast", FAST)
 @pytest.mark.parametrize("rows", [1, 4, 16, 19, 40])
-def test_q8_linear_matches_a_float64_reference_on_the_exact_bf16_weights(amx, rows):
+def test_q8_linear_matches_a_float64_reference_on_the_exact_bf16_weights(fast, rows):
     w = q8_0_tensor(48, 160, seed=rows)
     qweight, scales = pack_q8(*find_q8(w))
     assert torch.equal(OPS.q8_dequant(qweight, scales), w.bfloat16())
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows)).bfloat16()
     b = torch.randn(48).bfloat16()
     want = x.double() @ w.bfloat16().double().T + b.double()
-    got = OPS.q8_linear(x, qweight, scales, b, amx)
+    got = OPS.q8_linear(x, qweight, scales, b, fast)
     assert torch.allclose(got.double(), want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item())
 
 
@@ -193,17 +215,17 @@ def test_smollm2_head_runs_8bit_on_the_same_bf16_weights():
     assert cpu_linear.q8_head(model) == AMX
 
 
-@pytest.mark.parametrize("amx", [True, False] if AMX else [False])
-def test_float_out_returns_the_unrounded_sums(amx):
+@pytest.mark.parametrize("fast", FAST)
+def test_float_out_returns_the_unrounded_sums(fast):
     """The output head asks for float32 logits: bf16 ones (spacing 0.125 at 16-32) tie close tokens."""
     w = q8_0_tensor(32, 128, seed=9)
     qweight, scales = pack_q8(*find_q8(w))
     x = torch.randn(6, 128, generator=torch.Generator().manual_seed(9)).bfloat16()
-    full = OPS.q8_linear(x, qweight, scales, None, amx, True)
+    full = OPS.q8_linear(x, qweight, scales, None, fast, True)
     assert full.dtype == torch.float32
-    assert torch.equal(full.bfloat16(), OPS.q8_linear(x, qweight, scales, None, amx))
+    assert torch.equal(full.bfloat16(), OPS.q8_linear(x, qweight, scales, None, fast))
     want = x.double() @ w.bfloat16().double().T
     assert (full.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
     q4w = q4_1_tensor(32, 128, seed=9)
     packed = pack_q4(*find_q4(q4w))
-    assert torch.equal(OPS.q4_linear(x, *packed, None, amx, True).bfloat16(), OPS.q4_linear(x, *packed, None, amx))
+    assert torch.equal(OPS.q4_linear(x, *packed, None, fast, True).bfloat16(), OPS.q4_linear(x, *packed, None, fast))

@@ -28,9 +28,13 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels import cpu_ops
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # what the kernels read; float16 takes the torch path
-# extends at most this big (query rows x context, and context) run in the kernel; larger ones in SDPA
+# extends at most this big (query rows x context, and context) run in the decode kernel; larger ones in SDPA
 KERNEL_EXTEND_WORK = 64 * 1024
 KERNEL_EXTEND_CONTEXT = 1024
+# where our prefill kernel runs (bf16, AVX-512 BF16), an extend runs as decode rows only below these: one of
+# 64 new tokens with its gather is 1.4x faster there, 32 over a 512-token prefix 1.3x, 16 over 512 0.95x
+OWN_EXTEND_MIN_Q = 20
+OWN_EXTEND_WORK = 2048
 PREFILL_HEAD_DIMS = (64, 128)  # what prefill_attention_ is built for
 
 
@@ -99,8 +103,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                                 scale)
             out.index_copy_(0, rows, res)
         hkv, d = k_cache.shape[2], k_cache.shape[3]
-        own_kernel = self._prefill_kernel and q.dtype == torch.bfloat16 and d in PREFILL_HEAD_DIMS \
-            and q.stride(1) == d and out.is_contiguous()
+        own_kernel = self._own_kernel(q, d) and out.is_contiguous()
         for e in plan.extends:
             k = self._ws.gather(k_cache, e.block_ids, 0).view(-1, hkv, d)[: e.seq_len]
             v = self._ws.gather(v_cache, e.block_ids, 1).view(-1, hkv, d)[: e.seq_len]
@@ -112,9 +115,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
             out[e.start:e.start + e.q_len] = o[0].transpose(0, 1)
         return out
 
+    def _own_kernel(self, q: torch.Tensor, head_dim: int) -> bool:
+        return self._prefill_kernel and q.dtype == torch.bfloat16 and head_dim in PREFILL_HEAD_DIMS \
+            and q.stride(1) == head_dim
+
     def _plan_for(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata) -> _Plan:
-        key = (q.shape, q.dtype, k_cache.shape, k_cache.dtype, v_cache.shape, v_cache.dtype)
+        key = (q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.dtype, v_cache.shape, v_cache.dtype)
         if meta is self._plan_meta and key == self._plan_key and self._plan is not None:
             return self._plan  # every layer of a step: same metadata, same shapes
         check_forward(q, k_cache, v_cache, meta)
@@ -123,13 +130,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         check_lens(q_lens, seq_lens, q.shape[0], block_size, meta.block_tables.shape[1])
         # Rows the kernel attends: every decode token, and every token of a short extend (query j of a
         # sequence sees keys 0 .. seq_len - q_len + j: a decode with that length over the same blocks).
-        # Long extends go to SDPA, whose matrix products win there.
+        # Long extends go to our prefill kernel, or SDPA, whose matrix products win there.
+        own = self._own_kernel(q, k_cache.shape[3])
         seq_of_row: list[int] = []
         row_lens: list[int] = []
         extends = []
         start = 0
         for i, (ql, sl) in enumerate(zip(q_lens, seq_lens, strict=True)):
-            if _small(ql, sl):
+            if _small(ql, sl, own):
                 seq_of_row.extend([i] * ql)
                 row_lens.extend(range(sl - ql + 1, sl + 1))
             elif ql > 1:
@@ -143,14 +151,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
             if n == len(q_lens) and n == q.shape[0]:  # decode only: one row per sequence, in order
                 rows, tables = slice(0, n), _int32(meta.block_tables)
             else:
-                row_ids = [r for r, (i, _) in enumerate(_rows_of(q_lens)) if _small(q_lens[i], seq_lens[i])]
+                row_ids = [r for r, (i, _) in enumerate(_rows_of(q_lens)) if _small(q_lens[i], seq_lens[i], own)]
                 tables = _int32(meta.block_tables[torch.tensor(seq_of_row)])
                 rows = slice(0, n) if row_ids == list(range(n)) else torch.tensor(row_ids)
         self._plan_meta, self._plan_key, self._plan = meta, key, _Plan(rows, tables, lens, tuple(extends))
         return self._plan
 
 
-def _small(q_len: int, seq_len: int) -> bool:
+def _small(q_len: int, seq_len: int, own_kernel: bool) -> bool:
+    """Whether an extend runs as decode rows (else through the prefill kernel, or SDPA without it)."""
+    if own_kernel:
+        return q_len < OWN_EXTEND_MIN_Q or q_len * seq_len <= OWN_EXTEND_WORK
     return q_len == 1 or (q_len * seq_len <= KERNEL_EXTEND_WORK and seq_len <= KERNEL_EXTEND_CONTEXT)
 
 

@@ -58,9 +58,21 @@ def test_decode_matches_reference(dtype, block_size, num_kv_heads, group, head_d
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])
 def test_mixed_batch_matches_reference(dtype):
-    specs = [(1, 5), (17, 17), (7, 50), (1, 300), (1, 16), (40, 40)]
+    # short extends run as decode rows; (24, 100) and (50, 50) through the prefill kernel where it runs (bf16)
+    specs = [(1, 5), (17, 17), (7, 50), (1, 300), (1, 16), (40, 40), (24, 100), (50, 50)]
     b = make_batch(specs, 16, 3, 3, 64, dtype, seed=11)
     assert_close(BACKEND.forward(b.q, b.k_cache, b.v_cache, b.meta, b.scale), reference_attention(b), dtype)
+
+
+def test_which_extends_run_as_decode_rows():
+    from engine.attention.cpu_backend import _small
+
+    # with our prefill kernel: below 20 new tokens, or up to 2,048 query x context (45 fresh tokens)
+    assert [_small(q, s, True) for q, s in ((1, 4000), (19, 4000), (20, 102), (20, 103), (45, 45), (46, 46))] == \
+        [True, True, True, False, True, False]
+    # without it the rest go to SDPA: up to 64 Ki query x context within 1,024 tokens run as rows
+    assert [_small(q, s, False) for q, s in ((1, 4000), (64, 1024), (65, 1024), (8, 1025), (256, 256))] == \
+        [True, True, False, False, True]
 
 
 def _check_strided_q_and_nan_poison(seq_lens: list[int], block_size: int = 16) -> None:

@@ -9,6 +9,8 @@
    prompt of `--burst-tokens` tokens (each with its own question), repeated `--bursts` times with new prompts,
    alternating a router without pulls and one with them (same engines): prompt tokens the fleet computed
    against one engine computing the prefix once, each replica's share of the requests, TTFT p50 / p99.
+   With --auto, a third router takes its turn in each round: `--pull-token-cost auto`, one router for all its
+   bursts (it learns the cost from the engines' counters as they go; its final estimate is printed).
 
 Each engine runs on one thread (two replicas on this machine's two cores). Nothing else should run meanwhile.
 """
@@ -42,9 +44,10 @@ def engine(log_dir: str, name: str, dtype: str) -> Proc:
                  "--kv-pull-timeout", "60", "--log-level", "warning"], f"http://127.0.0.1:{port}", log_dir, name)
 
 
-def router(log_dir: str, name: str, replicas: list[str], pull_cost: float, fixed: float) -> Proc:
+def router(log_dir: str, name: str, replicas: list[str], pull_cost: float | str, fixed: float) -> Proc:
+    """pull_cost: 0 (no pulls), a cost in prefill tokens, or "auto" (measured from the engines)."""
     port = free_port()
-    extra = ["--pull-token-cost", str(pull_cost), "--pull-fixed-tokens", str(fixed)] if pull_cost > 0 else []
+    extra = ["--pull-token-cost", str(pull_cost), "--pull-fixed-tokens", str(fixed)] if pull_cost != 0 else []
     return Proc([PY, "-m", "router.main", "--port", str(port), "--policy", "kv", "--model", "smollm2",
                  "--default-model", "smollm2", "--replicas", ",".join(replicas), "--health-interval", "0.2",
                  "--scrape-interval", "0.2", "--log-level", "warning", *extra], f"http://127.0.0.1:{port}",
@@ -128,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pull-token-cost", type=float, default=None,
                     help="skip the transfer measurement and route the bursts with this cost")
     ap.add_argument("--pull-fixed-tokens", type=float, default=64.0)
+    ap.add_argument("--auto", action="store_true", help="also route bursts with --pull-token-cost auto")
     ns = ap.parse_args(argv)
     log_dir = tempfile.mkdtemp(prefix="kv-transfer-bench-")
     procs: list[Proc] = []
@@ -150,31 +154,42 @@ def main(argv: list[str] | None = None) -> int:
             fixed = round(max(lo["pull_s"] - per_token_s * lo["pulled"], 0.0) / prefill_token_s, 1)
             print(f"--pull-token-cost {cost} --pull-fixed-tokens {fixed} (a pull's seconds per token and per pull, "
                   f"in prefill tokens of a {hi['tokens']}-token prompt)")
-        results: dict[str, list[dict]] = {"off": [], "on": []}
+        modes = ("off", "on", "auto") if ns.auto else ("off", "on")
+        results: dict[str, list[dict]] = {m: [] for m in modes}
+        auto_router: Proc | None = None
         for i in range(ns.bursts):
-            for mode in ("off", "on"):
-                r = router(log_dir, f"router-{mode}-{i}", [a.url, b.url], cost if mode == "on" else 0.0, fixed)
-                procs.append(r)
-                r.wait_ready(timeout=60)
-                deadline = time.monotonic() + 30
-                while metric(r.url, "kvfleet_router_kv_events_live") < 2 and time.monotonic() < deadline:
-                    time.sleep(0.2)
-                res = burst(r, 1000 + 2 * i + (mode == "on"), ns.burst_size, ns.burst_tokens)
-                r.stop()
-                procs.remove(r)
+            for k, mode in enumerate(modes):
+                if mode == "auto" and auto_router is not None:
+                    r = auto_router
+                else:
+                    r = router(log_dir, f"router-{mode}-{i}", [a.url, b.url],
+                               {"off": 0.0, "on": cost, "auto": "auto"}[mode], fixed)
+                    procs.append(r)
+                    r.wait_ready(timeout=60)
+                    deadline = time.monotonic() + 30
+                    while metric(r.url, "kvfleet_router_kv_events_live") < 2 and time.monotonic() < deadline:
+                        time.sleep(0.2)
+                res = burst(r, 1000 + len(modes) * i + k, ns.burst_size, ns.burst_tokens)
+                if mode == "auto":
+                    auto_router = r
+                    res["cost"] = metric(r.url, "kvfleet_router_pull_token_cost")
+                else:
+                    r.stop()
+                    procs.remove(r)
                 results[mode].append(res)
                 shares = [res["replicas"].count(u) for u in (a.url, b.url)]
-                print(f"burst {i} pulls {mode:3}: computed {res['computed']} tokens, split {shares}, TTFT p50 "
-                      f"{statistics.median(res['ttft']):.2f} s max {max(res['ttft']):.2f} s")
+                learned = f", pull cost now {res['cost']:.4f}" if "cost" in res else ""
+                print(f"burst {i} pulls {mode:4}: computed {res['computed']} tokens, split {shares}, TTFT p50 "
+                      f"{statistics.median(res['ttft']):.2f} s max {max(res['ttft']):.2f} s{learned}")
         print(f"\nsummary (per burst of {ns.burst_size} requests on a new ~{ns.burst_tokens}-token prompt):")
-        for mode in ("off", "on"):
+        for mode in modes:
             runs = results[mode]
             ttfts = sorted(t for r_ in runs for t in r_["ttft"])
             computed = statistics.mean(r_["computed"] for r_ in runs)
             single = statistics.mean(r_["prompt"] for r_ in runs)  # one prompt's tokens
             top = max(max(r_["replicas"].count(u) for u in (a.url, b.url)) / ns.burst_size for r_ in runs)
             p99 = ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]
-            print(f"  pulls {mode:3}: fleet computed {computed:.0f} prompt tokens per burst "
+            print(f"  pulls {mode:4}: fleet computed {computed:.0f} prompt tokens per burst "
                   f"({computed / single:.2f}x one prompt), busiest replica {top:.0%} of requests, "
                   f"TTFT p50 {statistics.median(ttfts):.2f} s p99 {p99:.2f} s")
         return 0

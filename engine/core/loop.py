@@ -14,6 +14,8 @@ a request wherever it is: parked, waiting or running. Pure logic over the engine
 
 from __future__ import annotations
 
+import time
+
 from engine.core.messages import (
     Abort,
     AddRequest,
@@ -90,14 +92,16 @@ class CoreLoop:
 
 
 def _transfer(engine, cmd: ExportBlocks | ImportBlocks) -> TransferDone:
+    started = time.monotonic()
     try:
         if isinstance(cmd, ExportBlocks):
             hashes, tokens, lora, payload, pending = engine.export_blocks(cmd.hashes, cmd.max_blocks)
-            return TransferDone(cmd.transfer_id, tuple(hashes), tuple(tokens), lora, payload, pending=pending)
+            return TransferDone(cmd.transfer_id, tuple(hashes), tuple(tokens), lora, payload, pending=pending,
+                                started_at=started)
         imported, present = engine.import_blocks(cmd.prefix, cmd.hashes, cmd.tokens, cmd.lora, cmd.payload)
-        return TransferDone(cmd.transfer_id, imported=imported, present=present)
+        return TransferDone(cmd.transfer_id, imported=imported, present=present, started_at=started)
     except Exception as e:  # noqa: BLE001 - one transfer's failure (a bad payload) is that transfer's, not the core's
-        return TransferDone(cmd.transfer_id, error=portable(e))
+        return TransferDone(cmd.transfer_id, error=portable(e), started_at=started)
 
 
 def _aborted(add: AddRequest) -> RequestDelta:

@@ -83,6 +83,9 @@ class TransferDone:
     present: int = 0
     pending: bool = False  # export: the next block asked for is being computed here (ask again soon)
     error: BaseException | None = None  # the core could not do it (the caller counts a failed transfer)
+    # time.monotonic() when the core took the command up (one clock for both processes: they share a host); the
+    # caller's wait before it is the core finishing its step, not moving KV
+    started_at: float = 0.0
 
 
 @dataclass(frozen=True)

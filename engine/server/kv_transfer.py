@@ -13,7 +13,9 @@ and --kv-pull-max-bytes of payload; whatever did not arrive by then is computed,
 source fails, refuses or is gone. Nothing stays held on either side: the source copies, the puller's
 blocks enter its cache free. The bytes travel through a `KVTransport` (engine/server/kv_transport.py: HTTP here).
 A source whose running prefill is computing the blocks wanted streams them as they are cached; requests for a
-prefix a pull is already fetching wait for it instead of computing it.
+prefix a pull is already fetching wait for it instead of computing it. A pull's transfer seconds
+(`kvfleet:kv_pull_transfer_seconds`, the router's measured pull cost) leave out its waits for the source's
+prefill and for either engine core to finish the step it was running when the copy was asked for.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -46,6 +48,7 @@ from contract.kv_transfer import (
 from contract.kv_transfer import (
     PullOutcome as Outcome,
 )
+from engine.core.messages import TransferDone
 from engine.server.auth import token_matches
 from engine.server.errors import APIError
 from engine.server.kv_events import check_internal_token
@@ -65,7 +68,7 @@ class PullResult:
     outcome: Outcome
     blocks: int  # imported into this engine's cache
     seconds: float
-    waited_s: float = 0.0  # of those seconds, the source's waits for its prefill (not transfer)
+    waited_s: float = 0.0  # of those seconds, waits for a prefill or a core's step on either side (not transfer)
 
 
 @dataclass
@@ -74,6 +77,14 @@ class _Progress:
 
     blocks: int = 0
     waited_s: float = 0.0
+
+
+async def queued_behind_step(call: Awaitable[TransferDone]) -> tuple[TransferDone, float]:
+    """The core's answer to a transfer and how long the command waited for the core to take it up (the step it
+    was running): time that counts as waiting, not as moving blocks, in the pull's transfer seconds."""
+    sent = time.monotonic()
+    done = await call
+    return done, max(0.0, done.started_at - sent) if done.started_at else 0.0
 
 
 async def kv_blocks(state: ServerState, request: Request) -> Response:
@@ -103,7 +114,8 @@ async def kv_blocks(state: ServerState, request: Request) -> Response:
         hashes = want.hashes[:max_blocks]
         while sent < len(hashes):
             chunk = hashes[sent:sent + FRAME_BLOCKS]
-            done = await engine.export_blocks(chunk, len(chunk))
+            done, queued = await queued_behind_step(engine.export_blocks(chunk, len(chunk)))
+            waited += queued  # the core finishing a step (its prefill, say) before copying: not transfer time
             if done.hashes:
                 sent += len(done.hashes)
                 metrics.kv_blocks.labels(metrics.model_name, "export").inc(len(done.hashes))
@@ -238,8 +250,10 @@ class KVPuller:
                         ok, why = verify(frame, layout, hashes, prompt, at, hashes[at - 1] if at else None, salt,
                                          adapter)
                         if ok:
-                            done = await engine.import_blocks(hashes[:at], frame.hashes[:ok], frame.tokens[:ok],
-                                                              adapter, frame.payload[:ok * layout.block_bytes])
+                            done, queued = await queued_behind_step(engine.import_blocks(
+                                hashes[:at], frame.hashes[:ok], frame.tokens[:ok], adapter,
+                                frame.payload[:ok * layout.block_bytes]))
+                            got.waited_s += queued
                             got.blocks += done.imported
                             m.kv_blocks.labels(name, "import").inc(done.imported)
                             m.kv_bytes.labels(name, "import").inc(done.imported * layout.block_bytes)

@@ -352,6 +352,27 @@ def disagg_router(module_procs, tmp_path_factory, prefill: str, decode: str):
     return r
 
 
+def test_a_pull_from_a_busy_source_counts_only_the_copy_as_transfer_time(fleet):
+    """A source whose core is in the middle of a long prefill copies the blocks when its step ends: that wait is
+    the pull's, not transfer time, so the seconds the router's measured pull cost reads leave it out."""
+    a, b, _ = fleet
+    prompt = "Busy source: " + text(41, 300)
+    complete(a.url, prompt)  # cached on A
+    mb = httpx.get(b.url + "/metrics").text
+    whole0, transfer0 = metric(mb, "kvfleet:kv_pull_seconds_sum"), metric(mb, "kvfleet:kv_pull_transfer_seconds_total")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(complete, a.url, "Keeps A busy: " + text(43, 1800), max_tokens=1)
+        time.sleep(0.5)  # its prefill (seconds in float32 on one thread) is running on A
+        pulled = complete(b.url, prompt, pull=a.url)
+        busy.result()
+    assert cached(pulled) > 0
+    mb = httpx.get(b.url + "/metrics").text
+    whole = metric(mb, "kvfleet:kv_pull_seconds_sum") - whole0
+    transfer = metric(mb, "kvfleet:kv_pull_transfer_seconds_total") - transfer0
+    assert whole > 0.3, f"the pull did not wait for A's step ({whole:.3f} s): the test did not test"
+    assert transfer < 0.5 * whole, (transfer, whole)
+
+
 # the acceptance's 16 prompts under -m slow; 4 in the default suite
 @pytest.mark.parametrize("conversations", [2, pytest.param(8, marks=pytest.mark.slow)])
 def test_prefill_on_one_engine_decode_on_the_other_gives_the_same_greedy_tokens(fleet, module_procs,

@@ -361,8 +361,9 @@ def test_a_pull_from_a_busy_source_counts_only_the_copy_as_transfer_time(fleet):
     mb = httpx.get(b.url + "/metrics").text
     whole0, transfer0 = metric(mb, "kvfleet:kv_pull_seconds_sum"), metric(mb, "kvfleet:kv_pull_transfer_seconds_total")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        busy = pool.submit(complete, a.url, "Keeps A busy: " + text(43, 1800), max_tokens=1)
-        time.sleep(0.5)  # its prefill (seconds in float32 on one thread) is running on A
+        # a prefill step of about 900 tokens: 1-2 s in float32 on one thread, well inside the 6 s pull timeout
+        busy = pool.submit(complete, a.url, "Keeps A busy: " + text(43, 700), max_tokens=1)
+        time.sleep(0.3)  # its step is running on A
         pulled = complete(b.url, prompt, pull=a.url)
         busy.result()
     assert cached(pulled) > 0

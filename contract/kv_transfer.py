@@ -146,28 +146,36 @@ class FrameReader:
 
     def __init__(self) -> None:
         self._buf = bytearray()
+        self._meta: tuple[dict, int] | None = None  # the current frame's meta and where its payload starts
         self.ended = False
         self.end_blocks = 0
 
     def feed(self, data: bytes) -> list[BlockFrame]:
         self._buf += data
         out: list[BlockFrame] = []
-        while not self.ended and len(self._buf) >= _LEN.size:
-            (meta_len,) = _LEN.unpack_from(self._buf)
-            if meta_len > MAX_META_BYTES:
-                raise FrameError(f"frame meta of {meta_len} bytes exceeds {MAX_META_BYTES}")
-            if len(self._buf) < _LEN.size + meta_len:
-                break
-            try:
-                meta = json.loads(bytes(self._buf[_LEN.size:_LEN.size + meta_len]))
-                nbytes = int(meta["nbytes"])
-            except (ValueError, KeyError, TypeError):
-                raise FrameError("frame meta is not JSON with nbytes") from None
-            start = _LEN.size + meta_len
+        while not self.ended:
+            if self._meta is None:  # parsed once per frame, not again for each chunk of its payload
+                if len(self._buf) < _LEN.size:
+                    break
+                (meta_len,) = _LEN.unpack_from(self._buf)
+                if meta_len > MAX_META_BYTES:
+                    raise FrameError(f"frame meta of {meta_len} bytes exceeds {MAX_META_BYTES}")
+                if len(self._buf) < _LEN.size + meta_len:
+                    break
+                try:
+                    meta = json.loads(bytes(self._buf[_LEN.size:_LEN.size + meta_len]))
+                    int(meta["nbytes"])
+                except (ValueError, KeyError, TypeError):
+                    raise FrameError("frame meta is not JSON with nbytes") from None
+                self._meta = (meta, _LEN.size + meta_len)
+            meta, start = self._meta
+            nbytes = int(meta["nbytes"])
             if len(self._buf) < start + nbytes:
                 break
-            payload = bytes(self._buf[start:start + nbytes])
+            with memoryview(self._buf) as view:
+                payload = bytes(view[start:start + nbytes])  # one copy (a bytearray slice would make two)
             del self._buf[:start + nbytes]
+            self._meta = None
             if meta.get("end"):
                 self.ended = True
                 self.end_blocks = int(meta.get("blocks", 0))

@@ -39,7 +39,7 @@ def test_frames_decode_whatever_the_chunking():
         for i in range(0, len(data), size):
             got += reader.feed(data[i:i + size])
         assert [f.hashes for f in got] == [tuple(HASHES[:2]), tuple(HASHES[2:])]
-        assert got[0].payload == bytes(range(64)) * 2
+        assert got[0].payload == bytes(range(64)) * 2 and got[1].payload == bytes(range(64))
         assert reader.ended and reader.end_blocks == 3
 
 
@@ -48,6 +48,8 @@ def test_a_garbled_stream_is_a_frame_error():
         FrameReader().feed(b"\x05\x00\x00\x00nope!")
     with pytest.raises(FrameError):
         FrameReader().feed(b"\xff\xff\xff\xff")  # a 4 GiB meta: refused before buffering it
+    with pytest.raises(FrameError):
+        FrameReader().feed(b"\x02\x00\x00\x00[]")  # JSON, but not an object with nbytes
 
 
 def test_pull_request_round_trips_and_names_the_bad_field():

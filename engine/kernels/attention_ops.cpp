@@ -100,14 +100,12 @@ struct Partial {
 inline void softmax_rows_bf16(float* sc, int64_t rows, int64_t len, float* mx, float* sum, uint16_t* pb, int64_t lp) {
   softmax_rows(sc, rows, len, mx, sum);
   for (int64_t r = 0; r < rows; ++r) {
-    const uint32_t* s = reinterpret_cast<const uint32_t*>(sc + r * len);
     uint16_t* d = pb + r * lp;
+    from_f32(sc + r * len, reinterpret_cast<c10::BFloat16*>(d), len);
     float total = 0.f;
 #pragma omp simd reduction(+ : total)
     for (int64_t t = 0; t < len; ++t) {
-      const uint32_t rounded = (s[t] + 0x7FFFu + ((s[t] >> 16) & 1u)) >> 16;  // finite, >= 0: nearest even
-      d[t] = uint16_t(rounded);
-      const uint32_t back = rounded << 16;
+      const uint32_t back = uint32_t(d[t]) << 16;
       float f;
       std::memcpy(&f, &back, sizeof(f));
       total += f;
@@ -153,8 +151,7 @@ void decode_part_dpbf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c
     for (int64_t bi = 0; bi < nblk; ++bi) {
       const uint16_t* block = vb + int64_t(table[bi]) * bs * row_elems + h * D;
       const int64_t in_block = std::min(bs, len - bi * bs);
-      for (int64_t ahead = bi == 0 ? 1 : 2; ahead <= 2 && bi + ahead < nblk; ++ahead)  // as scores_dpbf16 does
-        prefetch_block(vb + int64_t(table[bi + ahead]) * bs * row_elems + h * D, bs, row_elems, D);
+      prefetch_ahead(vb + h * D, table, bi, nblk, bs, row_elems, D);
       for (int64_t o = 0; o < in_block; o += 2) {  // an odd last key pairs with zeros (its weight slot is 0)
         const int64_t t = bi * bs + o;
         const uint16_t* r0 = block + o * row_elems;
@@ -189,8 +186,9 @@ void decode_part_dpbf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c
 
 #ifdef __AVX512F__
 // The partial of a run of `len` keys (blocks from `table`) with head_dim D (a multiple of 16) and G query
-// heads per kv head: scores per kv head (AMX tiles where `amx`, else AVX-512), softmax, then the weighted
-// sum of V with the G accumulators in registers while the V rows stream by.
+// heads per kv head: bf16 with an even block size goes to decode_part_dpbf16 (and AMX, which needs blocks of
+// 16, with it); otherwise scores per kv head on AVX-512, softmax, then the weighted sum of V with the G
+// accumulators in registers while the V rows stream by.
 template <int D, int G, typename T>
 void decode_part_avx512(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t len, int64_t bs,
                         int64_t hkv, float scale, Partial part, std::vector<float>& work, bool amx) {
@@ -203,16 +201,7 @@ void decode_part_avx512(const T* q, const T* kc, const T* vc, const int32_t* tab
   const int64_t hq = hkv * G, row_elems = hkv * D;
   work.resize(hq * len);
   float* sc = work.data();
-  bool scored = false;
-#ifdef KVFLEET_AMX
-  if constexpr (D == 64 && std::is_same_v<T, c10::BFloat16>) {
-    if (amx) {
-      scores_amx<G>(q, kc, table, len, bs, hkv, scale, sc);
-      scored = true;
-    }
-  }
-#endif
-  for (int64_t h = 0; h < hkv && !scored; ++h) scores_avx512<D, G>(q, kc, table, len, bs, hkv, h, scale, sc + h * G * len);
+  for (int64_t h = 0; h < hkv; ++h) scores_avx512<D, G>(q, kc, table, len, bs, hkv, h, scale, sc + h * G * len);
   softmax_rows(sc, hq, len, part.max, part.sum);
   for (int64_t h = 0; h < hkv; ++h) {
     __m512 acc[G][V];

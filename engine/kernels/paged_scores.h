@@ -22,6 +22,16 @@ inline void prefetch_block(const T* block, int64_t bs, int64_t row_elems, int64_
     for (int64_t line = 0; line < bytes; line += 64) prefetch_line<1>(p + o * stride + line);
 }
 
+// While block bi of a sequence is read: asks for the `span` elements at `base` (a head's offset into the cache)
+// of each row of the block two ahead (at the first block, of the next two too). Blocks sit anywhere in the
+// cache; this made the AVX-512 BF16 decode 1.3-1.6x faster on cold caches.
+template <typename T>
+inline void prefetch_ahead(const T* base, const int32_t* table, int64_t bi, int64_t nblk, int64_t bs,
+                           int64_t row_elems, int64_t span) {
+  for (int64_t ahead = bi == 0 ? 1 : 2; ahead <= 2 && bi + ahead < nblk; ++ahead)
+    prefetch_block(base + int64_t(table[bi + ahead]) * bs * row_elems, bs, row_elems, span);
+}
+
 // Calls f(row, t) for the sequence's tokens t = 0 .. len-1 in order, row pointing at token t's entry in a
 // paged cache ([blocks, block_size, row_elems]) plus `offset` elements; blocks come from `table`. Nothing is
 // prefetched: the engine hands a sequence consecutive blocks, which the hardware prefetchers follow, and
@@ -89,9 +99,7 @@ void scores_dpbf16(const c10::BFloat16* q, const c10::BFloat16* kc, const int32_
   for (int64_t bi = 0; bi < nblk; ++bi) {
     const uint16_t* block = k + int64_t(table[bi]) * bs * row_elems + h * D;
     const int64_t in_block = std::min(bs, len - bi * bs);
-    // blocks sit anywhere in the cache: ask for the head's rows two blocks ahead (1.3-1.6x on cold caches)
-    for (int64_t ahead = bi == 0 ? 1 : 2; ahead <= 2 && bi + ahead < nblk; ++ahead)
-      prefetch_block(k + int64_t(table[bi + ahead]) * bs * row_elems + h * D, bs, row_elems, D);
+    prefetch_ahead(k + h * D, table, bi, nblk, bs, row_elems, D);
     for (int64_t o0 = 0; o0 < in_block; o0 += 16) {
       const int n = int(std::min<int64_t>(16, in_block - o0));
       const int64_t t0 = bi * bs + o0;

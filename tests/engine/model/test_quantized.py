@@ -144,10 +144,9 @@ def test_smollm2_projections_run_4bit_on_the_same_bf16_weights():
         assert {m.max_rows for _, m in linears} == {None if AMX else cpu_linear.Q4_AVX512_MAX_ROWS}
 
 
-@pytest.mark.skipif(PATH != "avx512_bf16", reason="the row limit applies to the AVX-512 BF16 path")
-def test_avx512_q4_projection_hands_large_steps_to_onednn():
-    """Past Q4_AVX512_MAX_ROWS rows (prefill chunks) oneDNN is as fast: those steps go to its packed bf16
-    weight, bit for bit what OneDnnLinear returns; smaller ones through the 4-bit kernel, to float32 sums."""
+def test_a_q4_projection_with_a_row_limit_hands_larger_steps_to_onednn():
+    """With the AVX-512 BF16 path's limit (past Q4_AVX512_MAX_ROWS rows oneDNN is as fast), larger steps go to
+    the packed bf16 weight, bit for bit what OneDnnLinear returns; smaller ones through the 4-bit kernel."""
     w = q4_1_tensor(64, 128, seed=4)
     lin = torch.nn.Linear(128, 64, bias=False).to(torch.bfloat16)
     with torch.no_grad():

@@ -6,7 +6,8 @@ front end is the same for both. `add_request()` validates the request here (engi
 raises a typed error (engine/errors.py) at once if it can never run or the replica is full; otherwise
 the request is sent to the core and a `RequestStream` is returned, which yields a RequestDelta (only what
 is new) after every step that produced something for it, merging deltas that piled up while its consumer
-was busy. Closing the stream before the request finished aborts it; the core applies aborts and new
+was busy. The core reports token ids; their text and stop strings are made here (engine/output_text.py),
+and a completion a stop string ended is stopped in the core with an `Abort` naming it. Closing the stream before the request finished aborts it; the core applies aborts and new
 requests before its next step, so an abort takes effect within one step. After each turn the core
 reports its deltas, KV events and stats together; this side keeps a mirror of the cached block hashes,
 so a new KV event subscriber gets a snapshot and a sequence number consistent with the events that
@@ -38,6 +39,7 @@ from engine.core.messages import (
 )
 from engine.errors import EngineDeadError, QueueFullError
 from engine.llm_engine import EngineStats, LLMEngine
+from engine.output_text import RequestText
 from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams
 
@@ -52,8 +54,9 @@ KV_SUBSCRIBER_QUEUE = 65536  # a subscriber this far behind loses events (it see
 class RequestStream:
     """One request's deltas in order (`async for`); `aclose()` before the end aborts the request."""
 
-    def __init__(self, engine: AsyncLLMEngine, request_id: str):
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, text: RequestText):
         self.request_id = request_id
+        self.text = text  # the completions' text, from the token ids the core reports
         self._engine = engine
         self._queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
         self.finished = False
@@ -181,7 +184,7 @@ class AsyncLLMEngine:
             raise QueueFullError(f"this replica is at capacity ({len(self._streams)} requests in flight, at most "
                                  f"{self.max_requests}); retry shortly or on another replica")
         prompt, params = admit(prompt_token_ids, params, self.limits)
-        stream = self._streams[request_id] = RequestStream(self, request_id)
+        stream = self._streams[request_id] = RequestStream(self, request_id, RequestText(params, prompt, self.tokenizer))
         self._core.send(AddRequest(request_id, prompt, params, cache_salt,
                                    time.monotonic() if arrival_time is None else arrival_time))
         return stream
@@ -299,8 +302,20 @@ class AsyncLLMEngine:
     def _dispatch(self, outputs: list[RequestDelta], errors, events: list[KVEvent]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.put(out if out.error is None else out.error)
+            if stream is None:
+                continue
+            if out.error is not None:
+                stream.put(out.error)
+                continue
+            delta, stopped = stream.text.apply(out)  # detokenized and stop strings applied here, not in the core
+            if delta is None:
+                continue
+            if delta.finished and not out.finished:  # a stop string ended its last completion
+                self._core.send(Abort(out.request_id))
+            else:
+                for index in stopped:
+                    self._core.send(Abort(out.request_id, index))
+            stream.put(delta)
         for rid, err in errors:
             stream = self._streams.get(rid)
             if stream is not None:

@@ -2,7 +2,8 @@
 
 Prompts are strings, token id lists, or {"prompt_token_ids": [...]} dicts; results come back in the
 order of the prompts, each accumulated from the engine's per-step deltas once it finished. Everything
-runs through the same LLMEngine the server uses.
+runs through the same LLMEngine the server uses, and the text is made as the server makes it
+(engine/output_text.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
+from engine.output_text import RequestText
 from engine.outputs import RequestDelta, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -62,17 +64,26 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(token_lists)} prompts")
         ids: list[str] = []
         deltas: dict[str, list[RequestDelta]] = {}
+        texts: dict[str, RequestText] = {}
         try:
             for tokens, p in zip(token_lists, params, strict=True):
                 rid = f"llm-{next(self._ids)}"
                 self.engine.add_request(rid, tokens, p)
                 ids.append(rid)
                 deltas[rid] = []
+                texts[rid] = RequestText(p, tokens, self.tokenizer)
             left = len(ids)
             while left:
-                for d in self.engine.step():
-                    if d.error is not None:
-                        raise d.error
+                for out in self.engine.step():
+                    if out.error is not None:
+                        raise out.error
+                    d, stopped = texts[out.request_id].apply(out)
+                    if d is None:
+                        continue
+                    if d.finished and not out.finished:  # a stop string ended its last completion
+                        self.engine.abort_request(out.request_id)
+                    for index in stopped:
+                        self.engine.stop_completion(out.request_id, index)
                     deltas[d.request_id].append(d)
                     left -= d.finished
         except BaseException:

@@ -2,7 +2,7 @@
 
 `LLMEngine(EngineArgs)` loads the model, sizes the KV cache and owns the scheduler. `add_request`
 validates a prompt (engine/admission.py, once) and queues it; every `step()` runs one batch and returns a
-RequestDelta (only the new token ids, text and logprobs) for each request that produced tokens or
+RequestDelta (only the new token ids and logprobs) for each request that produced tokens or
 finished. A request with n > 1 runs as one sequence until its prompt is prefilled, then forks into n
 sequences that share the prompt's blocks.
 
@@ -29,7 +29,6 @@ from engine.args import EngineArgs
 from engine.attention import get_attention_backend
 from engine.config import SchedulerConfig
 from engine.cpu_cores import parse_cpu_list, pin_process
-from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError, RequestOutOfMemoryError
 from engine.kv import transfer as kv_transfer
 from engine.kv.config import CacheConfig
@@ -231,12 +230,22 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        ended = [CompletionDelta(s.index, finish_reason="abort") for s in req.seqs if not s.is_finished]
         self.scheduler.abort(request_id)
         req.aborted = True
         req.metrics.finished_time = time.monotonic()
-        ended = [CompletionDelta(s.index, finish_reason="abort") for s in req.seqs
-                 if req.checkers[s.index].finish_reason is None]
         return self._delta(req, ended)
+
+    def stop_completion(self, request_id: str, index: int) -> None:
+        """End one completion of a request, as a stop string seen by the front end did (engine/output_text.py);
+        the request ends with its last completion. The front end has the finish already: no delta."""
+        req = self.requests.get(request_id)
+        if req is None or index >= len(req.seqs):
+            return
+        self.scheduler.finish(req.seqs[index], SequenceStatus.FINISHED_STOPPED)
+        if req.finished:
+            req.metrics.finished_time = time.monotonic()
+            del self.requests[request_id]
 
     def abort_all(self) -> list[RequestDelta]:
         return [out for rid in list(self.requests) if (out := self.abort_request(rid)) is not None]
@@ -327,7 +336,7 @@ class LLMEngine:
             res = req.checkers[seq.index].update(seq)
             if res.finish_reason is not None:
                 self.scheduler.finish(seq, _FINISH_STATUS[res.finish_reason])
-            delta = CompletionDelta(seq.index, res.text, [tok], None if lp is None else [lp], res.finish_reason,
+            delta = CompletionDelta(seq.index, "", [tok], None if lp is None else [lp], res.finish_reason,
                                     res.stop_reason)
             news.setdefault(req.request_id, (req, []))[1].append(delta)
         outputs = []
@@ -342,9 +351,7 @@ class LLMEngine:
     # ---- helpers -------------------------------------------------------------------------
 
     def _track(self, req: _Request, seq: Sequence) -> None:
-        p = seq.params
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt, p.skip_special_tokens)
-        req.checkers[seq.index] = StopChecker(p, self.eos_token_ids, self.max_model_len, detok)
+        req.checkers[seq.index] = StopChecker(seq.params, self.eos_token_ids, self.max_model_len)
 
     def _delta(self, req: _Request, deltas: list[CompletionDelta]) -> RequestDelta:
         return RequestDelta(req.request_id, deltas, req.finished, len(req.prompt), req.seqs[0].num_cached_tokens,

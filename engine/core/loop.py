@@ -55,6 +55,8 @@ class CoreLoop:
         for cmd in commands:
             if isinstance(cmd, AddRequest):
                 self._parked[cmd.request_id] = cmd
+            elif isinstance(cmd, Abort) and cmd.index is not None:
+                engine.stop_completion(cmd.request_id, cmd.index)
             elif isinstance(cmd, Abort):
                 parked = self._parked.pop(cmd.request_id, None)
                 out = _aborted(parked) if parked is not None else engine.abort_request(cmd.request_id)

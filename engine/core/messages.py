@@ -1,10 +1,12 @@
 """What crosses between the front end (engine/async_engine.py) and the engine core, in either direction.
 
 Front end → core: `AddRequest` (a request already admitted by engine/admission.py, so the core trusts it),
-`Abort`, `DropAdapter` (a LoRA adapter was unloaded: free its weights), `ExportBlocks` / `ImportBlocks` (KV
-blocks for or from a peer engine, answered by a `TransferDone` in the next report), `Stop`. Core → front end: `CoreInfo` once, when the model is loaded and the KV cache sized, then a
-`TurnReport` after every turn that changed something, and `CoreFailed` if the core cannot go on. Plain
-frozen dataclasses of ints, strings and the engine's own dataclasses: pickled as they are (a 64-request
+`Abort` (a request, or one completion a stop string ended), `DropAdapter` (a LoRA adapter was unloaded: free
+its weights), `ExportBlocks` / `ImportBlocks` (KV blocks for or from a peer engine, answered by a
+`TransferDone` in the next report), `Stop`. Core → front end: `CoreInfo` once, when the model is loaded and
+the KV cache sized, then a `TurnReport` after every turn that changed something (token ids: the text is
+the front end's, engine/output_text.py), and `CoreFailed` if the core cannot go on. Plain frozen dataclasses
+of ints, strings and the engine's own dataclasses: pickled as they are (a 64-request
 report is ~9 KB and 0.15 ms to pickle on this machine's CPU), with no framing of our own.
 """
 
@@ -29,7 +31,11 @@ class AddRequest:
 
 @dataclass(frozen=True)
 class Abort:
+    """Stop a request (its last deltas say "abort"), or with `index` one of its completions, which a stop string
+    ended in the front end (engine/output_text.py; no delta: the front end has its finish)."""
+
     request_id: str
+    index: int | None = None
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ the KV cache sizing."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from engine.llm import LLM
 from engine.model.loader import load_model, resolve_dtype
 from engine.model.registry import resolve_model
 from engine.model_runner import kv_bytes_per_token, num_blocks_for_memory
+from engine.output_text import RequestText
 from engine.sequence import SequenceStatus
 from tests.engine._tiny_llama import make_tiny_llama
 
@@ -182,8 +185,9 @@ def test_dtype_auto_follows_cpu_flags(monkeypatch):
 
 
 def test_steps_yield_only_what_is_new(tiny, tiny_loaded):
-    """Each step's delta holds one new token per running completion (its text, its logprob) and a finish
-    reason once; concatenated they are the whole completion the offline LLM returns."""
+    """Each step's delta holds one new token per running completion (its logprob) and a finish reason once;
+    concatenated, and their text made as the front ends make it, they are the whole completion the offline
+    LLM returns."""
     llm = _llm(tiny, tiny_loaded)
     params = SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=10, ignore_eos=True, logprobs=2)
     whole = llm.generate([PROMPT], params)[0]
@@ -193,29 +197,46 @@ def test_steps_yield_only_what_is_new(tiny, tiny_loaded):
     while eng.has_unfinished_requests():
         deltas += eng.step()
     assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert all(o.text == "" for d in deltas for o in d.outputs)  # the core deals in tokens
+    text = RequestText(params, PROMPT, llm.tokenizer)
+    shown = [text.apply(d)[0] for d in deltas]
     for d in deltas:
         assert all(len(o.token_ids) == 1 and [lp.token_id for lp in o.logprobs] == o.token_ids for o in d.outputs)
         assert d.num_prompt_tokens == len(PROMPT)
     for c in whole.outputs:
         mine = [o for d in deltas for o in d.outputs if o.index == c.index]
         assert [t for o in mine for t in o.token_ids] == c.token_ids and len(c.token_ids) == 10
-        assert "".join(o.text for o in mine) == c.text
+        assert "".join(o.text for d in shown for o in d.outputs if o.index == c.index) == c.text
         assert [lp.logprob for o in mine for lp in o.logprobs] == [lp.logprob for lp in c.logprobs]
         assert [o.finish_reason for o in mine] == [None] * 9 + ["length"]
 
 
-def test_a_stop_string_across_tokens_ends_the_delta_stream_at_the_string(tiny, tiny_loaded):
+def test_a_stop_string_across_tokens_ends_the_completion_at_the_string(tiny, tiny_loaded):
+    """The front end finds the string and stops the completion in the core: nothing is left running or held."""
     llm = _llm(tiny, tiny_loaded)
     free = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
     stop = free.text[3:7]
+    eng = llm.engine
     for keep in (False, True):
-        eng = llm.engine
-        eng.add_request(f"s{keep}", PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                                                           stop=[stop], include_stop_str_in_output=keep))
-        deltas = []
-        while eng.has_unfinished_requests():
-            deltas += eng.step()
-        text = "".join(o.text for d in deltas for o in d.outputs)
+        out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop],
+                                                    include_stop_str_in_output=keep))[0].outputs[0]
         cut = free.text.index(stop) + (len(stop) if keep else 0)
-        assert text == free.text[:cut]
-        assert deltas[-1].outputs[0].finish_reason == "stop" and deltas[-1].outputs[0].stop_reason == stop
+        assert out.text == free.text[:cut] and (out.finish_reason, out.stop_reason) == ("stop", stop)
+        assert out.token_ids == free.token_ids[:len(out.token_ids)] and len(out.token_ids) < 12
+        assert not eng.has_unfinished_requests() and eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+def test_one_completion_of_several_stopped_by_a_string_leaves_the_others_running(tiny, tiny_loaded):
+    llm = _llm(tiny, tiny_loaded)
+    sampled = SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=12, ignore_eos=True)
+    free = llm.generate([PROMPT], sampled)[0].outputs
+    stop = free[1].text[2:5]  # completion 1 holds it; the others may or may not
+    outs = llm.generate([PROMPT], dataclasses.replace(sampled, stop=[stop]))[0].outputs
+    assert {o.finish_reason for o in outs} == {"stop", "length"}  # (seed 4: completions 0 and 2 lack the string)
+    for got, want in zip(outs, free, strict=True):
+        if stop in want.text:
+            assert (got.finish_reason, got.stop_reason) == ("stop", stop)
+            assert got.text == want.text[:want.text.index(stop)]
+        else:
+            assert got.finish_reason == "length" and got.text == want.text and len(got.token_ids) == 12
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks

@@ -1,12 +1,16 @@
-"""Stop conditions and stop-string hold-back: exact per-step text on a piece-table tokenizer, then SmolLM2."""
+"""Stop conditions (the core's token checks, engine/stop.py) and the front end's text with its stop strings and
+hold-back (engine/output_text.py), run together as the server runs them: exact per-step text on a piece-table
+tokenizer, then SmolLM2."""
 
 import os
+from dataclasses import dataclass
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.output_text import CompletionText, RequestText
+from engine.outputs import CompletionDelta, RequestDelta, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.stop import StopChecker, StopResult
@@ -32,19 +36,36 @@ class PieceTokenizer:
 TOK = PieceTokenizer(["</s>", "<stop>", "He", "llo", " wor", "ld", "!", " ", "o", "x", "ab", "c", "END", "\n"])
 
 
+@dataclass(frozen=True)
+class Shown:
+    """What a client sees after one token: new text, and the finish."""
+
+    text: str
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+def pipeline(seq, eos, max_model_len, tok, token_ids):
+    """The core's StopChecker, then the front end's CompletionText, one token per step as the engine runs them;
+    stops at the finish (the front end's, or the core's)."""
+    core = StopChecker(seq.params, eos, max_model_len)
+    text = CompletionText(seq.params, seq.token_ids, tok)
+    results = []
+    for t in token_ids:
+        seq.append_token(t)
+        res = core.update(seq)
+        d, _ = text.apply(CompletionDelta(0, "", [t], None, res.finish_reason, res.stop_reason))
+        results.append(Shown(d.text, d.finish_reason, d.stop_reason))
+        if d.finish_reason:
+            break
+    return results, text
+
+
 def run(pieces_or_ids, max_model_len=10_000, prompt=(9,), eos=EOS, tok=TOK, **params):
-    """Feed tokens one by one; return (per-step results, checker)."""
+    """Feed tokens one by one; return (per-step results, the completion's text)."""
     ids = [t if isinstance(t, int) else tok.pieces.index(t) for t in pieces_or_ids]
     seq = Sequence("r", list(prompt), SamplingParams(max_tokens=params.pop("max_tokens", 1000), **params))
-    checker = StopChecker(seq.params, eos, max_model_len,
-                          IncrementalDetokenizer(tok, seq.token_ids, seq.params.skip_special_tokens))
-    results = []
-    for t in ids:
-        seq.append_token(t)
-        results.append(checker.update(seq))
-        if results[-1].finish_reason:
-            break
-    return results, checker
+    return pipeline(seq, eos, max_model_len, tok, ids)
 
 
 def texts(results):
@@ -54,7 +75,7 @@ def texts(results):
 def test_stop_string_spanning_tokens_is_held_back_and_never_emitted():
     results, checker = run(["He", "llo", " wor", "ld"], stop=["o wo"])
     assert texts(results) == ["He", "ll", ""]
-    assert results[-1] == StopResult("", "stop", "o wo")
+    assert results[-1] == Shown("", "stop", "o wo")
     assert checker.text == "Hell" and checker.finished
 
 
@@ -95,7 +116,7 @@ def test_repeated_prefix_characters_hold_back_the_longest_candidate():
 
 def test_eos_stops_without_its_text():
     results, checker = run(["He", "</s>"], skip_special_tokens=False)
-    assert results[-1] == StopResult("", "stop", None) and checker.text == "He"
+    assert results[-1] == Shown("", "stop", None) and checker.text == "He"
     results, checker = run(["He", "</s>"], skip_special_tokens=False, include_stop_str_in_output=True)
     assert checker.text == "He</s>"
 
@@ -114,7 +135,7 @@ def test_ignore_eos_keeps_going():
 def test_stop_token_ids_report_the_token_and_drop_its_text():
     end = TOK.pieces.index("END")
     results, checker = run(["He", "llo", "END", "!"], stop_token_ids=[end])
-    assert results[-1] == StopResult("", "stop", end)
+    assert results[-1] == Shown("", "stop", end)
     assert checker.text == "Hello"
     results, checker = run(["He", "END"], stop_token_ids=[end], include_stop_str_in_output=True)
     assert checker.text == "HeEND"
@@ -139,7 +160,7 @@ def test_min_tokens_delays_every_stop_condition():
 
 def test_max_tokens_and_max_model_len():
     results, checker = run(["He", "llo", " wor", "ld"], max_tokens=2)
-    assert len(results) == 2 and results[-1] == StopResult("llo", "length", None)
+    assert len(results) == 2 and results[-1] == Shown("llo", "length", None)
     results, checker = run(["He", "llo", " wor", "ld"], prompt=(9, 9, 9), max_model_len=6)
     assert len(results) == 3 and checker.finish_reason == "length" and checker.text == "Hello wor"
 
@@ -149,24 +170,27 @@ def test_stop_string_beats_length_on_the_same_token():
     assert checker.finish_reason == "stop" and checker.text == "He"
 
 
-def test_update_after_finishing_returns_nothing_new():
+def test_after_the_finish_the_core_reports_the_same_and_the_front_end_nothing():
     seq = Sequence("r", [9], SamplingParams(max_tokens=1))
-    checker = StopChecker(seq.params, EOS, 100, IncrementalDetokenizer(TOK, [9]))
+    core, text = StopChecker(seq.params, EOS, 100), CompletionText(seq.params, [9], TOK)
     seq.append_token(2)
-    assert checker.update(seq) == StopResult("He", "length", None)
+    assert core.update(seq) == StopResult("length")
+    d, stopped = text.apply(CompletionDelta(0, "", [2], None, "length"))
+    assert (d.text, d.finish_reason, stopped) == ("He", "length", False)
     seq.append_token(3)
-    assert checker.update(seq) == StopResult("", "length", None)
-    assert checker.text == "He"
+    assert core.update(seq) == StopResult("length")
+    assert text.apply(CompletionDelta(0, "", [3])) == (None, False)
+    assert text.text == "He"
 
 
-def test_without_a_detokenizer_only_token_conditions_apply():
+def test_the_core_ignores_stop_strings():
     seq = Sequence("r", [9], SamplingParams(stop=["He"], max_tokens=5))
-    checker = StopChecker(seq.params, EOS, 100, None)
+    checker = StopChecker(seq.params, EOS, 100)
     for t in (2, 3):
         seq.append_token(t)
-        assert checker.update(seq) == StopResult("")
+        assert checker.update(seq) == StopResult()
     seq.append_token(EOS)
-    assert checker.update(seq) == StopResult("", "stop", None)
+    assert checker.update(seq) == StopResult("stop", None)
 
 
 @settings(max_examples=300, deadline=None)
@@ -211,15 +235,7 @@ def tok():
 
 def run_real(tok, text, **params):
     seq = Sequence("r", tok.encode("Q: "), SamplingParams(max_tokens=params.pop("max_tokens", 1000), **params))
-    checker = StopChecker(seq.params, tok.eos_token_id, 10_000,
-                          IncrementalDetokenizer(tok, seq.token_ids, seq.params.skip_special_tokens))
-    results = []
-    for t in tok.encode(text):
-        seq.append_token(t)
-        results.append(checker.update(seq))
-        if results[-1].finish_reason:
-            break
-    return results, checker
+    return pipeline(seq, tok.eos_token_id, 10_000, tok, tok.encode(text))
 
 
 @pytest.mark.parametrize("text,stop,expected", [
@@ -278,13 +294,47 @@ def test_real_tokenizer_random_text_and_stop_strings(tok, data):
         assert checker.text == full and not any(s in full for s in stops)
 
 
-def test_several_tokens_per_update_stop_at_the_first_stopping_one():
-    seq = Sequence("r", [9], SamplingParams(stop=["o wo"], max_tokens=100))
-    checker = StopChecker(seq.params, EOS, 100, IncrementalDetokenizer(TOK, [9]))
-    for t in TOK.ids("He", "llo"):
-        seq.append_token(t)
-    assert checker.update(seq) == StopResult("Hell")
-    for t in TOK.ids(" wor", "ld", "!"):
-        seq.append_token(t)
-    assert checker.update(seq) == StopResult("", "stop", "o wo")
-    assert checker.text == "Hell"
+def test_a_delta_of_several_tokens_is_cut_after_the_one_that_completes_a_stop_string():
+    """The core ran on before it heard of the stop: its later tokens and logprobs never reach the client."""
+    text = CompletionText(SamplingParams(stop=["o wo"], max_tokens=100), [9], TOK)
+    d, stopped = text.apply(CompletionDelta(0, "", TOK.ids("He", "llo")))
+    assert (d.text, d.finish_reason, stopped) == ("Hell", None, False)
+    ids = TOK.ids(" wor", "ld", "!")
+    d, stopped = text.apply(CompletionDelta(0, "", ids, [TokenLogprob(t, -1.0) for t in ids]))
+    assert (d.text, d.token_ids, d.finish_reason, d.stop_reason, stopped) == ("", ids[:1], "stop", "o wo", True)
+    assert [lp.token_id for lp in d.logprobs] == ids[:1]
+    assert text.text == "Hell"
+
+
+def test_a_stop_string_on_the_cores_last_token_wins_but_needs_no_stop_sent():
+    text = CompletionText(SamplingParams(stop=["llo"], max_tokens=2), [9], TOK)
+    text.apply(CompletionDelta(0, "", TOK.ids("He")))
+    d, stopped = text.apply(CompletionDelta(0, "", TOK.ids("llo"), None, "length"))
+    assert (d.text, d.finish_reason, d.stop_reason, stopped) == ("", "stop", "llo", False)
+
+
+def test_a_request_ends_when_its_last_completion_meets_a_stop_string():
+    req = RequestText(SamplingParams(n=2, stop=["ld"], max_tokens=100), [9], TOK)
+
+    def step(*per_completion):
+        return req.apply(RequestDelta("r", [CompletionDelta(i, "", TOK.ids(p)) for i, p in per_completion], False, 1))
+
+    d, stopped = step((0, "He"), (1, "He"))
+    assert [o.text for o in d.outputs] == ["He", "He"] and stopped == [] and not d.finished
+    d, stopped = step((0, "ld"), (1, "llo"))  # completion 0 ends: the core is told to stop it alone
+    assert [(o.index, o.text, o.finish_reason) for o in d.outputs] == [(0, "", "stop"), (1, "llo", None)]
+    assert stopped == [0] and not d.finished
+    d, stopped = step((0, "!"), (1, "ld"))  # a token of 0 the core made before it heard: dropped
+    assert [(o.index, o.finish_reason, o.stop_reason) for o in d.outputs] == [(1, "stop", "ld")]
+    assert stopped == [1] and d.finished and req.finished
+    assert step((1, "!")) == (None, [])
+    assert req.completions[0].text == "He" and req.completions[1].text == "Hello"
+
+
+def test_an_abort_or_an_error_from_the_core_passes_through():
+    req = RequestText(SamplingParams(max_tokens=10), [9], TOK)
+    req.apply(RequestDelta("r", [CompletionDelta(0, "", TOK.ids("He"))], False, 1))
+    d, _ = req.apply(RequestDelta("r", [CompletionDelta(0, finish_reason="abort")], True, 1))
+    assert d.finished and [(o.text, o.finish_reason) for o in d.outputs] == [("", "abort")]
+    err = RequestDelta("r", [], True, 1, error=RuntimeError("boom"))
+    assert RequestText(SamplingParams(), [9], TOK).apply(err) == (err, [])

@@ -38,13 +38,14 @@ from engine.core.messages import (
     TurnReport,
 )
 from engine.errors import EngineDeadError, QueueFullError
-from engine.llm_engine import EngineStats, LLMEngine
 from engine.output_text import RequestText
 from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
 
 if TYPE_CHECKING:
     from engine.core.process import ProcessCore
+    from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ class AsyncLLMEngine:
             self.grammars = GrammarCache(self.tokenizer.hf, info.vocab_size, self.tokenizer.eos_token_ids)
         else:
             from engine.core.thread import ThreadCore
+            from engine.llm_engine import LLMEngine
 
             self._core = ThreadCore(engine or LLMEngine(args))
             self.tokenizer = self._core.tokenizer

@@ -19,9 +19,9 @@ from typing import Protocol
 from contract.kv_transfer import Layout
 from engine.admission import EngineLimits
 from engine.core.messages import TransferDone
-from engine.llm_engine import EngineStats
 from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
 from engine.structured.grammars import GrammarCache
 from engine.tokenizer import Tokenizer
 

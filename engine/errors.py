@@ -4,6 +4,7 @@ each to an HTTP status and an OpenAI error type, and the CLI can name the flag.
     InvalidRequestError    a request can never run; `param` names the request field to blame, `code` is
       RequestTooLongError  OpenAI's error code ("context_length_exceeded" for a request too long)
       SamplingParamsError  (engine/sampling_params.py: a sampling parameter is out of range)
+      LoRAError            a LoRA adapter cannot be served (engine/lora/adapter.py)
     QueueFullError         the replica already holds all the requests it takes; retry shortly or elsewhere
     EngineDeadError        the engine loop is not running (not started, shut down or crashed)
     RequestOutOfMemoryError  the engine gave up on a running request that kept running out of memory
@@ -26,6 +27,12 @@ class InvalidRequestError(ValueError):
 
     def __reduce__(self):  # pickled whole across the engine core's process boundary
         return type(self), (self.param, str(self))
+
+
+class LoRAError(InvalidRequestError):
+    """The adapter cannot be served; `param` names what is wrong (lora_path, r, target_modules, ...)."""
+
+    code = "invalid_lora_adapter"
 
 
 class RequestTooLongError(InvalidRequestError):

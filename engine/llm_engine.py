@@ -18,7 +18,6 @@ import logging
 import os
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 import torch
 
@@ -51,6 +50,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+from engine.stats import EngineStats
 from engine.stop import StopChecker
 from engine.structured.grammars import GrammarCache
 from engine.tokenizer import load_tokenizer
@@ -59,34 +59,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_GIB = 2.0
 _FINISH_STATUS = {"stop": SequenceStatus.FINISHED_STOPPED, "length": SequenceStatus.FINISHED_LENGTH}
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    kv_usage: float
-    num_running: int
-    num_waiting: int
-    num_total_blocks: int
-    block_size: int
-    prefix_queries_tokens: int
-    prefix_hits_tokens: int
-    num_preemptions: int
-    alloc_failures: int
-    evictions: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    oom_events: int = 0
-    gpu_memory_used_bytes: int | None = None  # torch.cuda.memory_allocated on the engine's GPU; None on CPUs
-    kv_events_published: int = 0
-    num_free_blocks: int = 0  # blocks no request holds (cached ones among them, evictable)
-    num_cached_blocks: int = 0  # blocks whose content the prefix cache holds (held or free)
-    max_loras: int = 0  # adapter slots per step (0: LoRA off)
-    tier_blocks: int = 0  # blocks the lower tier holds (--kv-tier-gib)
-    tier_bytes: int = 0
-    tier_spilled_blocks: int = 0  # evicted blocks it took, since start
-    tier_reloaded_blocks: int = 0  # blocks brought back from it into the cache, since start
-    lora_running: tuple[str, ...] = ()  # adapters of the running requests
-    lora_waiting: tuple[str, ...] = ()  # adapters of the waiting ones
 
 
 class _Request:

@@ -18,6 +18,7 @@ from contract.kv_events import KVEvent
 from engine.admission import EngineLimits
 from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class CoreInfo:
     last_event_seq: int
     layout: object  # contract.kv_transfer.Layout of its KV cache, for transfers between engines
     pid: int  # the core process's; 0 when the core is a thread of the front end's process
-    stats: object  # engine.llm_engine.EngineStats at start
+    stats: EngineStats  # at start
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ class TurnReport:
     outputs: list[RequestDelta]
     errors: list[tuple[str, BaseException]] = field(default_factory=list)
     events: list[KVEvent] = field(default_factory=list)
-    stats: object = None  # engine.llm_engine.EngineStats (typed loosely: that module imports torch)
+    stats: EngineStats | None = None
     stopped: bool = False  # the core ended after this report (a Stop was applied)
     transfers: list[TransferDone] = field(default_factory=list)
 

@@ -19,19 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.errors import InvalidRequestError
+from engine.errors import LoRAError
 from engine.model.llama import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
-
-
-class LoRAError(InvalidRequestError):
-    """The adapter cannot be served; `param` names what is wrong (lora_path, r, target_modules, ...)."""
-
-    code = "invalid_lora_adapter"
 
 
 @dataclass(frozen=True)

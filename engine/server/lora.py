@@ -14,15 +14,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import PlainTextResponse
 
-from engine.lora.adapter import LoRAError, load_adapter
+from engine.errors import LoRAError
 from engine.lora.request import LoRARequest
-from engine.model.llama import ModelConfig
 from engine.server.errors import APIError, bad_request
 from engine.server.kv_events import check_internal_token
+
+if TYPE_CHECKING:
+    from engine.model.llama import ModelConfig
 
 
 class LoRARegistry:
@@ -43,6 +46,7 @@ class LoRARegistry:
             return None
 
         def base_config() -> ModelConfig:
+            from engine.model.llama import ModelConfig
             from engine.model.loader import load_hf_config
             from engine.model.registry import resolve_model
 
@@ -66,6 +70,8 @@ class LoRARegistry:
             raise LoRAError("lora_name", f"the LoRA adapter {name!r} has already been loaded")
         if self._config is None:
             self._config = self._base_config()
+        from engine.lora.adapter import load_adapter  # imports torch: a server without LoRA never does
+
         load_adapter(path, self._config, self.max_rank)  # raises LoRAError; the engine core reads it again
         if name in self.adapters:  # loaded meanwhile by a concurrent call
             raise LoRAError("lora_name", f"the LoRA adapter {name!r} has already been loaded")

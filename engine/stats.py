@@ -1,0 +1,34 @@
+"""What an engine reports of itself after every step: KV usage, queues, counters (the server's /metrics and
+the router's load signals read it). Torch-free, so the server process need not import torch for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    kv_usage: float
+    num_running: int
+    num_waiting: int
+    num_total_blocks: int
+    block_size: int
+    prefix_queries_tokens: int
+    prefix_hits_tokens: int
+    num_preemptions: int
+    alloc_failures: int
+    evictions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    oom_events: int = 0
+    gpu_memory_used_bytes: int | None = None  # torch.cuda.memory_allocated on the engine's GPU; None on CPUs
+    kv_events_published: int = 0
+    num_free_blocks: int = 0  # blocks no request holds (cached ones among them, evictable)
+    num_cached_blocks: int = 0  # blocks whose content the prefix cache holds (held or free)
+    max_loras: int = 0  # adapter slots per step (0: LoRA off)
+    tier_blocks: int = 0  # blocks the lower tier holds (--kv-tier-gib)
+    tier_bytes: int = 0
+    tier_spilled_blocks: int = 0  # evicted blocks it took, since start
+    tier_reloaded_blocks: int = 0  # blocks brought back from it into the cache, since start
+    lora_running: tuple[str, ...] = ()  # adapters of the running requests
+    lora_waiting: tuple[str, ...] = ()  # adapters of the waiting ones

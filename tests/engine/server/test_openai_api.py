@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import httpx
 
@@ -102,6 +103,31 @@ def test_stop_string_cuts_output(openai_client):
     assert r.choices[0].finish_reason == "stop"
     texts, finish, _ = stream_chat(openai_client, stop=stop, **{k: v for k, v in kw.items() if k != "model"})
     assert texts == {0: cut} and finish == {0: "stop"}
+
+
+def test_stop_strings_end_each_of_n_choices_at_its_own_string_and_free_their_blocks(api_server, openai_client):
+    """The server finds stop strings in the text and stops each completion in the engine core: a choice that
+    meets one ends there while the others run on, and nothing stays running or holds KV blocks after."""
+    kw = dict(messages=MSGS, max_tokens=30, temperature=1.0, n=3, seed=11, extra_body=NO_EOS)
+    free = {c.index: c.message.content for c in openai_client.chat.completions.create(model=MODEL, **kw).choices}
+    # (seed 11: only choice 1 holds its string; 0 and 2 run to max_tokens)
+    stop = free[1][6:10]
+    texts, finish, usage = stream_chat(openai_client, stop=[stop], stream_options={"include_usage": True}, **kw)
+    for i, text in free.items():
+        if stop in text:
+            assert texts[i] == text[:text.index(stop)] and finish[i] == "stop"
+        else:
+            assert texts[i] == text and finish[i] == "length"
+    assert usage.completion_tokens < 90
+    deadline = time.monotonic() + 10
+    while True:
+        metrics = httpx.get(f"{api_server.url}/metrics").text
+        idle = [line for line in metrics.splitlines()
+                if line.startswith(("vllm:num_requests_running{", "vllm:kv_cache_usage_perc{"))]
+        if all(float(line.rsplit(" ", 1)[1]) == 0 for line in idle) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert len(idle) == 2 and all(float(line.rsplit(" ", 1)[1]) == 0 for line in idle), idle
 
 
 def test_chat_logprobs(openai_client):

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from contract.kv_events import KVEvent
 from engine.admission import admit
 from engine.args import EngineArgs
+from engine.core.arena import Arena, Regions
 from engine.core.messages import (
     Abort,
     AddRequest,
@@ -142,6 +143,10 @@ class AsyncLLMEngine:
         self.kv_events_published = 0
         self._transfers: dict[int, asyncio.Future[TransferDone]] = {}
         self._next_transfer = 0
+        self._arena: Arena = self._core.arena  # transfer payloads, shared with the core (engine/core/arena.py)
+        self._regions = Regions(self._arena.size)
+        self._lent: dict[int, int] = {}  # transfer id -> the arena offset its command reads or writes
+        self._region_freed = asyncio.Event()  # set when a region comes back: callers waiting for room try again
         self.dead: BaseException | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -166,6 +171,8 @@ class AsyncLLMEngine:
         await asyncio.to_thread(self._core.join, 10)
         if self.dead is None:
             self.dead = EngineDeadError("the engine is shut down")
+        self._fail_all(self.dead)  # transfers the core never answered
+        self._arena.close()
 
     @property
     def is_running(self) -> bool:
@@ -225,26 +232,38 @@ class AsyncLLMEngine:
 
     async def export_blocks(self, hashes: Seq[int], max_blocks: int) -> TransferDone:
         """The leading run of `hashes` the core holds (at most max_blocks), with their payload."""
-        return await self._transfer(lambda tid: ExportBlocks(tid, tuple(hashes), max_blocks))
+        per_block = self.kv_layout.block_bytes
+        max_blocks = max(1, min(max_blocks, self._arena.size // per_block))
+        return await self._transfer(max_blocks * per_block, None,
+                                    lambda tid, region: ExportBlocks(tid, tuple(hashes), max_blocks, region))
 
     async def import_blocks(self, prefix: Seq[int], hashes: Seq[int], tokens: Seq[tuple[int, ...]], lora: str | None,
                             payload: bytes) -> TransferDone:
         """Verified blocks of a peer into the core's prefix cache, after the blocks `prefix` it holds."""
-        return await self._transfer(lambda tid: ImportBlocks(tid, tuple(prefix), tuple(hashes), tuple(tokens), lora,
-                                                             payload))
+        return await self._transfer(len(payload), payload, lambda tid, region: ImportBlocks(
+            tid, tuple(prefix), tuple(hashes), tuple(tokens), lora, region))
 
-    async def _transfer(self, make) -> TransferDone:
+    async def _transfer(self, size: int, payload: bytes | None, make) -> TransferDone:
+        """Lend `size` bytes of the arena (`payload` copied in) to the core's command; the region comes back when
+        the core answers (or dies), not when a caller stops waiting: the core may still be using it."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine is not running: {self.dead}")
+        if size > self._arena.size:
+            raise ValueError(f"a transfer of {size} bytes exceeds the engine's transfer arena ({self._arena.size})")
+        while (offset := self._regions.alloc(size)) is None:  # the arena is full of transfers in flight: wait
+            self._region_freed.clear()
+            await self._region_freed.wait()
+            if self.dead is not None:
+                raise EngineDeadError(f"the engine is not running: {self.dead}")
+        if payload is not None:
+            self._arena.view(offset, size)[:] = payload
         self._next_transfer += 1
         tid = self._next_transfer
         fut: asyncio.Future[TransferDone] = asyncio.get_running_loop().create_future()
         self._transfers[tid] = fut
-        try:
-            self._core.send(make(tid))
-            done = await fut
-        finally:
-            self._transfers.pop(tid, None)
+        self._lent[tid] = offset
+        self._core.send(make(tid, (offset, size)))
+        done = await fut
         if done.error is not None:
             raise done.error
         return done
@@ -291,7 +310,13 @@ class AsyncLLMEngine:
         self._stats = item.stats
         self._dispatch(item.outputs, item.errors, item.events)
         for done in item.transfers:
-            fut = self._transfers.get(done.transfer_id)
+            offset = self._lent.pop(done.transfer_id, None)
+            if offset is not None:
+                if done.size:  # an export: its payload leaves the arena before the region is lent again
+                    done = dataclasses.replace(done, payload=bytes(self._arena.view(offset, done.size)))
+                self._regions.free(offset)
+                self._region_freed.set()
+            fut = self._transfers.pop(done.transfer_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(done)
         if item.stopped:
@@ -343,6 +368,11 @@ class AsyncLLMEngine:
     def _fail_all(self, err: BaseException) -> None:
         for stream in self._streams.values():
             stream.put(err)
+        for offset in self._lent.values():  # the core is gone: nothing uses them any more
+            self._regions.free(offset)
+        self._lent.clear()
+        self._region_freed.set()
         for fut in self._transfers.values():
             if not fut.done():
                 fut.set_exception(err)
+        self._transfers.clear()

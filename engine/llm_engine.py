@@ -334,16 +334,17 @@ class LLMEngine:
         """contract.kv_transfer.Layout of this engine's KV cache."""
         return kv_transfer.layout_of(self.model_name, self.runner.kv_caches, self.hash_seed)
 
-    def export_blocks(self, hashes, max_blocks: int):
-        """Blocks a peer pulls (engine/kv/transfer.py): (hashes, tokens, adapter, payload) of the leading run held,
-        and whether the next of `hashes` is being computed here (a request in the engine has it in its prompt)."""
-        found, tokens, lora, payload = kv_transfer.export_blocks(self.kv, self.runner.kv_caches, hashes, max_blocks)
+    def export_blocks(self, hashes, max_blocks: int, out: memoryview):
+        """Blocks a peer pulls (engine/kv/transfer.py): (hashes, tokens, adapter, payload bytes written to `out`) of
+        the leading run held, and whether the next of `hashes` is being computed here (a request in the engine
+        has it in its prompt)."""
+        found, tokens, lora, size = kv_transfer.export_blocks(self.kv, self.runner.kv_caches, hashes, max_blocks, out)
         nxt = hashes[len(found)] if len(found) < min(len(hashes), max_blocks) else None
         pending = nxt is not None and any(nxt in self.kv.hash_prompt(seq) for req in self.requests.values()
                                           for seq in req.seqs if not seq.is_finished)
-        return found, tokens, lora, payload, pending
+        return found, tokens, lora, size, pending
 
-    def import_blocks(self, prefix, hashes, tokens, lora: str | None, payload: bytes) -> tuple[int, int]:
+    def import_blocks(self, prefix, hashes, tokens, lora: str | None, payload: memoryview) -> tuple[int, int]:
         """Verified blocks of a peer into the prefix cache: (blocks imported, blocks held already)."""
         return kv_transfer.import_blocks(self.kv, self.runner.kv_caches, prefix, hashes, tokens, lora, payload)
 

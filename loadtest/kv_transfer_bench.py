@@ -181,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                 learned = f", pull cost now {res['cost']:.4f}" if "cost" in res else ""
                 print(f"burst {i} pulls {mode:4}: computed {res['computed']} tokens, split {shares}, TTFT p50 "
                       f"{statistics.median(res['ttft']):.2f} s max {max(res['ttft']):.2f} s{learned}")
-        print(f"\nsummary (per burst of {ns.burst_size} requests on a new ~{ns.burst_tokens}-token prompt):")
-        for mode in modes:
+        if ns.bursts:
+            print(f"\nsummary (per burst of {ns.burst_size} requests on a new ~{ns.burst_tokens}-token prompt):")
+        for mode in modes if ns.bursts else ():
             runs = results[mode]
             ttfts = sorted(t for r_ in runs for t in r_["ttft"])
             computed = statistics.mean(r_["computed"] for r_ in runs)

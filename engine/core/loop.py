@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 
+from engine.core.arena import Arena
 from engine.core.messages import (
     Abort,
     AddRequest,
@@ -34,9 +35,11 @@ PARKED_POLL_S = 0.005  # how often a core with only parked requests looks at the
 
 
 class CoreLoop:
-    def __init__(self, engine):
-        """engine: an engine.llm_engine.LLMEngine (not imported here: that module loads torch)."""
+    def __init__(self, engine, arena: Arena):
+        """engine: an engine.llm_engine.LLMEngine (not imported here: that module loads torch); arena: the memory
+        shared with the front end, where transfer payloads are written and read (engine/core/arena.py)."""
         self.engine = engine
+        self.arena = arena
         self._parked: dict[str, AddRequest] = {}  # waiting for their grammar, in arrival order
 
     @property
@@ -69,7 +72,7 @@ class CoreLoop:
             elif isinstance(cmd, Stop):
                 stopping = True
         self._admit_parked(errors)
-        transfers = [_transfer(engine, cmd) for cmd in moves]  # after the new requests: an export sees their prompts
+        transfers = [_transfer(engine, cmd, self.arena) for cmd in moves]  # after the new requests: an export sees their prompts
         if stopping:
             outputs.extend(_aborted(p) for p in self._parked.values())
             self._parked.clear()
@@ -93,15 +96,16 @@ class CoreLoop:
                 errors.append((rid, e))
 
 
-def _transfer(engine, cmd: ExportBlocks | ImportBlocks) -> TransferDone:
+def _transfer(engine, cmd: ExportBlocks | ImportBlocks, arena: Arena) -> TransferDone:
     started = time.monotonic()
     try:
-        if isinstance(cmd, ExportBlocks):
-            hashes, tokens, lora, payload, pending = engine.export_blocks(cmd.hashes, cmd.max_blocks)
-            return TransferDone(cmd.transfer_id, tuple(hashes), tuple(tokens), lora, payload, pending=pending,
-                                started_at=started)
-        imported, present = engine.import_blocks(cmd.prefix, cmd.hashes, cmd.tokens, cmd.lora, cmd.payload)
-        return TransferDone(cmd.transfer_id, imported=imported, present=present, started_at=started)
+        with arena.view(*cmd.region) as buf:
+            if isinstance(cmd, ExportBlocks):
+                hashes, tokens, lora, size, pending = engine.export_blocks(cmd.hashes, cmd.max_blocks, buf)
+                return TransferDone(cmd.transfer_id, tuple(hashes), tuple(tokens), lora, size, pending=pending,
+                                    started_at=started)
+            imported, present = engine.import_blocks(cmd.prefix, cmd.hashes, cmd.tokens, cmd.lora, buf)
+            return TransferDone(cmd.transfer_id, imported=imported, present=present, started_at=started)
     except Exception as e:  # noqa: BLE001 - one transfer's failure (a bad payload) is that transfer's, not the core's
         return TransferDone(cmd.transfer_id, error=portable(e), started_at=started)
 

@@ -54,23 +54,26 @@ class DropAdapter:
 
 @dataclass(frozen=True)
 class ExportBlocks:
-    """Copy out the leading run of `hashes` the prefix cache holds, at most max_blocks (a peer pulls them)."""
+    """Copy out the leading run of `hashes` the prefix cache holds, at most max_blocks (a peer pulls them), into
+    the arena's bytes [offset, offset + size) (engine/core/arena.py)."""
 
     transfer_id: int
     hashes: tuple[int, ...]
     max_blocks: int
+    region: tuple[int, int]  # (offset, size) in the arena
 
 
 @dataclass(frozen=True)
 class ImportBlocks:
-    """Take in verified blocks of a peer that follow `prefix` in one hash chain (engine/kv/transfer.py)."""
+    """Take in verified blocks of a peer that follow `prefix` in one hash chain (engine/kv/transfer.py), their
+    payload in the arena's bytes [offset, offset + size)."""
 
     transfer_id: int
     prefix: tuple[int, ...]
     hashes: tuple[int, ...]
     tokens: tuple[tuple[int, ...], ...]
     lora: str | None
-    payload: bytes = field(repr=False)
+    region: tuple[int, int]  # (offset, size) in the arena
 
 
 Command = AddRequest | Abort | DropAdapter | ExportBlocks | ImportBlocks | Stop
@@ -85,7 +88,8 @@ class TransferDone:
     hashes: tuple[int, ...] = ()
     tokens: tuple[tuple[int, ...], ...] = ()
     lora: str | None = None
-    payload: bytes = field(default=b"", repr=False)
+    size: int = 0  # export: payload bytes the core wrote into the command's region
+    payload: bytes = field(default=b"", repr=False)  # export: those bytes, copied out by the front end
     imported: int = 0
     present: int = 0
     pending: bool = False  # export: the next block asked for is being computed here (ask again soon)

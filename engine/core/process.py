@@ -21,6 +21,7 @@ import multiprocessing as mp
 import threading
 from collections.abc import Callable
 
+from engine.core.arena import ARENA_BYTES, Arena
 from engine.core.messages import Command, CoreFailed, CoreInfo, TurnReport
 from engine.errors import EngineDeadError
 
@@ -36,11 +37,12 @@ class ProcessCore:
         from engine.core.worker import main
 
         ctx = mp.get_context("spawn")
+        self.arena = Arena(ARENA_BYTES)  # transfer payloads cross here, not down the pipes (engine/core/arena.py)
         self._commands, child_commands = ctx.Pipe(duplex=False)[::-1]  # (send end here, receive end there)
         child_reports_recv, child_reports = ctx.Pipe(duplex=False)
         self._reports = child_reports_recv
         self._process = ctx.Process(target=main, name="kvfleet-engine-core", daemon=True,
-                                    args=(args, child_commands, child_reports, logging.getLogger().level))
+                                    args=(args, child_commands, child_reports, self.arena, logging.getLogger().level))
         self._process.start()
         child_commands.close()
         child_reports.close()

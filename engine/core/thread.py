@@ -10,6 +10,7 @@ import logging
 import threading
 from collections.abc import Callable
 
+from engine.core.arena import ARENA_BYTES, Arena
 from engine.core.loop import CoreLoop
 from engine.core.messages import Command, CoreFailed, CoreInfo, TurnReport
 
@@ -26,6 +27,7 @@ class ThreadCore:
         kv.drain_events()  # covered by the snapshot
         self.tokenizer = engine.tokenizer
         self.grammars = engine.grammars
+        self.arena = Arena(ARENA_BYTES)  # transfer payloads (engine/core/arena.py), as with a core process
         self._cv = threading.Condition()
         self._commands: list[Command] = []
         self._thread: threading.Thread | None = None
@@ -44,7 +46,7 @@ class ThreadCore:
             self._thread.join(timeout)
 
     def _run(self, report: Callable[[TurnReport | CoreFailed], None]) -> None:
-        core = CoreLoop(self.engine)
+        core = CoreLoop(self.engine, self.arena)
         try:
             while True:
                 with self._cv:

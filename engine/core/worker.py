@@ -15,13 +15,14 @@ import signal
 import sys
 from multiprocessing.connection import Connection
 
+from engine.core.arena import Arena
 from engine.core.loop import CoreLoop
 from engine.core.messages import CoreFailed, CoreInfo, portable
 
 logger = logging.getLogger("kvfleet.core")
 
 
-def main(args, commands: Connection, reports: Connection, log_level: int) -> None:
+def main(args, commands: Connection, reports: Connection, arena: Arena, log_level: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent()
@@ -38,7 +39,7 @@ def main(args, commands: Connection, reports: Connection, log_level: int) -> Non
     reports.send(CoreInfo(engine.model_name, engine.limits, engine.hash_seed, engine.config.vocab_size,
                           list(kv.snapshot()), kv.last_event_seq, engine.kv_layout, os.getpid(), engine.stats()))
     kv.drain_events()  # covered by the snapshot
-    code = _serve(CoreLoop(engine), commands, reports)
+    code = _serve(CoreLoop(engine, arena), commands, reports)
     # the last report (stopped, or the failure) is sent: skip the interpreter's teardown of torch (most of a
     # second, which a rolling restart would wait for)
     logging.shutdown()

@@ -30,12 +30,13 @@ class Offload:
         kv.lower = self
 
     def spill(self, evicted: Sequence[tuple[int, int, tuple[int, ...], str | None]]) -> None:
-        payload = transfer.gather(self.kv_caches, [block_id for block_id, _, _, _ in evicted])
-        per = len(payload) // len(evicted)
+        per = transfer.block_bytes(self.kv_caches)
+        payload = memoryview(bytearray(per * len(evicted)))
+        transfer.gather(self.kv_caches, [block_id for block_id, _, _, _ in evicted], payload)
         dropped: list[int] = []
         kept: dict[str | None, list[int]] = {}
         for i, (_, h, tokens, lora) in enumerate(evicted):
-            dropped += self.tier.put(h, tokens, lora, payload[i * per:(i + 1) * per])
+            dropped += self.tier.put(h, tokens, lora, bytes(payload[i * per:(i + 1) * per]))
             if h in self.tier:
                 kept.setdefault(lora, []).append(h)
         events, medium = self.kv.events, self.tier.medium
@@ -62,8 +63,9 @@ class Offload:
             found.append((got[0].tokens, got[1]))
         if not found:
             return 0
+        payload = memoryview(bytearray(b"".join(p for _, p in found)))
         imported, _ = transfer.import_blocks(kv, self.kv_caches, hashes[:held], hashes[held:held + len(found)],
-                                             [t for t, _ in found], lora, b"".join(p for _, p in found))
+                                             [t for t, _ in found], lora, payload)
         self.reloaded_blocks += imported
         return imported
 

@@ -244,3 +244,42 @@ def test_a_lower_tier_is_announced_and_snapshotted_with_its_medium(tiny):
             await eng.shutdown()
 
     run(main())
+
+
+def test_transfers_wait_for_room_in_the_arena_and_hand_every_region_back(tiny, monkeypatch):
+    """An arena that holds one transfer at a time: concurrent exports and imports queue for it, each gets its
+    own payload intact, a caller that gives up does not free a region the core may still write, and every byte
+    is back with the front end at the end."""
+    import engine.core.thread
+    from engine.core.arena import ALIGN
+
+    async def main():
+        eng = _engine(tiny, enable_prefix_caching=True)
+        per = eng.kv_layout.block_bytes
+        monkeypatch.setattr(engine.core.thread, "ARENA_BYTES", -(-2 * per // ALIGN) * ALIGN)
+        small = _engine(tiny, enable_prefix_caching=True)  # its arena holds two blocks
+        await eng.start()
+        await small.start()
+        try:
+            prompt = list(range(100, 165))  # 4 full blocks of 16
+            await _collect(eng, prompt, GREEDY, "src")
+            hashes = eng.subscribe_kv_events()[0][:4]  # the prompt's 4 blocks, in chain order
+            whole = await eng.export_blocks(hashes, 4)
+            assert len(whole.hashes) == 4 and len(whole.payload) == 4 * per
+            await _collect(small, prompt, GREEDY, "src")
+            parts = await asyncio.gather(*(small.export_blocks(hashes[i:], 4) for i in range(3)))
+            assert [len(p.hashes) for p in parts] == [2, 2, 2]  # at most what the arena holds, each
+            for i, p in enumerate(parts):
+                assert p.payload == whole.payload[i * per:(i + 2) * per]
+            waiter = asyncio.ensure_future(small.export_blocks(hashes, 2))
+            await asyncio.sleep(0)
+            waiter.cancel()  # given up on: its region comes back when the core answers, not now
+            await asyncio.gather(waiter, return_exceptions=True)
+            got = await small.export_blocks(hashes[2:], 2)
+            assert got.payload == whole.payload[2 * per:]
+            assert small._regions.used_bytes == 0 and eng._regions.used_bytes == 0
+        finally:
+            await eng.shutdown()
+            await small.shutdown()
+
+    run(main())

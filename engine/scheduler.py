@@ -168,8 +168,10 @@ class Scheduler:
         return victim
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
+        computing: set[int] | None = None  # prompt blocks running prefills have yet to cache (built when needed)
+        i = 0
+        while i < len(self.waiting) and budget > 0:
+            seq = self.waiting[i]
             if seq.status is SequenceStatus.WAITING and out.preempted and seq in out.preempted:
                 break  # preempted in this step for the one ahead of it: not back before the next
             seats = 1 + self._unforked_children(seq)
@@ -178,11 +180,16 @@ class Scheduler:
             if seq.lora is not None and not self._lora_fits(seq):
                 break  # its adapter would make a step need more than max_loras slots: it waits for one to end
             computed, num_hit = self.kv.get_computed_blocks(seq)
+            if computing is None:
+                computing = self._computing_blocks()
+            if self._next_block_computing(seq, num_hit, computing):
+                i += 1  # a running prefill is computing the block it needs next: it waits to hit it, not to redo it
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens - num_hit, budget)
             copies = self.kv.allocate_slots(seq, n, computed)
             if copies is None:
                 break  # nobody overtakes the head of the queue
-            self.waiting.popleft()
+            del self.waiting[i]
             self._reserved_seats += seats - 1
             self.kv.record_prefix_query(seq.num_tokens, num_hit)
             if seq.num_preemptions == 0:
@@ -191,10 +198,34 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
+            computing.update(self._uncached_prompt_blocks(seq))
             out.blocks_to_copy.extend(copies)
             out.scheduled.append(ScheduledSeq(seq, n))
             out.num_batched_tokens += n
             budget -= n
+
+    # ---- one prefill per new prefix ------------------------------------------------------------
+    # Requests that arrive together with the same new prefix (a burst on a new system prompt) would each compute
+    # it, side by side, in the same steps. Instead, a waiting request whose next block a running prefill is
+    # computing waits (those behind it may go first): when that prefill has cached the block, it is a hit.
+    # The wait lasts while the block is being computed, no longer: an aborted or preempted prefill frees it.
+
+    def _computing_blocks(self) -> set[int]:
+        return {h for s in self.running for h in self._uncached_prompt_blocks(s)}
+
+    def _uncached_prompt_blocks(self, seq: Sequence) -> list[int]:
+        """Hashes of the full prompt blocks seq is still computing (none once its prompt is done)."""
+        if seq.num_computed_tokens >= seq.num_prompt_tokens:
+            return []
+        hashes = self.kv.hash_prompt(seq)
+        return hashes[seq.num_computed_tokens // self.kv.block_size:seq.num_prompt_tokens // self.kv.block_size]
+
+    def _next_block_computing(self, seq: Sequence, num_hit: int, computing: set[int]) -> bool:
+        if not computing or seq.block_table:
+            return False
+        hashes = self.kv.hash_prompt(seq)
+        nxt = (seq.num_computed_tokens + num_hit) // self.kv.block_size
+        return nxt < len(hashes) and hashes[nxt] in computing
 
     def _lora_fits(self, seq: Sequence) -> bool:
         """Whether seq's adapter is running already or one more adapter fits the step's max_loras slots."""

@@ -7,8 +7,9 @@
    same tokens; their ratio is the `--pull-token-cost` to give the router.
 2. Shared-prefix bursts through the router over A and B: `--burst-size` parallel requests on a new system
    prompt of `--burst-tokens` tokens (each with its own question), repeated `--bursts` times with new prompts,
-   alternating a router without pulls and one with them (same engines): prompt tokens the fleet computed
-   against one engine computing the prefix once, each replica's share of the requests, TTFT p50 / p99.
+   alternating the same burst sent straight to engine A ("one": what one engine computes for it), a router
+   without pulls and one with them (same engines): prompt tokens the fleet computed against one prompt and
+   against one engine, each replica's share of the requests, TTFT p50 / p99, and how the pulls ended.
    With --auto, a third router takes its turn in each round: `--pull-token-cost auto`, one router for all its
    bursts (it learns the cost from the engines' counters as they go; its final estimate is printed).
 
@@ -91,6 +92,17 @@ def transfer_cost(a: Proc, b: Proc, sizes: list[int]) -> list[dict]:
     return rows
 
 
+def pull_outcomes(*engines: Proc) -> dict[str, float]:
+    """kvfleet:kv_pulls_total by outcome, summed over the engines."""
+    out: dict[str, float] = {}
+    for e in engines:
+        for line in httpx.get(e.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("kvfleet:kv_pulls_total{"):
+                outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+                out[outcome] = out.get(outcome, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def ttft(url: str, prompt: str) -> tuple[str, float, int, int]:
     t0 = time.perf_counter()
     first = None
@@ -99,7 +111,7 @@ def ttft(url: str, prompt: str) -> tuple[str, float, int, int]:
     computed = prompt_tokens = 0
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
-        replica = r.headers["x-kvfleet-replica"]
+        replica = r.headers.get("x-kvfleet-replica", url)  # (an engine asked directly names no replica)
         for line in r.iter_lines():
             if first is None and line.startswith("data: {") and '"text":"' in line and '"text":""' not in line:
                 first = time.perf_counter() - t0
@@ -154,12 +166,15 @@ def main(argv: list[str] | None = None) -> int:
             fixed = round(max(lo["pull_s"] - per_token_s * lo["pulled"], 0.0) / prefill_token_s, 1)
             print(f"--pull-token-cost {cost} --pull-fixed-tokens {fixed} (a pull's seconds per token and per pull, "
                   f"in prefill tokens of a {hi['tokens']}-token prompt)")
-        modes = ("off", "on", "auto") if ns.auto else ("off", "on")
+        # "one": the burst sent straight to engine A, what one engine computes for it (the baseline)
+        modes = ("one", "off", "on", "auto") if ns.auto else ("one", "off", "on")
         results: dict[str, list[dict]] = {m: [] for m in modes}
         auto_router: Proc | None = None
         for i in range(ns.bursts):
             for k, mode in enumerate(modes):
-                if mode == "auto" and auto_router is not None:
+                if mode == "one":
+                    r = a
+                elif mode == "auto" and auto_router is not None:
                     r = auto_router
                 else:
                     r = router(log_dir, f"router-{mode}-{i}", [a.url, b.url],
@@ -169,20 +184,25 @@ def main(argv: list[str] | None = None) -> int:
                     deadline = time.monotonic() + 30
                     while metric(r.url, "kvfleet_router_kv_events_live") < 2 and time.monotonic() < deadline:
                         time.sleep(0.2)
+                before = pull_outcomes(a, b)
                 res = burst(r, 1000 + len(modes) * i + k, ns.burst_size, ns.burst_tokens)
+                after = pull_outcomes(a, b)
+                res["pulls"] = {o: int(after[o] - before.get(o, 0)) for o in after if after[o] > before.get(o, 0)}
                 if mode == "auto":
                     auto_router = r
                     res["cost"] = metric(r.url, "kvfleet_router_pull_token_cost")
-                else:
+                elif mode != "one":
                     r.stop()
                     procs.remove(r)
                 results[mode].append(res)
                 shares = [res["replicas"].count(u) for u in (a.url, b.url)]
                 learned = f", pull cost now {res['cost']:.4f}" if "cost" in res else ""
+                pulls = f", pulls {res['pulls']}" if res["pulls"] else ""
                 print(f"burst {i} pulls {mode:4}: computed {res['computed']} tokens, split {shares}, TTFT p50 "
-                      f"{statistics.median(res['ttft']):.2f} s max {max(res['ttft']):.2f} s{learned}")
+                      f"{statistics.median(res['ttft']):.2f} s max {max(res['ttft']):.2f} s{learned}{pulls}")
         if ns.bursts:
             print(f"\nsummary (per burst of {ns.burst_size} requests on a new ~{ns.burst_tokens}-token prompt):")
+            one = statistics.mean(r_["computed"] for r_ in results["one"])
         for mode in modes if ns.bursts else ():
             runs = results[mode]
             ttfts = sorted(t for r_ in runs for t in r_["ttft"])
@@ -191,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             top = max(max(r_["replicas"].count(u) for u in (a.url, b.url)) / ns.burst_size for r_ in runs)
             p99 = ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]
             print(f"  pulls {mode:4}: fleet computed {computed:.0f} prompt tokens per burst "
-                  f"({computed / single:.2f}x one prompt), busiest replica {top:.0%} of requests, "
-                  f"TTFT p50 {statistics.median(ttfts):.2f} s p99 {p99:.2f} s")
+                  f"({computed / single:.2f}x one prompt, {computed / one:.2f}x one engine), busiest replica "
+                  f"{top:.0%} of requests, TTFT p50 {statistics.median(ttfts):.2f} s p99 {p99:.2f} s")
         return 0
     finally:
         for p in procs:

@@ -239,3 +239,31 @@ def test_a_long_prefill_never_starves_later_decodes():
         assert [(i.seq.request_id, i.seq.index, i.num_new_tokens) for i in out.scheduled] == [
             ("p", 0, 1), ("b", 0, 14), ("p", 1, 1)]
     assert child.num_output_tokens == 4 and b.num_computed_tokens == 12 + 3 * 14
+
+
+def test_requests_arriving_with_the_same_new_prefix_compute_it_once():
+    """a, b and c share a 24-token prefix nobody holds; d does not. With a budget of 16, a computes the prefix in
+    chunks while b and c wait for it (d, behind them, goes first), then both find it cached."""
+    eng = FakeEngine(block_size=4, budget=16, max_num_seqs=8)
+    prefix = list(range(50, 74))  # 6 blocks
+    a = eng.add("a", prefix + [1, 2], max_tokens=2)
+    b = eng.add("b", prefix + [3, 4, 5], max_tokens=2)
+    c = eng.add("c", prefix + [6], max_tokens=2)
+    d = eng.add("d", [9] * 6, max_tokens=2)
+    steps = [{i.seq.request_id: i.num_new_tokens for i in eng.step().scheduled} for _ in range(4)]
+    assert steps[:2] == [{"a": 16}, {"a": 10, "d": 6}]  # b and c wait while a computes the blocks they need next
+    assert steps[2:] == [{"a": 1, "d": 1, "b": 3, "c": 1},  # then only their own tokens: 24 prefix tokens cached
+                         {"b": 1, "c": 1}]
+    assert (b.num_cached_tokens, c.num_cached_tokens) == (24, 24)
+    assert all(s.num_output_tokens == 2 for s in (a, b, c, d)) and eng.kv.pool.num_used_blocks == 0
+
+
+def test_a_request_waiting_for_a_prefix_goes_on_when_its_prefill_is_aborted():
+    eng = FakeEngine(block_size=4, budget=16, max_num_seqs=8)
+    prefix = list(range(50, 74))
+    eng.add("a", prefix + [1, 2], max_tokens=2)
+    b = eng.add("b", prefix + [3], max_tokens=2)
+    assert {i.seq.request_id: i.num_new_tokens for i in eng.step().scheduled} == {"a": 16}
+    eng.sched.abort("a")
+    assert {i.seq.request_id: i.num_new_tokens for i in eng.step().scheduled} == {"b": 9}  # a's 16 cached stay hits
+    assert b.num_cached_tokens == 16

@@ -290,6 +290,7 @@ def test_a_reloaded_adapter_never_finds_the_old_loads_blocks():
 
 def test_the_core_frees_an_unloaded_adapter():
     """POST /v1/unload_lora_adapter reaches the engine core as DropAdapter; the engine forgets the load's weights."""
+    from engine.core.arena import ALIGN, Arena
     from engine.core.loop import CoreLoop
     from engine.core.messages import DropAdapter
 
@@ -309,5 +310,5 @@ def test_the_core_frees_an_unloaded_adapter():
             return None
 
     engine = Engine()
-    CoreLoop(engine).turn([DropAdapter(7)])
+    CoreLoop(engine, Arena(ALIGN)).turn([DropAdapter(7)])
     assert engine.dropped == [7]

@@ -4,7 +4,8 @@ The prefix cache is the engine's own (engine/kv/block_pool.py: reference counts,
 KV event log), with one pool block per trace block (`block_size` tokens: one Mooncake hash id = 512 tokens).
 A sequence is admitted (first come, first served, up to `max_num_seqs`) when the pool can hold its whole
 prompt and output: its cached leading blocks are taken back, the rest allocated new (evicting the least
-recently freed cached blocks). Each step decodes one token for every sequence past its prefill and spends
+recently freed cached blocks). One whose next block a running prefill is computing waits until it is cached
+(those behind it may go first), as the engine's scheduler does. Each step decodes one token for every sequence past its prefill and spends
 the rest of `max_batched_tokens` on prefill chunks, in admission order; blocks that a step fills enter the
 prefix cache at its end (as the engine registers them), and a finished sequence frees its blocks tail first.
 No preemption: the whole output's blocks are reserved at admission.
@@ -194,18 +195,25 @@ class SimEngine:
 
     def _admit(self) -> None:
         pool = self.pool
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            s = self.waiting[0]
+        # blocks running prefills are computing: a waiting sequence whose next block is one of them waits to hit it
+        # (those behind it may go first), as the engine's scheduler does (engine/scheduler.py)
+        computing = {h for r in self.running if r.computed < r.prompt for h in r.hashes[r.registered:]}
+        i = 0
+        while i < len(self.waiting) and len(self.running) < self.max_num_seqs:
+            s = self.waiting[i]
             hits: list[KVCacheBlock] = []
             for h in s.hashes:
                 b = pool.get_cached_block(h, (h,))
                 if b is None:
                     break
                 hits.append(b)
+            if not s.prefilled and len(hits) < len(s.hashes) and s.hashes[len(hits)] in computing:
+                i += 1
+                continue
             new = self._blocks_needed(s) - len(hits)
             if new + sum(1 for b in hits if b.ref_cnt == 0) > pool.num_free_blocks:
                 return  # head of line waits for blocks to free
-            self.waiting.popleft()
+            del self.waiting[i]
             pool.touch(hits)
             reload = self._reload(s.hashes[len(hits):])  # before allocating: its evictions may fill the tier
             s.blocks = hits + pool.get_new_blocks(new)
@@ -217,6 +225,8 @@ class SimEngine:
             s.reloaded_blocks = len(reload)
             s.computed = s.prompt if s.prefilled else s.registered * self.block_size
             self.running.append(s)
+            if s.computed < s.prompt:
+                computing.update(s.hashes[s.registered:])
 
     def _reload(self, hashes: tuple[int, ...]) -> list[int]:
         """The leading run of `hashes` the tier holds; their reload time goes to the next step."""

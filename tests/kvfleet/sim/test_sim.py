@@ -138,3 +138,25 @@ def test_a_follow_up_pulls_its_history_to_the_idle_replica():
     for url, e in sim.engines.items():  # the pulled blocks reached the router's index in the puller's events
         assert set(sim.index._blocks[url]) == set(e.pool.cached)
     assert set(hist) <= set(sim.engines["http://replica-001"].pool.cached)
+
+
+def test_a_simulated_engine_computes_a_new_prefix_once_for_requests_that_arrive_together():
+    """As the engine's scheduler: b shares a's 3 new blocks and waits while a computes them (c, unrelated, goes
+    first), then hits all three and computes only its own last block."""
+    from kvfleet.sim.engine import SimEngine, SimSeq
+
+    eng = SimEngine("e", num_blocks=64, block_size=4, cost=COST, max_batched_tokens=8)
+    a = SimSeq(0, (1, 2, 3), 12, 1, 0.0)
+    b = SimSeq(1, (1, 2, 3, 4), 16, 1, 0.0)
+    c = SimSeq(2, (9,), 4, 1, 0.0)
+    for s in (a, b, c):
+        eng.add(s, 0.0)
+    steps = []
+    now = 0.0
+    while eng.plan is not None:
+        steps.append(sorted((s.rid, n) for s, n in eng.plan.chunks))
+        now += eng.plan.dt * eng.plan.steps
+        eng.finish(now)
+        eng.start(now)
+    assert steps == [[(0, 8)], [(0, 4), (2, 4)], [(1, 4)]]
+    assert b.hit_blocks == 3 and eng.prefill_tokens == 12 + 4 + 4

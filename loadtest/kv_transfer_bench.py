@@ -103,6 +103,13 @@ def pull_outcomes(*engines: Proc) -> dict[str, float]:
     return out
 
 
+def rates(*engines: Proc) -> dict[str, float]:
+    """The counters --pull-token-cost auto reads, summed over the engines."""
+    names = {"kvfleet:kv_pull_transfer_seconds_total": "pull_s", "kvfleet:kv_pulled_tokens_total": "pulled",
+             "kvfleet:prefill_seconds_total": "prefill_s", "kvfleet:prefill_computed_tokens_total": "prefilled"}
+    return {short: sum(metric(e.url, name) for e in engines) for name, short in names.items()}
+
+
 def ttft(url: str, prompt: str) -> tuple[str, float, int, int]:
     t0 = time.perf_counter()
     first = None
@@ -184,9 +191,12 @@ def main(argv: list[str] | None = None) -> int:
                     deadline = time.monotonic() + 30
                     while metric(r.url, "kvfleet_router_kv_events_live") < 2 and time.monotonic() < deadline:
                         time.sleep(0.2)
-                before = pull_outcomes(a, b)
+                before, rates0 = pull_outcomes(a, b), rates(a, b)
                 res = burst(r, 1000 + len(modes) * i + k, ns.burst_size, ns.burst_tokens)
-                after = pull_outcomes(a, b)
+                after, rates1 = pull_outcomes(a, b), rates(a, b)
+                d = {k_: rates1[k_] - rates0[k_] for k_ in rates0}
+                if d["pulled"] and d["prefilled"]:  # what --pull-token-cost auto learns from this burst
+                    res["burst_cost"] = (d["pull_s"] / d["pulled"]) / (d["prefill_s"] / d["prefilled"])
                 res["pulls"] = {o: int(after[o] - before.get(o, 0)) for o in after if after[o] > before.get(o, 0)}
                 if mode == "auto":
                     auto_router = r
@@ -198,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                 shares = [res["replicas"].count(u) for u in (a.url, b.url)]
                 learned = f", pull cost now {res['cost']:.4f}" if "cost" in res else ""
                 pulls = f", pulls {res['pulls']}" if res["pulls"] else ""
+                if "burst_cost" in res:
+                    pulls += f", measured pull cost {res['burst_cost']:.3f}"
                 print(f"burst {i} pulls {mode:4}: computed {res['computed']} tokens, split {shares}, TTFT p50 "
                       f"{statistics.median(res['ttft']):.2f} s max {max(res['ttft']):.2f} s{learned}{pulls}")
         if ns.bursts:

@@ -46,10 +46,10 @@ class Arena:
         return self._view[offset:offset + size]
 
     def close(self) -> None:
-        self._view.release()
         try:
+            self._view.release()
             self._map.close()
-        except BufferError:  # a view is still exported somewhere: the mapping goes with the process
+        except BufferError:  # a view of it is still alive somewhere: the mapping goes with that, or the process
             pass
         os.close(self._fd)
 

@@ -13,7 +13,7 @@ its server, the puller's server to its core), and were copied four more times on
 gathers the blocks straight into the region the front end gave it, and scatters imported blocks straight out
 of one: the pipes carry only the (offset, size) of the region.
 
-The memory is a memfd (Linux): not a file in /dev/shm, so neither its size limit (64 MiB in a default
+The memory is a memfd (Linux; elsewhere an unlinked temporary file): not a file in /dev/shm, so neither its size limit (64 MiB in a default
 container) nor a process killed at the wrong moment can leave it behind; its pages are allocated when first
 written and then kept, so the arena's size is only an upper bound and its memory the most that transfers in
 flight at once have used (tens of megabytes for a few concurrent pulls of SmolLM2's 11.5 MB frames). Pure bookkeeping in
@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import mmap
 import os
+import tempfile
 
 ARENA_BYTES = 1 << 30  # address space, not memory: pages exist only while some transfer wrote them
 ALIGN = 64
@@ -35,7 +36,7 @@ class Arena:
         """A new arena of `size` bytes, or (fd given) the mapping of an existing one in this process."""
         self.size = size
         if fd is None:
-            fd = os.memfd_create("kvfleet-kv-arena", os.MFD_CLOEXEC)
+            fd = _anonymous_file()
             os.ftruncate(fd, size)
         self._fd = fd
         self._map = mmap.mmap(fd, size)
@@ -59,6 +60,15 @@ class Arena:
         from multiprocessing.reduction import DupFd
 
         return _attach, (DupFd(self._fd), self.size)
+
+
+def _anonymous_file() -> int:
+    """A memfd; where there is none (not Linux), an unlinked temporary file, shared the same way."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("kvfleet-kv-arena", os.MFD_CLOEXEC)
+    fd, path = tempfile.mkstemp(prefix="kvfleet-kv-arena-")
+    os.unlink(path)
+    return fd
 
 
 def _attach(dup, size: int) -> Arena:

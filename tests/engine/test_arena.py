@@ -57,3 +57,13 @@ def test_a_spawned_process_maps_the_same_memory():
             arena.view((1 << 20) - 2, 4)
     finally:
         arena.close()
+
+
+def test_without_memfd_an_unlinked_file_serves(monkeypatch):
+    monkeypatch.delattr("os.memfd_create")
+    arena = Arena(1 << 16)
+    try:
+        arena.view(0, 3)[:] = b"abc"
+        assert bytes(arena.view(0, 3)) == b"abc"
+    finally:
+        arena.close()

@@ -13,11 +13,11 @@ its server, the puller's server to its core), and were copied four more times on
 gathers the blocks straight into the region the front end gave it, and scatters imported blocks straight out
 of one: the pipes carry only the (offset, size) of the region.
 
-The memory is a memfd (Linux; elsewhere an unlinked temporary file): not a file in /dev/shm, so neither its size limit (64 MiB in a default
-container) nor a process killed at the wrong moment can leave it behind; its pages are allocated when first
-written and then kept, so the arena's size is only an upper bound and its memory the most that transfers in
-flight at once have used (tens of megabytes for a few concurrent pulls of SmolLM2's 11.5 MB frames). Pure bookkeeping in
-`Regions` (first fit over a sorted free list, tested with exact expectations).
+The memory is a memfd (Linux; elsewhere an unlinked temporary file): not a file in /dev/shm, so neither its
+size limit (64 MiB in a default container) nor a process killed at the wrong moment can leave it behind. Its
+pages are allocated when first written and then kept, so the arena's size is only an upper bound and its memory
+the most that transfers in flight at once have used (tens of megabytes for a few concurrent pulls of SmolLM2's
+11.5 MB frames). Pure bookkeeping in `Regions` (first fit over a sorted free list, tested with exact expectations).
 """
 
 from __future__ import annotations

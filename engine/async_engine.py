@@ -7,11 +7,13 @@ raises a typed error (engine/errors.py) at once if it can never run or the repli
 the request is sent to the core and a `RequestStream` is returned, which yields a RequestDelta (only what
 is new) after every step that produced something for it, merging deltas that piled up while its consumer
 was busy. The core reports token ids; their text and stop strings are made here (engine/output_text.py),
-and a completion a stop string ended is stopped in the core with an `Abort` naming it. Closing the stream before the request finished aborts it; the core applies aborts and new
-requests before its next step, so an abort takes effect within one step. After each turn the core
-reports its deltas, KV events and stats together; this side keeps a mirror of the cached block hashes,
-so a new KV event subscriber gets a snapshot and a sequence number consistent with the events that
-follow, and `stats()` answers from the last report without asking the core.
+and a completion a stop string ended is stopped in the core with an `Abort` naming it. Closing the stream
+before the request finished aborts it; the core applies aborts and new requests before its next step, so an
+abort takes effect within one step. After each turn the core reports its deltas, KV events and stats
+together; this side keeps a mirror of the cached block hashes, so a new KV event subscriber gets a snapshot
+and a sequence number consistent with the events that follow, and `stats()` answers from the last report
+without asking the core. The payloads of KV transfers cross in memory shared with the core
+(engine/core/arena.py), lent a region per transfer.
 """
 
 from __future__ import annotations
@@ -193,7 +195,8 @@ class AsyncLLMEngine:
             raise QueueFullError(f"this replica is at capacity ({len(self._streams)} requests in flight, at most "
                                  f"{self.max_requests}); retry shortly or on another replica")
         prompt, params = admit(prompt_token_ids, params, self.limits)
-        stream = self._streams[request_id] = RequestStream(self, request_id, RequestText(params, prompt, self.tokenizer))
+        text = RequestText(params, prompt, self.tokenizer)
+        stream = self._streams[request_id] = RequestStream(self, request_id, text)
         self._core.send(AddRequest(request_id, prompt, params, cache_salt,
                                    time.monotonic() if arrival_time is None else arrival_time))
         return stream

@@ -72,7 +72,8 @@ class CoreLoop:
             elif isinstance(cmd, Stop):
                 stopping = True
         self._admit_parked(errors)
-        transfers = [_transfer(engine, cmd, self.arena) for cmd in moves]  # after the new requests: an export sees their prompts
+        # after the new requests: an export sees their prompts
+        transfers = [_transfer(engine, cmd, self.arena) for cmd in moves]
         if stopping:
             outputs.extend(_aborted(p) for p in self._parked.values())
             self._parked.clear()

@@ -2,8 +2,9 @@
 
 `export_blocks` copies the leading run of wanted blocks the prefix cache holds into a buffer (a region of the
 front end's arena, engine/core/arena.py); `import_blocks` takes a verified payload from one into new blocks of
-the pool and registers them in the prefix cache as if computed here (the same `stored` events). Both run on the engine core between steps, so no step sees a half-written
-block and nothing stays held afterwards: the imported blocks are free and cached, evictable like any other.
+the pool and registers them in the prefix cache as if computed here (the same `stored` events). Both run on the
+engine core between steps, so no step sees a half-written block and nothing stays held afterwards: the imported
+blocks are free and cached, evictable like any other.
 """
 
 from __future__ import annotations

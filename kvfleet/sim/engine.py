@@ -5,9 +5,10 @@ KV event log), with one pool block per trace block (`block_size` tokens: one Moo
 A sequence is admitted (first come, first served, up to `max_num_seqs`) when the pool can hold its whole
 prompt and output: its cached leading blocks are taken back, the rest allocated new (evicting the least
 recently freed cached blocks). One whose next block a running prefill is computing waits until it is cached
-(those behind it may go first), as the engine's scheduler does. Each step decodes one token for every sequence past its prefill and spends
-the rest of `max_batched_tokens` on prefill chunks, in admission order; blocks that a step fills enter the
-prefix cache at its end (as the engine registers them), and a finished sequence frees its blocks tail first.
+(those behind it may go first), as the engine's scheduler does. Each step decodes one token for every
+sequence past its prefill and spends the rest of `max_batched_tokens` on prefill chunks, in admission order;
+blocks that a step fills enter the prefix cache at its end (as the engine registers them), and a finished
+sequence frees its blocks tail first.
 No preemption: the whole output's blocks are reserved at admission.
 
 With a lower tier (tier.py), admission also takes back the run of the prompt's blocks the tier holds right after

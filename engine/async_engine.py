@@ -337,15 +337,11 @@ class AsyncLLMEngine:
             if out.error is not None:
                 stream.put(out.error)
                 continue
-            delta, stopped = stream.text.apply(out)  # detokenized and stop strings applied here, not in the core
-            if delta is None:
-                continue
-            if delta.finished and not out.finished:  # a stop string ended its last completion
-                self._core.send(Abort(out.request_id))
-            else:
-                for index in stopped:
-                    self._core.send(Abort(out.request_id, index))
-            stream.put(delta)
+            delta, stops = stream.text.apply(out)  # detokenized and stop strings applied here, not in the core
+            for index in stops:
+                self._core.send(Abort(out.request_id, index))
+            if delta is not None:
+                stream.put(delta)
         for rid, err in errors:
             stream = self._streams.get(rid)
             if stream is not None:

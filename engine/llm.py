@@ -77,13 +77,14 @@ class LLM:
                 for out in self.engine.step():
                     if out.error is not None:
                         raise out.error
-                    d, stopped = texts[out.request_id].apply(out)
+                    d, stops = texts[out.request_id].apply(out)
+                    for index in stops:  # a stop string ended a completion (None: the last one, so the request)
+                        if index is None:
+                            self.engine.abort_request(out.request_id)
+                        else:
+                            self.engine.stop_completion(out.request_id, index)
                     if d is None:
                         continue
-                    if d.finished and not out.finished:  # a stop string ended its last completion
-                        self.engine.abort_request(out.request_id)
-                    for index in stopped:
-                        self.engine.stop_completion(out.request_id, index)
                     deltas[d.request_id].append(d)
                     left -= d.finished
         except BaseException:

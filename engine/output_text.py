@@ -5,10 +5,10 @@ lengths) and the process that serves HTTP detokenizes and applies stop strings, 
 up a step. Interface (the server's engine/async_engine.py and the offline engine/llm.py):
 
     text = RequestText(params, prompt_token_ids, tokenizer)
-    delta, stopped = text.apply(core_delta)   # core_delta: a RequestDelta of token ids (text "")
+    delta, stops = text.apply(core_delta)   # core_delta: a RequestDelta of token ids (text "")
     # delta: the client's RequestDelta (text filled in; None when nothing in it is news to the client)
-    # stopped: indexes of completions a stop string ended in this delta: the core must stop them
-    # delta.finished may be True before the core's is: every completion ended here, the core must stop the request
+    # stops: what the core must stop: indexes of completions a stop string ended in this delta, or [None] when
+    #        that ended the request's last one (delta.finished before the core's): the whole request
 
 Per completion (CompletionText), token by token:
 - Stop strings → "stop", stop_reason = the string; checked from `min_tokens` outputs on, also when the string
@@ -118,12 +118,12 @@ class RequestText:
         """Every completion ended (as far as the front end knows)."""
         return len(self.completions) == self._params.n and all(c.finished for c in self.completions.values())
 
-    def apply(self, delta: RequestDelta) -> tuple[RequestDelta | None, list[int]]:
+    def apply(self, delta: RequestDelta) -> tuple[RequestDelta | None, list[int | None]]:
         if delta.error is not None:
             return delta, []
         was_finished = self.finished
         outputs: list[CompletionDelta] = []
-        stopped: list[int] = []
+        stopped: list[int | None] = []
         for d in delta.outputs:
             comp = self.completions.get(d.index)
             if comp is None:
@@ -135,6 +135,8 @@ class RequestText:
                 stopped.append(d.index)
         if was_finished or (not outputs and not delta.finished):
             return None, stopped
+        if self.finished and not delta.finished:  # a stop string ended its last completion: stop it all
+            stopped = [None]
         return RequestDelta(delta.request_id, outputs, delta.finished or self.finished, delta.num_prompt_tokens,
                             delta.num_cached_tokens, delta.metrics), stopped
 

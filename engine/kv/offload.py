@@ -63,7 +63,7 @@ class Offload:
             found.append((got[0].tokens, got[1]))
         if not found:
             return 0
-        payload = memoryview(bytearray(b"".join(p for _, p in found)))
+        payload = memoryview(bytearray().join(p for _, p in found))
         imported, _ = transfer.import_blocks(kv, self.kv_caches, hashes[:held], hashes[held:held + len(found)],
                                              [t for t, _ in found], lora, payload)
         self.reloaded_blocks += imported

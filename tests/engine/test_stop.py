@@ -326,7 +326,7 @@ def test_a_request_ends_when_its_last_completion_meets_a_stop_string():
     assert stopped == [0] and not d.finished
     d, stopped = step((0, "!"), (1, "ld"))  # a token of 0 the core made before it heard: dropped
     assert [(o.index, o.finish_reason, o.stop_reason) for o in d.outputs] == [(1, "stop", "ld")]
-    assert stopped == [1] and d.finished and req.finished
+    assert stopped == [None] and d.finished and req.finished  # its last completion: the core stops the request
     assert step((1, "!")) == (None, [])
     assert req.completions[0].text == "He" and req.completions[1].text == "Hello"
 

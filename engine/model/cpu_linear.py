@@ -26,10 +26,12 @@ from engine.model.quantized import find_q4, find_q8, pack_q4, pack_q8
 QUANT_ENV = "KVFLEET_QUANT_KERNELS"  # "off": keep the bf16 (oneDNN) matmuls even where the packed 4/8-bit kernels run
 Q8_HEAD_MAX_ROWS = 24  # the 8-bit head: 1.5x oneDNN at 1-16 rows, 1.06x at 24, parity at 32, 0.85x at 48 (AMX-bound)
 INT4_GROUP = 32
-# AVX-512 BF16 (no AMX), one step's projections of SmolLM2 (loadtest.cpu_kernels_bench projections): 1.5-1.7x
-# oneDNN bf16 at 1-8 rows, 1.14-1.21x at 16-64, 1.05x at 128, parity at 256, 0.96x at 512; the 8-bit head
-# is 0.8-0.9x oneDNN at every row count there, so it stays on oneDNN
-Q4_AVX512_MAX_ROWS = 128
+# AVX-512 BF16 (no AMX), one step's projections of SmolLM2 alone (loadtest.cpu_kernels_bench projections):
+# 1.5-1.7x oneDNN bf16 at 1-8 rows, 1.14-1.21x at 16-64, 1.05x at 128, parity at 192-256, 0.94-0.96x at 512.
+# Inside whole engine steps (loadtest.mixed_step: 64 decodes and a prompt, the two paths alternating step by
+# step in one engine) q4 wins more, its weights a third of the bytes beside the KV reads: 1.07-1.10x at 129 rows,
+# 1.07-1.08x at 194, 0.99-1.02x at 264, 0.97x at 364. The 8-bit head is 0.8-0.9x oneDNN at every row count there, so it stays on oneDNN.
+Q4_AVX512_MAX_ROWS = 256
 INT4_MAX_ROWS = 4  # steps of up to this many rows: 1.6-1.9x oneDNN bf16 at 1 row, 1.4x q4_linear at 1-2, ~1.1x at 4
 
 Packed = tuple[torch.Tensor, torch.Tensor]

@@ -81,3 +81,14 @@ def test_long_stream_rejects_overlapping_windows():
         long_stream.main(["--target", "a=http://127.0.0.1:1", "--tokens", "2000", "--window", "1024"])
     with pytest.raises(SystemExit):
         long_stream.main(["--target", "a=http://127.0.0.1:1", "--rounds", "0"])
+
+
+def test_mixed_step_rejects_bad_flags(capsys):
+    from loadtest import mixed_step
+
+    for argv, says in ((["--prompts", "65,x"], "--prompts must be comma-separated"),
+                       (["--repeats", "0"], "--repeats must be >= 1"),
+                       (["--context", "2000"], "--context 2000 leaves too little room")):
+        with pytest.raises(SystemExit):
+            mixed_step.main(argv)
+        assert says in capsys.readouterr().err

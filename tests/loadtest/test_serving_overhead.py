@@ -30,4 +30,4 @@ def test_replay_runs_the_trace_to_its_lengths_and_frees_every_block():
 def test_replay_child_rejects_bad_flags(capsys):
     with pytest.raises(SystemExit):
         serving_overhead.main(["--replay-child", "--concurrency", "0"])
-    assert "--concurrency" in capsys.readouterr().err
+    assert "--rounds" in capsys.readouterr().err

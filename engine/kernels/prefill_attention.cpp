@@ -39,25 +39,6 @@ constexpr int64_t TK = 64;  // keys per tile: four registers of 16 scores per qu
 constexpr int64_t TQ = 16;  // query tokens per work item
 constexpr int64_t RB = 6;   // query rows per register block (two tokens of a 3-head group)
 
-inline __m512 exp512(__m512 x) {
-  // fast_exp's arithmetic, 16 lanes at a time: 2^n * e^r, |r| <= ln(2)/2, Taylor to r^7; 0 below e^-70
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-70.f), _CMP_LT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-70.f)), _mm512_set1_ps(88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_maskz_scalef_ps(~tiny, p, n);  // p * 2^n, exact (n is whole, the result normal)
-}
-
 // K of one KV head as [tile][D/2][TK keys] pairs of dimensions (uint32 = two bf16); keys past S are zero.
 void pack_k(const uint16_t* k, int64_t S, int64_t row_stride, int64_t D, uint32_t* dst) {
   const int64_t pairs = D / 2, tiles = (S + TK - 1) / TK;

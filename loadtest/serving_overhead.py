@@ -1,11 +1,11 @@
-"""What serving costs over the bare decode step: time per output token through HTTP against the offline step.
+"""What serving costs: time per output token through HTTP against the bare decode step and the same work offline.
 
     python -m loadtest.serving_overhead                         # c=16 and 64; core process and core thread
     python -m loadtest.serving_overhead --concurrency 16 --cores process
 
 Two offline baselines, each in a process of its own, then, per engine core mode, a `kvfleet engine --engine-core
-MODE` serving the seeded chat trace of `loadtest.http_bench` at the same concurrency, in --rounds rounds (this
-machine's speed drifts by a quarter within minutes, so only figures of one round compare):
+MODE` serving the seeded chat trace of `loadtest.http_bench` at the same concurrency, in --rounds rounds (a shared
+machine's speed can drift by a quarter within minutes, so only figures of one round compare):
 
 - the bare decode step (`loadtest.decode_step`, fused CPU kernels, bf16) at a batch of that concurrency: served
   TPOT p50 over it is the issue's figure (target: at most 1.15). Above 1 are the host work the server adds and
@@ -13,7 +13,8 @@ machine's speed drifts by a quarter within minutes, so only figures of one round
   finished ones (the run prints how many prompt tokens it computed per output token);
 - the same work offline: the same trace, chat-templated alike, through `LLMEngine.step()` in a loop that keeps
   the same number of requests in flight (same sampling: greedy, EOS ignored, same max_tokens). Served TPOT p50
-  over its TPOT p50 is what serving alone adds: HTTP, SSE, tokenizing, the core's pipes.
+  over its TPOT p50 is what serving alone adds: HTTP, SSE, tokenizing, the core's pipes, and on a small machine
+  the CPU that the server and its clients take from the core's threads.
 
 Nothing else should run on the machine meanwhile.
 """

@@ -31,6 +31,7 @@
 #include <torch/library.h>
 
 #include "amx.h"
+#include "cpu_common.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define KVFLEET_DPBF16 1  // AVX-512 BF16 dot products (vdpbf16ps): the path for CPUs without AMX
@@ -219,6 +220,10 @@ void store_block_avx512(const float* c, int64_t m, const uint16_t* bias, void* o
 // order: a 64-byte row holds one input pair for 16 columns); then each weight row feeds the dot products of
 // R <= 12 activation rows, their input pair broadcast from x, float32 sums in 2 x 12 registers.
 constexpr int kRowsPerPass = 12;
+// Chunks prefetched (into L2) ahead of the dequantization: the packed weights stream from memory once per step,
+// and without it a core waited on them (loadtest.cpu_kernels_bench projections, cold weights, alternating builds:
+// 1.3-1.5x at 1-8 rows, 1.2-1.3x at 16-32, 1.04x at 64).
+constexpr int64_t kAhead = 8;
 
 template <int R, int NB>
 void rows_dpbf16(const uint16_t* x, int64_t k, int64_t kcs, const uint16_t* w, float* c, int64_t c_stride) {
@@ -257,8 +262,12 @@ void nblocks_dpbf16(const uint16_t* x, int64_t m, int64_t k, int64_t kcs, const 
                     const c10::Half* sd, int64_t nb0, int64_t nb1, uint16_t* wbuf, float* c, Store&& store) {
   for (int64_t nb = nb0; nb < nb1; nb += 2) {
     const int nbs = int(std::min<int64_t>(2, nb1 - nb));
-    for (int64_t i = 0; i < nbs * kcs; ++i)  // the pair's chunks are consecutive: (nb, 0..kcs), (nb + 1, 0..kcs)
+    for (int64_t i = 0; i < nbs * kcs; ++i) {  // the pair's chunks are consecutive: (nb, 0..kcs), (nb + 1, 0..kcs)
+      const char* ahead = reinterpret_cast<const char*>(qd + (nb * kcs + i + kAhead) * F::kChunkBytes);
+      for (int64_t b = 0; b < F::kChunkBytes; b += 64) kvfleet_cpu::prefetch_line<2>(ahead + b);
+      kvfleet_cpu::prefetch_line<2>(sd + (nb * kcs + i + kAhead) * F::kScales);
       F::dequant(qd + (nb * kcs + i) * F::kChunkBytes, sd + (nb * kcs + i) * F::kScales, wbuf + i * 512);
+    }
     for (int64_t r0 = 0; r0 < m; r0 += kRowsPerPass) {
       const int r = int(std::min<int64_t>(kRowsPerPass, m - r0));
       if (nbs == 2)

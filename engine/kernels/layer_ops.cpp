@@ -133,7 +133,7 @@ Tensor silu_and_mul(const Tensor& x) {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / n), [&](int64_t b, int64_t e) {
-      std::vector<float> g(16), u(16);
+      std::vector<float> g(n), u(n);
       for (int64_t r = b; r < e; ++r) {
         const scalar_t* gate = xp + r * xs;
         const scalar_t* up = gate + n;
@@ -146,14 +146,12 @@ Tensor silu_and_mul(const Tensor& x) {
           store16(o + i, _mm512_mul_ps(_mm512_div_ps(gv, e1), load16(up + i)));
         }
 #endif
-        for (; i < n; i += 16) {
-          const int64_t m = std::min<int64_t>(16, n - i);
-          to_f32(gate + i, g.data(), m);
-          to_f32(up + i, u.data(), m);
+        const int64_t m = n - i;  // the whole row without AVX-512, its tail with it
+        to_f32(gate + i, g.data(), m);
+        to_f32(up + i, u.data(), m);
 #pragma omp simd
-          for (int64_t j = 0; j < m; ++j) g[j] = g[j] / (1.f + fast_exp(-g[j])) * u[j];
-          from_f32(g.data(), o + i, m);
-        }
+        for (int64_t j = 0; j < m; ++j) g[j] = g[j] / (1.f + fast_exp(-g[j])) * u[j];
+        from_f32(g.data(), o + i, m);
       }
     });
   });

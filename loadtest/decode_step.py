@@ -21,6 +21,13 @@ import sys
 import time
 
 
+def until_decoding(engine) -> None:
+    """Step `engine` until every request it holds is past its prompt: the next steps decode only."""
+    while engine.scheduler.num_waiting or any(s.num_computed_tokens < s.num_tokens - 1
+                                              for s in engine.scheduler.running):
+        engine.step()
+
+
 def measure(batch: int, steps: int, context: int, seed: int) -> dict:
     from engine.args import EngineArgs
     from engine.llm_engine import LLMEngine
@@ -32,8 +39,7 @@ def measure(batch: int, steps: int, context: int, seed: int) -> dict:
     params = SamplingParams(max_tokens=steps + 64, ignore_eos=True, temperature=0)
     for i in range(batch):
         eng.add_request(f"r{i}", [rng.randrange(1000, 40000) for _ in range(context)], params)
-    while eng.scheduler.num_waiting or any(s.num_computed_tokens < s.num_tokens - 1 for s in eng.scheduler.running):
-        eng.step()
+    until_decoding(eng)
     for _ in range(5):
         eng.step()
     t = time.perf_counter()

@@ -23,8 +23,7 @@ import time
 MAX_MODEL_LEN = 2048
 
 
-def paths_of() -> dict[str, int | None]:
-    return {"q4_linear": None, "oneDNN bf16": 0}  # Q4Linear.max_rows: None = no limit, 0 = every row to oneDNN
+PATHS: dict[str, int | None] = {"q4_linear": None, "oneDNN bf16": 0}  # Q4Linear.max_rows: None = no limit, 0 = all
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--prompts must be comma-separated integers, got {a.prompts!r}")
     if min(prompts) < 1 or a.batch < 1 or a.context < 1 or a.repeats < 1:
         ap.error("--prompts, --batch, --context and --repeats must be >= 1")
-    steps = len(prompts) * len(paths_of()) * 2 * (a.repeats + 1)
+    steps = len(prompts) * len(PATHS) * 2 * (a.repeats + 1)
     if a.context + steps + 16 > MAX_MODEL_LEN:
         ap.error(f"--context {a.context} leaves too little room for {steps} steps in {MAX_MODEL_LEN} tokens")
 
@@ -49,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.llm_engine import LLMEngine
     from engine.model.cpu_linear import Q4Linear
     from engine.sampling_params import SamplingParams
+    from loadtest.decode_step import until_decoding
 
     engine = LLMEngine(EngineArgs(model="smollm2", dtype="bfloat16", max_model_len=MAX_MODEL_LEN,
                                   max_num_seqs=a.batch + 1, max_num_batched_tokens=max(2048, a.batch + max(prompts))))
@@ -60,14 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     decode = SamplingParams(max_tokens=steps + 16, ignore_eos=True, temperature=0)
     for i in range(a.batch):
         engine.add_request(f"d{i}", [rng.randrange(1000, 40000) for _ in range(a.context)], decode)
-    while engine.scheduler.num_waiting or any(s.num_computed_tokens < s.num_tokens - 1
-                                              for s in engine.scheduler.running):
-        engine.step()
-    paths = paths_of()
+    until_decoding(engine)
     times: dict[tuple[int, str], list[float]] = {}
     for rep in range(a.repeats + 1):  # the first round warms both paths' shapes up, untimed
         for p in prompts:
-            for name, max_rows in paths.items():
+            for name, max_rows in PATHS.items():
                 for m in q4:
                     m.max_rows = max_rows
                 engine.add_request(f"p{p}-{rep}-{name}", [rng.randrange(1000, 40000) for _ in range(p)],
@@ -80,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{a.batch} decodes over {a.context} tokens of KV each, plus one prompt per step; medians of {a.repeats}")
     print(f"{'prompt':>6} {'rows':>5} {'q4_linear ms':>13} {'oneDNN bf16 ms':>15} {'oneDNN / q4':>12}")
     for p in prompts:
-        q, d = (statistics.median(times[p, n]) * 1e3 for n in paths)
+        q, d = (statistics.median(times[p, n]) * 1e3 for n in PATHS)
         print(f"{p:>6} {a.batch + p:>5} {q:>13.1f} {d:>15.1f} {d / q:>11.2f}x")
     return 0
 

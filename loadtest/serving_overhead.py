@@ -35,12 +35,17 @@ from loadtest.http_bench import KVFLEET_CMD, percentile, print_table, run_level,
 TARGET = 1.15
 
 
+def child(module: str, *args: str, **env: str) -> list[dict]:
+    """Run `python -m module args` in a process of its own; the JSON list its last line prints."""
+    out = subprocess.run([sys.executable, "-m", module, *args], env={**os.environ, "HF_HUB_OFFLINE": "1", **env},
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def offline_steps(batches: list[int], context: int, steps: int) -> dict[int, float]:
-    env = {**os.environ, "KVFLEET_CPU_KERNELS": "auto", "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-m", "loadtest.decode_step", "--child", "--batch-sizes",
-                          ",".join(map(str, batches)), "--steps", str(steps), "--context", str(context)],
-                         env=env, capture_output=True, text=True, check=True)
-    return {r["batch"]: r["ms_per_step"] / 1e3 for r in json.loads(out.stdout.strip().splitlines()[-1])}
+    rows = child("loadtest.decode_step", "--child", "--batch-sizes", ",".join(map(str, batches)), "--steps",
+                 str(steps), "--context", str(context), KVFLEET_CPU_KERNELS="auto")
+    return {r["batch"]: r["ms_per_step"] / 1e3 for r in rows}
 
 
 MAX_MODEL_LEN = 2048
@@ -106,11 +111,9 @@ def replay(engine, tok, trace: list[ChatRequest], concurrency: int) -> dict:
 
 
 def offline_replays(concurrency: list[int], num_requests: int, seed: int) -> dict[int, dict]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-m", "loadtest.serving_overhead", "--replay-child", "--concurrency",
-                          *map(str, concurrency), "--num-requests", str(num_requests), "--seed", str(seed)],
-                         env=env, capture_output=True, text=True, check=True)
-    return {r["concurrency"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])}
+    rows = child("loadtest.serving_overhead", "--replay-child", "--concurrency", *map(str, concurrency),
+                 "--num-requests", str(num_requests), "--seed", str(seed))
+    return {r["concurrency"]: r for r in rows}
 
 
 async def served(cores: list[str], concurrency: list[int], num_requests: int, seed: int, extra: str) -> list:

@@ -93,8 +93,7 @@ inline void block_tile(const uint16_t* const* rows, const int64_t* limit, int64_
   const __m512 vscale = _mm512_set1_ps(scale);
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
   const bool full = limit[0] - key0 + 1 >= TK;  // rows are in token order: the first sees the fewest keys
-  float alpha[RB];
-  bool rescale[RB];
+  float alpha[RB];  // 1: the tile did not raise the row's max, nothing to rescale
   for (int64_t r = 0; r < nr; ++r) {
     if (!full) {
       const int64_t visible = limit[r] - key0 + 1;  // keys of this tile the row sees (> 0: tiles past it are skipped)
@@ -107,18 +106,15 @@ inline void block_tile(const uint16_t* const* rows, const int64_t* limit, int64_
     __m512 mx = s[r][0];
     for (int64_t j = 1; j < NS; ++j) mx = _mm512_max_ps(mx, s[r][j]);
     const float m_tile = _mm512_reduce_max_ps(mx) * scale;  // scale > 0: the max of the scaled scores
-    rescale[r] = m_tile > m[r];
-    const float m_new = rescale[r] ? m_tile : m[r];
+    const float m_new = std::max(m[r], m_tile);
     const __m512 mn = _mm512_set1_ps(m_new);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < NS; ++j) {
       s[r][j] = exp512(_mm512_fmsub_ps(s[r][j], vscale, mn));
       sum = _mm512_add_ps(sum, s[r][j]);
     }
-    alpha[r] = !rescale[r] ? 1.f : m[r] == -INFINITY ? 0.f : fast_exp(m[r] - m_new);
-    const __m512 lv = _mm512_loadu_ps(l + 16 * r);
-    _mm512_storeu_ps(l + 16 * r,
-                     rescale[r] ? _mm512_fmadd_ps(lv, _mm512_set1_ps(alpha[r]), sum) : _mm512_add_ps(lv, sum));
+    alpha[r] = m_new == m[r] ? 1.f : m[r] == -INFINITY ? 0.f : fast_exp(m[r] - m_new);
+    _mm512_storeu_ps(l + 16 * r, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * r), _mm512_set1_ps(alpha[r]), sum));
     m[r] = m_new;
     for (int64_t j = 0; j < NS; j += 2)  // keys in order: a pair of keys per 32-bit lane
       _mm512_store_si512(pbuf[r] + 8 * j, (__m512i)_mm512_cvtne2ps_pbh(s[r][j + 1], s[r][j]));
@@ -126,12 +122,9 @@ inline void block_tile(const uint16_t* const* rows, const int64_t* limit, int64_
   constexpr int64_t C = D / 16;  // registers per output row
   __m512 acc[RB][C];
   for (int64_t r = 0; r < nr; ++r) {
-    if (rescale[r]) {
-      const __m512 al = _mm512_set1_ps(alpha[r]);
-      for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16 * c), al);
-    } else {
-      for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + 16 * c);
-    }
+    for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + 16 * c);
+    if (alpha[r] != 1.f)
+      for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(alpha[r]));
   }
   for (int64_t i = 0; i < TK / 2; ++i) {
     __m512bh vv[C];

@@ -8,7 +8,7 @@ import os
 import sys
 
 from contract.errors import ConfigError
-from kvfleet import http_limits
+from serving import http_limits
 from router.config import (
     DISCOVERY_KINDS,
     ENGINE_TYPES,
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     if not ns.drain_timeout >= 0:
         print(f"kvfleet router: error: --drain-timeout: must be >= 0, got {ns.drain_timeout}", file=sys.stderr)
         return 2
-    from kvfleet.draining import DrainingServer
+    from serving.draining import DrainingServer
 
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=ns.log_level.lower(), access_log=False,
                             lifespan="on", loop="uvloop", http=http_limits.protocol_class(limits),

@@ -1,5 +1,5 @@
 """Import layering, read from the source (ast): contract/ sits under engine/ and router/, which do not import
-each other; the folders inside engine/ import each other one way only; nothing in the product imports loadtest/.
+each other; serving/ (what both servers share) sits between contract/ and them; the folders inside engine/ import each other one way only; nothing in the product imports loadtest/.
 And tests/ mirrors the folders of the repository.
 
 Every import counts, including those inside functions.
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("contract", "engine", "router", "deploy", "kvfleet")
+PACKAGES = ("contract", "serving", "engine", "router", "deploy", "kvfleet")
 CONTRACT_THIRD_PARTY = {"xxhash", "numpy"}
 # The router loads the engines' own tokenizer (one tokenizer path): engine.tokenizer resolves model names
 # through engine.model.registry, so it cannot move to contract/ (stdlib only) as it is.
@@ -74,6 +74,17 @@ def test_contract_imports_neither_engine_nor_router_and_only_the_stdlib():
 def test_the_product_imports_nothing_from_loadtest(package):
     """loadtest/ (benchmarks, load tools, the fake engine) may import the product, never the other way round."""
     assert _offending(package, {"loadtest"}) == []
+
+
+def test_serving_imports_only_the_contract():
+    """The servers' shared utilities sit below engine/ and router/: neither they nor the command above them."""
+    assert _offending("serving", {"engine", "router", "deploy", "kvfleet", "loadtest"}) == []
+
+
+@pytest.mark.parametrize("package", ["engine", "router"])
+def test_the_servers_do_not_import_the_command(package):
+    """engine/ and router/ never import kvfleet/ (the command-line package above them)."""
+    assert _offending(package, {"kvfleet"}) == []
 
 
 def test_router_does_not_import_the_engine():

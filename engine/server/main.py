@@ -21,8 +21,8 @@ import sys
 
 import uvicorn
 
-from kvfleet import http_limits
-from kvfleet.draining import DrainingServer
+from serving import http_limits
+from serving.draining import DrainingServer
 
 logger = logging.getLogger("kvfleet.server")
 

@@ -14,7 +14,7 @@ import json
 import random
 import time
 
-from kvfleet.http_limits import HttpLimits
+from serving.http_limits import HttpLimits
 from loadtest.chaos.clients import Tally, chat_body, prompt
 from loadtest.chaos.common import Options, Probe, check_no_leak, client
 from loadtest.chaos.fleet import KEYS, Fleet, Proc

@@ -13,7 +13,7 @@ FINDINGS = """## What the campaign found, and what was fixed
 
 - **Connections that never send a request were never closed, and nothing capped them** (router and engine:
   uvicorn has no header or body read timeout and no connection cap; one idle connection costs a descriptor
-  for ever, so enough of them exhaust the process's descriptors). Fixed by `kvfleet/http_limits.py`, shared
+  for ever, so enough of them exhaust the process's descriptors). Fixed by `serving/http_limits.py`, shared
   by both servers: `--header-timeout` (default 10 s), `--body-timeout` (60 s, then 408) and
   `--max-connections` (4096, excess closed on accept). Regression tests: `tests/kvfleet/test_http_limits.py`
   (raw sockets against a uvicorn server with the limits) and `tests/kvfleet/test_http_limits_servers.py`
@@ -34,7 +34,7 @@ FINDINGS = """## What the campaign found, and what was fixed
   answers an announced oversized body at once (`connection: close`) and uvicorn then closed the socket with
   the body unread, so the kernel reset the connection and the client lost the response it had not read yet
   (the full run of 2026-11-30 23:49 UTC: 2 of the engine's 3 announced 100 MB bodies ended in a reset after
-  3 MB; an earlier run had passed by timing). Fixed by a lingering close in `kvfleet/http_limits.py` (both
+  3 MB; an earlier run had passed by timing). Fixed by a lingering close in `serving/http_limits.py` (both
   servers): after such a response the server half-closes, drops what the client still sends for up to 5 s,
   then closes. Regression tests: `tests/kvfleet/test_http_limits.py` (a 32 MB body refused unread: the 413
   arrives, no reset; a client that keeps trickling is cut off after the linger time). The hostile-clients

@@ -1,4 +1,4 @@
-"""kvfleet/http_limits.py against hostile sockets: a real uvicorn server on loopback, raw TCP clients."""
+"""serving/http_limits.py against hostile sockets: a real uvicorn server on loopback, raw TCP clients."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import uvicorn
 
 from contract.errors import ConfigError
 from deploy.ports import free_port
-from kvfleet import http_limits
-from kvfleet.http_limits import HttpLimits
+from serving import http_limits
+from serving.http_limits import HttpLimits
 
 LIMITS = HttpLimits(header_timeout_s=0.5, body_timeout_s=0.5, max_connections=3)
 

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 
 import uvicorn
 
-logger = logging.getLogger("kvfleet.draining")
+logger = logging.getLogger("serving.draining")
 
 
 class DrainingServer(uvicorn.Server):

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import aiohttp
 
 from contract.request import OpenAIRequest
-from router.http.usage import StreamUsage
 from router.migration.continuation import continuation_body, remaining, top_logprobs
 from router.migration.progress import ChoiceState, Progress, replica_failed
 from router.migration.relay import Relay, final_events, sse
 from router.migration.straddle import Straddle, held_text
+from router.requests.usage import StreamUsage
 from router.routing.lease import Lease
 from router.routing.prepare import COMPLETIONS_PATH, PreparedRequest
 from router.routing.tokens import PromptTokenizer

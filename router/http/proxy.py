@@ -32,8 +32,8 @@ from contract.errors import error_body, error_type
 from contract.kv_transfer import PULL_HEADER, pull_header
 from router.http.migrate import Migrator, Resume
 from router.http.responses import send_json
-from router.http.usage import StreamUsage
 from router.migration.progress import Progress, replica_failed
+from router.requests.usage import StreamUsage
 from router.routing.lease import Lease
 from router.routing.prepare import PreparedRequest
 from router.states import StrEnum

@@ -44,6 +44,8 @@ class Tokenizers:
 
     def get(self, model: str | None) -> PromptTokenizer | None:
         """The model's tokenizer, or None (pending, or none to be had: see `pending`)."""
+        if model is None:
+            return self.fallback
         path = self.paths.get(model)
         if path is not None:
             return self.by_path.get(path)
@@ -51,8 +53,9 @@ class Tokenizers:
 
     def pending(self, model: str | None) -> bool:
         """Whether the model's tokenizer is being loaded or fetched (its requests wait: 503 + Retry-After)."""
-        key = self.paths.get(model, model)
-        task = self._tasks.get(key)
+        if model is None:
+            return False
+        task = self._tasks.get(self.paths.get(model, model))
         return task is not None and not task.done()
 
     def any_ready(self) -> bool:

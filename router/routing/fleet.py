@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -270,14 +270,14 @@ class Fleet:
         return self.placement.predict_cached(prep, urls)
 
     def route(self, prep: PreparedRequest, excluded: set[str] | frozenset[str] = frozenset(),
-              pool: str = DEFAULT_POOL) -> Decision | None:
-        return self.placement.choose(prep, self.clock(), pool, excluded)
+              pool: str = DEFAULT_POOL, candidates: Sequence[str] | None = None, peek: bool = False) -> Decision | None:
+        return self.placement.choose(prep, self.clock(), pool, excluded, candidates, peek)
 
     def lease(self, prep: PreparedRequest, excluded: set[str] | frozenset[str] = frozenset(),
-              pool: str = DEFAULT_POOL) -> Lease | None:
-        """Route the request inside `pool` and dispatch it to the chosen replica; None when no routable
-        replica of the pool is left."""
-        decision = self.route(prep, excluded, pool)
+              pool: str = DEFAULT_POOL, candidates: Sequence[str] | None = None) -> Lease | None:
+        """Route the request inside `pool` (among `candidates` only, when given) and dispatch it to the chosen
+        replica; None when no routable replica of the pool is left."""
+        decision = self.route(prep, excluded, pool, candidates)
         if decision is None:
             return None
         ticket = self.placement.on_routed(decision.url, prep, decision.predicted_cached_tokens, self.clock())

@@ -1,4 +1,4 @@
-"""The router's tokenizer fetch (router/http/tokenizers.py) against a real HTTP server on loopback serving the
+"""The router's tokenizer fetch (router/requests/tokenizers.py) against a real HTTP server on loopback serving the
 bundled model's tokenizer archive: an unexpected error while loading it (here one injected RuntimeError, as the
 tokenizers library raises when two threads share a tokenizer), or a load stuck in its thread, is logged and
 retried, never the end of the fetch (the model would stay without a tokenizer for the router's life)."""
@@ -15,8 +15,8 @@ from aiohttp import web
 
 import engine.tokenizer as engine_tokenizer
 from engine.model.registry import resolve_model
-from router.http import tokenizers
-from router.http.tokenizers import tokenizer_from_engines
+from router.requests import tokenizers
+from router.requests.tokenizers import tokenizer_from_engines
 
 pytestmark = pytest.mark.model
 

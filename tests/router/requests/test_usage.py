@@ -1,4 +1,4 @@
-"""router/http/usage.py: usage read from responses, and streamed chunks given back as the client asked."""
+"""router/requests/usage.py: usage read from responses, and streamed chunks given back as the client asked."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from router.http.usage import StreamUsage, UsageWanted, ask_for_usage, total_tokens
+from router.requests.usage import StreamUsage, UsageWanted, ask_for_usage, total_tokens
 
 
 def chunk(text: str | None, usage: dict | None, key_order_usage_last: bool = True) -> bytes:

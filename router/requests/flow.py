@@ -1,0 +1,219 @@
+"""One request's way through the router, the same for every edge (router/http/app.py, router/epp/):
+
+    entry = await flow.admit(path, raw_body, headers)   # parse once -> tenant -> model -> tokens -> admission
+    refused = await flow.queue(entry)                   # a full pool: its fair queue (None: let through)
+    req = flow.upstream(entry)                          # the request as it goes upstream (priority, usage)
+    lease = flow.lease(entry, tried)                    # the placement core's replica, booked
+    ...the edge sends it (the proxy) or names it (the picker)...
+    await flow.finish(entry, outcome)                   # gate, budget settled on the usage, pool signals
+
+Each step returns a Refusal (router/refusal.py) where it answers the request itself; the edge writes it in its
+own wire format (an HTTP response, an ext_proc ImmediateResponse).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from contract.request import Endpoint, OpenAIRequest, RequestError, parse_request
+from contract.structured import constrained_kind
+from router.admission.gate import Pass
+from router.admission.pipeline import Admitted
+from router.pools.choice import PoolSpec
+from router.refusal import Refusal, refuse
+from router.requests.core import RouterCore
+from router.requests.usage import StreamUsage, ask_for_usage
+from router.routing.lease import Lease
+from router.routing.prepare import PreparedRequest, prepare_request, prompt_token_counts
+from router.tenants.registry import Tenant
+
+SESSION_HEADERS = (b"x-session-id",)
+
+
+@dataclass(slots=True)
+class Entry:
+    """A request admitted: what goes upstream, and what its end settles."""
+
+    path: str
+    req: OpenAIRequest
+    tenant: Tenant | None
+    admitted: Admitted
+    prep: PreparedRequest
+    counts: list[int]
+    t0: float  # perf_counter when admission began (TTFT counts from here)
+    passed: Pass | None = None  # let through the pool's gate
+    follower: StreamUsage | None = None  # reads the usage the response reports (budgets, pool signals)
+    prepared_s: float = 0.0  # seconds from t0 until the request was ready to place
+    unfit: frozenset[str] = field(default_factory=frozenset)  # replicas of the pool listing other models
+
+    @property
+    def pool(self) -> PoolSpec:
+        return self.admitted.pool
+
+    @property
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """For the response: the pool, max_tokens lowered, x-ratelimit-*."""
+        return self.admitted.headers
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How the request ended, as the edge saw it."""
+
+    status: str | None  # the HTTP status sent (or "error"); None: the client went away
+    usage: dict | None = None  # the usage the replica reported (the last one of a stream)
+    answered: bool = False  # a replica's 200 response reached the client
+    first_token_at: float | None = None  # perf_counter of a stream's first token
+    ended_at: float | None = None  # perf_counter of its last byte
+    no_replica: bool = False  # no replica could be leased at all: capacity's signal, not the pool's
+
+
+class Flow:
+    def __init__(self, core: RouterCore):
+        self.core = core
+
+    async def admit(self, path: str, raw: bytes, headers: Sequence[tuple[bytes, bytes]],
+                    model: str | None = None) -> Entry | Refusal:
+        """`model`: the model the request is for instead of the one its body names (a gateway's rewrite)."""
+        core = self.core
+        try:  # parsed once: the typed request of contract/request.py
+            req = parse_request(Endpoint(path), raw)
+        except RequestError as e:
+            return refuse(e.status, str(e), "invalid", e.param, e.code)
+        if model is not None and model != req.model:
+            req = req.with_fields(model=model)
+        tenant = core.admission.identify(headers)
+        if isinstance(tenant, Refusal):
+            return tenant
+        t0 = time.perf_counter()
+        got = core.admission.model(req, tenant)  # the model decides the pools and the tokenizer
+        if isinstance(got, Refusal):
+            return got
+        req = got
+        model = req.model or ""
+        tokenizer = core.tokenizer(model)
+        if tokenizer is None and core.tokenizer_pending(model):
+            return refuse(503, f"the router is still fetching the tokenizer of {model} from its engines; retry",
+                          "no_ready_replica", None, "no_ready_replica", [(b"retry-after", b"1")])
+        hdr = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers if k.lower() in SESSION_HEADERS}
+        prep = prepare_request(path, req.body, hdr, tokenizer, core.need_tokens)
+        kind = constrained_kind(req.body)
+        if kind is not None:
+            core.metrics.constrained.labels(kind).inc()
+        counts = prompt_token_counts(path, req.body, tokenizer, prep)
+        admitted = await core.admission.admit(req, tenant, prep.session_key, counts)
+        if isinstance(admitted, Refusal):
+            return admitted
+        prep.cache_salt = admitted.request.cache_salt
+        pool = admitted.pool
+        # hashes per adapter; an adapter loaded on demand where the score puts it
+        await core.adapters.prepare(prep, model, pool.name, dict(pool.adapters))
+        return Entry(path, admitted.request, tenant, admitted, prep, counts, t0)
+
+    async def queue(self, entry: Entry, fairness_id: str | None = None, priority: int | None = None
+                    ) -> Refusal | None:
+        """A full pool's fair queue (router/admission/gate.py): None once let through (straight on, or released
+        in the queue's order); its 429 / 503 otherwise. Cancelled with the request (it leaves the queue).
+        Without a tenant, `fairness_id` (a gateway's) is whom the queue is fair across; `priority` (lower first)
+        orders a tenant's own queued requests instead of the request's `priority` field."""
+        gate = self.core.gate
+        if gate is None:
+            return None
+        t = entry.tenant
+        name = t.name if t is not None else (fairness_id or "-")
+        got = await gate.enter(entry.pool.name, name, t.weight if t is not None else 1.0,
+                               _priority(entry.req) if priority is None else priority, sum(entry.counts),
+                               t.priority if t is not None else 0)
+        if isinstance(got, Refusal):
+            return got._replace(headers=got.headers + entry.headers)
+        entry.passed = got
+        return None
+
+    def upstream(self, entry: Entry) -> OpenAIRequest:
+        """The request as it goes upstream: the tenant's priority for the engines (--forward-priority), and usage
+        in the stream where its end needs it (budgets, a pool's signals, a congested pool's fair queue)."""
+        cfg, req, tenant, passed = self.core.cfg, entry.req, entry.tenant, entry.passed
+        if cfg.forward_priority and req.get("priority") is None:
+            # tenants: higher first; engines: lower first; the express lane one ahead of that (router/admission/gate.py)
+            priority = (-tenant.priority if tenant is not None else 0) - (1 if passed is not None and passed.express else 0)
+            if priority:
+                req = req.with_fields(priority=priority)
+        if req.stream and (tenant is not None or cfg.pools_file is not None
+                           or (passed is not None and passed.metered)):
+            # usage in the stream: every chunk for a tenant (a cancelled stream is charged what it used), the
+            # last one for a pool's hit rate and TPOT and a congested pool's fair queue; what the client did not
+            # ask for is taken out again (StreamUsage.feed)
+            wanted, options = ask_for_usage(req.get("stream_options"), continuous=tenant is not None)
+            req = req.with_fields(stream_options=options)
+            entry.follower = StreamUsage(wanted)
+        elif tenant is not None:
+            entry.follower = StreamUsage()
+        entry.req = req
+        entry.prepared_s = time.perf_counter() - entry.t0
+        entry.unfit = self.core.fleet.not_serving(entry.pool.name, req.model or "")
+        return req
+
+    def lease(self, entry: Entry, tried: set[str] | frozenset[str] = frozenset(), *,
+              candidates: Sequence[str] | None = None) -> Lease | None:
+        """The placement core's replica of the entry's pool (not one `tried`, not one listing other models; among
+        `candidates` only, when given), booked; None when none is routable. Counted in the decision metrics."""
+        core, m = self.core, self.core.metrics
+        if entry.passed is not None:
+            entry.passed.sent()
+        t = time.perf_counter()
+        excluded = tried | entry.unfit if entry.unfit else tried
+        ls = core.fleet.lease(entry.prep, excluded, entry.pool.name, candidates)
+        m.decision_seconds.observe(time.perf_counter() - t + (entry.prepared_s if not tried else 0.0))
+        if ls is not None:
+            m.decisions.labels(m.policy, ls.reason).inc()
+        return ls
+
+    async def finish(self, entry: Entry, outcome: Outcome) -> None:
+        """However it ended: the gate's seat freed, the budget charged what was used (the rest refunded), the
+        outcome into the pool's metrics and degradation signals."""
+        core = self.core
+        usage = outcome.usage if isinstance(outcome.usage, dict) else {}
+        if entry.passed is not None:
+            output = usage.get("completion_tokens")
+            entry.passed.done(output if isinstance(output, int) else 0)
+        if entry.admitted.budget is not None and core.ratelimit is not None:
+            reported = entry.follower.used if entry.follower is not None else None
+            await asyncio.shield(core.ratelimit.settle(entry.admitted.budget, reported, outcome.answered))
+        self._observe(entry, outcome, usage)
+
+    def _observe(self, entry: Entry, outcome: Outcome, usage: dict) -> None:
+        status = outcome.status
+        if status is None:  # the client went away: says nothing about the pool
+            return
+        core = self.core
+        pool, model = entry.pool.name, entry.req.model or "-"
+        m, version = core.metrics, core.pools.version(pool)
+        if outcome.no_replica:  # no replica ready (start-up, a rollout): capacity's signal, not the pool's
+            m.pool_no_replica.labels(pool, version, model).inc()
+            return
+        m.pool_requests.labels(pool, version, model, status).inc()
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if isinstance(prompt, int):
+            m.pool_prompt_tokens.labels(pool, version, model).inc(prompt)
+            if isinstance(cached, int):
+                m.pool_cached_tokens.labels(pool, version, model).inc(cached)
+        ttft = tpot = None
+        if entry.prep.stream and outcome.first_token_at is not None:
+            ttft = outcome.first_token_at - entry.t0
+            m.pool_ttft.labels(pool, version, model).observe(ttft)
+            if outcome.ended_at is not None and isinstance(completion, int) and completion > 1:
+                tpot = (outcome.ended_at - outcome.first_token_at) / (completion - 1)
+                m.pool_tpot.labels(pool, version, model).observe(tpot)
+        failed = status in ("error", "429") or status.startswith("5")
+        core.pools.record(pool, failed, ttft, tpot)
+
+
+def _priority(req: OpenAIRequest) -> int:
+    """The request's own `priority` (vLLM's field: lower first), for its place among its tenant's queued ones."""
+    p = req.get("priority")
+    return p if isinstance(p, int) and not isinstance(p, bool) else 0

@@ -10,6 +10,7 @@
 //       Sequences run in parallel; when there are fewer sequences than threads, a long context is split
 //       into runs of blocks on several threads (flash-decoding): each part keeps its own float32 maximum,
 //       sum and weighted sum of V, and the parts are merged by rescaling to the common maximum.
+//       split_blocks > 0 fixes the runs instead (that many blocks each, from the first): batch-invariant.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -309,9 +310,11 @@ struct Run {
 
 constexpr int64_t kMinPartTokens = 256;  // a split part reads at least this many keys (per-part cost stays small)
 
-// Every sequence whole while there are at least as many sequences as threads; otherwise each long one split
-// into up to ceil(threads / seqs) runs of whole blocks, so that one sequence's context is read by every core.
-std::vector<Run> plan_runs(const int32_t* lens, int64_t b, int64_t bs) {
+// split_blocks 0: every sequence whole while there are at least as many sequences as threads; otherwise each
+// long one split into up to ceil(threads / seqs) runs of whole blocks, so that one sequence's context is read by
+// every core. split_blocks > 0 (--deterministic): runs of that many blocks at fixed places (blocks 0, s, 2s, ...),
+// whatever the batch and the threads, so a query's result depends on its own context alone.
+std::vector<Run> plan_runs(const int32_t* lens, int64_t b, int64_t bs, int64_t split_blocks) {
   const int64_t threads = at::get_num_threads();
   const int64_t want = b < threads ? (threads + b - 1) / b : 1;
   std::vector<Run> runs;
@@ -319,6 +322,12 @@ std::vector<Run> plan_runs(const int32_t* lens, int64_t b, int64_t bs) {
   int64_t slots = 0;
   for (int64_t i = 0; i < b; ++i) {
     const int64_t nblk = (lens[i] + bs - 1) / bs;
+    if (split_blocks > 0) {
+      const int64_t parts = (nblk + split_blocks - 1) / split_blocks;
+      for (int64_t p = 0; p < parts; ++p)
+        runs.push_back({i, p * split_blocks, std::min(nblk, (p + 1) * split_blocks), parts, parts == 1 ? -1 : slots++});
+      continue;
+    }
     const int64_t parts = std::max<int64_t>(1, std::min(want, int64_t(lens[i]) / kMinPartTokens));
     for (int64_t p = 0; p < parts; ++p)
       runs.push_back({i, nblk * p / parts, nblk * (p + 1) / parts, parts, parts == 1 ? -1 : slots++});
@@ -327,7 +336,7 @@ std::vector<Run> plan_runs(const int32_t* lens, int64_t b, int64_t bs) {
 }
 
 void paged_decode_(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
-                   const Tensor& block_tables, const Tensor& seq_lens, double scale) {
+                   const Tensor& block_tables, const Tensor& seq_lens, double scale, int64_t split_blocks) {
   check_float(q, "q");
   check(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && out.is_contiguous() &&
             out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
@@ -340,6 +349,7 @@ void paged_decode_(Tensor& out, const Tensor& q, const Tensor& k_cache, const Te
         "block_tables must be contiguous int32 [seqs, max_blocks]");
   check(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0),
         "seq_lens must be int32 [seqs]");
+  check(split_blocks >= 0, "split_blocks must be 0 (split by threads) or a number of blocks");
   const int64_t b = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t nb = k_cache.size(0), bs = k_cache.size(1), hkv = k_cache.size(2);
   check(k_cache.size(3) == d && hkv > 0 && hq % hkv == 0, "q heads must be a multiple of the cache's kv heads");
@@ -365,7 +375,7 @@ void paged_decode_(Tensor& out, const Tensor& q, const Tensor& k_cache, const Te
 #else
     const bool amx = false;
 #endif
-    const std::vector<Run> runs = plan_runs(lp, b, bs);
+    const std::vector<Run> runs = plan_runs(lp, b, bs, split_blocks);
     const int64_t n = int64_t(runs.size()), stride = hq * d + 2 * hq;
     const int64_t slots = n - std::count_if(runs.begin(), runs.end(), [](const Run& r) { return r.slot < 0; });
     std::unique_ptr<float[]> partials(new float[slots * stride]);  // none while every sequence stays whole
@@ -403,6 +413,6 @@ void paged_decode_(Tensor& out, const Tensor& q, const Tensor& k_cache, const Te
 TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()", &write_kv);
   m.def("paged_decode_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale) -> ()",
+        "Tensor seq_lens, float scale, int split_blocks=0) -> ()",
         &paged_decode_);
 }

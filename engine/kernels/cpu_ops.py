@@ -1,6 +1,7 @@
 """The fused CPU kernels, one library `kvfleet_cpu_ops` built from SOURCES: the layer glue
-(`layer_ops.cpp`), paged attention (`attention_ops.cpp`), the 4/8-bit matmuls (`quant_gemm.cpp`) and the
-LoRA products of decode steps (`lora_ops.cpp`).
+(`layer_ops.cpp`), paged attention (`attention_ops.cpp`, `prefill_attention.cpp`), the 4/8-bit and tile-order
+bf16 matmuls (`quant_gemm.cpp`), the batch-invariant float32 matmul (`f32_gemm.cpp`) and the LoRA products of
+decode steps (`lora_ops.cpp`).
 
 Everyone reaches them through `ops()`, which loads them first (their ops register as torch.ops.kvfleet_cpu).
 The C++ sources are compiled once per machine with the system's C++ compiler (through torch's extension
@@ -27,10 +28,21 @@ logger = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 # one library: layer_ops.cpp defines it (TORCH_LIBRARY), the others add to it (TORCH_LIBRARY_FRAGMENT)
 SOURCES = tuple(_HERE / name for name in ("layer_ops.cpp", "attention_ops.cpp", "prefill_attention.cpp", "quant_gemm.cpp",
-                                           "lora_ops.cpp"))
-HEADERS = tuple(_HERE / name for name in ("cpu_common.h", "paged_scores.h", "amx.h"))
+                                           "f32_gemm.cpp", "lora_ops.cpp"))
+HEADERS = tuple(_HERE / name for name in ("cpu_common.h", "paged_scores.h", "amx.h", "quant_formats.h"))
 ENV = "KVFLEET_CPU_KERNELS"  # "auto" (default) or "torch" (off)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17"]  # -fopenmp: ATen's parallel_for
+# KVFLEET_CPU_ISA=portable builds the kernels as for a CPU with neither AMX nor AVX-512 (their portable loops,
+# which the compiler vectorizes with what is left, AVX2 on x86), so that those paths run and are tested here
+ISA_ENV = "KVFLEET_CPU_ISA"  # "native" (default) or "portable"
+PORTABLE_CFLAGS = ["-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
+
+
+def cflags() -> list[str]:
+    isa = os.environ.get(ISA_ENV, "native")
+    if isa not in ("native", "portable"):
+        raise ValueError(f"{ISA_ENV} must be 'native' or 'portable', got {isa!r}")
+    return CFLAGS + (PORTABLE_CFLAGS if isa == "portable" else [])
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -50,7 +62,7 @@ def cpu_identity() -> bytes:
 
 
 def build_dir() -> Path:
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(CFLAGS).encode()
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(cflags()).encode()
                             + torch.__version__.encode() + cpu_identity())
     root = Path(os.environ.get("KVFLEET_CACHE_DIR") or Path.home() / ".cache" / "kvfleet")
     return root / "cpu_ops" / digest.hexdigest()[:16]
@@ -90,6 +102,10 @@ def _load() -> tuple[bool, str]:
         return False, f"{ENV}=torch"
     if mode != "auto":
         return False, f"{ENV} must be 'auto' or 'torch', got {mode!r}"
+    try:
+        cflags()
+    except ValueError as e:
+        return False, str(e)
     if hasattr(torch.ops, "kvfleet_cpu") and hasattr(torch.ops.kvfleet_cpu, "rms_norm"):
         return True, ""
     lib = build_dir()
@@ -100,7 +116,7 @@ def _load() -> tuple[bool, str]:
 
             _put_ninja_on_path()
             lib.mkdir(parents=True, exist_ok=True)
-            cpp_extension.load(name="kvfleet_cpu_ops", sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+            cpp_extension.load(name="kvfleet_cpu_ops", sources=[str(p) for p in SOURCES], extra_cflags=cflags(), extra_ldflags=["-fopenmp"],
                                build_directory=str(lib), is_python_module=False, verbose=False)
         else:
             torch.ops.load_library(str(so))

@@ -32,11 +32,7 @@
 
 #include "amx.h"
 #include "cpu_common.h"
-
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#define KVFLEET_DPBF16 1  // AVX-512 BF16 dot products (vdpbf16ps): the path for CPUs without AMX
-#include <immintrin.h>
-#endif
+#include "quant_formats.h"  // defines KVFLEET_DPBF16 where AVX-512 BF16 is compiled
 
 #include <algorithm>
 #include <cstdint>
@@ -50,85 +46,9 @@
 namespace {
 
 using at::Tensor;
-
-constexpr int64_t kCols = 16;   // columns per n-block (one AMX tile's width in float32)
-constexpr int64_t kGroup = 32;  // inputs per scale group (one AMX tile row of bf16)
+using namespace kvfleet_quant;
 
 void check(bool ok, const char* msg) { TORCH_CHECK(ok, "kvfleet_cpu.quant: ", msg); }
-
-uint16_t round_bf16(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-  return uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
-
-float bf16_to_float(uint16_t h) {
-  uint32_t b = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-
-// The two formats: a chunk's bytes and scales, and the chunk dequantized as an AMX B tile (16 rows of
-// input pairs x 16 columns x 2 inputs, bf16), portably and (where AMX is compiled) with AVX-512.
-struct Q4 {
-  using Q = uint8_t;
-  static constexpr int64_t kChunkBytes = kCols * kGroup / 2, kScales = 32, kRowBytes = 16;
-  static constexpr const char* kName = "q4";
-  static void dequant_portable(const uint8_t* q, const c10::Half* sm, uint16_t* dst) {
-    for (int64_t r = 0; r < 16; ++r)
-      for (int64_t i = 0; i < 16; ++i) {
-        const uint8_t byte = q[r * 16 + i];
-        const int64_t col_a = i / 2, col_b = 8 + i / 2;
-        dst[r * 32 + i] = round_bf16(float(byte & 0xF) * float(sm[col_a]) + float(sm[16 + col_a]));
-        dst[r * 32 + 16 + i] = round_bf16(float(byte >> 4) * float(sm[col_b]) + float(sm[16 + col_b]));
-      }
-  }
-#ifdef KVFLEET_DPBF16
-  static void dequant(const uint8_t* q, const c10::Half* sm, uint16_t* dst) {
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + 16)));
-    const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
-    const __m512 sa = _mm512_permutexvar_ps(lo_cols, s), sb = _mm512_permutexvar_ps(hi_cols, s);
-    const __m512 ma = _mm512_permutexvar_ps(lo_cols, m), mb = _mm512_permutexvar_ps(hi_cols, m);
-    // float(0..15), looked up by each lane's low 4 bits (a permute instead of mask + convert)
-    const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    for (int r = 0; r < 16; ++r) {
-      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * 16)));
-      // s * q is exact in float32 (11-bit s times 4-bit q), so the fma rounds once, like s * q + m does
-      const __m512 wa = _mm512_fmadd_ps(_mm512_permutexvar_ps(b, levels), sa, ma);
-      const __m512 wb = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), levels), sb, mb);
-      _mm512_store_si512(reinterpret_cast<__m512i*>(dst + r * 32), (__m512i)_mm512_cvtne2ps_pbh(wb, wa));
-    }
-  }
-#endif
-};
-
-struct Q8 {
-  using Q = int8_t;
-  static constexpr int64_t kChunkBytes = kCols * kGroup, kScales = 16, kRowBytes = 32;
-  static constexpr const char* kName = "q8";
-  static void dequant_portable(const int8_t* q, const c10::Half* d, uint16_t* dst) {
-    for (int64_t e = 0; e < 512; ++e) dst[e] = round_bf16(float(q[e]) * float(d[(e % 32) / 2]));
-  }
-#ifdef KVFLEET_DPBF16
-  static void dequant(const int8_t* q, const c10::Half* d, uint16_t* dst) {
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
-    const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512 sa = _mm512_permutexvar_ps(lo_cols, s);
-    const __m512 sb = _mm512_permutexvar_ps(_mm512_add_epi32(lo_cols, _mm512_set1_epi32(8)), s);
-    for (int r = 0; r < 16; ++r) {
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * 32));
-      // d * q is exact in float32 (11-bit d times 8-bit q): one rounding, to bf16
-      const __m512 wa = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b))), sa);
-      const __m512 wb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1))), sb);
-      _mm512_store_si512(reinterpret_cast<__m512i*>(dst + r * 32), (__m512i)_mm512_cvtne2ps_pbh(wb, wa));
-    }
-  }
-#endif
-};
 
 #ifdef KVFLEET_AMX
 using kvfleet_amx::amx_permitted;
@@ -265,7 +185,7 @@ void nblocks_dpbf16(const uint16_t* x, int64_t m, int64_t k, int64_t kcs, const 
     for (int64_t i = 0; i < nbs * kcs; ++i) {  // the pair's chunks are consecutive: (nb, 0..kcs), (nb + 1, 0..kcs)
       const char* ahead = reinterpret_cast<const char*>(qd + (nb * kcs + i + kAhead) * F::kChunkBytes);
       for (int64_t b = 0; b < F::kChunkBytes; b += 64) kvfleet_cpu::prefetch_line<2>(ahead + b);
-      kvfleet_cpu::prefetch_line<2>(sd + (nb * kcs + i + kAhead) * F::kScales);
+      if constexpr (F::kScales > 0) kvfleet_cpu::prefetch_line<2>(sd + (nb * kcs + i + kAhead) * F::kScales);
       F::dequant(qd + (nb * kcs + i) * F::kChunkBytes, sd + (nb * kcs + i) * F::kScales, wbuf + i * 512);
     }
     for (int64_t r0 = 0; r0 < m; r0 += kRowsPerPass) {
@@ -322,20 +242,21 @@ void nblock_portable(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w,
     }
 }
 
+// out[M, N] = x @ w^T (+ bias) through the chunks of qd (and their scales sd): nbs n-blocks, kcs chunks each.
+// Every path computes each output from its own row of x alone, in one fixed order (chunks in turn, input pairs
+// in turn, float32 sums; threads split the columns, never the inputs), so a row's result does not depend on the
+// other rows of the step or on their number.
 template <typename F>
-Tensor quant_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales, const std::optional<Tensor>& bias,
-                    bool fast, bool float_out) {
-  check_packed<F>(qweight, scales);
+Tensor run_linear(const Tensor& x, const typename F::Q* qd, const c10::Half* sd, int64_t nbs, int64_t kcs,
+                  const std::optional<Tensor>& bias, bool fast, bool float_out) {
   check(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2, "x must be bf16 [M, K]");
-  const int64_t nbs = qweight.size(0), kcs = qweight.size(1), n = nbs * kCols, k = kcs * kGroup, m = x.size(0);
+  const int64_t n = nbs * kCols, k = kcs * kGroup, m = x.size(0);
   TORCH_CHECK(x.size(1) == k, "kvfleet_cpu.", F::kName, ": x has ", x.size(1), " inputs, the weight ", k);
   if (bias) check(bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 && bias->size(0) == n, "bias must be bf16 [N]");
   Tensor out = at::empty({m, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (m == 0) return out;
   const Tensor xc = x.contiguous();
   const uint16_t* xd = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
-  const auto* qd = static_cast<const typename F::Q*>(qweight.data_ptr());
-  const c10::Half* sd = scales.data_ptr<c10::Half>();
   const uint16_t* bd = bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr<c10::BFloat16>()) : nullptr;
   char* od = static_cast<char*>(out.data_ptr());
   const int64_t osize = out.element_size();
@@ -400,6 +321,24 @@ Tensor quant_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales
 }
 
 template <typename F>
+Tensor quant_linear(const Tensor& x, const Tensor& qweight, const Tensor& scales, const std::optional<Tensor>& bias,
+                    bool fast, bool float_out) {
+  check_packed<F>(qweight, scales);
+  return run_linear<F>(x, static_cast<const typename F::Q*>(qweight.data_ptr()), scales.data_ptr<c10::Half>(),
+                       qweight.size(0), qweight.size(1), bias, fast, float_out);
+}
+
+// bf16 weights in tile order ([N/16, K/32, 16, 32], engine/model/invariant_linear.py packs them): the same
+// kernel as q4_linear and q8_linear, for checkpoints without exact 4/8-bit groups.
+Tensor bf16_linear(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias, bool fast, bool float_out) {
+  check(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 && weight.dim() == 4 && weight.size(2) == 16 &&
+            weight.size(3) == 32 && weight.is_contiguous(),
+        "weight must be contiguous bf16 [N/16, K/32, 16, 32] in tile order");
+  return run_linear<B16>(x, static_cast<const uint8_t*>(weight.data_ptr()), nullptr, weight.size(0), weight.size(1),
+                         bias, fast, float_out);
+}
+
+template <typename F>
 Tensor quant_dequant(const Tensor& qweight, const Tensor& scales) {
   check_packed<F>(qweight, scales);
   const int64_t nbs = qweight.size(0), kcs = qweight.size(1), k = kcs * kGroup;
@@ -437,6 +376,8 @@ TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
   m.def("q8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias=None, bool fast=True, "
         "bool float_out=False) -> Tensor",
         &quant_linear<Q8>);
+  m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias=None, bool fast=True, bool float_out=False) -> Tensor",
+        &bf16_linear);
   m.def("q4_dequant(Tensor qweight, Tensor scales) -> Tensor", &quant_dequant<Q4>);
   m.def("q8_dequant(Tensor qweight, Tensor scales) -> Tensor", &quant_dequant<Q8>);
   m.def("quant_path() -> str", &quant_path);

@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.kernels import cpu_ops
 from engine.model.cpu_linear import q4_projections, q8_head, swap_modules, use_quant_kernels
+from engine.model.invariant_linear import use_invariant_linears
 from engine.model.llama import LlamaForCausalLM, QKRotary, RMSNorm, RotaryEmbedding, SiluAndMul
 
 logger = logging.getLogger(__name__)
@@ -75,20 +76,32 @@ class FusedSiluAndMul(nn.Module):
         return self._silu_and_mul(x)
 
 
-def use_cpu_kernels(model: LlamaForCausalLM) -> None:
+def use_cpu_kernels(model: LlamaForCausalLM, deterministic: bool = False) -> None:
     """Swap the fused CPU kernels into `model` (bf16 or float32 on CPU), and the packed 4/8-bit projections
-    where they run. Idempotent: engines sharing one loaded model (tests, benchmarks) each call it."""
+    where they run; deterministic: every projection and the head through the batch-invariant kernels instead
+    (engine/model/invariant_linear.py; give it a deterministic_view of a model other engines share).
+    Idempotent: engines sharing one loaded model (tests, benchmarks) each call it."""
+    if deterministic:
+        if not uses_cpu_kernels(model):
+            _swap_glue(model)
+        use_invariant_linears(model)
+        return
     if uses_cpu_kernels(model):
         return
-    swap_modules(model, RMSNorm, lambda _, norm: FusedRMSNorm(norm))
-    swap_modules(model, QKRotary, lambda _, rotary: FusedQKRotary(rotary))
-    swap_modules(model, SiluAndMul, lambda _, act: FusedSiluAndMul())
-    model.rope = RopeTable(model.rope)
+    _swap_glue(model)
     use_quant_kernels(model)
     if q4_projections(model) or q8_head(model):
         logger.info("%d projections%s multiply through the checkpoint's packed 4-bit%s weights (%s kernels, "
                     "the same bf16 values)", q4_projections(model), " and the output head" if q8_head(model)
                     else "", " / 8-bit" if q8_head(model) else "", cpu_ops.ops().quant_path())
+
+
+def _swap_glue(model: LlamaForCausalLM) -> None:
+    """Residual add + RMSNorm, the rotary embedding and SiLU x up: one kernel call each."""
+    swap_modules(model, RMSNorm, lambda _, norm: FusedRMSNorm(norm))
+    swap_modules(model, QKRotary, lambda _, rotary: FusedQKRotary(rotary))
+    swap_modules(model, SiluAndMul, lambda _, act: FusedSiluAndMul())
+    model.rope = RopeTable(model.rope)
 
 
 def uses_cpu_kernels(model: nn.Module) -> bool:

@@ -2,9 +2,8 @@
 
 `prepack` (the loader calls it for bf16 on CPU) replaces every nn.Linear projection of the decoder layers
 with `OneDnnLinear` (the weight pre-packed for oneDNN: no repacking per call) and the output head with
-`OneDnnHead`. Weights that are exactly 4-bit group-quantized (GGUF Q4_1 checkpoints) are wrapped in
-`Int4Linear`: torch's int4 kernel serves steps of up to INT4_MAX_ROWS rows (the fastest there; its bf16
-scales round the weights slightly differently). `QuantCapture` watches `load_weights` for exact 4/8-bit
+`OneDnnHead`. Every path multiplies by exactly the model's bf16 weights (torch's int4 kernel, whose bf16
+scales round some weights differently, is not used: tests/engine/model/test_one_set_of_weights.py). `QuantCapture` watches `load_weights` for exact 4/8-bit
 groups in the float32 checkpoint values and keeps their packed copies on the modules; once the fused
 kernels are in use, `use_quant_kernels` swaps in `Q4Linear` (on AMX, or AVX-512 BF16 for steps of up to
 Q4_AVX512_MAX_ROWS rows) and, on AMX, `Q8Head`, which multiply through them (engine/kernels/quant_gemm.cpp: a
@@ -25,14 +24,12 @@ from engine.model.quantized import find_q4, find_q8, pack_q4, pack_q8
 
 QUANT_ENV = "KVFLEET_QUANT_KERNELS"  # "off": keep the bf16 (oneDNN) matmuls even where the packed 4/8-bit kernels run
 Q8_HEAD_MAX_ROWS = 24  # the 8-bit head: 1.5x oneDNN at 1-16 rows, 1.06x at 24, parity at 32, 0.85x at 48 (AMX-bound)
-INT4_GROUP = 32
 # AVX-512 BF16 (no AMX), one step's projections of SmolLM2 alone (loadtest.cpu_kernels_bench projections):
 # 1.5-1.7x oneDNN bf16 at 1-8 rows, 1.14-1.21x at 16-64, 1.05x at 128, parity at 192-256, 0.94-0.96x at 512.
 # Inside whole engine steps (loadtest.mixed_step: 64 decodes and a prompt, the two paths alternating step by
 # step in one engine) q4 wins more, its weights a third of the bytes beside the KV reads: 1.07-1.10x at 129 rows,
 # 1.07-1.08x at 194, 0.99-1.02x at 264, 0.97x at 364. The 8-bit head is 0.8-0.9x oneDNN at every row count there, so it stays on oneDNN.
 Q4_AVX512_MAX_ROWS = 256
-INT4_MAX_ROWS = 4  # steps of up to this many rows: 1.6-1.9x oneDNN bf16 at 1 row, 1.4x q4_linear at 1-2, ~1.1x at 4
 
 Packed = tuple[torch.Tensor, torch.Tensor]
 
@@ -44,27 +41,6 @@ def can_prepack(dtype: torch.dtype, device: torch.device | str) -> bool:
 
 def _onednn_pack(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
-
-
-def exact_int4(weight: torch.Tensor) -> Packed | None:
-    """The weight as 4-bit values with a scale and zero per 32 inputs, if that reproduces it (up to the
-    rounding of the model dtype): true for checkpoints that were 4-bit quantized, false for float ones."""
-    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-        return None
-    w = weight.detach().float()
-    n, k = w.shape
-    if k % INT4_GROUP or n % 16:
-        return None
-    g = w.view(n, k // INT4_GROUP, INT4_GROUP)
-    lo, hi = g.amin(-1), g.amax(-1)
-    step = (hi - lo) / 15
-    q = torch.round((g - lo[..., None]) / torch.where(step > 0, step, 1.0)[..., None]).clamp_(0, 15)
-    err = (q * step[..., None] + lo[..., None] - g).abs()
-    if bool((err > 0.15 * step[..., None] + 1e-12).any()):
-        return None  # not 4-bit data (a float checkpoint; rounding to bf16 stays far below this): keep bf16
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(n, k).to(torch.int32), 1)
-    scales_zeros = torch.stack([step, lo + 8 * step], dim=-1).transpose(0, 1).contiguous().to(weight.dtype)
-    return packed, scales_zeros
 
 
 class QuantCapture:
@@ -121,21 +97,6 @@ class Q4Linear(nn.Module):
         return self._q4_linear(x, self.q4_packed[0], self.q4_packed[1], self.bias)
 
 
-class Int4Linear(nn.Module):
-    """Steps of up to INT4_MAX_ROWS rows through torch's int4 kernel; larger ones through `large`."""
-
-    def __init__(self, int4: Packed, large: nn.Module):
-        super().__init__()
-        self.weight, self.bias = large.weight, large.bias
-        self.int4, self.large = int4, large
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > INT4_MAX_ROWS:
-            return self.large(x)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4[0], INT4_GROUP, self.int4[1])
-        return out if self.bias is None else out + self.bias
-
-
 class OneDnnHead(nn.Module):
     """Float32 logits through the oneDNN pre-packed output weights; q8_packed: their exact 8-bit copy, if any."""
 
@@ -172,13 +133,11 @@ def swap_modules(model: nn.Module, cls: type[nn.Module], make: Callable[[str, nn
 
 
 def prepack(model: LlamaForCausalLM, capture: QuantCapture) -> None:
-    """The oneDNN (and, for exact 4-bit weights, int4) projections and output head; the exact 4/8-bit
-    copies that `capture` found are kept for use_quant_kernels."""
+    """The oneDNN projections and output head; the exact 4/8-bit copies that `capture` found are kept for
+    use_quant_kernels (and for the batch-invariant kernels of --deterministic)."""
 
     def packed(name: str, linear: nn.Module) -> nn.Module:
-        fast = OneDnnLinear(linear, capture.q4_packed(f"{name}.weight", linear.weight.shape))
-        int4 = exact_int4(linear.weight)
-        return fast if int4 is None else Int4Linear(int4, fast)
+        return OneDnnLinear(linear, capture.q4_packed(f"{name}.weight", linear.weight.shape))
 
     swap_modules(model.layers, nn.Linear, lambda name, linear: packed(f"layers.{name}", linear))
     head = model.lm_head_weight

@@ -223,12 +223,13 @@ def test_lora_flags():
         parse_lora_module("no-path")
 
 
-@pytest.mark.parametrize("fast", ["onednn", "int4"])
+@pytest.mark.parametrize("fast", ["onednn", "q4"])
 @pytest.mark.parametrize("fused", [False, True], ids=["torch", "cpu-kernel"])
 def test_gathered_products_on_the_fast_cpu_projections(fast, fused):
     """The wrapper adds the same products whatever the load swapped in for the projection (bf16 on CPU), in
     torch and in the fused CPU kernel."""
-    from engine.model.cpu_linear import Int4Linear, OneDnnLinear, can_prepack, exact_int4
+    from engine.model.cpu_linear import OneDnnLinear, Q4Linear, can_prepack
+    from engine.model.quantized import find_q4, pack_q4
 
     _fused_kernels_or_off(fused)
     if not can_prepack(torch.bfloat16, "cpu"):
@@ -236,21 +237,23 @@ def test_gathered_products_on_the_fast_cpu_projections(fast, fused):
     torch.manual_seed(0)
     linear = nn.Linear(64, 48, bias=False).to(torch.bfloat16)
     base: nn.Module = OneDnnLinear(linear)
-    if fast == "int4":
+    if fast == "q4":
+        if not fused:
+            pytest.skip("the packed 4-bit kernel is one of the fused CPU kernels")
+        q = torch.randint(0, 16, (48, 64))
+        q[:, ::32], q[:, 1::32] = 0, 15  # every group of 32 spans all 16 levels
         with torch.no_grad():  # 4-bit data, as a GGUF Q4 checkpoint holds
-            q = torch.randint(0, 16, (48, 64))
-            q[:, ::32], q[:, 1::32] = 0, 15  # every group of 32 spans all 16 levels
             linear.weight.copy_((q * 0.0625).to(torch.bfloat16))
-        packed = exact_int4(linear.weight)
-        if packed is None:
-            pytest.skip("no int4 kernel in this torch")
-        base = Int4Linear(packed, OneDnnLinear(linear))
+        found = find_q4((q * 0.0625).float())
+        assert found is not None
+        packed = pack_q4(*found)
+        base = Q4Linear(OneDnnLinear(linear, packed), packed)
     batch = LoRABatch()
     batch.cpu_kernel = fused
     layer = LoRALinear(base, batch, [32, 16], 64, 1, 4, torch.bfloat16, torch.device("cpu"))
     a, b = torch.randn(4, 64).to(torch.bfloat16), torch.randn(16, 4).to(torch.bfloat16)
     layer.set_slot(0, [None, (a, b)])
-    x = torch.randn(3, 64).to(torch.bfloat16)  # 3 rows: the int4 kernel's path
+    x = torch.randn(3, 64).to(torch.bfloat16)
     with torch.no_grad():
         plain = base(x).float()
         batch.set([0, -1, 0], x.device)

@@ -9,6 +9,7 @@ import sys
 COMMANDS = {
     "engine": ("engine.server.main", "start one engine replica (OpenAI API, metrics, KV events)"),
     "router": ("router.main", "start a KV-aware router in front of engine replicas"),
+    "epp": ("router.epp.main", "start an endpoint picker (Gateway API Inference Extension, Envoy ext_proc) for a gateway"),
     "up": ("deploy.local", "start a router and N engine replicas of the bundled model on this machine"),
     "ray": ("deploy.ray.cli", "kvfleet on Ray Serve: `kvfleet ray up` runs deploy/ray/serve_config.yaml locally"),
     "sim": ("kvfleet.sim.main", "simulate a fleet: a trace through the router's policies over modelled engines"),

@@ -161,6 +161,7 @@ class RouterConfig:
     k8s_namespace: str = "default"
     k8s_port_name: str | None = None  # EndpointSlice port name; None = the first port
     k8s_resync_s: float = 60.0
+    inference_pool: str | None = None  # discovery "inference-pool" (kvfleet epp): the InferencePool's name
     scheme: str = "http"
     health_interval_s: float = 1.0
     scrape_interval_s: float = 0.5
@@ -201,15 +202,17 @@ class RouterConfig:
         if self.scoring.pull_token_cost > 0 and self.engine_type in ("vllm", "sglang"):
             raise ConfigError("pull_token_cost", f"peer pulls need kvfleet engines; {self.engine_type} engines cannot "
                                                  f"pull a prefix from a peer (set it to 0)")
-        if self.discovery not in DISCOVERY_KINDS:
+        if self.discovery not in (*DISCOVERY_KINDS, "inference-pool"):
             raise ConfigError("discovery", f"must be one of {', '.join(DISCOVERY_KINDS)}, got {self.discovery!r}")
+        if self.discovery == "inference-pool" and not self.inference_pool:
+            raise ConfigError("inference_pool", "inference-pool discovery needs the InferencePool's name")
         if not 0 <= self.port <= 65535:
             raise ConfigError("port", f"must be in 0..65535, got {self.port}")
         if self.scheme not in ("http", "https"):
             raise ConfigError("scheme", f"must be http or https, got {self.scheme!r}")
         for url in self.replicas:
             check_replica_url(url)
-        if self.pools_file is not None and (self.replicas or self.dns_name or self.k8s_service):
+        if self.pools_file is not None and (self.replicas or self.dns_name or self.k8s_service or self.inference_pool):
             raise ConfigError("pools", "--pools lists each pool's replicas; do not also give --replicas, "
                               "--dns-name or --k8s-service")
         if self.pools_file is None and self.discovery == "static" and not self.replicas:

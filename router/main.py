@@ -8,7 +8,6 @@ import os
 import sys
 
 from contract.errors import ConfigError
-from serving import http_limits
 from router.config import (
     DISCOVERY_KINDS,
     ENGINE_TYPES,
@@ -19,6 +18,7 @@ from router.config import (
     VllmEventsConfig,
 )
 from router.routing.policies import POLICIES
+from serving import http_limits
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,7 +172,9 @@ def _pull_cost(text: str) -> float | str:
 
 def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     replicas = tuple(u.strip().rstrip("/") for u in ns.replicas.split(",") if u.strip())
-    discovery = ns.discovery or ("dns" if ns.dns_name else "k8s" if ns.k8s_service else "static")
+    inference_pool = getattr(ns, "inference_pool", None)  # kvfleet epp's flag
+    discovery = ns.discovery or ("dns" if ns.dns_name else "k8s" if ns.k8s_service
+                                 else "inference-pool" if inference_pool else "static")
     scoring = ScoringConfig(kv_token_cost=ns.kv_token_cost, prefill_weight=ns.prefill_weight,
                             waiting_cost_tokens=ns.waiting_cost_tokens,
                             running_cost_tokens=ns.running_cost_tokens,
@@ -186,7 +188,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         tokenizer_from_engines=ns.tokenizer_from_engines, default_model=ns.default_model, engine_type=ns.engine_type, discovery=discovery,
         replicas=replicas, dns_name=ns.dns_name, dns_port=ns.dns_port, dns_interval_s=ns.dns_interval_s,
         dns_nameserver=ns.dns_nameserver, k8s_service=ns.k8s_service, k8s_namespace=ns.k8s_namespace,
-        k8s_port_name=ns.k8s_port_name, scheme=ns.scheme, health_interval_s=ns.health_interval_s,
+        k8s_port_name=ns.k8s_port_name, inference_pool=inference_pool, scheme=ns.scheme, health_interval_s=ns.health_interval_s,
         scrape_interval_s=ns.scrape_interval_s, scrape_stale_s=ns.scrape_stale_s,
         kv_heartbeat_timeout_s=ns.kv_heartbeat_timeout_s, block_size=ns.block_size,
         hash_seed=ns.hash_seed, approx_max_blocks=ns.approx_max_blocks, breaker_failures=ns.breaker_failures,

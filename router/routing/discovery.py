@@ -1,5 +1,6 @@
 """Where the replicas are: a static list, the A records of a headless Service (re-resolved periodically), or
-the Kubernetes API (EndpointSlices of a Service, ready endpoints only; list + watch, with periodic resync).
+the Kubernetes API (EndpointSlices of a Service, ready endpoints only; list + watch, with periodic resync; or an
+InferencePool's pods, router/routing/pool_pods.py).
 
 Each source runs as `await source.run(on_change)` and calls `await on_change(urls)` with the full current list
 whenever it changes. Transient lookup failures keep the last known list (no flapping); an authoritative
@@ -38,7 +39,13 @@ class K8sSource:
     port_name: str | None = None  # None: the EndpointSlice's first port
 
 
-Source = StaticSource | DnsSource | K8sSource
+@dataclass(frozen=True)
+class InferencePoolSource:
+    name: str  # an InferencePool (inference.networking.k8s.io/v1): its selected pods x its target ports
+    namespace: str | None = None
+
+
+Source = StaticSource | DnsSource | K8sSource | InferencePoolSource
 
 
 def flag_source(cfg: RouterConfig) -> Source:
@@ -51,6 +58,10 @@ def flag_source(cfg: RouterConfig) -> Source:
         if not cfg.k8s_service:  # RouterConfig refuses this already
             raise ConfigError("k8s_service", "k8s discovery needs the Service name")
         return K8sSource(cfg.k8s_service, cfg.k8s_namespace, cfg.k8s_port_name)
+    if cfg.discovery == "inference-pool":
+        if not cfg.inference_pool:  # RouterConfig refuses this already
+            raise ConfigError("inference_pool", "inference-pool discovery needs the InferencePool's name")
+        return InferencePoolSource(cfg.inference_pool, cfg.k8s_namespace)
     return StaticSource(tuple(cfg.replicas))
 
 
@@ -246,4 +257,8 @@ def make_discovery(cfg: RouterConfig, source: Source):
     if isinstance(source, K8sSource):
         return K8sDiscovery(source.service, source.namespace or cfg.k8s_namespace, source.port_name, cfg.scheme,
                             cfg.k8s_resync_s)
+    if isinstance(source, InferencePoolSource):
+        from router.routing.pool_pods import InferencePoolDiscovery
+
+        return InferencePoolDiscovery(source.name, source.namespace or cfg.k8s_namespace, cfg.scheme, cfg.k8s_resync_s)
     return StaticDiscovery(source.urls)

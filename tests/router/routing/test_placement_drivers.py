@@ -1,9 +1,11 @@
-"""The three drivers of the placement core decide alike: the HTTP router's Fleet (its state driven directly,
+"""The four drivers of the placement core decide alike: the HTTP router's Fleet (its state driven directly,
 without HTTP, as test_lease.py does), the Ray request router's RoutingState (its KV events through its real
-subscriptions, over in-memory streams in the engine's wire format) and the simulator's router
-(kvfleet/sim/router.py) get the same sequence - KV snapshots, stored / removed / cleared blocks, load scrapes,
-requests, finishes - and must return the same decision (replica, reason, predicted cached tokens, cost) for
-every request, under each policy.
+subscriptions, over in-memory streams in the engine's wire format), the simulator's router
+(kvfleet/sim/router.py) and the endpoint picker (router/epp/: each request a whole ext_proc exchange through its
+PickStream - headers, body, the picked destination, response headers naming the served endpoint, the body's end -
+in memory, admission included) get the same sequence - KV snapshots, stored / removed / cleared blocks, load
+scrapes, requests, finishes - and must return the same decision (replica, reason, predicted cached tokens, cost)
+for every request, under each policy.
 
 The sequence respects what all three can see: no first tokens (Serve reports none: a request is pending until
 it finishes), and no request within 0.2 s before a scrape (the HTTP router and the simulator take requests
@@ -13,10 +15,14 @@ sent in the last 0.2 s before a scrape as not counted by it; Ray's stats carry n
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from dataclasses import dataclass
 
 import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from google.protobuf import struct_pb2
 
 from contract.hashing import DEFAULT_HASH_SEED
 from contract.kv_events import KVEvent, KVEventKind, KVMessage, Snapshot
@@ -25,7 +31,11 @@ from deploy.ray.route_hint import RouteHint
 from deploy.ray.routing_state import RoutingState
 from kvfleet.sim.router import SimRouter
 from router.config import RouterConfig, ScoringConfig
+from router.epp import wire
+from router.epp.stream import PickerSettings, PickStream
 from router.metrics import RouterMetrics
+from router.requests.core import RouterCore
+from router.requests.flow import Flow
 from router.routing.fleet import DEFAULT_POOL, Fleet
 from router.routing.kv_events import EventApplier
 from router.routing.placement import HashedPrompt
@@ -179,13 +189,124 @@ class SimDriver:
         self.router.on_done(*self.tickets.pop(rid))
 
 
-# -- one sequence, fed to all three in lockstep -----------------------------------------------------------
+class _Requests:
+    """The gateway's side of one ext_proc stream, in memory: an async iterator fed by put()."""
+
+    def __init__(self):
+        self.q: asyncio.Queue = asyncio.Queue()
+
+    def put(self, msg) -> None:
+        self.q.put_nowait(msg)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        msg = await self.q.get()
+        if msg is None:
+            raise StopAsyncIteration
+        return msg
+
+
+def _http_headers(pairs: dict[str, str], end_of_stream: bool = False) -> ep.HttpHeaders:
+    return ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]), end_of_stream=end_of_stream)
+
+
+class EppDriver:
+    """The endpoint picker: its RouterCore's fleet fed as the Fleet driver's, each request one PickStream."""
+
+    def __init__(self, policy: str):
+        self.now = 0.0
+        cfg = RouterConfig(replicas=tuple(URLS), policy=policy, scoring=ScoringConfig(), model=None,
+                           default_model="m")
+        self.core = RouterCore(cfg)
+        self.core.fleet.clock = lambda: self.now
+        self.core.need_tokens = True  # a picker with a tokenizer; the sequence's prompts are token ids
+        self.flow = Flow(self.core)
+        self.streams: dict[str, tuple[PickStream, _Requests, object]] = {}
+        self.appliers: dict[str, EventApplier] = {}
+
+    async def join(self, t: float, snapshots: dict[str, Snapshot]) -> None:
+        self.now = t
+        fleet = self.core.fleet
+        p = fleet.placement
+
+        async def set_replicas(urls, pool=DEFAULT_POOL):  # what Fleet.set_replicas does, without the checks' I/O
+            p.set_members(pool, urls)
+
+        fleet.set_replicas = set_replicas
+        await self.core.pools.start()  # the pools' discovery (static) sets the members
+        await asyncio.sleep(0)
+        for url in URLS:
+            p.on_health(url, True, t)
+            p.on_models(url, frozenset({"m"}))  # as the health loop learns from /v1/models ...
+        for listener in fleet.listeners:  # ... and tells the pools' catalog
+            listener()
+        for url, snap in snapshots.items():
+            await self.kv(url, snap)
+
+    async def close(self) -> None:
+        await self.core.pools.stop()
+
+    async def kv(self, url: str, message: KVMessage) -> None:
+        fleet = self.core.fleet
+        if not fleet.policy.needs.kv_events:
+            return
+        applier = self.appliers.setdefault(url, EventApplier(url, fleet.index))
+        assert applier.apply(message)
+        if isinstance(message, Snapshot):
+            fleet.placement.on_kv_events(url, KVEventsState.LIVE)
+
+    def scrape(self, t: float, s: Scrape) -> None:
+        self.now = t
+        self.core.fleet.placement.on_load(s.url, s.load, t, t)
+
+    async def request(self, t: float, r: Request) -> Decision:
+        self.now = t
+        body = {"model": "m", "prompt": r.prep.token_ids, "max_tokens": 1, "stream": True}
+        if r.prep.session_key is not None:
+            body["user"] = r.prep.session_key
+        raw = json.dumps(body).encode()
+        stream, requests = PickStream(self.core, self.flow, PickerSettings()), _Requests()
+        responses = stream.run(requests)
+        requests.put(ep.ProcessingRequest(request_headers=_http_headers({":method": "POST", ":path": "/v1/completions"})))
+        requests.put(ep.ProcessingRequest(request_body=ep.HttpBody(body=raw, end_of_stream=True)))
+        picked = await responses.__anext__()
+        header, metadata = wire.destination_of(picked)
+        assert header == metadata and header is not None, picked
+        echoed = await responses.__anext__()
+        assert echoed.request_body.response.body_mutation.streamed_response.end_of_stream
+        assert stream.lease is not None and header.split(",")[0] == wire.endpoint_of(stream.lease.url)
+        self.streams[r.rid] = (stream, requests, responses)
+        return stream.lease.decision
+
+    async def finish(self, t: float, rid: str) -> None:
+        self.now = t
+        stream, requests, responses = self.streams.pop(rid)
+        served = struct_pb2.Struct()
+        served.update({wire.SERVED: wire.endpoint_of(stream.lease.url)})
+        requests.put(ep.ProcessingRequest(response_headers=_http_headers({":status": "200"}),
+                                          metadata_context=base_pb2.Metadata(filter_metadata={wire.LB_NAMESPACE: served})))
+        await responses.__anext__()
+        requests.put(ep.ProcessingRequest(response_body=ep.HttpBody(body=b"", end_of_stream=True)))
+        await responses.__anext__()
+        requests.put(None)
+        async for _ in responses:
+            pass
+
+
+async def _call(result):
+    return await result if asyncio.iscoroutine(result) else result
+
+
+# -- one sequence, fed to all four in lockstep -----------------------------------------------------------
 def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1000, 30000) for _ in range(n)]
 
 
 async def _replay(policy: str, seed: int) -> list[Decision]:
-    drivers = [FleetDriver(policy), RayDriver(policy), SimDriver(policy)]
+    drivers = [FleetDriver(policy), RayDriver(policy), SimDriver(policy), EppDriver(policy)]
     rng = random.Random(seed)
     systems = [_tokens(rng, 3 * BS) for _ in range(2)]
     # A holds system prompt 0 from the start, C the first 2 blocks of system prompt 1, B nothing
@@ -221,7 +342,7 @@ async def _replay(policy: str, seed: int) -> list[Decision]:
             if inflight:
                 rid, url, prep = inflight.pop(rng.randrange(len(inflight)))
                 for d in drivers:
-                    d.finish(t, rid)
+                    await _call(d.finish(t, rid))
                 new = tuple(h for h in prep.block_hashes(BS, SEED) if h not in held[url])
                 if new and rng.random() < 0.8:
                     held[url].update(new)
@@ -245,17 +366,18 @@ async def _replay(policy: str, seed: int) -> list[Decision]:
         else:
             prep = PreparedRequest(systems[rng.randrange(2)] + _tokens(rng, rng.randrange(1, 30)), None, None, True)
         rid = f"r{step}"
-        got = [d.request(t, Request(rid, prep)) for d in drivers]
-        assert got[0] == got[1] == got[2], (policy, step, got)
+        got = [await _call(d.request(t, Request(rid, prep))) for d in drivers]
+        assert got[0] == got[1] == got[2] == got[3], (policy, step, got)
         decisions.append(got[0])
         inflight.append((rid, got[0].url, prep))
     drivers[1].state.close()
+    await drivers[3].close()
     return decisions
 
 
 @pytest.mark.parametrize("policy", ["kv", "approx-prefix", "session", "least-load", "round-robin"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_the_three_drivers_make_the_same_decisions(policy, seed):
+def test_the_four_drivers_make_the_same_decisions(policy, seed):
     decisions = asyncio.run(_replay(policy, seed))
     reasons = {d.reason for d in decisions}
     # the sequence reaches the policy's rules: cache hits and misses, session keys, load

@@ -120,6 +120,13 @@ TOGGLES: dict[str, dict] = {
     "fair-queue-hpa": {**ALL_POOLS, "engineDefaults": {"autoscaling": {"enabled": True}},
                        "autoscaling": {"mode": "hpa"}, "router": {"fairQueue": {"replicaSlots": 8},
                                                                   "forwardPriority": True}},
+    "inferencepool": {**ALL_POOLS, "gateway": {"inferencePool": {
+        "enabled": True, "gatewayRef": {"name": "inference-gateway", "namespace": "gateway-system"},
+        "hostnames": ["llm.example.com"], "objectives": {"batch": -10}}},
+        "router": {"tenants": {"enabled": True, "config": {"tenants": {
+            "acme": {"api_key_sha256": ["a" * 64], "tokens_per_minute": 20000, "priority": 5}}}}}},
+    "inferencepool-mixed": {**MIXED, "gateway": {"inferencePool": {"enabled": True, "failureMode": "FailOpen",
+                                                                    "gatewayRef": {"name": "gw"}}}},
     "fair-queue-keda": {**ALL_POOLS, "engineDefaults": {"autoscaling": {"enabled": True}},
                         "autoscaling": {"mode": "keda"}, "router": {"fairQueue": {"replicaSlots": 8}}},
 }

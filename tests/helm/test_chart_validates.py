@@ -14,7 +14,7 @@ import pytest
 from tests.helm import crd_schema
 from tests.helm.chart import CHART, KUBE_VERSIONS, TOGGLES, render
 
-CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject", "HTTPRoute"}
+CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject", "HTTPRoute", "InferencePool", "InferenceObjective"}
 
 
 @cache
@@ -72,7 +72,7 @@ def test_kubernetes_validation_catches_a_misspelt_field():
         kubernetes_validate.validate(bad, KUBE_VERSIONS[0], strict=True)
 
 
-@pytest.mark.parametrize("toggle", ["default", "hpa", "keda", "monitoring", "httproute"])
+@pytest.mark.parametrize("toggle", ["default", "hpa", "keda", "monitoring", "httproute", "inferencepool"])
 def test_helm_lint_strict_is_clean(toggle):
     for version in KUBE_VERSIONS:
         report = helm.lint(str(CHART), TOGGLES[toggle], strict=True, kube_version=f"v{version}.0")

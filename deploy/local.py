@@ -148,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prometheus-port", type=int, default=None, help="its port (default: a free one)")
     p.add_argument("--prometheus-interval", type=float, default=5.0,
                    help="its scrape and rule evaluation interval in seconds (default 5)")
+    p.add_argument("--epp", action="store_true",
+                   help="also start an endpoint picker (`kvfleet epp`: Envoy ext_proc on --epp-port, its /metrics and "
+                   "/ready on --epp-metrics-port) over the same engines, for a local gateway")
+    p.add_argument("--epp-port", type=int, default=9002, help="the picker's gRPC port (default %(default)s)")
+    p.add_argument("--epp-metrics-port", type=int, default=9090, help="its HTTP port (default %(default)s)")
     p.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: extra flags for every engine")
     return p
 
@@ -155,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _check(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if ns.replicas < 1:
         parser.error(f"--replicas must be >= 1, got {ns.replicas}")
-    for name in ("port", "engine_port"):
+    for name in ("port", "engine_port", "epp_port", "epp_metrics_port"):
         if not 1 <= getattr(ns, name) <= 65535:
             parser.error(f"--{name.replace('_', '-')} must be in 1..65535")
     if ns.threads_per_engine is not None and ns.threads_per_engine < 1:
@@ -180,6 +185,13 @@ def _check(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--engine-port + engines runs past port 65535")
     if ns.port in range(ns.engine_port, ns.engine_port + total):
         parser.error(f"--port {ns.port} collides with the engine ports {ns.engine_port}..")
+    if ns.epp:
+        for name in ("epp_port", "epp_metrics_port"):
+            port = getattr(ns, name)
+            if port == ns.port or port in range(ns.engine_port, ns.engine_port + total):
+                parser.error(f"--{name.replace('_', '-')} {port} collides with the router's or an engine's port")
+        if ns.epp_port == ns.epp_metrics_port:
+            parser.error("--epp-port and --epp-metrics-port must differ")
     if any(m.engine == "vllm" for m in ns.served):
         if ns.engine_module:
             parser.error("--engine-module runs kvfleet-like engines; it cannot stand in for vLLM")
@@ -302,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         router_url = f"http://{ns.host}:{ns.port}"
         router.append(Child("router", router_argv(ns, py, placed, log_dir), router_url,
                             os.path.join(log_dir, "router.log")))
+        if ns.epp:  # stopped with the router, before the engines
+            router.append(Child("epp", epp_argv(ns, py, placed, log_dir), f"http://{ns.host}:{ns.epp_metrics_port}",
+                                os.path.join(log_dir, "epp.log")))
         if ns.prometheus:
             others.append(_prometheus_child(ns, log_dir, [e.url for e in engines], router_url))
         children = [*engines, *router, *others]
@@ -311,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         if problem is not None:
             print(f"kvfleet up: {problem}", file=sys.stderr, flush=True)
             return 130 if problem == "interrupted" else 1
+        if ns.epp:
+            print(f"Endpoint picker (Envoy ext_proc, gRPC): {ns.host}:{ns.epp_port}; its metrics: "
+                  f"{router[1].url}/metrics", flush=True)
         print(_banner(router_url, [e.url for e in engines], [m.name for m in ns.served],
                       others[0].url if others else None), flush=True)
         while stop["signal"] is None:
@@ -331,11 +349,17 @@ def main(argv: list[str] | None = None) -> int:
         print("kvfleet up: stopped", flush=True)
 
 
-def router_argv(ns: argparse.Namespace, py: str, placed: list, log_dir: str) -> list[str]:
+def epp_argv(ns: argparse.Namespace, py: str, placed: list, log_dir: str) -> list[str]:
+    """The endpoint picker over the router's replicas, pools and tenants (the same flags, its own ports)."""
+    return router_argv(ns, py, placed, log_dir, "epp", ns.epp_port) + ["--metrics-port", str(ns.epp_metrics_port)]
+
+
+def router_argv(ns: argparse.Namespace, py: str, placed: list, log_dir: str, command: str = "router",
+                port: int | None = None) -> list[str]:
     """One kvfleet model: its replicas, its tokenizer, and requests without a model get it. Several (or a vLLM
     one): a pools file, one pool per model, each with its model's tokenizer."""
-    argv = [py, "-m", "kvfleet", "router", "--host", ns.host, "--port", str(ns.port), "--policy", ns.policy,
-            "--log-level", "warning"]
+    argv = [py, "-m", "kvfleet", command, "--host", ns.host, "--port", str(ns.port if port is None else port),
+            "--policy", ns.policy, "--log-level", "warning"]
     (model, urls, _), *more = placed
     if not more and model.engine == "kvfleet":
         argv += ["--model", model.source, "--replicas", ",".join(urls), "--default-model", model.name]

@@ -226,3 +226,36 @@ def yaml_dump(data) -> str:
     import yaml
 
     return yaml.safe_dump(data, sort_keys=False)
+
+
+def test_up_with_the_picker_beside_the_engines(tmp_path):
+    """`kvfleet up --epp`: an endpoint picker over the same engines; a gateway's request through it reaches one,
+    and stopping leaves nothing behind."""
+    from tests.router.epp.gateway import Gateway, wait_serving
+
+    grpc_port = free_ports(2)
+    metrics_port = grpc_port + 1
+    proc, port = start_up(tmp_path, "--engine-module", "loadtest.fake_engine", "--replicas", "2", "--epp",
+                          "--epp-port", str(grpc_port), "--epp-metrics-port", str(metrics_port))
+    try:
+        banner = read_until(proc, "Ctrl-C to stop", 60)
+        assert f"127.0.0.1:{grpc_port}" in banner
+        kids = descendants(proc.pid)
+        wait_serving(f"127.0.0.1:{grpc_port}", timeout=30)
+        got = Gateway(f"127.0.0.1:{grpc_port}").send("/v1/chat/completions", {
+            "model": "smollm2", "messages": [{"role": "user", "content": "hi"}]})
+        assert got.status == 200, got.body
+        assert got.served in (f"127.0.0.1:{port + 1}", f"127.0.0.1:{port + 2}")
+        assert httpx.get(f"http://127.0.0.1:{metrics_port}/ready").status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=40) == 0
+        assert not [p for p in kids if alive(p)]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_up_refuses_picker_ports_that_collide(tmp_path):
+    proc, port = start_up(tmp_path, "--epp", "--epp-port", "9002", "--epp-metrics-port", "9002")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and "must differ" in out

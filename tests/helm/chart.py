@@ -125,6 +125,9 @@ TOGGLES: dict[str, dict] = {
         "hostnames": ["llm.example.com"], "objectives": {"batch": -10}}},
         "router": {"tenants": {"enabled": True, "config": {"tenants": {
             "acme": {"api_key_sha256": ["a" * 64], "tokens_per_minute": 20000, "priority": 5}}}}}},
+    "inferencepool-networkpolicy": {"networkPolicy": {"enabled": True, "gatewayFrom": [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway-system"}}}]},
+        "gateway": {"inferencePool": {"enabled": True, "gatewayRef": {"name": "gw"}}}},
     "inferencepool-mixed": {**MIXED, "gateway": {"inferencePool": {"enabled": True, "failureMode": "FailOpen",
                                                                     "gatewayRef": {"name": "gw"}}}},
     "fair-queue-keda": {**ALL_POOLS, "engineDefaults": {"autoscaling": {"enabled": True}},

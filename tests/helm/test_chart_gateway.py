@@ -124,3 +124,14 @@ def test_the_crd_check_is_not_vacuous_for_inference_pools(r):
     assert any("targetPort" in e for e in crd_schema.errors(bad))
     nine = {**ip, "spec": {**ip["spec"], "targetPorts": [{"number": 8000 + i} for i in range(9)]}}
     assert any(e.startswith("spec.targetPorts") for e in crd_schema.errors(nine))
+
+
+def test_with_network_policies_pickers_and_the_gateway_reach_the_engines():
+    r = render(TOGGLES["inferencepool-networkpolicy"])
+    rules = r.one("NetworkPolicy", f"{FULL}-engines")["spec"]["ingress"]
+    froms = [rule.get("from") for rule in rules]
+    assert [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvfleet", "app.kubernetes.io/instance": RELEASE,
+                                             "app.kubernetes.io/component": "epp"}}}] in froms
+    assert [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway-system"}}}] in froms
+    assert not [rule for rule in render({"networkPolicy": {"enabled": True}}).one(
+        "NetworkPolicy", f"{FULL}-engines")["spec"]["ingress"] if "from" not in rule]

@@ -1,11 +1,12 @@
 """The placement core: which replica of a pool takes one request, and the bookkeeping of what went where.
 
-The HTTP router (fleet.py), the Ray Serve request router (deploy/ray/routing_state.py) and the fleet simulator
-(kvfleet/sim/) drive this one object. Each feeds it what it observes - membership, readiness, load readings,
+The HTTP router (fleet.py), the endpoint picker (router/epp/, through the same Fleet), the Ray Serve request router
+(deploy/ray/routing_state.py) and the fleet simulator (kvfleet/sim/) drive this one object. Each feeds it what it observes - membership, readiness, load readings,
 KV events (into `index`, through kv_events.EventApplier), first tokens and finishes - and asks it to place
 requests. It owns the exact index (from KV events) and the approximate one (from where it sent prompts), one
 `ReplicaState` per replica (router/routing/replicas.py: readiness, load, this router's in-flight and pending
-prefill, circuit breaker), the pools' members and session rings, and the turn counter that rotates ties.
+prefill, circuit breaker), the pools' members and session rings, and the turn counter that rotates ties; what
+each replica holds of a prompt, the views the policy sees, is router/routing/prediction.py's.
 Pure: no I/O, and no clock of its own (every call that needs the time takes `now`).
 
     placement = Placement(POLICIES["kv"], PlacementConfig(scoring, block_size=16))
@@ -27,6 +28,7 @@ from router.config import ScoringConfig
 from router.routing.approx_index import ApproxPrefixIndex
 from router.routing.inflight_prefixes import InflightPrefixes
 from router.routing.policies import Decision, HashRing, IndexKind, Policy, ReplicaView, RouteRequest
+from router.routing.prediction import Prediction
 from router.routing.prefix_index import PrefixIndex
 from router.routing.pull_rates import PullRates
 from router.routing.replicas import CircuitBreaker, EngineLoad, ReplicaState, Ticket
@@ -113,6 +115,7 @@ class Placement:
         self.pool_of: dict[str, str] = {}  # replica -> its pool
         self.rings: dict[str, HashRing] = {}  # pool -> the session ring over its members
         self.turn = 0  # advanced once per decision: rotates ties (and round-robin)
+        self.prediction = Prediction(self)  # what each replica holds of a prompt: the views the policy sees
 
     # -- membership ----------------------------------------------------------------------------------------
     def set_members(self, pool: str, replicas: Iterable[str]) -> Membership:
@@ -275,78 +278,19 @@ class Placement:
         return self.cfg.scoring.pull_token_cost > 0
 
     @property
-    def _inflight_on(self) -> bool:
+    def inflight_on(self) -> bool:
+        """With pulls on: prompts routed count as on their way into the replica's cache."""
         return self.pulls and self.cfg.inflight_s > 0
 
     def predict_cached(self, prompt: Prompt, replicas: Sequence[str], now: float | None = None,
                        on_the_way: set[str] | None = None, tiered: dict[str, int] | None = None) -> dict[str, int]:
-        """Per replica, the prompt tokens its prefix cache holds: from the exact index where its KV events are
-        live (hashed with the block size and seed of its snapshot), from the approximate index where the policy
-        falls back to it; no entry where neither predicts. With pulls on (and `now` given), a prompt routed to an
-        exact-index replica in the last cfg.inflight_s seconds counts as held there already (on_the_way, if given,
-        collects the replicas predicted so). tiered, if given, gets per replica the tokens past its cached prefix its
-        lower tier holds."""
-        needs = self.policy.needs
-        out: dict[str, int] = {}
-        approx: list[str] = []
-        exact: dict[tuple[int, int], list[str]] = {}
-        for r in replicas:
-            kind = needs.index_for(self.replicas[r].kv_events)
-            if kind is IndexKind.APPROX:
-                approx.append(r)
-            elif kind is IndexKind.EXACT and (params := self.index.params.get(r)) is not None:
-                exact.setdefault(params, []).append(r)
-        for (bs, seed), group in exact.items():
-            hashes = prompt.block_hashes(bs, seed)
-            if hashes is not None:
-                matched = self.index.matched_blocks(hashes, group)
-                out.update((r, n * bs) for r, n in matched.items())
-                if tiered is not None:
-                    for r, n in matched.items():
-                        if (t := self.index.tier_run(hashes, r, n)) > 0:
-                            tiered[r] = t * bs
-                if now is not None and self._inflight_on:
-                    for r, n in self.inflight.matched_blocks(hashes, group, now).items():
-                        if n * bs > out.get(r, 0):
-                            out[r] = n * bs
-                            if tiered is not None:
-                                tiered.pop(r, None)
-                            if on_the_way is not None:
-                                on_the_way.add(r)
-        if approx and (hashes := prompt.block_hashes(self.cfg.block_size, self.cfg.hash_seed)) is not None:
-            bs = self.cfg.block_size
-            out.update((r, n * bs) for r, n in self.approx.matched_blocks(hashes, approx).items())
-        return out
+        """Per replica, the prompt tokens its prefix cache holds (router/routing/prediction.py)."""
+        return self.prediction.predict_cached(prompt, replicas, now, on_the_way, tiered)
 
     def views(self, prompt: Prompt, replicas: Sequence[str], now: float,
               excluded: set[str] | frozenset[str] = frozenset()) -> list[ReplicaView]:
-        """What the policy sees of each replica for this request (an excluded one is not routable)."""
-        on_the_way: set[str] = set()
-        tiered: dict[str, int] = {}
-        cached = self.predict_cached(prompt, replicas, now, on_the_way, tiered)
-        adapter = getattr(prompt, "adapter", None)
-        views = [self.replicas[r].view(now, self.cfg.stale_s, cached.get(r, 0), r in excluded, adapter)
-                 for r in replicas]
-        if tiered:
-            views = [replace(v, tier_tokens=tiered[v.url]) if v.url in tiered else v for v in views]
-        if self.cfg.scoring.pull_token_cost <= 0:
-            return views
-        sources = sorted(((n, r) for r, n in cached.items() if n > 0 and self.replicas[r].ready), reverse=True)[:2]
-        if not sources:
-            return views
-        # a source whose copy is on the way streams it as its prefill computes it: the pull waits for that prefill
-        wait = {r: v.pending_tokens for v in views if (r := v.url) in on_the_way}
-        out = []
-        for v in views:
-            n, r = next(((n, r) for n, r in sources if r != v.url), (0, ""))
-            out.append(replace(v, peer_cached_tokens=n, peer_wait_tokens=wait.get(r, 0), peer_on_the_way=r in on_the_way))
-        return out
-
-    def pull_source(self, decision: Decision, views: Sequence[ReplicaView]) -> str | None:
-        """The ready replica other than the chosen one holding the most of the prompt (where it pulls from)."""
-        best = max(((v.cached_tokens, v.url) for v in views if v.url != decision.url and self.replicas[v.url].ready),
-                   default=None)
-        return best[1] if best is not None and best[0] > 0 else None
+        """What the policy sees of each replica for this request (router/routing/prediction.py)."""
+        return self.prediction.views(prompt, replicas, now, excluded)
 
     # -- placing -------------------------------------------------------------------------------------------
     def choose(self, prompt: Prompt, now: float, pool: str = DEFAULT_POOL,
@@ -372,7 +316,7 @@ class Placement:
         d = self.policy.choose(views, RouteRequest(prompt.num_prompt_tokens, prompt.session_key), scoring, ring,
                                turn)
         if d is not None and d.pull_tokens:
-            source = self.pull_source(d, views)
+            source = self.prediction.pull_source(d, views)
             pending = any(v.url == d.url and v.peer_on_the_way for v in views)
             d = replace(d, pull_from=source, pull_pending=pending) if source is not None else replace(
                 d, pull_tokens=0, predicted_cached_tokens=d.predicted_cached_tokens - d.pull_tokens)
@@ -392,7 +336,7 @@ class Placement:
             hashes = prompt.block_hashes(self.cfg.block_size, self.cfg.hash_seed)
             if hashes:
                 self.approx.record(replica, hashes)
-        elif kind is IndexKind.EXACT and self._inflight_on and (params := self.index.params.get(replica)) is not None:
+        elif kind is IndexKind.EXACT and self.inflight_on and (params := self.index.params.get(replica)) is not None:
             hashes = prompt.block_hashes(*params)
             if hashes:
                 self.inflight.record(replica, hashes, now)

@@ -1,0 +1,94 @@
+"""What each replica holds of one prompt, for the placement core (router/routing/placement.py): its prefix-cache hit
+from the exact index (KV events, hashed with each replica's own block size and seed) or the approximate one (where
+the router sent prompts), with pulls on the prompts on their way into a cache, the tokens a lower KV tier holds, and
+the peers a replica could pull from - the replica views the policy chooses over. Pure: it reads the core's indexes
+and replica states, and changes nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from router.routing.policies import Decision, IndexKind, ReplicaView
+
+if TYPE_CHECKING:
+    from router.routing.placement import Placement, Prompt
+
+
+class Prediction:
+    def __init__(self, placement: Placement):
+        self.p = placement
+
+    def predict_cached(self, prompt: Prompt, replicas: Sequence[str], now: float | None = None,
+                       on_the_way: set[str] | None = None, tiered: dict[str, int] | None = None) -> dict[str, int]:
+        """Per replica, the prompt tokens its prefix cache holds: from the exact index where its KV events are
+        live (hashed with the block size and seed of its snapshot), from the approximate index where the policy
+        falls back to it; no entry where neither predicts. With pulls on (and `now` given), a prompt routed to an
+        exact-index replica in the last cfg.inflight_s seconds counts as held there already (on_the_way, if given,
+        collects the replicas predicted so). tiered, if given, gets per replica the tokens past its cached prefix its
+        lower tier holds."""
+        p = self.p
+        needs = p.policy.needs
+        out: dict[str, int] = {}
+        approx: list[str] = []
+        exact: dict[tuple[int, int], list[str]] = {}
+        for r in replicas:
+            kind = needs.index_for(p.replicas[r].kv_events)
+            if kind is IndexKind.APPROX:
+                approx.append(r)
+            elif kind is IndexKind.EXACT and (params := p.index.params.get(r)) is not None:
+                exact.setdefault(params, []).append(r)
+        for (bs, seed), group in exact.items():
+            hashes = prompt.block_hashes(bs, seed)
+            if hashes is not None:
+                matched = p.index.matched_blocks(hashes, group)
+                out.update((r, n * bs) for r, n in matched.items())
+                if tiered is not None:
+                    for r, n in matched.items():
+                        if (t := p.index.tier_run(hashes, r, n)) > 0:
+                            tiered[r] = t * bs
+                if now is not None and p.inflight_on:
+                    for r, n in p.inflight.matched_blocks(hashes, group, now).items():
+                        if n * bs > out.get(r, 0):
+                            out[r] = n * bs
+                            if tiered is not None:
+                                tiered.pop(r, None)
+                            if on_the_way is not None:
+                                on_the_way.add(r)
+        if approx and (hashes := prompt.block_hashes(p.cfg.block_size, p.cfg.hash_seed)) is not None:
+            bs = p.cfg.block_size
+            out.update((r, n * bs) for r, n in p.approx.matched_blocks(hashes, approx).items())
+        return out
+
+    def views(self, prompt: Prompt, replicas: Sequence[str], now: float,
+              excluded: set[str] | frozenset[str] = frozenset()) -> list[ReplicaView]:
+        """What the policy sees of each replica for this request (an excluded one is not routable)."""
+        p = self.p
+        on_the_way: set[str] = set()
+        tiered: dict[str, int] = {}
+        cached = self.predict_cached(prompt, replicas, now, on_the_way, tiered)
+        adapter = getattr(prompt, "adapter", None)
+        views = [p.replicas[r].view(now, p.cfg.stale_s, cached.get(r, 0), r in excluded, adapter)
+                 for r in replicas]
+        if tiered:
+            views = [replace(v, tier_tokens=tiered[v.url]) if v.url in tiered else v for v in views]
+        if p.cfg.scoring.pull_token_cost <= 0:
+            return views
+        sources = sorted(((n, r) for r, n in cached.items() if n > 0 and p.replicas[r].ready), reverse=True)[:2]
+        if not sources:
+            return views
+        # a source whose copy is on the way streams it as its prefill computes it: the pull waits for that prefill
+        wait = {r: v.pending_tokens for v in views if (r := v.url) in on_the_way}
+        out = []
+        for v in views:
+            n, r = next(((n, r) for n, r in sources if r != v.url), (0, ""))
+            out.append(replace(v, peer_cached_tokens=n, peer_wait_tokens=wait.get(r, 0), peer_on_the_way=r in on_the_way))
+        return out
+
+    def pull_source(self, decision: Decision, views: Sequence[ReplicaView]) -> str | None:
+        """The ready replica other than the chosen one holding the most of the prompt (where it pulls from)."""
+        p = self.p
+        best = max(((v.cached_tokens, v.url) for v in views if v.url != decision.url and p.replicas[v.url].ready),
+                   default=None)
+        return best[1] if best is not None and best[0] > 0 else None

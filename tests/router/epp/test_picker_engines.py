@@ -58,8 +58,8 @@ def picker(procs, replicas: list[str], *extra: str):
     port = free_port()
     p = procs(["-m", "router.epp.main", "--port", str(port), "--replicas", ",".join(replicas), "--model", "smollm2",
                "--default-model", "smollm2", "--health-interval", "0.2", "--scrape-interval", "0.2",
-               "--metrics-port", str(free_port()),
-               "--log-level", "warning", *TOKEN, *extra], f"grpc://127.0.0.1:{port}", f"epp-{port}")
+               "--metrics-port", str(metrics_port := free_port()),
+               "--log-level", "warning", *TOKEN, *extra], f"http://127.0.0.1:{metrics_port}", f"epp-{port}")
     address = f"127.0.0.1:{port}"
     wait_serving(address, p, timeout=120)
     return p, address
@@ -125,8 +125,10 @@ def test_with_the_primary_down_the_fallbacks_serve_in_order(procs, engines):
     down = f"127.0.0.1:{stub.server_address[1]}"
     # round robin makes the endpoint that went down the primary every third request; a long health interval
     # keeps the picker from seeing it go before the gateway does
-    _, address = picker(procs, [e.url for e in engines] + [f"http://{down}"], "--policy", "round-robin",
+    p, address = picker(procs, [e.url for e in engines] + [f"http://{down}"], "--policy", "round-robin",
                         "--health-interval", "30", "--fallbacks", "2")
+    wait_for(lambda: metric(httpx.get(p.url + "/metrics").text, "kvfleet_router_replica_ready",
+                            replica=f"http://{down}") == 1, what="the picker to see the endpoint that goes down")
     stub.shutdown()
     stub.server_close()
     gw = Gateway(address)

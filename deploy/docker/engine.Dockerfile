@@ -34,6 +34,7 @@ RUN python3 -m venv /opt/kvfleet \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY contract ./contract
+COPY serving ./serving
 COPY engine ./engine
 COPY router ./router
 COPY kvfleet ./kvfleet

@@ -24,6 +24,7 @@ RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_
 
 COPY pyproject.toml README.md ./
 COPY contract ./contract
+COPY serving ./serving
 COPY engine ./engine
 COPY router ./router
 COPY kvfleet ./kvfleet

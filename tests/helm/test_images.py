@@ -79,7 +79,7 @@ def _third_party_imports(paths: list[Path]) -> set[str]:
                 names |= {a.name.split(".")[0] for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names.add(node.module.split(".")[0])
-    own = {"contract", "engine", "router", "kvfleet", "deploy", "loadtest"}
+    own = {"contract", "serving", "engine", "router", "kvfleet", "deploy", "loadtest"}
     return {n for n in names if n not in own and n not in sys.stdlib_module_names}
 
 
@@ -88,6 +88,7 @@ def test_router_requirements_cover_what_the_router_imports():
     other commands: bench/, sim/, profile, capacity and their workloads), and the one tokenizer path."""
     others = {"profile.py", "capacity.py", "workload.py", "peers.py"}
     files = [*sorted((ROOT / "router").rglob("*.py")), *sorted((ROOT / "contract").rglob("*.py")),
+             *sorted((ROOT / "serving").rglob("*.py")),
              *sorted(p for p in (ROOT / "kvfleet").glob("*.py") if p.name not in others),
              ROOT / "engine" / "tokenizer.py",
              ROOT / "engine" / "model" / "registry.py", ROOT / "engine" / "__init__.py",

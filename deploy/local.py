@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prometheus-port", type=int, default=None, help="its port (default: a free one)")
     p.add_argument("--prometheus-interval", type=float, default=5.0,
                    help="its scrape and rule evaluation interval in seconds (default 5)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="start every kvfleet engine with --deterministic (tokens and logprobs independent of the batch "
+                        "and of the cache; docs/engine.md#determinism)")
     p.add_argument("--epp", action="store_true",
                    help="also start an endpoint picker (`kvfleet epp`: Envoy ext_proc on --epp-port, its /metrics and "
                    "/ready on --epp-metrics-port) over the same engines, for a local gateway")
@@ -160,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _check(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if ns.replicas < 1:
         parser.error(f"--replicas must be >= 1, got {ns.replicas}")
+    if ns.deterministic and ns.engine != "kvfleet":
+        parser.error(f"--deterministic is a flag of kvfleet's engine, not of --engine {ns.engine}")
     for name in ("port", "engine_port", "epp_port", "epp_metrics_port"):
         if not 1 <= getattr(ns, name) <= 65535:
             parser.error(f"--{name.replace('_', '-')} must be in 1..65535")
@@ -263,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     _check(ns, parser)
     extra = ns.engine_args[1:] if ns.engine_args[:1] == ["--"] else ns.engine_args
+    if ns.deterministic and not ns.engine_module:
+        extra = ["--deterministic", *extra]
     log_dir = ns.log_dir or tempfile.mkdtemp(prefix="kvfleet-up-")
     os.makedirs(log_dir, exist_ok=True)
     usable = sorted(os.sched_getaffinity(0))

@@ -48,6 +48,7 @@ class EngineArgs:
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; default: every core this process may use
     cpu_cores: str | None = None  # Linux CPU list ("0", "0-1", "0,2-3") to pin the engine to; default: no pinning
+    deterministic: bool = False  # a request's tokens and logprobs independent of its batch and of the cache
     cuda_graphs: bool = False  # decode steps replay CUDA graphs (CUDA + triton backend); off until a GPU run shows equal tokens
     engine_core: str = "process"  # process: the core in a process of its own (engine/core/); thread: in the server's
     enable_lora: bool = False  # serve LoRA adapters (implied by lora_modules); off: the projections are untouched
@@ -106,6 +107,12 @@ class EngineArgs:
         if self.cpu_cores is not None:
             _cpu_cores(self.cpu_cores)
         _check(isinstance(self.cuda_graphs, bool), "--cuda-graphs", "must be a bool")
+        _check(isinstance(self.deterministic, bool), "--deterministic", "must be a bool")
+        _check(not (self.deterministic and (self.enable_lora or self.lora_modules)), "--deterministic",
+               "does not cover LoRA adapters yet (their products take batch-dependent paths); "
+               "drop --enable-lora / --lora-modules or --deterministic")
+        _check(not (self.deterministic and self.dtype == "float16"), "--deterministic",
+               "runs bfloat16 and float32 models; --dtype float16 is not covered")
         _check(isinstance(self.enable_lora, bool), "--enable-lora", "must be a bool")
         if isinstance(self.lora_modules, (list, dict)):  # from code: a list of pairs or {name: path}
             pairs = self.lora_modules.items() if isinstance(self.lora_modules, dict) else self.lora_modules
@@ -198,6 +205,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--cpu-cores", default=None,
                    help="pin the engine process to these cores, a Linux CPU list like 0, 0-1 or 0,2-3 "
                         "(default: no pinning)")
+    g.add_argument("--deterministic", action="store_true", default=d.deterministic,
+                   help="bit-for-bit the same tokens and logprobs for a request whatever else shares its steps and "
+                        "whatever the prefix cache holds (batch-invariant kernels with fixed reduction orders; CPUs "
+                        "with the fused kernels, bfloat16 or float32, no LoRA). Default: off, the fastest kernel per "
+                        "step size; see docs/engine.md#determinism")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=d.cuda_graphs,
                    help="replay CUDA graphs of the decode step (CUDA with the triton backend; captured at start-up). "
                         "Off by default: not yet verified on a GPU")

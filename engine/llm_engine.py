@@ -38,6 +38,7 @@ from engine.kv.tier import KVTier
 from engine.lora.manager import lora_manager
 from engine.memory_profile import cuda_baseline, host_memory_bytes, profile_cuda, tensor_bytes
 from engine.model.cpu_layers import use_cpu_kernels
+from engine.model.invariant_linear import deterministic_view
 from engine.model.llama import ModelConfig
 from engine.model.loader import load_hf_config, load_model, resolve_dtype
 from engine.model.registry import resolve_model
@@ -113,8 +114,16 @@ class LLMEngine:
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self.block_size = args.block_size
         self.hash_seed = args.hash_seed
-        backend = get_attention_backend(args.attention_backend, self.device, self.dtype)
-        if backend.name == "cpu" and self.dtype in (torch.bfloat16, torch.float32):
+        try:
+            backend = get_attention_backend(args.attention_backend, self.device, self.dtype, args.deterministic)
+        except ValueError as e:
+            if not args.deterministic:
+                raise
+            raise ConfigError("--deterministic", f"--deterministic: {e}") from None
+        if args.deterministic:  # on a copy of the modules: another engine may serve the same loaded model
+            self.model = deterministic_view(self.model)
+            use_cpu_kernels(self.model, deterministic=True)
+        elif backend.name == "cpu" and self.dtype in (torch.bfloat16, torch.float32):
             use_cpu_kernels(self.model)  # the fused kernels serve this model: the layers' glue runs through them too
         elif backend.name == "triton":
             use_triton_layers(self.model)  # residual+norm, rotary+KV write, SiLU x up: one Triton kernel each
@@ -360,6 +369,7 @@ class LLMEngine:
             num_preemptions=kv.num_preemptions, alloc_failures=kv.alloc_failures, evictions=kv.evictions,
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
             oom_events=self.oom_events, gpu_memory_used_bytes=self._gpu_memory_used(),
+            deterministic=self.args.deterministic,
             num_free_blocks=kv.num_free_blocks, num_cached_blocks=len(kv.pool.cached),
             **(self._tier_stats() if self.offload is not None else {}),
             **(self._lora_stats() if self.lora is not None else {}))

@@ -23,8 +23,10 @@ set of best tokens whose mass, renormalized after top-k, reaches top_p) → min-
 probability is below min_p × the best one's) → one draw by inverse CDF.
 
 Seeds: a row whose request has a `seed` draws its uniform number from a pure function of
-(seed, seq.index, number of tokens generated so far), so the same request samples the same tokens in
-every run, in any batch, in any order, and after preemption; the sampler keeps no per-sequence state
+(seed, seq.index, the position of the token it samples: prompt and output so far), so the same request samples
+the same tokens in every run, in any batch, in any order, after preemption, and in the continuation that goes on
+with a stream moved to another replica (its prompt is the original prompt and what was generated, so the
+positions go on; a moved choice of n > 1 continues as choice 0); the sampler keeps no per-sequence state
 (nothing to free when a sequence finishes). Rows without a seed draw from the sampler's own generator.
 
 Logprobs are of the model's raw distribution (log-softmax of the unprocessed logits, like vLLM's
@@ -59,7 +61,7 @@ class SamplerOutput:
 
 
 def seeded_uniform(seed: int, index: int, position: int) -> float:
-    """The uniform number in [0, 1) that a seeded row uses for its `position`-th output token."""
+    """The uniform number in [0, 1) that a seeded row uses for the token at `position` (prompt included)."""
     h = _splitmix64(seed & _MASK64)
     h = _splitmix64(h ^ (index & _MASK64))
     h = _splitmix64(h ^ (position & _MASK64))
@@ -101,7 +103,7 @@ class Sampler:
         rows = [i for i, g in enumerate(greedy) if not g]
         dev = x.device
         tokens = argmax(x) if len(rows) < len(seqs) else torch.empty(len(seqs), dtype=torch.long, device=dev)
-        u = torch.tensor([seeded_uniform(params[i].seed, seqs[i].index, seqs[i].num_output_tokens)
+        u = torch.tensor([seeded_uniform(params[i].seed, seqs[i].index, seqs[i].num_tokens)
                           if params[i].seed is not None else self._rng.random() for i in rows],
                          dtype=torch.float64, device=dev)
         rows_t = torch.tensor(rows, device=dev)

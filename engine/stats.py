@@ -26,6 +26,7 @@ class EngineStats:
     num_free_blocks: int = 0  # blocks no request holds (cached ones among them, evictable)
     num_cached_blocks: int = 0  # blocks whose content the prefix cache holds (held or free)
     max_loras: int = 0  # adapter slots per step (0: LoRA off)
+    deterministic: bool = False  # --deterministic: batch-invariant kernels
     tier_blocks: int = 0  # blocks the lower tier holds (--kv-tier-gib)
     tier_bytes: int = 0
     tier_spilled_blocks: int = 0  # evicted blocks it took, since start

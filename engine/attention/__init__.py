@@ -25,15 +25,18 @@ __all__ = ["AttentionBackend", "AttentionMetadata", "BACKEND_NAMES", "get_attent
 
 
 def get_attention_backend(name: str = "auto", device: torch.device | str | None = None,
-                          dtype: torch.dtype | None = None) -> AttentionBackend:
+                          dtype: torch.dtype | None = None, deterministic: bool = False) -> AttentionBackend:
     """The backend `name` for tensors of `dtype` on `device` (default: CPU).
 
     "triton" on a non-CUDA device is only allowed under the Triton interpreter (TRITON_INTERPRET=1),
-    which is how the kernels are tested on CPUs.
+    which is how the kernels are tested on CPUs. deterministic (--deterministic): the cpu backend's
+    batch-invariant mode, on CPUs only ("auto" picks it for float32 too).
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention backend {name!r} is unknown; choose one of {', '.join(BACKEND_NAMES)}")
     dev = torch.device(device if device is not None else "cpu")
+    if deterministic:
+        return _deterministic_backend(name, dev)
     if name == "auto":
         name = "triton" if dev.type == "cuda" else ("cpu" if use_cpu_kernels(dev, dtype) else "torch")
         if name == "triton" and importlib.util.find_spec("triton") is None:
@@ -68,3 +71,19 @@ def use_cpu_kernels(device: torch.device | str, dtype: torch.dtype | None) -> bo
     from engine.kernels import cpu_ops
 
     return cpu_ops.load()
+
+
+def _deterministic_backend(name: str, dev: torch.device) -> AttentionBackend:
+    if dev.type != "cpu":
+        raise ValueError(f"--deterministic runs on CPUs for now (batch-invariant CPU kernels); not on {dev}")
+    if name not in ("auto", "cpu"):
+        raise ValueError(f"--deterministic needs the cpu attention backend (its batch-invariant kernels), "
+                         f"not {name!r}")
+    from engine.kernels import cpu_ops
+
+    if not cpu_ops.load():
+        raise ValueError(f"--deterministic needs the fused CPU kernels, which are unavailable: "
+                         f"{cpu_ops.unavailable_reason()}")
+    from engine.attention.cpu_backend import CpuAttentionBackend
+
+    return CpuAttentionBackend(deterministic=True)

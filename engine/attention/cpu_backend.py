@@ -10,6 +10,11 @@ else in scaled_dot_product_attention's (over a cached prefix in two unmasked pas
 engine/attention/extend_sdpa.py). The KV write
 is one call that copies each token's heads to its slot.
 
+Under --deterministic (`CpuAttentionBackend(deterministic=True)`) every query row, prefill and extend rows too,
+is a decode row of the same kernel, and each context is split at fixed places (runs of DETERMINISTIC_SPLIT_TOKENS
+keys from the first) whatever the batch: a token attends in one way whether it is decoded, prefilled cold or
+prefilled over a cached prefix, alone or beside any other rows.
+
 Everything that depends only on the step's metadata (validation, which rows decode, their block tables,
 each extend's block ids) is worked out once per step, not once per layer: the plan is kept for
 as long as the same AttentionMetadata object comes back.
@@ -36,6 +41,7 @@ KERNEL_EXTEND_CONTEXT = 1024
 OWN_EXTEND_MIN_Q = 20
 OWN_EXTEND_WORK = 2048
 PREFILL_HEAD_DIMS = (64, 128)  # what prefill_attention_ is built for
+DETERMINISTIC_SPLIT_TOKENS = 256  # --deterministic: each context's keys in runs of this many (whole blocks)
 
 
 @dataclass(frozen=True)
@@ -52,13 +58,15 @@ class _Plan:
     decode_tables: torch.Tensor | None  # int32 contiguous [n, max_blocks], each row's sequence's table
     decode_lens: torch.Tensor | None  # int32 [n], the keys each row sees
     extends: tuple[_Extend, ...]
+    split_blocks: int  # paged_decode_'s runs: 0, split by threads; > 0, fixed (--deterministic)
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, deterministic: bool = False) -> None:
         super().__init__()
+        self.deterministic = deterministic
         ops = cpu_ops.ops()
         self._write_kv, self._paged_decode_ = ops.write_kv, ops.paged_decode_
         # long bf16 extends: our flash kernel on AVX-512 BF16 where the CPU has it (prefill_attention.cpp)
@@ -86,6 +94,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         if q.shape[0] == 0 or q.dtype not in KERNEL_DTYPES:
+            if self.deterministic and q.shape[0]:
+                raise ValueError(f"--deterministic attends {KERNEL_DTYPES} on CPUs, not {q.dtype}")
             return super().forward(q, k_cache, v_cache, meta, scale, out)
         plan = self._plan_for(q, k_cache, v_cache, meta)
         out = output_for(q, out)
@@ -94,13 +104,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
             dst = out[rows]
             direct = dst.is_contiguous()
             res = dst if direct else torch.empty_like(dst, memory_format=torch.contiguous_format)
-            self._paged_decode_(res, q[rows], k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale)
+            self._paged_decode_(res, q[rows], k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale,
+                                plan.split_blocks)
             if not direct:
                 dst.copy_(res)
         elif rows is not None:
             res = torch.empty((rows.numel(),) + tuple(q.shape[1:]), dtype=q.dtype)
             self._paged_decode_(res, q.index_select(0, rows), k_cache, v_cache, plan.decode_tables, plan.decode_lens,
-                                scale)
+                                scale, plan.split_blocks)
             out.index_copy_(0, rows, res)
         hkv, d = k_cache.shape[2], k_cache.shape[3]
         own_kernel = self._own_kernel(q, d) and out.is_contiguous()
@@ -137,7 +148,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         extends = []
         start = 0
         for i, (ql, sl) in enumerate(zip(q_lens, seq_lens, strict=True)):
-            if _small(ql, sl, own):
+            if self.deterministic or _small(ql, sl, own):
                 seq_of_row.extend([i] * ql)
                 row_lens.extend(range(sl - ql + 1, sl + 1))
             elif ql > 1:
@@ -151,10 +162,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
             if n == len(q_lens) and n == q.shape[0]:  # decode only: one row per sequence, in order
                 rows, tables = slice(0, n), _int32(meta.block_tables)
             else:
-                row_ids = [r for r, (i, _) in enumerate(_rows_of(q_lens)) if _small(q_lens[i], seq_lens[i], own)]
+                row_ids = [r for r, (i, _) in enumerate(_rows_of(q_lens))
+                           if self.deterministic or _small(q_lens[i], seq_lens[i], own)]
                 tables = _int32(meta.block_tables[torch.tensor(seq_of_row)])
                 rows = slice(0, n) if row_ids == list(range(n)) else torch.tensor(row_ids)
-        self._plan_meta, self._plan_key, self._plan = meta, key, _Plan(rows, tables, lens, tuple(extends))
+        split = max(1, DETERMINISTIC_SPLIT_TOKENS // block_size) if self.deterministic else 0
+        self._plan_meta, self._plan_key, self._plan = meta, key, _Plan(rows, tables, lens, tuple(extends), split)
         return self._plan
 
 

@@ -90,6 +90,10 @@ class _StatsCollector:
                                   "(torch.cuda.memory_allocated).", labels=["model_name"])
             g.add_metric(labels, float(gpu_bytes))
             yield g
+        g = GaugeMetricFamily("kvfleet:deterministic", "1 when the engine runs --deterministic (a request's tokens "
+                              "and logprobs independent of its batch and of the cache), else 0.", labels=["model_name"])
+        g.add_metric(labels, 1.0 if getattr(s, "deterministic", False) else 0.0)
+        yield g
         max_loras = getattr(s, "max_loras", 0)
         if max_loras:  # vLLM's gauge with LoRA enabled: the value is the time of the reading
             g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",

@@ -130,6 +130,9 @@
 - --max-model-len={{ int $p.maxContextTokens }}
 {{- end }}
 {{- include "kvfleet.loraArgs" $p }}
+{{- if $p.deterministic }}
+- --deterministic
+{{- end }}
 {{- range $p.extraArgs }}
 - {{ . | quote }}
 {{- end }}

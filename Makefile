@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install kernels prometheus dashboards lint clean chaos chaos-quick
+.PHONY: run test test-portable install kernels prometheus dashboards lint clean chaos chaos-quick
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,14 @@ run: kernels
 PYTEST_ARGS ?= -n 2 --dist loadfile
 test: kernels prometheus
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# the kernel, attention, model, engine-loop and determinism tests with the CPU kernels built as for a CPU with
+# neither AMX nor AVX-512 (KVFLEET_CPU_ISA=portable: their portable loops; a second build in ~/.cache/kvfleet)
+PORTABLE_TESTS := tests/engine/kernels tests/engine/attention tests/engine/model tests/engine/test_engine_loop.py \
+	tests/engine/test_deterministic.py
+test-portable: $(STAMP)
+	KVFLEET_CPU_ISA=portable $(BIN)/python -m engine.kernels.cpu_ops
+	KVFLEET_CPU_ISA=portable $(BIN)/python -m pytest -n 2 --dist loadfile $(PORTABLE_TESTS)
 
 # the reliability and security campaign (loadtest/chaos/, not part of `make test`): a loopback fleet (Redis,
 # 2 engines, 2 routers) through soak, cancellation storm, replica and router deaths, Redis outage, KV

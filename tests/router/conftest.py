@@ -115,6 +115,11 @@ def router(procs, replicas: list[str] | None, *extra: str, policy: str = "kv", m
     return procs(args, f"http://127.0.0.1:{port}", f"router-{port}", env)
 
 
+def ready_replicas(r) -> int:
+    """How many replicas the router at r.url counts as ready."""
+    return httpx.get(r.url + "/ready").json().get("ready_replicas", 0)
+
+
 def metric(text: str, name: str, **labels) -> float:
     """Sum of the samples of `name` whose labels include `labels`."""
     total = 0.0

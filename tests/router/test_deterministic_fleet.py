@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from contract.kv_transfer import PULL_HEADER
-from tests.router.conftest import free_port, metric, router, wait_for
+from tests.router.conftest import free_port, metric, ready_replicas, router, wait_for
 
 pytestmark = pytest.mark.model
 
@@ -44,12 +44,8 @@ def fleet(module_procs):
     r = router(module_procs, [a.url, b.url], "--internal-token", TOKEN, policy="least-load", model="smollm2")
     for p in (a, b, r):
         p.wait_ready(timeout=300)
-    wait_for(lambda: ready(r) == 2, timeout=30, what="both replicas ready")
+    wait_for(lambda: ready_replicas(r) == 2, timeout=30, what="both replicas ready")
     return a, b, r
-
-
-def ready(r) -> int:
-    return httpx.get(r.url + "/ready").json().get("ready_replicas", 0)
 
 
 def body(kind: str, prompt: str = PROBE, salt: str | None = None) -> dict:
@@ -152,13 +148,13 @@ def test_moved_mid_stream_by_the_router_when_its_replica_dies(fleet, reference):
             a.kill()
 
     try:
-        wait_for(lambda: ready(r) == 1, timeout=15, what="the router sees b paused")
+        wait_for(lambda: ready_replicas(r) == 1, timeout=15, what="the router sees b paused")
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             futs = {kind: pool.submit(stream, r.url, body(kind), on_token) for kind in KINDS}
             wait_for(lambda: metric(httpx.get(a.url + "/metrics").text, "vllm:num_requests_running") == 2,
                      timeout=60, what="both streams running on a")
             os.killpg(b.popen.pid, signal.SIGCONT)
-            wait_for(lambda: ready(r) == 2, timeout=15, what="b back")
+            wait_for(lambda: ready_replicas(r) == 2, timeout=15, what="b back")
             b_back.set()
             got = {kind: f.result(timeout=300) for kind, f in futs.items()}
     finally:

@@ -19,7 +19,7 @@ import threading
 import httpx
 import pytest
 
-from tests.router.conftest import free_port, metric, router, wait_for
+from tests.router.conftest import free_port, metric, ready_replicas, router, wait_for
 
 pytestmark = pytest.mark.model
 
@@ -42,12 +42,8 @@ def fleet(module_procs):
     r = router(module_procs, [a.url, b.url], "--log-level", "info", policy="least-load", model="smollm2")
     for p in (a, b, r):
         p.wait_ready(timeout=300)
-    wait_for(lambda: ready(r) == 2, timeout=30, what="both replicas ready")
+    wait_for(lambda: ready_replicas(r) == 2, timeout=30, what="both replicas ready")
     return a, b, r
-
-
-def ready(r) -> int:
-    return httpx.get(r.url + "/ready").json().get("ready_replicas", 0)
 
 
 def batch(stop: str | None) -> dict[str, tuple[str, dict]]:
@@ -151,7 +147,7 @@ def test_streams_survive_their_replicas_sigkill_exactly(fleet):
     # every request on `a`: `b` paused while they start, then back before `a` is killed
     os.killpg(b.popen.pid, signal.SIGSTOP)
     try:
-        wait_for(lambda: ready(r) == 1, timeout=10, what="the router sees b paused")
+        wait_for(lambda: ready_replicas(r) == 1, timeout=10, what="the router sees b paused")
         killed = threading.Event()
         b_back = threading.Event()
 
@@ -175,7 +171,7 @@ def test_streams_survive_their_replicas_sigkill_exactly(fleet):
             assert run.started.wait(60)
     finally:
         os.killpg(b.popen.pid, signal.SIGCONT)
-    wait_for(lambda: ready(r) == 2, timeout=10, what="b back")
+    wait_for(lambda: ready_replicas(r) == 2, timeout=10, what="b back")
     b_back.set()
     trigger("", shown.get("ids", 0))
     assert {run.replica for run in streams} == {a.url}

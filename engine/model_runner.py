@@ -69,6 +69,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.max_num_seqs = max_num_seqs
         cfg = model.config
         dtype = model.embed_tokens.weight.dtype
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -138,6 +139,7 @@ class ModelRunner:
         if self.backend.name != "triton":
             return
         dev, bs, cfg = self.device, self.block_size, self.model.config
+        variants = self._precompile() if dev.type == "cuda" else None
         if self.decode_inputs is not None:
             self.backend.reserve(self.decode_inputs.max_num_seqs, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dev)
         t = max(1, min(prefill_tokens, self.num_blocks * bs))
@@ -163,6 +165,25 @@ class ModelRunner:
             inp.invalidate()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
+        if variants is not None:
+            from engine.kernels.variants import unexpected_compiles
+
+            missed = unexpected_compiles(*variants)
+            if missed:
+                logger.warning("warm-up compiled Triton variants engine/kernels/variants.py does not enumerate "
+                               "(python -m loadtest.gpu_compile does not check them): %s", "; ".join(missed))
+
+    def _precompile(self) -> tuple[list, dict[str, int]]:
+        """Compile the enumerated Triton variants (engine/kernels/variants.py) before the warm-up passes;
+        returns them with each kernel's count of binaries before, for the check after the passes."""
+        from engine.kernels.variants import compiled_counts, precompile
+
+        lora_rank = self.lora.max_rank if self.lora is not None and self.lora.batch.kernel else 0
+        variants = self.backend.kernel_variants(self.model.config, self.model.embed_tokens.weight.dtype,
+                                                self.block_size, self.max_num_seqs, self.device, lora_rank)
+        before = compiled_counts(variants)
+        logger.info("compiled %d of %d Triton kernel variants", precompile(variants), len(variants))
+        return variants, before
 
     def prepare(self, scheduled: Seq[ScheduledSeq]) -> StepInputs:
         ids: list[int] = []

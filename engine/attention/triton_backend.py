@@ -129,6 +129,16 @@ class TritonAttentionBackend(AttentionBackend):
         grid = self._forced_splits or grid_splits(worst, num_kv_heads, self._sms(dev))
         self._workspace.get(worst, num_heads, grid, block_d, dev)
 
+    def kernel_variants(self, config, dtype: torch.dtype, block_size: int, max_num_seqs: int,
+                        device: torch.device | str, lora_rank: int = 0) -> list:
+        """Every Triton kernel variant an engine on this backend compiles (engine/kernels/variants.py), for
+        batches of up to max_num_seqs decodes on `device` under this backend's split policy and launch."""
+        from engine.kernels.variants import decode_split_counts, engine_variants
+
+        counts = decode_split_counts(max_num_seqs, config.num_kv_heads, self._sms(torch.device(device)),
+                                     self._forced_splits)
+        return engine_variants(config, dtype, block_size, counts, lora_rank, self._decode_launch)
+
     def _sms(self, device: torch.device) -> int:
         if device.type != "cuda":
             return _INTERPRETER_SMS

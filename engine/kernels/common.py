@@ -12,4 +12,9 @@ def f32_dot(q: torch.Tensor) -> bool:
     bfloat16 under Triton's interpreter (CPU tensors), whose tl.dot multiplies bf16 operands as their
     raw uint16 bits; the operands are upcast exactly, so only the summation order differs from the GPU.
     """
-    return q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and q.device.type != "cuda")
+    return f32_dot_for(q.dtype, q.device.type)
+
+
+def f32_dot_for(dtype: torch.dtype, device_type: str) -> bool:
+    """f32_dot for tensors of this dtype on this device type (engine/kernels/variants.py asks for "cuda")."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and device_type != "cuda")

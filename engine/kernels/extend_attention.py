@@ -88,6 +88,13 @@ def extend_launch(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
     return 64, 64, 4
 
 
+def extend_meta(group: int, head_dim: int, block_size: int, dtype: torch.dtype, f32: bool) -> dict:
+    """The kernel's compile-time constants and launch options (extend_attention's and engine/kernels/variants.py's)."""
+    block_m, block_n, num_warps = extend_launch(dtype, head_dim)
+    return dict(G=group, D=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs K >= 16
+                BS=block_size, BLOCK_M=block_m, BLOCK_N=block_n, F32_DOT=f32, num_warps=num_warps, num_stages=2)
+
+
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                      seq_ids: torch.Tensor, max_query_len: int, scale: float) -> None:
@@ -97,12 +104,9 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return
     _, block_size, hkv, d = k_cache.shape
     hq = q.shape[1]
-    block_d = max(16, triton.next_power_of_2(d))  # tl.dot needs K >= 16
-    block_m, block_n, num_warps = extend_launch(q.dtype, d)
-    grid = (triton.cdiv(max_query_len, block_m), num, hq)
+    meta = extend_meta(hq // hkv, d, block_size, q.dtype, f32_dot(q))
+    grid = (triton.cdiv(max_query_len, meta["BLOCK_M"]), num, hq)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, seq_ids, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        G=hq // hkv, D=d, BLOCK_D=block_d, BS=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        F32_DOT=f32_dot(q), num_warps=num_warps, num_stages=2)
+        out.stride(0), out.stride(1), **meta)

@@ -50,12 +50,16 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
                          f"{residual.dtype}")
     out = x if residual is not None else torch.empty_like(x)
     if t:
-        block = triton.next_power_of_2(n)
         _add_rms_norm_kernel[(t,)](x, residual if residual is not None else x, weight, out, x.stride(0),
                                    residual.stride(0) if residual is not None else 0, out.stride(0), eps,
-                                   N=n, BLOCK=block, HAS_RES=residual is not None,
-                                   num_warps=min(16, max(1, block // 512)))
+                                   **rms_norm_meta(n, residual is not None))
     return out, (residual if residual is not None else x)
+
+
+def rms_norm_meta(hidden: int, has_residual: bool) -> dict:
+    """_add_rms_norm_kernel's constants and launch options (add_rms_norm_'s and engine/kernels/variants.py's)."""
+    block = triton.next_power_of_2(hidden)
+    return dict(N=hidden, BLOCK=block, HAS_RES=has_residual, num_warps=min(16, max(1, block // 512)))
 
 
 @triton.jit(do_not_specialize=["stride_t", "stride_cs"])
@@ -117,10 +121,15 @@ def rotary_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.T
     if t:
         _rotary_kv_write_kernel[(t,)](
             qkv, positions, cos_sin, slot_mapping, k_cache, v_cache, qkv.stride(0), num_kv_heads * d,
-            H=num_heads, HKV=num_kv_heads, D=d, HALF=d // 2, BLOCK_H=triton.next_power_of_2(num_heads),
-            BLOCK_KV=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=triton.next_power_of_2(d // 2),
-            num_warps=4)
+            **rotary_meta(num_heads, num_kv_heads, d))
     return qkv.view(t, num_heads + 2 * num_kv_heads, d)[:, :num_heads]
+
+
+def rotary_meta(num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
+    """_rotary_kv_write_kernel's constants and launch options (rotary_kv_write's and engine/kernels/variants.py's)."""
+    return dict(H=num_heads, HKV=num_kv_heads, D=head_dim, HALF=head_dim // 2,
+                BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KV=triton.next_power_of_2(num_kv_heads),
+                BLOCK_HALF=triton.next_power_of_2(head_dim // 2), num_warps=4)
 
 
 @triton.jit(do_not_specialize=["stride_x", "stride_o"])
@@ -142,7 +151,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     t, n = x.shape[0], x.shape[1] // 2
     out = torch.empty((t, n), dtype=x.dtype, device=x.device)
     if t:
-        block = min(1024, triton.next_power_of_2(n))
-        _silu_and_mul_kernel[(t, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), N=n, BLOCK=block,
-                                                          num_warps=4)
+        meta = silu_meta(n)
+        _silu_and_mul_kernel[(t, triton.cdiv(n, meta["BLOCK"]))](x, out, x.stride(0), out.stride(0), **meta)
     return out
+
+
+def silu_meta(intermediate: int) -> dict:
+    """_silu_and_mul_kernel's constants and launch options (silu_and_mul's and engine/kernels/variants.py's)."""
+    return dict(N=intermediate, BLOCK=min(1024, triton.next_power_of_2(intermediate)), num_warps=4)

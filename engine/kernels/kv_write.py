@@ -43,5 +43,10 @@ def kv_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     _kv_write_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), hkv * d, d,
-        HKV=hkv, D=d, BLOCK_H=max(2, triton.next_power_of_2(hkv)), BLOCK_D=triton.next_power_of_2(d),
-        num_warps=1 if hkv * d <= 512 else 4)
+        **kv_write_meta(hkv, d))
+
+
+def kv_write_meta(num_kv_heads: int, head_dim: int) -> dict:
+    """The kernel's compile-time constants and launch options (kv_write's and engine/kernels/variants.py's)."""
+    return dict(HKV=num_kv_heads, D=head_dim, BLOCK_H=max(2, triton.next_power_of_2(num_kv_heads)),
+                BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1 if num_kv_heads * head_dim <= 512 else 4)

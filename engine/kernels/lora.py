@@ -56,10 +56,14 @@ def lora_gathered_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.T
     if not (a.is_contiguous() and b.is_contiguous()):
         raise ValueError("the slot stacks must be contiguous")
     if t:
-        r = a.shape[1]
-        block_n = min(128, triton.next_power_of_2(n))
-        _lora_kernel[(t, triton.cdiv(n, block_n))](
-            y, x, a, b, row_slots, y.stride(0), x.stride(0), K=k, N=n, R=r,
-            BLOCK_K=min(128, triton.next_power_of_2(k)), BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(r)),
-            num_warps=4)
+        meta = lora_meta(k, n, a.shape[1])
+        _lora_kernel[(t, triton.cdiv(n, meta["BLOCK_N"]))](y, x, a, b, row_slots, y.stride(0), x.stride(0), **meta)
     return y
+
+
+def lora_meta(fan_in: int, fan_out: int, rank: int) -> dict:
+    """The kernel's constants and launch options for y [T, fan_out] += B (A x), stacks zero-padded to rank
+    (lora_gathered_'s and engine/kernels/variants.py's)."""
+    return dict(K=fan_in, N=fan_out, R=rank, BLOCK_K=min(128, triton.next_power_of_2(fan_in)),
+                BLOCK_N=min(128, triton.next_power_of_2(fan_out)), BLOCK_R=max(16, triton.next_power_of_2(rank)),
+                num_warps=4)

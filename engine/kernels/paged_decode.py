@@ -165,6 +165,24 @@ def default_launch(dtype: torch.dtype, head_dim: int) -> DecodeLaunch:
     return DecodeLaunch(64)
 
 
+def split_meta(group: int, head_dim: int, block_size: int, f32: bool, launch: DecodeLaunch) -> dict:
+    """The split kernel's compile-time constants and launch options (paged_decode's and
+    engine/kernels/variants.py's): the G query heads of a KV head padded to >= 16 rows for tl.dot."""
+    return dict(G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head_dim, BLOCK_D=block_d_of(head_dim),
+                BS=block_size, BLOCK_N=launch.block_n, F32_DOT=f32, num_warps=launch.num_warps,
+                num_stages=launch.num_stages)
+
+
+def reduce_meta(head_dim: int, block_n: int) -> dict:
+    """The merge kernel's constants: one variant for every split count, so nothing compiles per batch size."""
+    return dict(D=head_dim, BLOCK_D=block_d_of(head_dim), BLOCK_S=triton.next_power_of_2(MAX_SPLITS),
+                BLOCK_N=block_n, num_warps=4)
+
+
+def block_d_of(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
+
+
 def grid_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     """The decode grid's split dimension for a batch of num_seqs: enough programs to give every SM about
     four (decode is memory-bound: it needs many loads in flight), at most 64. It depends on the batch
@@ -222,7 +240,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     _, block_size, hkv, d = k_cache.shape
     hq = q.shape[1]
     group = hq // hkv
-    block_d = max(16, triton.next_power_of_2(d))  # tl.dot needs K >= 16
+    block_d = block_d_of(d)
     launch = launch or default_launch(q.dtype, d)
     block_n = launch.block_n
     if num_splits > 1:
@@ -235,11 +253,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seq_ids, part, lse, out,
         scale * LOG2E, num_splits, min_tokens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        stride_pb, stride_ph, out.stride(0), out.stride(1),
-        G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_D=block_d, BS=block_size,
-        BLOCK_N=block_n, F32_DOT=f32_dot(q), num_warps=launch.num_warps, num_stages=launch.num_stages)
+        stride_pb, stride_ph, out.stride(0), out.stride(1), **split_meta(group, d, block_size, f32_dot(q), launch))
     if num_splits > 1:
         _decode_reduce_kernel[(num, hq)](
             part, lse, out, seq_lens, query_start_loc, seq_ids, num_splits, min_tokens, stride_pb, stride_ph,
-            out.stride(0), out.stride(1), D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(MAX_SPLITS),
-            BLOCK_N=block_n, num_warps=4)  # one variant for every split count: nothing compiles per batch size
+            out.stride(0), out.stride(1), **reduce_meta(d, block_n))

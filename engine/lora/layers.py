@@ -48,6 +48,16 @@ def part_sizes(config: ModelConfig, fused: str) -> list[int]:
             "gate_up_proj": [config.intermediate_size] * 2, "down_proj": [config.hidden_size]}[fused]
 
 
+def fan_in(config: ModelConfig, fused: str) -> int:
+    """The input width of a wrapped projection."""
+    if fused == "down_proj":
+        return config.intermediate_size
+    return config.num_heads * config.head_dim if fused == "o_proj" else config.hidden_size
+
+
+LORA_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the fused names attach_lora wraps
+
+
 class LoRABatch:
     """Which rows of this step's flattened batch run under which slot (shared by every LoRALinear)."""
 
@@ -258,13 +268,11 @@ def attach_lora(model: LlamaForCausalLM, num_slots: int, max_rank: int, kernel: 
     cfg = model.config
     weight = model.embed_tokens.weight
     for layer in model.layers:
-        for owner, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                            (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+        for name in LORA_PROJECTIONS:
+            owner = layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp
             proj = getattr(owner, name)
             base = proj.base if isinstance(proj, LoRALinear) else proj
-            fan_in = cfg.intermediate_size if name == "down_proj" else (
-                cfg.num_heads * cfg.head_dim if name == "o_proj" else cfg.hidden_size)
-            wrapper = LoRALinear(base, batch, part_sizes(cfg, name), fan_in, num_slots, max_rank, weight.dtype,
-                                 weight.device)
+            wrapper = LoRALinear(base, batch, part_sizes(cfg, name), fan_in(cfg, name), num_slots, max_rank,
+                                 weight.dtype, weight.device)
             setattr(owner, name, wrapper)
     return batch

@@ -129,7 +129,7 @@ def kv_write_variants(cfg, dtype: torch.dtype) -> list[Variant]:
 def lora_variants(cfg, dtype: torch.dtype, rank: int) -> list[Variant]:
     """One gathered LoRA launch per part of every wrapped projection (engine/lora/layers.py)."""
     from engine.kernels import lora
-    from engine.lora.layers import LORA_PROJECTIONS, fan_in, part_sizes
+    from engine.kernels.lora_shapes import LORA_PROJECTIONS, fan_in, part_sizes
 
     out = []
     for name in LORA_PROJECTIONS:

@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from engine.kernels import cpu_ops
-from engine.model.llama import LlamaForCausalLM, ModelConfig
+from engine.kernels.lora_shapes import LORA_PROJECTIONS, fan_in, part_sizes  # noqa: F401 - re-exported
+from engine.model.llama import LlamaForCausalLM
 
 DENSE_MAX_ROWS = 32  # torch: steps up to this many rows multiply every slot's weights, masked; larger ones loop
 FUSED_MAX_SLOT_ROWS = 512  # fused CPU kernel: a slot with up to this many rows in the step; a longer run, matmuls
@@ -40,22 +41,6 @@ FUSED_MAX_SLOT_ROWS = 512  # fused CPU kernel: a slot with up to this many rows 
 # wrapper attribute -> the PEFT modules it fuses, in output order
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
          "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-
-
-def part_sizes(config: ModelConfig, fused: str) -> list[int]:
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    return {"qkv_proj": [q, kv, kv], "o_proj": [config.hidden_size],
-            "gate_up_proj": [config.intermediate_size] * 2, "down_proj": [config.hidden_size]}[fused]
-
-
-def fan_in(config: ModelConfig, fused: str) -> int:
-    """The input width of a wrapped projection."""
-    if fused == "down_proj":
-        return config.intermediate_size
-    return config.num_heads * config.head_dim if fused == "o_proj" else config.hidden_size
-
-
-LORA_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the fused names attach_lora wraps
 
 
 class LoRABatch:

@@ -38,6 +38,7 @@ def table(tmp_path_factory) -> dict:
     return data
 
 
+@pytest.mark.slow  # all 234 variants: ~200 s cold on 2 cores, past the default suite's budget
 def test_every_variant_compiles_for_hopper_and_blackwell(table):
     assert table["failures"] == [] and table["rc"] == 0, "\n".join(table["failures"])
     rows = table["rows"]
@@ -49,6 +50,7 @@ def test_every_variant_compiles_for_hopper_and_blackwell(table):
     assert "| sm_100 | qwen2.5-7b | paged_decode_split bf16 G=7" in table["stdout"]
 
 
+@pytest.mark.slow  # all 234 variants: ~200 s cold on 2 cores, past the default suite's budget
 def test_16_bit_products_run_on_tensor_cores_and_fp32_on_fma(table):
     for r in table["rows"]:
         if r["kernel"] in ("paged_decode_split", "extend"):
@@ -61,6 +63,7 @@ def test_16_bit_products_run_on_tensor_cores_and_fp32_on_fma(table):
             assert r["dots"] == 0, r
 
 
+@pytest.mark.slow  # all 234 variants: ~200 s cold on 2 cores, past the default suite's budget
 def test_registers_come_from_ptxas_and_agree_with_the_cubin(table):
     for r in table["rows"]:
         assert 0 < r["registers"] <= 255 and r["registers"] == r["cubin_registers"], r
@@ -68,6 +71,7 @@ def test_registers_come_from_ptxas_and_agree_with_the_cubin(table):
         assert r["shared"] <= ARCHS[r["arch"]].smem_per_block and r["occupancy"] > 0, r
 
 
+@pytest.mark.slow  # all 234 variants: ~200 s cold on 2 cores, past the default suite's budget
 def test_decode_and_prefill_carry_an_expected_time_per_call(table):
     for r in table["rows"]:
         if r["kernel"] in ("paged_decode_split", "extend"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from contract.fairness import MAX_FAIRNESS_ID_CHARS
 from engine.errors import InvalidRequestError
 from engine.lora.request import LoRARequest
 from engine.structured.spec import Guide
@@ -36,6 +37,7 @@ class SamplingParams:
     guide: Guide | None = None  # constrained decoding: JSON Schema, JSON object, regex, choice or grammar
     priority: int = 0  # scheduling, not sampling (vLLM's field): lower runs first under --scheduling-policy priority
     lora: LoRARequest | None = None  # not sampling either: the LoRA adapter the request runs under (None: the base)
+    fairness_id: str = ""  # scheduling too: whom the waiting queue is fair across (the router's tenant; contract/fairness.py)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -67,6 +69,8 @@ class SamplingParams:
                f"logprobs must be in [0, 20], got {self.logprobs}")
         _check(isinstance(self.priority, int) and not isinstance(self.priority, bool)
                and -2**31 <= self.priority < 2**31, "priority", f"priority must be a 32-bit integer, got {self.priority!r}")
+        _check(isinstance(self.fairness_id, str) and len(self.fairness_id) <= MAX_FAIRNESS_ID_CHARS, "fairness_id",
+               f"fairness_id must be a string of at most {MAX_FAIRNESS_ID_CHARS} characters")
         _check(all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16, "stop",
                "stop must be at most 16 non-empty strings")
         for tok, bias in self.logit_bias:

@@ -38,6 +38,7 @@ class Sequence:
         self.params = params or SamplingParams()
         self.cache_salt = cache_salt
         self.lora = self.params.lora  # the LoRARequest (engine/lora/request.py) it runs under; None: the base model
+        self.fairness_id = self.params.fairness_id  # whom the waiting queue is fair across (engine/fair_share.py)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from contract.errors import ConfigError
+from contract.fairness import FAIRNESS_HEADER, MAX_FAIRNESS_ID_CHARS
 from contract.kv_transfer import PULL_HEADER
 from engine.client import EngineClient
 from engine.sampling_params import SamplingParams, SamplingParamsError
@@ -124,6 +125,15 @@ def logit_bias(req: _SamplingRequest) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
+def fairness_of(request: Request) -> str:
+    """The request's fairness id (contract/fairness.py): the router's tenant, or a gateway's; "" without one."""
+    value = request.headers.get(FAIRNESS_HEADER, "").strip()
+    if len(value) > MAX_FAIRNESS_ID_CHARS:
+        raise bad_request(f"the {FAIRNESS_HEADER} header must be at most {MAX_FAIRNESS_ID_CHARS} characters",
+                          FAIRNESS_HEADER)
+    return value
+
+
 def build_params(req: _SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     try:
         return req.sampling_params(max_tokens, logprobs, logit_bias(req))
@@ -143,6 +153,9 @@ async def respond(state: ServerState, request: Request, req: _SamplingRequest, f
     lora = state.lora.get(model) if state.lora is not None else None
     if lora is not None:  # the adapter rides with the request's params to the engine core
         params = [dataclasses.replace(p, lora=lora) for p in params]
+    fairness_id = fairness_of(request)
+    if fairness_id:  # the tenant the router named: the scheduler's queue is fair across them (engine/fair_share.py)
+        params = [dataclasses.replace(p, fairness_id=fairness_id) for p in params]
     if state.kv_puller is not None:  # a pull the router asked for, or one in flight for the same prefix
         hint = request.headers.get(PULL_HEADER) if state.kv_puller.allowed(request) else None
         for ids, sp in zip(prompts, params, strict=True):  # before the requests are added: they find the blocks

@@ -228,6 +228,7 @@ class RouterApp:
 
     async def _send_upstream(self, send, receive, headers, entry: Entry, attempts: Attempts) -> None:
         req = self.flow.upstream(entry)
+        headers = self.flow.upstream_headers(entry, headers)
         attempts.follower = entry.follower
         pool, path, prep = entry.pool, entry.path, entry.prep
         if self.cfg.max_migrations and req.stream and why_not(req) is None \

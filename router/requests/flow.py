@@ -3,6 +3,7 @@
     entry = await flow.admit(path, raw_body, headers)   # parse once -> tenant -> model -> tokens -> admission
     refused = await flow.queue(entry)                   # a full pool: its fair queue (None: let through)
     req = flow.upstream(entry)                          # the request as it goes upstream (priority, usage)
+    headers = flow.upstream_headers(entry, headers)     # ... and its headers (the tenant as the fairness id)
     lease = flow.lease(entry, tried)                    # the placement core's replica, booked
     ...the edge sends it (the proxy) or names it (the picker)...
     await flow.finish(entry, outcome)                   # gate, budget settled on the usage, pool signals
@@ -18,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from contract.fairness import FAIRNESS_HEADER
 from contract.request import Endpoint, OpenAIRequest, RequestError, parse_request
 from contract.structured import constrained_kind
 from router.admission.gate import Pass
@@ -31,6 +33,7 @@ from router.routing.prepare import PreparedRequest, prepare_request, prompt_toke
 from router.tenants.registry import Tenant
 
 SESSION_HEADERS = (b"x-session-id",)
+_FAIRNESS = FAIRNESS_HEADER.encode()
 
 
 @dataclass(slots=True)
@@ -155,6 +158,16 @@ class Flow:
         entry.prepared_s = time.perf_counter() - entry.t0
         entry.unfit = self.core.fleet.not_serving(entry.pool.name, req.model or "")
         return req
+
+    @staticmethod
+    def upstream_headers(entry: Entry, headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        """The client's headers for the engines, with the request's fairness id (contract/fairness.py): its tenant's
+        name, a client's own value dropped (no tenant passes for another); without tenants, as the client sent it."""
+        if entry.tenant is None:
+            return list(headers)
+        out = [(k, v) for k, v in headers if k.lower() != _FAIRNESS]
+        out.append((_FAIRNESS, entry.tenant.name.encode("latin-1", "replace")))
+        return out
 
     def lease(self, entry: Entry, tried: set[str] | frozenset[str] = frozenset(), *,
               candidates: Sequence[str] | None = None) -> Lease | None:

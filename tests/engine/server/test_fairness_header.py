@@ -1,0 +1,29 @@
+"""The engine server reads the fairness id the router sends (contract/fairness.py) into the request's params."""
+
+from __future__ import annotations
+
+import pytest
+from starlette.requests import Request
+
+from contract.fairness import FAIRNESS_HEADER
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.server.errors import APIError
+from engine.server.serving import fairness_of
+
+
+def request(*headers: tuple[bytes, bytes]) -> Request:
+    return Request({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": list(headers)})
+
+
+def test_the_header_is_the_fairness_id_and_none_is_the_empty_one():
+    assert fairness_of(request((FAIRNESS_HEADER.encode(), b" team-a "))) == "team-a"
+    assert fairness_of(request()) == ""
+    assert SamplingParams().fairness_id == ""
+
+
+def test_an_overlong_id_is_a_400_naming_the_header():
+    with pytest.raises(APIError) as e:
+        fairness_of(request((FAIRNESS_HEADER.encode(), b"x" * 257)))
+    assert e.value.status == 400 and e.value.param == FAIRNESS_HEADER
+    with pytest.raises(SamplingParamsError, match="fairness_id"):
+        SamplingParams(fairness_id="x" * 257)

@@ -1,0 +1,28 @@
+"""The router names the request's tenant to the engines in llm-d's fairness header (contract/fairness.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from contract.fairness import FAIRNESS_HEADER
+from router.requests.flow import Flow
+from router.tenants.registry import Tenant
+
+H = FAIRNESS_HEADER.encode()
+
+
+def entry(tenant: str | None):
+    return SimpleNamespace(tenant=None if tenant is None else Tenant(tenant, frozenset(), 1000))
+
+
+def test_the_tenants_name_goes_upstream_and_a_clients_own_value_is_dropped():
+    headers = [(b"content-type", b"application/json"), (b"X-LLM-D-Inference-Fairness-Id", b"someone-else")]
+    assert Flow.upstream_headers(entry("team-a"), headers) == [(b"content-type", b"application/json"),
+                                                                (H, b"team-a")]
+    assert Flow.upstream_headers(entry("team-b"), [])[-1] == (H, b"team-b")
+
+
+def test_without_tenants_the_clients_or_gateways_value_goes_as_sent():
+    headers = [(H, b"gw-tenant"), (b"accept", b"*/*")]
+    assert Flow.upstream_headers(entry(None), headers) == headers
+    assert Flow.upstream_headers(entry(None), []) == []

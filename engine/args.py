@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 
 from contract.errors import ConfigError
 from contract.hashing import DEFAULT_HASH_SEED
-from engine.config import SCHEDULING_POLICIES, check, check_int
+from engine.config import DEFAULT_MAX_STEP_MS, SCHEDULING_POLICIES, check, check_int, check_max_step_ms
 from engine.cpu_cores import format_cpu_list, parse_cpu_list
 from engine.kv.config import BLOCK_SIZES, valid_block_size
 
@@ -40,6 +40,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     scheduling_policy: str = "fcfs"  # fcfs | priority (requests' `priority` field; engine/scheduler.py)
     priority_aging: float = 30.0  # seconds of waiting that raise a request's priority by one (policy priority)
+    max_step_ms: float = DEFAULT_MAX_STEP_MS  # under contention, prompt chunks shrink to keep steps this short; 0: off
     enable_prefix_caching: bool = True
     kv_tier_gib: float = 0.0  # a lower tier of this many GiB keeps evicted blocks (engine/kv/tier.py); 0: none
     kv_tier_path: str | None = None  # the tier's directory on local disk; None: host memory
@@ -98,6 +99,7 @@ class EngineArgs:
         _check(isinstance(self.priority_aging, (int, float)) and not isinstance(self.priority_aging, bool)
                and self.priority_aging > 0, "--priority-aging", f"must be a number of seconds > 0, got "
                f"{self.priority_aging!r}")
+        check_max_step_ms("--max-step-ms", self.max_step_ms)
         _check(isinstance(self.enable_prefix_caching, bool), "--enable-prefix-caching", "must be a bool")
         check_int("--hash-seed", self.hash_seed, 0)
         _check(self.hash_seed < 2**64, "--hash-seed", f"must fit in 64 bits, got {self.hash_seed}")
@@ -189,6 +191,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--priority-aging", type=float, default=d.priority_aging, metavar="SECONDS",
                    help="with --scheduling-policy priority: a waiting request's priority improves by one per this "
                         "many seconds, so low priorities are never starved (default %(default)s)")
+    g.add_argument("--max-step-ms", type=float, default=d.max_step_ms, metavar="MS",
+                   help="when more than one request is waiting or running, prompt chunks shrink so that a step is "
+                        "predicted to take at most MS milliseconds (a step-time model the engine fits from its own "
+                        "steps), keeping the time to first token of short requests low under a flood of long "
+                        "prompts; a lone request still gets --max-num-batched-tokens. 0: off (default %(default)s)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
                    help="reuse KV blocks of shared prefixes")
     g.add_argument("--kv-tier-gib", type=float, default=d.kv_tier_gib, metavar="GIB",

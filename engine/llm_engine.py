@@ -132,7 +132,8 @@ class LLMEngine:
         num_blocks = args.num_blocks or self._size_kv_cache(backend, free_at_start)
         self.kv = KVCacheManager(CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching, args.hash_seed))
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, self.max_model_len,
-                                                   args.scheduling_policy, args.priority_aging, args.max_loras),
+                                                   args.scheduling_policy, args.priority_aging, args.max_loras,
+                                                   args.max_step_ms),
                                    self.kv)
         self.limits = EngineLimits(min(self.config.vocab_size, self.tokenizer.vocab_size), self.max_model_len,
                                    args.max_num_seqs, args.block_size, num_blocks)
@@ -247,6 +248,7 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestDelta]:
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         try:
             logits, seqs = self.runner.execute(out.scheduled, out.blocks_to_copy)
@@ -259,7 +261,9 @@ class LLMEngine:
         self.scheduler.on_step_done(out)
         logits, seqs = self._fork(logits, seqs)
         sampled = self.sampler(logits, seqs, self.eos_token_ids) if seqs else None
-        return self._update(seqs, sampled) if seqs else []
+        deltas = self._update(seqs, sampled) if seqs else []
+        self.scheduler.observe_step(out, time.perf_counter() - t0)  # the step-time model's sample
+        return deltas
 
     def _recover_from_oom(self, out: SchedulerOutput, error: str) -> list[RequestDelta]:
         """The step ran out of memory and advanced nothing: count it, shrink the next steps, and end the
@@ -371,8 +375,16 @@ class LLMEngine:
             oom_events=self.oom_events, gpu_memory_used_bytes=self._gpu_memory_used(),
             deterministic=self.args.deterministic,
             num_free_blocks=kv.num_free_blocks, num_cached_blocks=len(kv.pool.cached),
+            **self._step_time_stats(),
             **(self._tier_stats() if self.offload is not None else {}),
             **(self._lora_stats() if self.lora is not None else {}))
+
+    def _step_time_stats(self) -> dict:
+        st = self.scheduler.step_stats
+        return {"step_seconds": st.last_s, "step_predicted_seconds": st.last_predicted_s,
+                "steps_predicted": st.predicted_steps, "step_predicted_seconds_total": st.predicted_s_total,
+                "step_observed_seconds_total": st.observed_s_total,
+                "step_prediction_error_seconds_total": st.abs_error_s_total}
 
     def _tier_stats(self) -> dict:
         off = self.offload

@@ -19,23 +19,35 @@ The queue order and the victim depend on the policy (`SchedulerConfig.policy`, v
   other in turn: their effective priorities differ by their priorities minus the periods between their arrivals,
   give or take one, and only a strict difference preempts. A sequence preempted in a step is not readmitted in it.
 
+Fair share (engine/fair_share.py): waiting requests carry a fairness id (the tenant the router names); under fcfs
+the queue is served lowest virtual token counter first, preempted sequences still ahead of all; under priority the
+counters order requests of equal effective priority. With one id (or none) the order is exactly the one above.
+
+Bounded steps (engine/step_time.py): the engine reports each step's time (`observe_step`) and the scheduler fits a
+step-time model. When more than one sequence is waiting or running, a step's prompt tokens are cut so that the
+step is predicted to take at most `max_step_ms` (never below one block of prompt tokens, so prompts progress);
+a lone request, and every step until the model is fitted, gets the whole `max_num_batched_tokens`.
+
 The engine loop: `out = schedule()`; copy `out.blocks_to_copy` in every layer's cache; run the
 model on the scheduled tokens; `on_step_done(out)` (`on_step_failed(out)` if it ran out of memory);
 append the sampled token to each sequence whose known tokens are now all computed; `finish(seq,
-status)` the ones that are done.
+status)` the ones that are done; `observe_step(out, seconds)` with the step's wall time.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
+from engine.fair_share import FairShare
 from engine.kv.manager import KVCacheManager
 from engine.oom_backoff import OomBackoff
 from engine.sequence import Sequence, SequenceStatus
+from engine.step_time import StepShape, StepTimeModel, StepTimeStats, step_shape
 
 
 @dataclass
@@ -50,6 +62,8 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
+    shape: StepShape = StepShape(0, 0, 0)  # what the step-time model reads (engine/step_time.py)
+    predicted_s: float | None = None  # the model's time for this step, when fitted
 
     @property
     def is_empty(self) -> bool:
@@ -69,12 +83,16 @@ class Scheduler:
         self._forked: set[str] = set()  # requests whose sequence has forked
         self._reserved_seats = 0  # children that running, not yet forked sequences will fork into
         self.oom = OomBackoff(config.max_num_batched_tokens)
+        self.fair = FairShare()
+        self.step_time = StepTimeModel()
+        self.step_stats = StepTimeStats()
 
     # ---- admission -------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence, already admitted (engine/admission.py: it fits max_model_len and the cache)."""
         seq.status = SequenceStatus.WAITING
+        self.fair.enter(seq.fairness_id)
         self.waiting.append(seq)
         self._by_request.setdefault(seq.request_id, []).append(seq)
 
@@ -82,18 +100,41 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.oom.token_budget
+        budget = self._step_budget(self.oom.token_budget)
         if self.by_priority:
             self._now = now = self.clock()
             if self.waiting:
-                self.waiting = deque(sorted(self.waiting, key=lambda s: self.rank(s, now)))
+                self.waiting = self._ranked(now)
                 self._preempt_for_head(out, now, budget)
+        elif len(self.fair.active) > 1 and len(self.waiting) > 1:
+            preempted = [s for s in self.waiting if s.num_preemptions]  # at the head already: they stay there
+            self.waiting = deque(preempted + self.fair.order([s for s in self.waiting if not s.num_preemptions]))
         made_room = len(out.preempted)
         self._schedule_running(out, budget)
         budget -= out.num_batched_tokens
         if len(out.preempted) == made_room:  # no running sequence ran out of blocks
             self._schedule_waiting(out, budget)
+        out.shape = step_shape((item.seq, item.num_new_tokens) for item in out.scheduled)
+        out.predicted_s = self.step_time.predict(out.shape)
         return out
+
+    def _step_budget(self, budget: int) -> int:
+        """The step's token budget: all of it for a lone sequence or an unfitted model, else the decodes' tokens
+        and the prompt tokens that keep the step's predicted time at or under max_step_ms (at least one block)."""
+        if not self.config.max_step_ms or len(self.running) + len(self.waiting) <= 1:
+            return budget
+        decodes = [s.num_tokens for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        context = sum(decodes) + sum(s.num_computed_tokens for s in self.running if s.num_tokens - s.num_computed_tokens > 1)
+        room = self.step_time.max_prefill_tokens(self.config.max_step_ms / 1000, len(decodes), context)
+        if room is None:
+            return budget
+        return min(budget, len(decodes) + max(room, self.kv.block_size))
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The engine ran the step `out` in `seconds` (wall time, schedule to sampled tokens)."""
+        if out.scheduled:
+            self.step_stats.record(out.predicted_s, seconds)
+            self.step_time.observe(out.shape, seconds)
 
     # ---- priority --------------------------------------------------------------------------
 
@@ -116,7 +157,15 @@ class Scheduler:
             self._preempt(worst)
             out.preempted.append(worst)
         if out.preempted:  # the preempted went to the front: the head goes back in front of them
-            self.waiting = deque(sorted(self.waiting, key=lambda s: self.rank(s, now)))
+            self.waiting = self._ranked(now)
+
+    def _ranked(self, now: float) -> deque[Sequence]:
+        """The waiting queue by rank; among equal effective priorities, lowest virtual token counter first."""
+        ranked = sorted(self.waiting, key=lambda s: self.rank(s, now))
+        if len(self.fair.active) > 1:
+            runs = itertools.groupby(ranked, key=lambda s: self.rank(s, now)[0])
+            ranked = [s for _, run in runs for s in self.fair.order(list(run))]
+        return deque(ranked)
 
     def _fits(self, seq: Sequence, budget: int) -> bool:
         """Whether the waiting `seq` has a seat and the blocks its first chunk needs."""
@@ -194,6 +243,7 @@ class Scheduler:
             self.kv.record_prefix_query(seq.num_tokens, num_hit)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_hit
+                self.fair.charge(seq.fairness_id, prompt_tokens=seq.num_tokens - seq.num_computed_tokens)
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
@@ -256,6 +306,8 @@ class Scheduler:
                 continue  # aborted or finished while the step ran
             seq.num_computed_tokens += item.num_new_tokens
             self.kv.cache_full_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:  # a token is sampled for it
+                self.fair.charge(seq.fairness_id, generated_tokens=1)
 
     def on_step_failed(self, out: SchedulerOutput) -> str | None:
         """The forward pass ran out of memory: no sequence advanced, and the next steps are smaller. A sequence
@@ -283,6 +335,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.kv.free(seq)
         seq.status = status
+        self.fair.leave(seq.fairness_id)
         group = self._by_request.get(seq.request_id)
         if group is not None:
             group.remove(seq)
@@ -314,6 +367,7 @@ class Scheduler:
             child.first_scheduled_time = seq.first_scheduled_time
             child.status = seq.status
             self.kv.fork(seq, child)
+            self.fair.enter(child.fairness_id)
             children.append(child)
         if seq.status is SequenceStatus.RUNNING:
             self.running.extend(children)
@@ -344,3 +398,4 @@ class Scheduler:
 
     def get_seqs(self, request_id: str) -> list[Sequence]:
         return list(self._by_request.get(request_id, ()))
+

@@ -31,5 +31,11 @@ class EngineStats:
     tier_bytes: int = 0
     tier_spilled_blocks: int = 0  # evicted blocks it took, since start
     tier_reloaded_blocks: int = 0  # blocks brought back from it into the cache, since start
+    step_seconds: float = 0.0  # the last step's wall time (schedule to sampled tokens)
+    step_predicted_seconds: float = 0.0  # what the step-time model predicted for it (0 until fitted; engine/step_time.py)
+    steps_predicted: int = 0  # steps the model predicted, since start; over them, the seconds predicted and taken,
+    step_predicted_seconds_total: float = 0.0
+    step_observed_seconds_total: float = 0.0
+    step_prediction_error_seconds_total: float = 0.0  # and the sum of |predicted - taken|
     lora_running: tuple[str, ...] = ()  # adapters of the running requests
     lora_waiting: tuple[str, ...] = ()  # adapters of the waiting ones

@@ -45,6 +45,13 @@ _COUNTERS = (
     ("kvfleet:kv_tier_reloaded_blocks", "tier_reloaded_blocks", "Blocks brought back from the lower tier into the "
      "KV cache instead of being prefilled again."),
     ("kvfleet:oom_events", "oom_events", "Steps that ran out of memory and were recovered (retried smaller)."),
+    ("kvfleet:steps_predicted", "steps_predicted", "Steps the fitted step-time model predicted (--max-step-ms)."),
+    ("kvfleet:step_predicted_seconds", "step_predicted_seconds_total", "Seconds the step-time model predicted for "
+     "the steps it predicted."),
+    ("kvfleet:step_observed_seconds", "step_observed_seconds_total", "Seconds the steps the step-time model "
+     "predicted took (against kvfleet:step_predicted_seconds: the model's bias)."),
+    ("kvfleet:step_prediction_error_seconds", "step_prediction_error_seconds_total", "Sum of |predicted - taken| "
+     "over the predicted steps (over kvfleet:steps_predicted: the mean error)."),
 )
 _GAUGES = (
     ("vllm:kv_cache_usage_perc", "kv_usage", "KV cache usage: fraction of blocks held by requests (0..1)."),
@@ -54,6 +61,9 @@ _GAUGES = (
     ("kvfleet:num_free_kv_blocks", "num_free_blocks", "KV cache blocks no request holds (cached ones among them)."),
     ("kvfleet:kv_tier_blocks", "tier_blocks", "Blocks the lower KV tier holds (0 without one)."),
     ("kvfleet:kv_tier_bytes", "tier_bytes", "Bytes the lower KV tier holds."),
+    ("kvfleet:step_seconds", "step_seconds", "Wall time of the last engine step (schedule to sampled tokens)."),
+    ("kvfleet:step_predicted_seconds_last", "step_predicted_seconds", "The step-time model's prediction for the last "
+     "step (0 until it is fitted)."),
     ("kvfleet:num_cached_kv_blocks", "num_cached_blocks", "KV cache blocks whose content the prefix cache holds "
      "(held or free): what the KV events announce."),
 )

@@ -57,11 +57,21 @@ def test_defaults_and_cli_round_trip():
     ("debug_step_delay_ms", 0.5, "--debug-step-delay-ms"),
     ("debug_oom_every", -3, "--debug-oom-every"),
     ("debug_oom_every", "2", "--debug-oom-every"),
+    ("max_step_ms", -1, "--max-step-ms"),
+    ("max_step_ms", float("nan"), "--max-step-ms"),
+    ("max_step_ms", 1e9, "--max-step-ms"),
+    ("max_step_ms", True, "--max-step-ms"),
+    ("max_step_ms", "150", "--max-step-ms"),
 ])
 def test_bad_values_name_the_flag(field, value, flag):
     with pytest.raises(ConfigError) as e:
         EngineArgs(**{field: value})
     assert e.value.field == flag and str(e.value).startswith(flag)
+
+
+def test_max_step_ms_bounds_steps_by_default_and_0_turns_it_off():
+    assert EngineArgs().max_step_ms == 150.0
+    assert _parse("--max-step-ms", "250").max_step_ms == 250.0 and _parse("--max-step-ms", "0").max_step_ms == 0.0
 
 
 def test_cpu_cores_must_be_usable():

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 from engine.admission import EngineLimits, admit
-from engine.config import SchedulerConfig
+from engine.config import DEFAULT_MAX_STEP_MS, SchedulerConfig
 from engine.kv.config import CacheConfig
 from engine.kv.manager import KVCacheManager
 from engine.sampling_params import SamplingParams
@@ -22,12 +22,14 @@ VOCAB = 101
 
 class FakeEngine:
     def __init__(self, num_blocks: int = 64, block_size: int = 4, budget: int = 32, max_num_seqs: int = 8,
-                 max_model_len: int = 256, prefix_caching: bool = True, policy: str = "fcfs", aging_s: float = 30.0):
+                 max_model_len: int = 256, prefix_caching: bool = True, policy: str = "fcfs", aging_s: float = 30.0,
+                 max_step_ms: float = DEFAULT_MAX_STEP_MS):
         self.now = 0.0  # the scheduler's clock (priority aging); tests move it
         self.kv = KVCacheManager(CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                              enable_prefix_caching=prefix_caching))
         self.sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                                               max_model_len=max_model_len, policy=policy, priority_aging_s=aging_s),
+                                               max_model_len=max_model_len, policy=policy, priority_aging_s=aging_s,
+                                               max_step_ms=max_step_ms),
                                self.kv, clock=lambda: self.now)
         self.bs = block_size
         self.limits = EngineLimits(VOCAB, max_model_len, max_num_seqs, block_size, num_blocks)
@@ -37,9 +39,10 @@ class FakeEngine:
         self.outputs: list[SchedulerOutput] = []
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int | None = 8, n: int = 1,
-            cache_salt: str | None = None, priority: int = 0) -> Sequence:
+            cache_salt: str | None = None, priority: int = 0, fairness_id: str = "") -> Sequence:
         """Admit (engine/admission.py, as the engine does) and queue a request, arriving at `self.now`."""
-        prompt, params = admit(prompt, SamplingParams(max_tokens=max_tokens, n=n, priority=priority), self.limits)
+        prompt, params = admit(prompt, SamplingParams(max_tokens=max_tokens, n=n, priority=priority,
+                                                           fairness_id=fairness_id), self.limits)
         seq = Sequence(request_id, prompt, params, cache_salt, arrival_time=self.now)
         self.sched.add(seq)
         self.seqs.append(seq)

@@ -1,0 +1,164 @@
+"""The scheduler's fair share across fairness ids (engine/fair_share.py) and its steps bounded by the step-time
+model (engine/step_time.py), on the fake engine loop of test_scheduler_harness."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.sequence import SequenceStatus
+from engine.step_time import StepShape, StepTimeModel
+from tests.engine.test_scheduler import random_trace
+from tests.engine.test_scheduler_harness import FakeEngine
+
+
+def steps(eng: FakeEngine, n: int = 1) -> list[dict[str, int]]:
+    return [{i.seq.request_id: i.num_new_tokens for i in eng.step().scheduled} for _ in range(n)]
+
+
+def flood(eng: FakeEngine, a: str, b: str) -> None:
+    """Tenant a queues five 12-token prompts, then tenant b one of 4 tokens."""
+    for k in range(1, 6):
+        eng.add(f"a{k}", [k] * 12, max_tokens=2, fairness_id=a)
+    eng.add("b1", [9] * 4, max_tokens=2, fairness_id=b)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_the_other_tenants_prompt_goes_after_one_of_the_floods_not_after_all(policy):
+    eng = FakeEngine(budget=16, policy=policy)
+    flood(eng, "a", "b")
+    # counters a 0, b lifted to 0: a1 (a's head is ahead), then b1 (b 0 < a 12), then a2...
+    assert steps(eng) == [{"a1": 12, "b1": 4}]
+    assert eng.sched.fair.counters == {"a": 12 + 2, "b": 4 + 2}  # prompts at 1, each first sampled token at 2
+
+
+@pytest.mark.parametrize("ids", [("", ""), ("t", "t")])
+def test_one_fairness_id_is_first_come_first_served(ids):
+    eng = FakeEngine(budget=16)
+    flood(eng, *ids)
+    assert steps(eng, 3) == [{"a1": 12, "a2": 4}, {"a1": 1, "a2": 8, "a3": 7}, {"a2": 1, "a3": 5, "a4": 10}]
+
+
+def test_a_single_id_schedules_exactly_as_no_id_on_a_random_trace():
+    runs = []
+    for fid in ("", "solo"):
+        eng = FakeEngine(num_blocks=40, budget=24, max_num_seqs=4)
+        for rid, prompt, max_tokens in random_trace(7, 40):
+            eng.add(rid, prompt, max_tokens, fairness_id=fid)
+        eng.run()
+        runs.append(([[(i.seq.request_id, i.num_new_tokens) for i in o.scheduled] for o in eng.outputs],
+                     eng.outputs_by_seq()))
+    assert runs[0] == runs[1]
+
+
+def test_priority_goes_first_and_the_counters_order_equal_priorities():
+    eng = FakeEngine(budget=16, policy="priority")
+    for k in range(1, 4):
+        eng.add(f"a{k}", [k] * 12, max_tokens=2, fairness_id="a", priority=0)
+    eng.add("b1", [9] * 4, max_tokens=2, fairness_id="b", priority=1)  # a worse priority: after all of a's
+    eng.add("c1", [8] * 4, max_tokens=2, fairness_id="c", priority=0)
+    assert steps(eng) == [{"a1": 12, "c1": 4}]
+    assert [s.request_id for s in eng.sched.waiting] == ["a2", "a3", "b1"]
+
+
+def test_a_tenant_back_from_idle_is_lifted_and_does_not_jump_the_queue_with_banked_time():
+    eng = FakeEngine(budget=16)
+    eng.add("b0", [9] * 4, max_tokens=1, fairness_id="b")
+    eng.run()  # b served a little, then idle
+    flood(eng, "a", "x")
+    eng.sched.finish(eng.seqs[-1], SequenceStatus.FINISHED_ABORTED)  # x's b1 gone: a floods alone
+    steps(eng, 4)
+    a = eng.sched.fair.counters["a"]
+    assert a > eng.sched.fair.counters["b"]
+    eng.add("b2", [7] * 4, max_tokens=2, fairness_id="b")
+    assert eng.sched.fair.counters["b"] == a
+
+
+def test_preempted_sequences_stay_at_the_head_of_the_queue_whatever_their_counter():
+    rng = random.Random(3)
+    eng = FakeEngine(num_blocks=14, budget=16, max_num_seqs=6)
+    trace = random_trace(11, 40, max_prompt=20, max_out=16)
+    preempted = 0
+    for k, (rid, prompt, max_tokens) in enumerate(trace):
+        eng.add(rid, prompt, max_tokens, fairness_id=rng.choice("abc"))
+        if k % 3 == 2:
+            out = eng.step()
+            preempted += len(out.preempted)
+            flags = [s.num_preemptions > 0 for s in eng.sched.waiting]
+            assert flags == sorted(flags, reverse=True)
+    eng.run()
+    assert preempted > 0
+    assert all(s.status is SequenceStatus.FINISHED_LENGTH for s in eng.seqs)
+
+
+# ---- bounded steps -------------------------------------------------------------------------------------------------
+
+COEF = (0.010, 0.002, 0.005, 0.0001)  # c0 s, s per prompt token, per decoding sequence, per context token
+
+
+def two_decoding(max_step_ms: float = 100.0) -> FakeEngine:
+    eng = FakeEngine(budget=64, max_step_ms=max_step_ms)
+    eng.add("a", [1] * 4, max_tokens=10)
+    eng.add("b", [2] * 4, max_tokens=10)
+    assert steps(eng) == [{"a": 4, "b": 4}]  # no model yet: the whole budget
+    return eng
+
+
+def test_prompt_tokens_are_cut_to_keep_the_predicted_step_under_the_target():
+    eng = two_decoding()
+    eng.sched.step_time.coefficients = COEF
+    eng.add("c", [3] * 100, max_tokens=1)
+    # decodes: 2 sequences reading 5 + 5 tokens: 0.010 + 2 * 0.005 + 10 * 0.0001 = 0.021 s; room 0.079 s at
+    # 0.002 + 0.0001 per prompt token = 37.6 -> 37
+    out = eng.step()
+    assert {i.seq.request_id: i.num_new_tokens for i in out.scheduled} == {"a": 1, "b": 1, "c": 37}
+    assert out.shape == StepShape(37, 2, 5 + 5 + 37)
+    assert out.predicted_s == pytest.approx(0.010 + 37 * 0.002 + 2 * 0.005 + 47 * 0.0001)
+    assert out.predicted_s <= 0.100
+
+
+def test_prompts_always_progress_by_at_least_one_block():
+    eng = two_decoding()
+    eng.sched.step_time.coefficients = (0.2, *COEF[1:])  # the decodes alone are over the target
+    eng.add("c", [3] * 100, max_tokens=1)
+    assert steps(eng) == [{"a": 1, "b": 1, "c": 4}]  # block_size 4
+
+
+def test_a_lone_prompt_gets_the_whole_budget():
+    eng = FakeEngine(budget=64)
+    eng.sched.step_time.coefficients = COEF
+    eng.add("c", [3] * 150, max_tokens=1)
+    assert steps(eng, 3) == [{"c": 64}, {"c": 64}, {"c": 22}]
+
+
+@pytest.mark.parametrize("fitted, max_step_ms", [(False, 100.0), (True, 0.0)])
+def test_unbounded_until_fitted_and_when_off(fitted, max_step_ms):
+    eng = two_decoding(max_step_ms)
+    if fitted:
+        eng.sched.step_time.coefficients = COEF
+    eng.add("c", [3] * 100, max_tokens=1)
+    assert steps(eng) == [{"a": 1, "b": 1, "c": 62}]
+
+
+def test_the_model_fitted_from_observed_steps_bounds_the_next_ones():
+    eng = FakeEngine(num_blocks=200, budget=64, max_num_seqs=8, max_step_ms=60.0, prefix_caching=False)
+    eng.sched.step_time = StepTimeModel(min_samples=16, refit_every=1)
+
+    def seconds(shape: StepShape) -> float:
+        return COEF[0] + COEF[1] * shape.prefill_tokens + COEF[2] * shape.decode_seqs + COEF[3] * shape.context_tokens
+
+    for rid, prompt, max_tokens in random_trace(5, 60, max_prompt=60, max_out=20):
+        eng.add(rid, prompt, max_tokens)
+    bounded = 0
+    while eng.sched.has_unfinished():
+        contended = eng.sched.num_running + eng.sched.num_waiting > 1
+        fitted = eng.sched.step_time.ready
+        out = eng.step()
+        eng.sched.observe_step(out, seconds(out.shape))
+        if fitted and contended and out.shape.prefill_tokens > 4:
+            bounded += 1
+            # a one-token prompt admitted is a decode in the step's shape (engine/step_time.py): one decode over
+            assert out.predicted_s <= 0.060 + COEF[2] + 1e-9
+    assert eng.sched.step_time.coefficients == pytest.approx(COEF, rel=1e-6, abs=1e-9)
+    assert bounded > 10

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-portable install kernels prometheus dashboards lint clean chaos chaos-quick
+.PHONY: run test test-portable gpu-compile install kernels prometheus dashboards lint clean chaos chaos-quick
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -55,6 +55,12 @@ PORTABLE_TESTS := tests/engine/kernels tests/engine/attention tests/engine/model
 test-portable: $(STAMP)
 	KVFLEET_CPU_ISA=portable $(BIN)/python -m engine.kernels.cpu_ops
 	KVFLEET_CPU_ISA=portable $(BIN)/python -m pytest -n 2 --dist loadfile $(PORTABLE_TESTS)
+
+# every Triton variant the engine compiles on CUDA, compiled for sm_90 and sm_100 on this CPU machine with cold
+# caches (Triton ships ptxas and cuobjdump): registers, spills, shared memory, occupancy, tensor-core use
+# (loadtest/gpu_compile.py; its full run is `slow`, so make test leaves it to this target, which .ci/run calls)
+gpu-compile: $(STAMP)
+	$(BIN)/python -m pytest -m slow -p no:cacheprovider tests/loadtest/test_gpu_compile.py
 
 # the reliability and security campaign (loadtest/chaos/, not part of `make test`): a loopback fleet (Redis,
 # 2 engines, 2 routers) through soak, cancellation storm, replica and router deaths, Redis outage, KV

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-command GPU check of the engine's CUDA path (issues 5 and 19), unattended, at most 8 minutes in the worst
+# One-command GPU check of the engine's CUDA path (issues 5, 19 and 50), unattended, at most 8 minutes in the worst
 # case (every step has its own timeout; the limits below add up to <= 480 s and are checked before anything runs).
 # Needs no checkpoint and no bundled model: random-weight models of real shapes are built on the device.
 #   1. kernel tests compiled on the GPU (TRITON_INTERPRET=0), in parallel (pytest -n 8 when pytest-xdist is
@@ -8,7 +8,10 @@
 #   2. paged decode vs measured copy bandwidth and contiguous SDPA, batch 1/16/64/256 x context 512/2K/8K, at
 #      both shapes (pass mark at context >= 2K, batch >= 16: >= 85% of copy bandwidth, <= 1.10x SDPA's time);
 #   3. the engine on the Llama-3-8B-shaped model (all 32 layers, bf16): offline throughput at batch
-#      1/16/64/256 with and without CUDA graphs, greedy tokens compared, host time per decode step beside GPU time.
+#      1/16/64/256 with and without CUDA graphs, greedy tokens compared, host time per decode step beside GPU time;
+#   4. every Triton variant the engine compiles (python -m loadtest.gpu_compile --device), compiled for this device:
+#      registers, spills, shared memory, occupancy, tensor-core use and expected time per call, the same table
+#      `make gpu-compile` prints for sm_90 / sm_100 on a CPU machine, so the two can be compared.
 # Results: $OUT/gpu_check/ (or ./results/gpu_check/): gpu_check.json, gpu_check.md, and every step's whole log.
 # Without a CUDA GPU: says so, runs the interpreter subset (kernel, layer and decode-input tests; an engine smoke
 # run on a tiny shape) under its own limits, and exits with the tests' status.
@@ -18,18 +21,19 @@
 set -uo pipefail  # not -e: every step runs and reports; the exit status is the worst step's
 
 cd "$(dirname "$0")/.."
-case "${1:-}" in -h|--help) sed -n '2,18p' "$0"; exit 0 ;; "") ;; *) echo "gpu_check: no arguments (try --help)" >&2; exit 2 ;; esac
+case "${1:-}" in -h|--help) sed -n '2,20p' "$0"; exit 0 ;; "") ;; *) echo "gpu_check: no arguments (try --help)" >&2; exit 2 ;; esac
 
 # ---- time budget (seconds). Worst case = sum of the limits of the steps that run + a kill grace per step ----
 KILL_GRACE=5           # timeout -k: a step that ignores SIGINT/SIGTERM is killed this much later
 LIMIT_PROBE=30         # find a python that sees CUDA (all candidates together)
-LIMIT_TESTS=150        # GPU: compiled kernel tests
-LIMIT_BENCH=110        # GPU: paged decode benchmark, two shapes
-LIMIT_ENGINE=150       # GPU: engine on the 8B-shaped model, eager and CUDA graphs
+LIMIT_TESTS=130        # GPU: compiled kernel tests
+LIMIT_BENCH=100        # GPU: paged decode benchmark, two shapes
+LIMIT_ENGINE=130       # GPU: engine on the 8B-shaped model, eager and CUDA graphs
+LIMIT_COMPILE=40       # GPU: the variant table for this device (~117 variants, 8 compile processes)
 LIMIT_REPORT=15        # summary JSON + Markdown
 LIMIT_ITESTS=300       # no GPU: interpreter tests
 LIMIT_ISMOKE=90        # no GPU: engine smoke run (tiny shape, interpreter)
-GPU_WORST=$((LIMIT_PROBE + LIMIT_TESTS + LIMIT_BENCH + LIMIT_ENGINE + LIMIT_REPORT + 5 * KILL_GRACE))  # 480
+GPU_WORST=$((LIMIT_PROBE + LIMIT_TESTS + LIMIT_BENCH + LIMIT_ENGINE + LIMIT_COMPILE + LIMIT_REPORT + 6 * KILL_GRACE))  # 475
 CPU_WORST=$((LIMIT_PROBE + LIMIT_ITESTS + LIMIT_ISMOKE + LIMIT_REPORT + 4 * KILL_GRACE))                # 455
 if [ "$GPU_WORST" -gt 480 ] || [ "$CPU_WORST" -gt 480 ]; then
   echo "gpu_check: step limits add up to ${GPU_WORST}s (GPU) / ${CPU_WORST}s (no GPU), over 480s" >&2; exit 2
@@ -66,7 +70,7 @@ junit_or_stub() {
 EOF
 }
 
-say "time budget: GPU run ${GPU_WORST}s worst case (probe ${LIMIT_PROBE} + tests ${LIMIT_TESTS} + bench ${LIMIT_BENCH} + engine ${LIMIT_ENGINE} + report ${LIMIT_REPORT} + 5 x ${KILL_GRACE} kill grace); no-GPU run ${CPU_WORST}s"
+say "time budget: GPU run ${GPU_WORST}s worst case (probe ${LIMIT_PROBE} + tests ${LIMIT_TESTS} + bench ${LIMIT_BENCH} + engine ${LIMIT_ENGINE} + compile table ${LIMIT_COMPILE} + report ${LIMIT_REPORT} + 6 x ${KILL_GRACE} kill grace); no-GPU run ${CPU_WORST}s"
 
 # ---- step 0: a python that sees CUDA (one limit for all candidates) ------------------------------------------
 export PROBE='import torch, triton, sys; sys.exit(0 if torch.cuda.is_available() else 1)'
@@ -156,8 +160,14 @@ run_step engine "$LIMIT_ENGINE" "$PY" -m loadtest.gpu_engine_bench --shape llama
     --prompt-len 128 --output-len 64 --modes eager,graphs --json "$RESULTS/engine.json"
 rc=$?; S_ENGINE="$(status_of "$rc" "$LIMIT_ENGINE")"; note_rc "$rc"
 
+# 4. the compile table of every engine variant, for this device's architecture and SM count
+say "step 4: every engine Triton variant compiled for this device: registers, spills, smem, occupancy, tensor cores (limit ${LIMIT_COMPILE}s)"
+run_step gpu_compile "$LIMIT_COMPILE" "$PY" -m loadtest.gpu_compile --device --jobs 8 --json "$RESULTS/gpu_compile.json" \
+    --markdown "$RESULTS/gpu_compile.md"
+rc=$?; S_COMPILE="$(status_of "$rc" "$LIMIT_COMPILE")"; note_rc "$rc"
+
 # summary: gpu_check.json (everything) and gpu_check.md (the tables)
 timeout -k "$KILL_GRACE" "$LIMIT_REPORT" "$PY" -m loadtest.gpu_check_report "$RESULTS" "$GPU_NAME" "$S_TESTS" "$S_BENCH" \
-    "$S_ENGINE" 2>&1 | tee -a "$LOG"
+    "$S_ENGINE" "$S_COMPILE" 2>&1 | tee -a "$LOG"
 say "done in $(( $(date +%s) - T0 ))s (worst case allowed ${GPU_WORST}s); results in $RESULTS"
 exit "$WORST"

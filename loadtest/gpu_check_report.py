@@ -1,6 +1,6 @@
 """The summary of loadtest/gpu_check.sh: gpu_check.json (every result) and gpu_check.md (tables and pass marks).
 
-    python -m loadtest.gpu_check_report RESULTS_DIR GPU_NAME TESTS_STATUS BENCH_STATUS ENGINE_STATUS
+    python -m loadtest.gpu_check_report RESULTS_DIR GPU_NAME TESTS_STATUS BENCH_STATUS ENGINE_STATUS [COMPILE_STATUS]
 """
 
 from __future__ import annotations
@@ -70,23 +70,43 @@ def engine_md(e: dict) -> list[str]:
     return out + [""]
 
 
+def compile_md(res: str, c: dict) -> list[str]:
+    """The variant table loadtest.gpu_compile wrote for this device, and the failures it named."""
+    rows = c.get("rows", [])
+    out = [f"## Every engine Triton variant, compiled for this device ({len(rows)} variants, "
+           f"{len(c.get('failures', []))} failing)", ""]
+    out += [f"- FAIL {line}" for line in c.get("failures", [])]
+    try:
+        with open(os.path.join(res, "gpu_compile.md")) as f:
+            out += ["", f.read()]
+    except OSError:
+        pass
+    return out + [""]
+
+
 def main(argv: list[str]) -> int:
     res, gpu, tests, bench, engine = argv[:5]
+    compiled = argv[5] if len(argv) > 5 else "not run"
+    table = load(res, "gpu_compile.json")
     junit = junit_counts(os.path.join(res, "kernel_tests.xml"))
     benches = {n: load(res, f"bench_{n}.json") for n in ("llama3-8b", "qwen2.5-7b")}
     eng = load(res, "engine.json")
     summary = {"gpu": gpu, "kernel_tests": tests, "kernel_tests_junit": junit, "bench": bench, "engine": engine,
-               "paged_decode": benches, "engine_results": eng}
+               "paged_decode": benches, "engine_results": eng, "compile_table": compiled,
+               "compile_failures": (table or {}).get("failures")}
     with open(os.path.join(res, "gpu_check.json"), "w") as f:
         json.dump(summary, f, indent=2)
     md = [f"# gpu_check on {gpu}", "",
           f"- kernel tests (compiled, slow included): **{tests}** {junit or ''}",
-          f"- paged decode benchmark: **{bench}**", f"- engine run: **{engine}**", ""]
+          f"- paged decode benchmark: **{bench}**", f"- engine run: **{engine}**",
+          f"- variant compile table: **{compiled}**", ""]
     for name, b in benches.items():
         if b:
             md += bench_md(name, b)
     if eng:
         md += engine_md(eng)
+    if table:
+        md += compile_md(res, table)
     with open(os.path.join(res, "gpu_check.md"), "w") as f:
         f.write("\n".join(md))
     print("\n".join(md))

@@ -3,6 +3,7 @@ the compiler made of each: registers, spills, shared memory, occupancy, tensor-c
 
     python -m loadtest.gpu_compile [--arch 90,100] [--json out.json] [--markdown out.md]
     python -m loadtest.gpu_compile --device      # on a GPU: the variants for the device it runs on
+    python -m loadtest.gpu_compile --docs        # rewrite the table in docs/engine-internals.md
 
 The variants are the engine's own enumeration (engine/kernels/variants.py: what ModelRunner.warm_up compiles
 on CUDA), at the bundled model's shapes and at Llama-3-8B's and Qwen2.5-7B's (loadtest/synthetic_model.py:
@@ -158,22 +159,24 @@ def ptxas_verbose(ptx: str, arch: int) -> dict:
             "ptxas_smem": num(r"(\d+) bytes smem")}
 
 
-def cubin_facts(cubin: bytes, arch: int) -> dict:
-    """From the cubin Triton built: REG / SHARED / LOCAL (cuobjdump -res-usage) and tensor-core SASS."""
+def cubin_facts(cubin: bytes, arch: int, sass: bool) -> dict:
+    """From the cubin Triton built: REG / SHARED / LOCAL (cuobjdump -res-usage) and, when `sass` (the kernel has
+    a tl.dot: disassembly is most of a variant's inspection time), its tensor-core SASS instructions."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
         cuobjdump = _tool("cuobjdump", arch)
         usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
+        code = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout \
+            if sass else ""
 
     def num(key: str) -> int:
         m = re.search(key + r":(\d+)", usage)
         return int(m.group(1)) if m else -1
 
     return {"cubin_registers": num("REG"), "cubin_shared": num("SHARED"), "cubin_local": num("LOCAL"),
-            "sass_tc": len(re.findall(r"\b(?:HMMA|HGMMA|UTC\w*MMA)\b", sass))}
+            "sass_tc": len(re.findall(r"\b(?:HMMA|HGMMA|UTC\w*MMA)\b", code)) if sass else None}
 
 
 def dot_lowering(ttir: str, ttgir: str, ptx: str) -> dict:
@@ -212,13 +215,14 @@ def inspect(variant, arch: int) -> dict:
     """Compile one variant and read everything off the compiler's output (cached per PTX and tool version)."""
     k = compile_variant(variant, arch)
     ptx = k.asm["ptx"]
-    key = hashlib.sha256(f"{arch}\0{_tool('ptxas', arch)}\0{ptx}".encode()).hexdigest()[:32]
+    key = hashlib.sha256(f"v2\0{arch}\0{_tool('ptxas', arch)}\0{ptx}".encode()).hexdigest()[:32]
     path = os.path.join(CACHE_DIR, key + ".json")
     try:
         with open(path) as f:
             facts = json.load(f)
     except (OSError, ValueError):
-        facts = ptxas_verbose(ptx, arch) | cubin_facts(k.asm["cubin"], arch)
+        has_dots = re.search(r"= tt\.dot ", k.asm["ttir"]) is not None
+        facts = ptxas_verbose(ptx, arch) | cubin_facts(k.asm["cubin"], arch, sass=has_dots)
         os.makedirs(CACHE_DIR, exist_ok=True)
         with open(path + ".tmp", "w") as f:
             json.dump(facts, f)
@@ -373,8 +377,28 @@ def markdown(rows: list[dict]) -> str:
         out.append(f"| sm_{r['arch']} | {r['model']} | {r['variant']} | {r['registers']} | "
                    f"{r['spill_stores'] + r['spill_loads']} | {r['shared']} | {r['threads']} | "
                    f"{r['blocks_per_sm']} ({r['limited_by']}) | {100 * r['occupancy']:.0f}% | {dots} | "
-                   f"{r['ptx_tc']}/{r['sass_tc']} | {exp} | {'yes' if not r['problems'] else '**FAILS**'} |")
+                   f"{r['ptx_tc']}/{'-' if r['sass_tc'] is None else r['sass_tc']} | {exp} | {'yes' if not r['problems'] else '**FAILS**'} |")
     return "\n".join(out)
+
+
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "engine-internals.md")
+DOCS_BEGIN = "<!-- the table below is written by `python -m loadtest.gpu_compile --docs` -->"
+DOCS_END = "<!-- end of the gpu_compile table -->"
+
+
+def docs_table(path: str = DOCS) -> str:
+    """The variant table as docs/engine-internals.md holds it (between its markers)."""
+    with open(path) as f:
+        text = f.read()
+    return text[text.index(DOCS_BEGIN) + len(DOCS_BEGIN):text.index(DOCS_END)].strip()
+
+
+def write_docs_table(table: str, path: str = DOCS) -> None:
+    with open(path) as f:
+        text = f.read()
+    begin, end = text.index(DOCS_BEGIN) + len(DOCS_BEGIN), text.index(DOCS_END)
+    with open(path, "w") as f:
+        f.write(text[:begin] + "\n\n" + table + "\n\n" + text[end:])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -387,6 +411,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="compile processes")
     p.add_argument("--json", default=None, help="write every row to this file")
     p.add_argument("--markdown", default=None, help="write the table to this file")
+    p.add_argument("--docs", action="store_true",
+                   help="write the table into docs/engine-internals.md (every model, dtype and both architectures)")
     args = p.parse_args(argv)
     args.arch = [int(a) for a in args.arch.split(",") if a]
     args.models = [m for m in args.models.split(",") if m]
@@ -395,6 +421,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         [d for d in args.dtypes if d not in DTYPES]
     if bad:
         p.error(f"unknown: {', '.join(map(str, bad))}")
+    if args.docs and (args.device or args.arch != [90, 100] or args.models != list(MODELS) or
+                      args.dtypes != list(DTYPES)):
+        p.error("--docs writes the whole table: every model and dtype for sm_90 and sm_100, without --device")
     return args
 
 
@@ -431,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table + "\n")
+    if args.docs:
+        write_docs_table(table)
     return 1 if bad else 0
 
 

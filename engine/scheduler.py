@@ -110,7 +110,8 @@ class Scheduler:
             preempted = [s for s in self.waiting if s.num_preemptions]  # at the head already: they stay there
             self.waiting = deque(preempted + self.fair.order([s for s in self.waiting if not s.num_preemptions]))
         made_room = len(out.preempted)
-        self._schedule_running(out, budget)
+        fair = not self.by_priority and len(self.fair.active) > 1 and bool(self.waiting)
+        self._schedule_running(out, budget, self._startable(budget) if fair else [])
         budget -= out.num_batched_tokens
         if len(out.preempted) == made_room:  # no running sequence ran out of blocks
             self._schedule_waiting(out, budget)
@@ -124,7 +125,8 @@ class Scheduler:
         if not self.config.max_step_ms or len(self.running) + len(self.waiting) <= 1:
             return budget
         decodes = [s.num_tokens for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        context = sum(decodes) + sum(s.num_computed_tokens for s in self.running if s.num_tokens - s.num_computed_tokens > 1)
+        chunked = [s.num_computed_tokens for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        context = sum(decodes) + sum(chunked)  # what the decodes and the prompts already started read
         room = self.step_time.max_prefill_tokens(self.config.max_step_ms / 1000, len(decodes), context)
         if room is None:
             return budget
@@ -176,9 +178,28 @@ class Scheduler:
         n = max(1, min(seq.num_tokens - seq.num_computed_tokens - num_hit, budget - len(self.running)))
         return self.kv.num_blocks_needed(seq, n, computed) <= self.kv.num_free_blocks
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> None:
+    def _startable(self, budget: int) -> list[tuple[int, int]]:
+        """(counter, prompt tokens) of the waiting sequences at the head of the fair order that could start now (a
+        seat, an adapter slot, no wait for a block being computed), as many as the budget holds: a running prompt
+        leaves their tokens to those of ids below its own counter (engine/fair_share.py)."""
+        out: list[tuple[int, int]] = []
+        total, seats = 0, len(self.running) + self._reserved_seats
+        computing = self._computing_blocks()
+        for seq in self.waiting:
+            seats += 1 + self._unforked_children(seq)
+            if total >= budget or seats > self.config.max_num_seqs or not self._lora_fits(seq):
+                break
+            num_hit = self.kv.get_computed_blocks(seq)[1]
+            if not self._next_block_computing(seq, num_hit, computing):
+                n = seq.num_tokens - seq.num_computed_tokens - num_hit
+                out.append((self.fair.counters.get(seq.fairness_id, 0), n))
+                total += n
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, startable: list[tuple[int, int]]) -> None:
         # A prefill chunk never takes the token that a later decode needs: decodes are not
-        # starved while a long prompt ahead of them in the running list is prefilled.
+        # starved while a long prompt ahead of them in the running list is prefilled. Nor does it take the tokens
+        # of waiting prompts that could start now and whose fairness ids have a lower counter than its own.
         owed = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
         i = 0
         while i < len(self.running) and budget > 0:
@@ -187,6 +208,9 @@ class Scheduler:
             if need == 1:
                 owed -= 1
             n = min(need, budget - owed) if need > 1 else need
+            if need > 1 and startable:  # at least a block, so that it progresses whatever waits
+                mine = self.fair.counters.get(seq.fairness_id, 0)
+                n = min(n, max(self.kv.block_size, budget - owed - sum(t for c, t in startable if c < mine)))
             if n <= 0:
                 i += 1
                 continue

@@ -162,3 +162,24 @@ def test_the_model_fitted_from_observed_steps_bounds_the_next_ones():
             assert out.predicted_s <= 0.060 + COEF[2] + 1e-9
     assert eng.sched.step_time.coefficients == pytest.approx(COEF, rel=1e-6, abs=1e-9)
     assert bounded > 10
+
+
+def test_a_running_prompt_leaves_room_to_the_waiting_prompt_of_a_tenant_below_its_counter():
+    eng = FakeEngine(budget=24)
+    eng.add("a1", [1] * 60, max_tokens=2, fairness_id="a")
+    assert steps(eng) == [{"a1": 24}]
+    eng.add("b1", [9] * 6, max_tokens=2, fairness_id="b")
+    eng.add("c1", [8] * 6, max_tokens=2, fairness_id="c")
+    eng.sched.fair.counters.update(b=10, c=70)  # b below a's 60 (its prompt, charged whole), c above
+    assert steps(eng) == [{"a1": 18, "b1": 6}]  # b1's tokens kept from a1's chunk, not c1's
+    eng.add("d1", [7] * 30, max_tokens=2, fairness_id="d")
+    eng.sched.fair.counters.update(d=0)
+    # d1's 30 tokens wait below a's counter: a1 still gets a block (4), d1 the rest of the budget (c1 waits)
+    assert steps(eng) == [{"b1": 1, "a1": 4, "d1": 19}]
+
+
+def test_with_one_id_a_running_prompt_goes_first_as_before():
+    eng = FakeEngine(budget=16)
+    eng.add("a1", [1] * 40, max_tokens=2, fairness_id="t")
+    eng.add("b1", [9] * 4, max_tokens=2, fairness_id="t")
+    assert steps(eng, 2) == [{"a1": 16}, {"a1": 16}]

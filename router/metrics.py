@@ -84,6 +84,9 @@ class RouterMetrics:
                                         registry=r)
         self.reserved_outstanding = Gauge("kvfleet_router_ratelimit_reserved_tokens", "Tokens reserved by "
                                           "requests in flight, by tenant", ["tenant"], registry=r)
+        self.tenant_cost = Counter("kvfleet_router_tenant_cost_dollars", "What tenants' settled requests cost at "
+                                   "the tenants file's prices (US dollars; models with prices only), by tenant and "
+                                   "model", ["tenant", "model"], registry=r)
         self.store_errors = Counter("kvfleet_router_ratelimit_store_errors", "Errors of the budget store "
                                     "(Redis)", registry=r)
         self.store_healthy = Gauge("kvfleet_router_ratelimit_store_healthy", "1 while the budget store answers",

@@ -193,7 +193,7 @@ class Flow:
             output = usage.get("completion_tokens")
             entry.passed.done(output if isinstance(output, int) else 0)
         if entry.admitted.budget is not None and core.ratelimit is not None:
-            reported = entry.follower.used if entry.follower is not None else None
+            reported = entry.follower.last if entry.follower is not None else None
             await asyncio.shield(core.ratelimit.settle(entry.admitted.budget, reported, outcome.answered))
         self._observe(entry, outcome, usage)
 

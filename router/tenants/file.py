@@ -14,6 +14,12 @@
     anonymous: null                                # or the tenant that requests without a key use
     model_token_weights:                           # optional: budget tokens one token of a model costs
       llama-70b: 8                                 #   (default 1; reserved and charged ceil(tokens x weight))
+    model_prices:                                  # optional: US dollars per million tokens (router/tenants/pricing.py)
+      smollm2: {input: 0.10, cached_input: 0.01, cache_write: 0.125, output: 0.40}
+                                                   #   input and output required; the others default to input
+and, under a tenant, `prices: {smollm2: {cached_input: 0.005}}`: its own prices for a model, field by field over
+`model_prices` (a model it prices alone needs input and output). Where a model has prices, a cached prompt token
+costs `cached_input / input` of a budget token.
 
 Every error names the file, the line and the field (`tenants.yaml:7: tenants.acme.tokens_per_minute: must
 be a positive integer, got -5`): the YAML is composed into nodes, which keep their marks, and each value is
@@ -36,13 +42,14 @@ import yaml
 
 from router.config_file import ConfigFileError, NodeReader, WatchedFile, read_file, show
 from router.tenants.budget import token_weight
+from router.tenants.pricing import PRICE_FIELDS, Prices, price
 from router.tenants.registry import Tenant, TenantRegistry
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 HEX64 = re.compile(r"[0-9a-fA-F]{64}")
-TOP_FIELDS = ("tenants", "anonymous", "model_token_weights")
+TOP_FIELDS = ("tenants", "anonymous", "model_token_weights", "model_prices")
 TENANT_FIELDS = ("api_key_sha256", "tokens_per_minute", "max_concurrent_requests", "max_tokens",
-                 "max_context_tokens", "priority", "isolate_cache", "models", "weight")
+                 "max_context_tokens", "priority", "isolate_cache", "models", "weight", "prices")
 
 TenantsFileError = ConfigFileError
 
@@ -85,6 +92,7 @@ def parse_tenants(text: str | bytes, path: str = "<tenants>") -> TenantRegistry:
             raise p.error(node, "anonymous", f"names no tenant defined under `tenants`: {show(anonymous)}")
 
     tenants = []
+    bodies: dict[str, dict[str, tuple[yaml.Node, yaml.Node]]] = {}
     seen: dict[str, _Seen] = {}
     for name, (name_node, body_node) in entries.items():
         field = f"tenants.{name}"
@@ -107,8 +115,46 @@ def parse_tenants(text: str | bytes, path: str = "<tenants>") -> TenantRegistry:
                                                                "one needs at least one key hash")
 
         tenants.append(_tenant(p, name, field, body, frozenset(h for h, _ in hashes)))
+        bodies[name] = body
     weights = _weights(p, top["model_token_weights"][1]) if "model_token_weights" in top else {}
-    return TenantRegistry(tenants, anonymous, weights)
+    prices = {model: _full_prices(p, fields, node, f"model_prices.{model}")
+              for model, (node, fields) in _price_table(p, top, "model_prices").items()}
+    own = {}
+    for t in tenants:
+        table = _price_table(p, bodies[t.name], f"tenants.{t.name}.prices")
+        own[t.name] = {model: prices[model].merged(fields) if model in prices else
+                       _full_prices(p, fields, node, f"tenants.{t.name}.prices.{model}")
+                       for model, (node, fields) in table.items()}
+    return TenantRegistry(tenants, anonymous, weights, prices, own)
+
+
+def _price_table(p: _KeyReader, where: dict, field: str) -> dict[str, tuple[yaml.Node, dict[str, Fraction]]]:
+    """{model: (its node, {price field: exact price})} of a `model_prices` / `prices` mapping (empty when absent)."""
+    key = field.rsplit(".", 1)[-1]
+    if key not in where:
+        return {}
+    out = {}
+    for model, (model_node, value) in p.mapping(where[key][1], field, "a mapping of model name to prices").items():
+        fields = p.mapping(value, f"{field}.{model}", f"a mapping of {', '.join(PRICE_FIELDS)}")
+        p.known(fields, f"{field}.{model}", PRICE_FIELDS, "a model's prices have")
+        got = {}
+        for name, (_, node) in fields.items():
+            number = p.scalar(node, f"{field}.{model}.{name}") if isinstance(node, yaml.ScalarNode) else None
+            if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 <= number < float("inf"):
+                raise p.error(node, f"{field}.{model}.{name}", f"must be US dollars per million tokens, a number "
+                                                               f">= 0, got {p.kind(node)}")
+            got[name] = price(node.value)  # the text as written: 0.1 is exactly 1/10
+        out[model] = (model_node, got)
+    return out
+
+
+def _full_prices(p: _KeyReader, fields: dict[str, Fraction], node: yaml.Node, field: str) -> Prices:
+    for need in ("input", "output"):
+        if need not in fields:
+            raise p.error(node, f"{field}.{need}", "missing: a model's prices need input and output (cached_input "
+                                                   "and cache_write default to input)")
+    return Prices(fields["input"], fields.get("cached_input", fields["input"]),
+                  fields.get("cache_write", fields["input"]), fields["output"])
 
 
 def _weights(p: _KeyReader, node: yaml.Node) -> dict[str, Fraction]:

@@ -9,9 +9,10 @@ these two steps are router/admission/):
 2. `reserve`: the request's cost (router/admission/stages.py `request_cost`) from the tenant's budget: 400
    if it could never fit the budget, 429 + Retry-After (`rate_limit_exceeded`) if not now, 503 if the
    store failed under `--ratelimit-on-store-error closed`.
-`settle` charges what the engine reported (usage.total_tokens; the last streamed chunk's for a cancelled
-stream), 0 if no replica answered with success (refused, failed, or an error answer), the whole reservation
-if one answered 200 without usage. Every response to
+`settle` charges what the engine reported (its usage; the last streamed chunk's for a cancelled stream), priced
+by router/tenants/pricing.py (cached prompt tokens at the model's cached price, where it has prices), 0 if no
+replica answered with success (refused, failed, or an error answer), the whole reservation if one answered 200
+without usage. Every response to
 a known tenant carries OpenAI's `x-ratelimit-{limit,remaining,reset}-tokens` headers.
 """
 
@@ -32,6 +33,7 @@ from router.refusal import Refusal, refuse
 from router.tenants.budget import BudgetSpec, Quota, Reason, weighted
 from router.tenants.file import TenantsFile
 from router.tenants.limiter import Limiter, LimiterUnavailable, OnStoreError
+from router.tenants.pricing import Prices, budget_tokens, cost_usd, usage_of
 from router.tenants.registry import AuthError, Tenant
 from router.tenants.store import BudgetStore, InProcessStore, Rejection, Reservation
 
@@ -46,6 +48,8 @@ class Budget:
     reservation: Reservation | None  # None: the store failed open without a budget (never: see Limiter)
     headers: list[tuple[bytes, bytes]]
     weight: Fraction = Fraction(1)  # budget tokens per token of the request's model (router/tenants/budget.py)
+    prices: Prices | None = None  # the model's prices for this tenant (router/tenants/pricing.py), if any
+    model: str = "-"
 
 
 def reset_text(seconds: float) -> str:
@@ -133,7 +137,8 @@ class RateLimiter:
         m.ratelimit_requests.labels(tenant.name, "admitted").inc()
         m.ratelimit_tokens.labels(tenant.name, "reserved").inc(cost)
         m.reserved_outstanding.labels(tenant.name).inc(cost)
-        return Budget(tenant, got, quota_headers(got.quota), weight)
+        return Budget(tenant, got, quota_headers(got.quota), weight,
+                      self.file.registry.prices(tenant.name, model), model or "-")
 
     def _rejection(self, got: Rejection, cost: int, spec: BudgetSpec) -> Refusal:
         if got.reason is Reason.TOO_LARGE:
@@ -158,15 +163,19 @@ class RateLimiter:
         return r
 
     # -- settlement ----------------------------------------------------------------------------------------
-    async def settle(self, a: Budget, reported: int | None, answered: bool) -> None:
-        """Charge what the request used: the tokens the engine reported (weighted as reserved), else the whole
-        reservation if a replica answered 200 (`answered`), else nothing."""
+    async def settle(self, a: Budget, reported: dict | None, answered: bool) -> None:
+        """Charge what the request used: the usage the engine reported (router/tenants/pricing.py: weighted as
+        reserved, cached prompt tokens at the cached price), else the whole reservation if a replica answered 200
+        (`answered`), else nothing."""
         r = a.reservation
         if r is None:
             return
-        used = weighted(reported, a.weight) if reported is not None else (r.amount if answered else 0)
+        usage = usage_of(reported)
+        used = budget_tokens(usage, a.weight, a.prices) if usage is not None else (r.amount if answered else 0)
         m, name = self.metrics, a.tenant.name
         m.reserved_outstanding.labels(name).dec(r.amount)
         m.ratelimit_tokens.labels(name, "used").inc(used)
         m.ratelimit_tokens.labels(name, "refunded").inc(max(0, r.amount - used))
+        if usage is not None and a.prices is not None:
+            m.tenant_cost.labels(name, a.model).inc(float(cost_usd(usage, a.prices)))
         await self.limiter.settle(r, used)

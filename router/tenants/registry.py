@@ -19,6 +19,7 @@ from fractions import Fraction
 from types import MappingProxyType
 
 from contract.errors import ConfigError, error_body
+from router.tenants.pricing import Prices
 
 # A cache salt an isolated tenant's requests carry; no other request may carry one with this prefix.
 TENANT_SALT_PREFIX = "kvfleet-tenant-"
@@ -126,7 +127,9 @@ class TenantRegistry:
     """Tenants by name and by key digest; immutable once built (a reload builds a new one)."""
 
     def __init__(self, tenants: Iterable[Tenant], anonymous: str | None = None,
-                 model_token_weights: Mapping[str, Fraction] | None = None):
+                 model_token_weights: Mapping[str, Fraction] | None = None,
+                 model_prices: Mapping[str, Prices] | None = None,
+                 tenant_prices: Mapping[str, Mapping[str, Prices]] | None = None):
         by_name: dict[str, Tenant] = {}
         by_digest: dict[bytes, Tenant] = {}
         for t in tenants:
@@ -144,12 +147,21 @@ class TenantRegistry:
         self.anonymous: Tenant | None = by_name[anonymous] if anonymous is not None else None
         self._by_digest = by_digest
         self.model_token_weights: Mapping[str, Fraction] = MappingProxyType(dict(model_token_weights or {}))
+        self.model_prices: Mapping[str, Prices] = MappingProxyType(dict(model_prices or {}))
+        self._tenant_prices = {name: dict(table) for name, table in (tenant_prices or {}).items() if table}
         prios = [t.priority for t in by_name.values()] or [0]
         self._priorities = (min(prios), max(prios))
 
     def token_weight(self, model: str | None) -> Fraction:
         """What one token of `model` costs in a tenant's budget (tenants file `model_token_weights`; default 1)."""
         return self.model_token_weights.get(model, _ONE) if model is not None else _ONE
+
+    def prices(self, tenant: str, model: str | None) -> Prices | None:
+        """What `model` costs `tenant` (its own prices, else the file's `model_prices`); None: no prices."""
+        if model is None:
+            return None
+        own = self._tenant_prices.get(tenant)
+        return (own or {}).get(model) or self.model_prices.get(model)
 
     def priorities(self) -> tuple[int, int]:
         """The lowest and highest priority among the tenants (load shedding starts at the lowest)."""

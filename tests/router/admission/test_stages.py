@@ -209,7 +209,7 @@ def test_weighted_models_reserve_and_charge_their_weight(ratelimit):
     got = asyncio.run(admission.admit(admission.model(chat(model="big", max_tokens=5), who), who, None, [10]))
     assert isinstance(got, Admitted) and got.budget.reservation.amount == 38
     assert dict(got.headers)[b"x-ratelimit-remaining-tokens"] == b"99962"
-    asyncio.run(ratelimit.settle(got.budget, 7, True))
+    asyncio.run(ratelimit.settle(got.budget, {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}, True))
     metrics = ratelimit.metrics.render().decode()
     assert 'kvfleet_router_ratelimit_tokens_total{kind="used",tenant="narrow"} 18.0' in metrics
     assert 'kvfleet_router_ratelimit_tokens_total{kind="refunded",tenant="narrow"} 20.0' in metrics

@@ -93,10 +93,10 @@ BAD = [
     (_tenant("    max_tokens: 4096\n    max_context_tokens: 4096\n"), 5, "tenants.acme.max_tokens",
      "must be less than max_context_tokens (4096): a request's prompt and max_tokens must fit in it, got 4096"),
     (_tenant("    rpm: 5\n"), 5, "tenants.acme.rpm", "unknown field (a tenant has api_key_sha256, "
-     "tokens_per_minute, max_concurrent_requests, max_tokens, max_context_tokens, priority, isolate_cache, models, weight)"),
+     "tokens_per_minute, max_concurrent_requests, max_tokens, max_context_tokens, priority, isolate_cache, models, weight, prices)"),
     (_tenant("    priority: 1\n    priority: 2\n"), 6, "tenants.acme.priority", "given twice (first on line 5)"),
     (_tenant("  acme:\n    tokens_per_minute: 1\n"), 5, "tenants.acme", "given twice (first on line 2)"),
-    (_tenant("default: x\n"), 5, "default", "unknown field (the file holds tenants, anonymous, model_token_weights)"),
+    (_tenant("default: x\n"), 5, "default", "unknown field (the file holds tenants, anonymous, model_token_weights, model_prices)"),
     (_tenant("anonymous: nobody\n"), 5, "anonymous", 'names no tenant defined under `tenants`: "nobody"'),
     (_tenant("anonymous: [a]\n"), 5, "anonymous", "must be a tenant name or null, got a list"),
     ("tenants:\n  acme:\n    api_key_sha256: [\"abc123\"]\n    tokens_per_minute: 1\n", 3,
@@ -121,7 +121,8 @@ BAD = [
     ("tenants:\n  acme: 5\n", 2, "tenants.acme", "must be a mapping of settings, got 5"),
     ("tenants:\n", 1, "tenants", "must be a mapping of tenant name to settings, got null"),
     ("anonymous: null\n", 1, "tenants", "missing: the file needs a `tenants:` mapping of name to settings"),
-    ("- tenants\n", 1, "", "must be a mapping with `tenants:` (and `anonymous:` and `model_token_weights:`), got a list"),
+    ("- tenants\n", 1, "", "must be a mapping with `tenants:` (and `anonymous:` and `model_token_weights:` and "
+     "`model_prices:`), got a list"),
     ("", 1, "", "the file is empty; it needs a `tenants:` mapping"),
     ("tenants:\n  acme:\n    tokens_per_minute: [1\n", 4, "", "not valid YAML: did not find expected ',' or ']'"),
     (_tenant("    priority: !!python/object:os.system x\n"), 5, "tenants.acme.priority", "cannot read this value: "

@@ -1,0 +1,110 @@
+"""Prices per model, and what a request's usage costs in money and in budget tokens. Pure: no I/O.
+
+A model's prices are US dollars per million tokens, exact decimals as written in the tenants file (`0.1` is 1/10):
+
+- `input`: a prompt token the engine computed;
+- `cached_input`: a prompt token read from the prefix cache (computed earlier, by whichever request: a block is
+  paid for once, when it is computed, at `input`; every later read pays `cached_input`);
+- `cache_write`: a prompt token written to a pinned cache breakpoint (priced for clients' `cache_control`);
+- `output`: a generated token.
+
+Token budgets (`tokens_per_minute`) keep today's unit, one budget token per token times the model's token weight,
+with one change where a model has prices: a cached prompt token counts `cached_input / input` of a token. So a
+request with nothing cached is charged exactly as without prices, and one whose prompt was 90% cached at a tenth of
+the input price is charged 0.19 of its prompt. A request reserves its worst case (nothing cached) at admission and
+settles what the engine reported it used (`usage.prompt_tokens_details.cached_tokens`), never the router's own
+prediction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+PRICE_FIELDS = ("input", "cached_input", "cache_write", "output")
+PER_TOKENS = 1_000_000  # prices are per million tokens
+
+
+@dataclass(frozen=True)
+class Prices:
+    """US dollars per million tokens, exact."""
+
+    input: Fraction
+    cached_input: Fraction
+    cache_write: Fraction
+    output: Fraction
+
+    @classmethod
+    def of(cls, input: str | int | float, output: str | int | float, cached_input: str | int | float | None = None,
+           cache_write: str | int | float | None = None) -> Prices:
+        """From decimals as written; a cached or cache-write price not given is the input price (no discount)."""
+        i = price(input)
+        return cls(i, i if cached_input is None else price(cached_input),
+                   i if cache_write is None else price(cache_write), price(output))
+
+    def cached_weight(self) -> Fraction:
+        """A cached prompt token in budget tokens: cached_input / input (1 where input is free)."""
+        return self.cached_input / self.input if self.input else Fraction(1)
+
+    def merged(self, override: dict[str, Fraction]) -> Prices:
+        """These prices with some fields replaced (a tenant's own prices for a model)."""
+        return Prices(**{f: override.get(f, getattr(self, f)) for f in PRICE_FIELDS})
+
+
+def price(value: str | int | float) -> Fraction:
+    """A price as the exact decimal it is written as; ValueError below zero."""
+    p = Fraction(str(value))
+    if p < 0:
+        raise ValueError(f"a price must be >= 0, got {value}")
+    return p
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What one request used, as its engine reported it."""
+
+    prompt_tokens: int
+    cached_tokens: int  # of prompt_tokens, read from the prefix cache
+    completion_tokens: int
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+def _count(x) -> int | None:
+    return x if isinstance(x, int) and not isinstance(x, bool) and x >= 0 else None
+
+
+def usage_of(report) -> Usage | None:
+    """An OpenAI `usage` object as a Usage: None when it has no prompt and completion counts; cached tokens
+    missing (an engine that does not report them) count as none, and never more than the prompt."""
+    if not isinstance(report, dict):
+        return None
+    prompt, completion = _count(report.get("prompt_tokens")), _count(report.get("completion_tokens"))
+    if prompt is None or completion is None:
+        total = _count(report.get("total_tokens"))
+        if total is None:
+            return None
+        return Usage(total, 0, 0)  # only a total: all of it at the full rate
+    details = report.get("prompt_tokens_details")
+    cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    return Usage(prompt, min(cached or 0, prompt), completion)
+
+
+def cost_usd(usage: Usage, prices: Prices) -> Fraction:
+    """What the request costs in US dollars, exactly."""
+    return (usage.computed_tokens * prices.input + usage.cached_tokens * prices.cached_input
+            + usage.completion_tokens * prices.output) / PER_TOKENS
+
+
+def budget_tokens(usage: Usage, weight: Fraction, prices: Prices | None) -> int:
+    """Budget tokens the request is charged: ceil(weight x (computed + cached x cached_weight + completion)),
+    exactly; without prices every token counts 1 (ceil(weight x total), as budgets always charged)."""
+    cached = usage.cached_tokens * (prices.cached_weight() if prices is not None else 1)
+    return math.ceil(weight * (usage.computed_tokens + cached + usage.completion_tokens))

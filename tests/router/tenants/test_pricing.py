@@ -1,0 +1,107 @@
+"""Prices per model and what usage costs (router/tenants/pricing.py), the tenants file's `model_prices` and
+tenants' own `prices`, and settlement at those prices: exact figures, no I/O."""
+
+from __future__ import annotations
+
+import asyncio
+from fractions import Fraction
+
+import pytest
+
+from router.metrics import RouterMetrics
+from router.tenants.file import TenantsFileError, parse_tenants
+from router.tenants.pricing import Prices, Usage, budget_tokens, cost_usd, usage_of
+
+A, B = "a" * 64, "b" * 64
+FILE = f"""
+tenants:
+  cheap:
+    api_key_sha256: ["{A}"]
+    tokens_per_minute: 100000
+    prices: {{smollm2: {{cached_input: 0.005}}, own-model: {{input: 1, output: 3}}}}
+  plain:
+    api_key_sha256: ["{B}"]
+    tokens_per_minute: 100000
+model_prices:
+  smollm2: {{input: 0.10, cached_input: 0.01, output: 0.40}}
+"""
+
+
+def test_usage_reads_openai_usage_and_never_more_cached_than_prompt():
+    assert usage_of({"prompt_tokens": 100, "completion_tokens": 7, "total_tokens": 107,
+                     "prompt_tokens_details": {"cached_tokens": 96}}) == Usage(100, 96, 7)
+    assert usage_of({"prompt_tokens": 10, "completion_tokens": 2}) == Usage(10, 0, 2)  # no details: none cached
+    assert usage_of({"prompt_tokens": 10, "completion_tokens": 2,
+                     "prompt_tokens_details": {"cached_tokens": 99}}) == Usage(10, 10, 2)
+    assert usage_of({"total_tokens": 12}) == Usage(12, 0, 0)  # a total only: all at the full rate
+    for bad in (None, 7, {}, {"prompt_tokens": -1, "completion_tokens": 2}, {"prompt_tokens": True,
+                                                                             "completion_tokens": 1}):
+        assert usage_of(bad) is None, bad
+
+
+def test_cost_in_dollars_is_exact():
+    p = Prices.of("0.10", "0.40", cached_input="0.01")
+    # 4 computed x 0.10 + 96 cached x 0.01 + 7 out x 0.40 = 0.4 + 0.96 + 2.8 = 4.16 per million
+    assert cost_usd(Usage(100, 96, 7), p) == Fraction(416, 100) / 1_000_000
+    assert Prices.of(1, 2) == Prices(Fraction(1), Fraction(1), Fraction(1), Fraction(2))  # no discount by default
+
+
+def test_budget_tokens_discount_cached_tokens_only_where_the_model_has_prices():
+    p = Prices.of("0.10", "0.40", cached_input="0.01")  # cached at a tenth
+    w = Fraction(5, 2)
+    assert budget_tokens(Usage(100, 0, 7), w, None) == budget_tokens(Usage(100, 0, 7), w, p) == 268  # ceil(107 x 2.5)
+    assert budget_tokens(Usage(100, 90, 7), w, None) == 268  # without prices: as budgets always charged
+    assert budget_tokens(Usage(100, 90, 7), w, p) == 65  # ceil((10 + 9 + 7) x 2.5)
+    assert budget_tokens(Usage(100, 90, 7), Fraction(1), Prices.of(0, 1)) == 107  # free input: no ratio
+
+
+def test_the_file_reads_model_prices_and_tenant_overrides_field_by_field():
+    reg = parse_tenants(FILE)
+    assert reg.prices("plain", "smollm2") == Prices.of("0.10", "0.40", cached_input="0.01", cache_write="0.10")
+    assert reg.prices("cheap", "smollm2") == Prices.of("0.10", "0.40", cached_input="0.005", cache_write="0.10")
+    assert reg.prices("cheap", "own-model") == Prices.of(1, 3)
+    assert reg.prices("plain", "own-model") is None and reg.prices("plain", None) is None
+
+
+@pytest.mark.parametrize("text, field, problem", [
+    ("model_prices: {m: {input: 1}}", "model_prices.m.output", "missing"),
+    ("model_prices: {m: {input: -1, output: 1}}", "model_prices.m.input", "a number >= 0, got -1"),
+    ("model_prices: {m: {input: 1, output: 1, tip: 2}}", "model_prices.m", "tip"),
+    ("model_prices: {m: 3}", "model_prices.m", "must be a mapping"),
+    ("model_prices: {m: {input: '1', output: 1}}", "model_prices.m.input", "a number >= 0"),
+])
+def test_bad_prices_name_the_field(text, field, problem):
+    with pytest.raises(TenantsFileError) as e:
+        parse_tenants(f'tenants:\n  a: {{api_key_sha256: ["{A}"], tokens_per_minute: 1}}\n{text}\n', "t.yaml")
+    assert field in str(e.value) and problem in str(e.value), str(e.value)
+
+
+def test_a_tenant_pricing_a_model_alone_needs_input_and_output():
+    text = f'tenants:\n  a: {{api_key_sha256: ["{A}"], tokens_per_minute: 1, prices: {{m: {{output: 1}}}}}}\n'
+    with pytest.raises(TenantsFileError, match=r"tenants\.a\.prices\.m\.input: missing"):
+        parse_tenants(text, "t.yaml")
+
+
+def test_settle_charges_cached_tokens_at_their_price_and_counts_dollars(tmp_path):
+    from router.config import RateLimitConfig
+    from router.tenants.ratelimit import RateLimiter
+
+    path = tmp_path / "tenants.yaml"
+    path.write_text(FILE)
+    rl = RateLimiter(RateLimitConfig(tenants_file=str(path)), RouterMetrics("kv"), lambda: (None, None), 30.0)
+    reg = rl.file.registry
+
+    async def run(tenant: str, usage: dict) -> None:
+        got = await rl.reserve(reg.get(tenant), 164, "smollm2")  # 100 prompt + 64 max_tokens: worst case
+        assert got.reservation.amount == 164
+        await rl.settle(got, usage, True)
+
+    usage = {"prompt_tokens": 100, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 90}}
+    asyncio.run(run("plain", usage))  # 10 + 90 x 0.1 + 7 = 26
+    asyncio.run(run("cheap", usage))  # 10 + 90 x 0.05 + 7 = 21.5 -> 22
+    asyncio.run(run("plain", {"prompt_tokens": 100, "completion_tokens": 7}))  # nothing cached: 107, as today
+    text = rl.metrics.render().decode()
+    assert 'kvfleet_router_ratelimit_tokens_total{kind="used",tenant="plain"} 133.0' in text
+    assert 'kvfleet_router_ratelimit_tokens_total{kind="used",tenant="cheap"} 22.0' in text
+    # plain: (10 x 0.1 + 90 x 0.01 + 7 x 0.4) + (100 x 0.1 + 7 x 0.4) = 4.7 + 12.8 = 17.5 per million
+    assert 'kvfleet_router_tenant_cost_dollars_total{model="smollm2",tenant="plain"} 1.75e-05' in text

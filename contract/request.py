@@ -6,8 +6,8 @@
 - a string holding a lone UTF-16 surrogate (`"\\ud800"`: valid JSON, but no UTF-8 text, so no tokenizer
   can read it), named by its path (`messages[0].content`);
 - a field the router reads with the wrong type or range: `model`, `messages` / `prompt`, `max_tokens`,
-  `max_completion_tokens`, `n`, `stream`, `stream_options`, `cache_salt`, `user` (the engine's own
-  strict rules: no "5" for an integer, no true for a number).
+  `max_completion_tokens`, `n`, `stream`, `stream_options`, `cache_salt`, `user`, `prompt_cache_key`,
+  `prompt_cache_retention` (the engine's own strict rules: no "5" for an integer, no true for a number).
 Other fields go upstream untouched; the engine validates them (and the router hands its 400 on).
 
 The max_tokens rule (OpenAI's, and the engine's): `max_completion_tokens` when it is not null, else
@@ -30,6 +30,8 @@ from typing import Any
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 128
+MAX_CACHE_KEY = 1024
+CACHE_RETENTIONS = ("in_memory", "in-memory", "24h")  # OpenAI's values (in-memory: its earlier spelling)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # only such a body can hold a lone surrogate
 _DELETE = object()  # a field to drop from the upstream body
 
@@ -132,6 +134,7 @@ class OpenAIRequest:
     cache_salt: str | None
     user: str | None
     changes: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    prompt_cache_key: str | None = None  # OpenAI's routing hint: requests sharing it share a long prefix
 
     @property
     def max_tokens_field(self) -> str | None:
@@ -234,9 +237,16 @@ def request_from(endpoint: Endpoint, obj: dict, raw: bytes) -> OpenAIRequest:
     salt = _typed(obj, "cache_salt", str, "a string")
     if salt is not None and not 1 <= len(salt) <= 256:
         raise RequestError("cache_salt must be 1 to 256 characters long", "cache_salt")
+    cache_key = _typed(obj, "prompt_cache_key", str, "a string")
+    if cache_key is not None and not 1 <= len(cache_key) <= MAX_CACHE_KEY:
+        raise RequestError(f"prompt_cache_key must be 1 to {MAX_CACHE_KEY} characters long", "prompt_cache_key")
+    retention = obj.get("prompt_cache_retention")
+    if retention is not None and retention not in CACHE_RETENTIONS:
+        raise RequestError(f"prompt_cache_retention must be 'in_memory' or '24h', got {json.dumps(retention)[:40]}",
+                           "prompt_cache_retention")
     return OpenAIRequest(
         endpoint=endpoint, body=MappingProxyType(obj), raw=raw,  # a read-only view, no copy
         model=_typed(obj, "model", str, "a string"),
         max_tokens=max_tokens_of(max_completion, _int(obj, "max_tokens", 1)),
         n=_int(obj, "n", 1, MAX_N) or 1, stream=stream is True, cache_salt=salt,
-        user=_typed(obj, "user", str, "a string"))
+        user=_typed(obj, "user", str, "a string"), prompt_cache_key=cache_key)

@@ -149,6 +149,10 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # OpenAI's prompt caching: a routing hint (read by routers) and a retention (the engine's LRU and lower tier
+    # keep prefixes as long as they can either way); validated as the router's contract/request.py validates them
+    prompt_cache_key: str | None = Field(None, min_length=1, max_length=1024)
+    prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
     # vLLM extras
     top_k: int | None = Field(None, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)

@@ -91,11 +91,17 @@ def max_tokens_field(path: str, body: Mapping) -> str:
 
 
 def session_key(body: Mapping, headers: Mapping[str, str]) -> str | None:
+    """The key that keeps a request with the others that share it (the hash ring, bounded by load): the client's
+    `x-session-id` header, else OpenAI's `prompt_cache_key` (a routing hint for requests that share a long
+    prefix), else its `user`."""
     key = headers.get("x-session-id")
     if key:
         return key
-    user = body.get("user")
-    return user if isinstance(user, str) and user else None
+    for name in ("prompt_cache_key", "user"):
+        value = body.get(name)
+        if isinstance(value, str) and value:
+            return value
+    return None
 
 
 def prepare_request(path: str, body: Mapping, headers: Mapping[str, str], tokenizer: PromptTokenizer | None,

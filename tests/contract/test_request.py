@@ -97,6 +97,11 @@ def test_deep_nesting_is_a_400():
     (Endpoint.CHAT, {"messages": MSGS, "cache_salt": 5}),
     (Endpoint.CHAT, {"messages": MSGS, "model": 3}),
     (Endpoint.CHAT, {"messages": MSGS, "user": ["u"]}),
+    (Endpoint.CHAT, {"messages": MSGS, "prompt_cache_key": ""}),
+    (Endpoint.CHAT, {"messages": MSGS, "prompt_cache_key": 7}),
+    (Endpoint.CHAT, {"messages": MSGS, "prompt_cache_key": "k" * 1025}),
+    (Endpoint.CHAT, {"messages": MSGS, "prompt_cache_retention": "forever"}),
+    (Endpoint.COMPLETIONS, {"prompt": "a", "prompt_cache_retention": 24}),
     (Endpoint.CHAT, {"messages": []}),
     (Endpoint.CHAT, {"messages": "hi"}),
     (Endpoint.CHAT, {}),
@@ -136,3 +141,10 @@ def test_the_surrogate_walk_needs_no_recursion():
     with pytest.raises(ValidationError) as e:
         ChatCompletionRequest.model_validate({"messages": [clean]})
     assert validation_message(e.value.errors())[1] == "messages[0]"  # a 400 naming the field
+
+
+def test_prompt_cache_fields_are_read_and_go_upstream_untouched():
+    raw = json.dumps({"messages": MSGS, "prompt_cache_key": "docs-v2", "prompt_cache_retention": "24h"}).encode()
+    req = parse_request(Endpoint.CHAT, raw)
+    assert req.prompt_cache_key == "docs-v2" and req.upstream_body() == raw
+    assert parse_request(Endpoint.CHAT, json.dumps({"messages": MSGS}).encode()).prompt_cache_key is None

@@ -63,6 +63,10 @@ def test_prepare_request(tok):
     assert (prep.cache_salt, prep.session_key, prep.stream) == ("t1", "u", True)
     prep = prepare_request("/v1/completions", {"prompt": [5, 6, 7]}, {"x-session-id": "s"}, None, True)
     assert (prep.token_ids, prep.session_key, prep.stream) == ([5, 6, 7], "s", False)
+    # OpenAI's prompt_cache_key keeps requests sharing a prefix together: after x-session-id, before user
+    both = {"prompt": [5], "prompt_cache_key": "docs-v2", "user": "u"}
+    assert prepare_request("/v1/completions", both, {}, None, False).session_key == "docs-v2"
+    assert prepare_request("/v1/completions", both, {"x-session-id": "s"}, None, False).session_key == "s"
     # a body the template cannot render is routed without a cache signal; the engine reports the error
     prep = prepare_request("/v1/chat/completions", {"messages": [{"role": 3}]}, {}, pt, True)
     assert prep.token_ids is None and prep.block_hashes(16, 0) == []

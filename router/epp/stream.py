@@ -246,5 +246,6 @@ class PickStream:
         if entry is not None:
             done = ended and status is not None
             await self.flow.finish(entry, Outcome(str(status) if done else None, usage, done and status == 200,
-                                                  self.first_token_at, self.ended_at, lease is None))
+                                                  self.first_token_at, self.ended_at, lease is None,
+                                                  lease.url if lease is not None else None))
 

@@ -25,12 +25,13 @@ from router.refusal import Refusal
 from router.requests.core import RouterCore
 from router.requests.flow import Entry, Flow, Outcome
 from router.routing.prepare import CHAT_PATH, COMPLETIONS_PATH
+from router.tenants.ledger import USAGE_PATH
 
 log = logging.getLogger("kvfleet.router")
 access_log = logging.getLogger("kvfleet.router.access")
 
 _PROXIED = (CHAT_PATH, COMPLETIONS_PATH)
-_GET_PATHS = ("/v1/models", "/health", "/ready", "/metrics")
+_GET_PATHS = ("/v1/models", "/health", "/ready", "/metrics", USAGE_PATH)
 _UNLOGGED = ("/health", "/ready", "/metrics")  # probes and scrapes stay out of the access log
 _SHUTDOWN_S = 10.0
 _GONE = object()  # the client went away while its request waited in the fair queue
@@ -155,10 +156,23 @@ class RouterApp:
                                                             **(counts if why in (None, "no ready replica") else {})})
             elif path == "/metrics":
                 await send_bytes(send, 200, self.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
+            elif path == USAGE_PATH:
+                await self._usage(send, scope["headers"], scope.get("query_string", b""))
             else:
                 await self._models(send, scope["headers"])
             return
         await send_json(send, 404, error_body(f"no route for {method} {path}", error_type(404)))
+
+    async def _usage(self, send, headers, query: bytes) -> None:
+        """The caller's own usage in OpenAI's shape (router/tenants/ledger.py), from the usage ledger."""
+        tenant = self.admission.identify(headers)
+        if isinstance(tenant, Refusal):
+            await send_json(send, tenant.status, tenant.body, tenant.headers)
+        elif tenant is None or self.core.ratelimit is None:
+            await send_json(send, 404, error_body("usage is metered per tenant: this router runs without a tenants "
+                                                  "file (--tenants)", error_type(404), None, "not_found"))
+        else:
+            await send_json(send, *await self.core.ratelimit.usage(tenant, query.decode("latin-1")))
 
     async def _models(self, send, headers) -> None:
         """Every model the ready replicas serve, once each, with the LoRA adapters of those models the replicas list
@@ -224,7 +238,8 @@ class RouterApp:
             await self._send_upstream(send, receive, headers, entry, attempts)
         finally:
             await self.flow.finish(entry, Outcome(attempts.status, attempts.usage, attempts.answered,
-                                                  attempts.first_token_at, attempts.ended_at, attempts.no_replica))
+                                                  attempts.first_token_at, attempts.ended_at, attempts.no_replica,
+                                                  attempts.replica))
 
     async def _send_upstream(self, send, receive, headers, entry: Entry, attempts: Attempts) -> None:
         req = self.flow.upstream(entry)

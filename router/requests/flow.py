@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -30,7 +31,8 @@ from router.requests.core import RouterCore
 from router.requests.usage import StreamUsage, ask_for_usage
 from router.routing.lease import Lease
 from router.routing.prepare import PreparedRequest, prepare_request, prompt_token_counts
-from router.tenants.registry import Tenant
+from router.tenants.ledger import RecordMeta
+from router.tenants.registry import Tenant, api_key_id
 
 SESSION_HEADERS = (b"x-session-id",)
 _FAIRNESS = FAIRNESS_HEADER.encode()
@@ -51,6 +53,8 @@ class Entry:
     follower: StreamUsage | None = None  # reads the usage the response reports (budgets, pool signals)
     prepared_s: float = 0.0  # seconds from t0 until the request was ready to place
     unfit: frozenset[str] = field(default_factory=frozenset)  # replicas of the pool listing other models
+    request_id: str = field(default_factory=lambda: "req_" + uuid.uuid4().hex[:24])  # the ledger's, x-request-id
+    api_key_id: str | None = None  # the first 16 hex digits of the client key's sha256 (never the key)
 
     @property
     def pool(self) -> PoolSpec:
@@ -58,8 +62,8 @@ class Entry:
 
     @property
     def headers(self) -> list[tuple[bytes, bytes]]:
-        """For the response: the pool, max_tokens lowered, x-ratelimit-*."""
-        return self.admitted.headers
+        """For the response: the pool, max_tokens lowered, x-ratelimit-*, and the request's id in the ledger."""
+        return [*self.admitted.headers, (b"x-request-id", self.request_id.encode())]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +76,7 @@ class Outcome:
     first_token_at: float | None = None  # perf_counter of a stream's first token
     ended_at: float | None = None  # perf_counter of its last byte
     no_replica: bool = False  # no replica could be leased at all: capacity's signal, not the pool's
+    replica: str | None = None  # the replica of the last attempt
 
 
 class Flow:
@@ -114,7 +119,7 @@ class Flow:
         pool = admitted.pool
         # hashes per adapter; an adapter loaded on demand where the score puts it
         await core.adapters.prepare(prep, model, pool.name, dict(pool.adapters))
-        return Entry(path, admitted.request, tenant, admitted, prep, counts, t0)
+        return Entry(path, admitted.request, tenant, admitted, prep, counts, t0, api_key_id=api_key_id(headers))
 
     async def queue(self, entry: Entry, fairness_id: str | None = None, priority: int | None = None
                     ) -> Refusal | None:
@@ -194,7 +199,11 @@ class Flow:
             entry.passed.done(output if isinstance(output, int) else 0)
         if entry.admitted.budget is not None and core.ratelimit is not None:
             reported = entry.follower.last if entry.follower is not None else None
-            await asyncio.shield(core.ratelimit.settle(entry.admitted.budget, reported, outcome.answered))
+            now = time.perf_counter()
+            ttft = outcome.first_token_at - entry.t0 if outcome.first_token_at is not None else None
+            meta = RecordMeta(entry.request_id, entry.api_key_id, entry.pool.name, outcome.replica,
+                              outcome.status or "disconnected", now - entry.t0, ttft)
+            await asyncio.shield(core.ratelimit.settle(entry.admitted.budget, reported, outcome.answered, meta))
         self._observe(entry, outcome, usage)
 
     def _observe(self, entry: Entry, outcome: Outcome, usage: dict) -> None:

@@ -7,8 +7,10 @@
 
 While failing, the shared store is tried again at most every `retry_s` seconds, by one call at a time
 (the others meanwhile take the failing path without waiting on it); the first call that
-succeeds returns to it (its budgets are authoritative) and drops the local state. A settle that fails is
-dropped, never raised: the tokens stay charged and the lease expires by itself. Each store error is counted
+succeeds returns to it (its budgets are authoritative) and drops the local budgets. A settle that fails is
+dropped, never raised: the tokens stay charged and the lease expires by itself; its usage record is kept, as are
+the records of requests settled locally meanwhile, and appended to the shared ledger once the store answers again
+(router/tenants/ledger.py: no record is lost to a store outage). Each store error is counted
 (`store_errors`, and `on_store_error` if given, for Prometheus); the change healthy -> failing and back is
 logged once each. Nothing else is raised (but ValueError for a negative token count, a caller's bug).
 
@@ -64,6 +66,7 @@ class Limiter:
         self._retry_at = 0.0
         self._probing = False
         self._local: InProcessStore | None = None
+        self._unsent: dict[str, list[str]] = {}  # usage records the shared store has not taken yet, by tenant
 
     def live_routers(self) -> int:
         """Routers sharing the budget, as last counted by `heartbeat` (or given at construction)."""
@@ -92,13 +95,45 @@ class Limiter:
         got = await self._local.reserve(tenant, spec.share(self.routers), amount, now)
         return dataclasses.replace(got, local=True) if isinstance(got, Reservation) else got
 
-    async def settle(self, reservation: Reservation, used: int, now: float | None = None) -> Quota | None:
-        """Charge the real usage; None where it was dropped (store failing, or a local reservation whose
-        local state was dropped when the shared store came back)."""
+    async def settle(self, reservation: Reservation, used: int, now: float | None = None,
+                     record: str | None = None) -> Quota | None:
+        """Charge the real usage and record it; None where the charge was dropped (store failing, or a local
+        reservation whose local budgets were dropped when the shared store came back)."""
         if reservation.local:
-            return None if self._local is None else await self._local.settle(reservation, used, now)
-        quota = await self._shared(lambda: self.store.settle(reservation, used, now))
-        return None if quota is _DOWN else quota
+            if self._local is None:  # the shared store is back: the record goes there, the charge is dropped
+                if record is not None:
+                    self._unsent.setdefault(reservation.tenant, []).append(record)
+                await self.flush_records()
+                return None
+            return await self._local.settle(reservation, used, now, record)
+        quota = await self._shared(lambda: self.store.settle(reservation, used, now, record))
+        if quota is _DOWN:
+            if record is not None:
+                self._unsent.setdefault(reservation.tenant, []).append(record)
+            return None
+        if self._unsent:
+            await self.flush_records()
+        return quota
+
+    @property
+    def unsent_records(self) -> int:
+        """Usage records kept for the shared ledger, not yet in it."""
+        return sum(map(len, self._unsent.values()))
+
+    async def flush_records(self) -> None:
+        """Append the records kept while the shared store failed; a failure keeps them (in order) for next time."""
+        while self._unsent:
+            tenant = next(iter(self._unsent))
+            records = self._unsent.pop(tenant)
+            if await self._shared(lambda t=tenant, r=records: self.store.append(t, r)) is _DOWN:
+                self._unsent.setdefault(tenant, [])[:0] = records
+                return
+
+    async def records(self, tenant: str, start: float, end: float) -> list[str]:
+        """A tenant's usage records from the shared store (with those not yet sent to it); StoreError there."""
+        rows = await self.store.records(tenant, start, end)
+        return rows + list(self._unsent.get(tenant, ())) + (
+            await self._local.records(tenant, start, end) if self._local is not None else [])
 
     async def _shared(self, call: Callable[[], Awaitable[T]]) -> T | Literal[_Down.DOWN]:
         """`await call()` on the shared store; `_DOWN` where it failed or, while failing, is not tried."""
@@ -132,6 +167,9 @@ class Limiter:
     def _recovered(self) -> None:
         if not self.healthy:
             self.healthy = True
+            if self._local is not None:  # the records of requests settled locally go to the shared ledger
+                for tenant, records in self._local.take_ledger().items():
+                    self._unsent.setdefault(tenant, []).extend(records)
             self._local = None
             log.warning("rate-limit store healthy again after %d errors; shared budgets apply",
                         self.store_errors)

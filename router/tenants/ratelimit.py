@@ -22,20 +22,24 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
+from urllib.parse import parse_qs
 
 from contract.errors import error_body, error_type
 from router.config import RateLimitConfig
 from router.refusal import Refusal, refuse
+from router.tenants import ledger
 from router.tenants.budget import BudgetSpec, Quota, Reason, weighted
 from router.tenants.file import TenantsFile
+from router.tenants.ledger import RecordMeta
 from router.tenants.limiter import Limiter, LimiterUnavailable, OnStoreError
 from router.tenants.pricing import Prices, budget_tokens, cost_usd, usage_of
 from router.tenants.registry import AuthError, Tenant
-from router.tenants.store import BudgetStore, InProcessStore, Rejection, Reservation
+from router.tenants.store import BudgetStore, InProcessStore, Rejection, Reservation, StoreError
 
 log = logging.getLogger("kvfleet.router.ratelimit")
 
@@ -108,6 +112,8 @@ class RateLimiter:
     async def _heartbeats(self) -> None:
         while True:
             await self.limiter.heartbeat(self.router_id, self.cfg.heartbeat_s * 3)
+            if self.limiter.unsent_records:
+                await self.limiter.flush_records()
             self.metrics.store_healthy.set(1 if self.limiter.healthy else 0)
             await asyncio.sleep(self.cfg.heartbeat_s)
 
@@ -162,11 +168,25 @@ class RateLimiter:
         self.metrics.ratelimit_requests.labels(tenant.name, r.outcome).inc()
         return r
 
+    # -- usage ---------------------------------------------------------------------------------------------------
+    async def usage(self, tenant: Tenant, query: str) -> tuple[int, dict]:
+        """(status, body) of `GET /v1/organization/usage/completions?query` for this tenant's own usage."""
+        try:
+            start, end, width, group = ledger.parse_query(parse_qs(query), time.time())
+        except ledger.UsageQueryError as e:
+            return 400, error_body(str(e), error_type(400), e.param, "invalid_value")
+        try:
+            rows = await self.limiter.records(tenant.name, start, end)
+        except StoreError:
+            return 503, error_body("the usage ledger's store is unavailable; retry shortly", error_type(503), None,
+                                   "ledger_unavailable")
+        return 200, ledger.usage_page([ledger.UsageRecord.from_json(r) for r in rows], start, end, width, group)
+
     # -- settlement ----------------------------------------------------------------------------------------
-    async def settle(self, a: Budget, reported: dict | None, answered: bool) -> None:
+    async def settle(self, a: Budget, reported: dict | None, answered: bool, meta: RecordMeta | None = None) -> None:
         """Charge what the request used: the usage the engine reported (router/tenants/pricing.py: weighted as
         reserved, cached prompt tokens at the cached price), else the whole reservation if a replica answered 200
-        (`answered`), else nothing."""
+        (`answered`), else nothing; and with `meta`, its record in the tenant's usage ledger, in the same call."""
         r = a.reservation
         if r is None:
             return
@@ -178,4 +198,8 @@ class RateLimiter:
         m.ratelimit_tokens.labels(name, "refunded").inc(max(0, r.amount - used))
         if usage is not None and a.prices is not None:
             m.tenant_cost.labels(name, a.model).inc(float(cost_usd(usage, a.prices)))
-        await self.limiter.settle(r, used)
+        rec = None
+        if meta is not None:
+            rec = ledger.record(meta.request_id, name, meta.api_key_id, a.model, meta.pool, meta.replica, usage, used,
+                                a.prices, meta.outcome, time.time(), meta.duration_s, meta.ttft_s).to_json()
+        await self.limiter.settle(r, used, record=rec)

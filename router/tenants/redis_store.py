@@ -11,7 +11,12 @@ Keys (the `{tenant}` hash tag keeps a tenant's keys in one cluster slot):
   full again, since a missing bucket reads as full;
 - `kvfleet:budget:{tenant}:leases`, a sorted set lease id -> expiry; leases with expiry <= now are removed
   before counting; the set expires `lease_s + ttl_margin_s` after its last lease was added;
-- `kvfleet:routers`, a sorted set router id -> heartbeat expiry (`heartbeat`, `live_routers`).
+- `kvfleet:routers`, a sorted set router id -> heartbeat expiry (`heartbeat`, `live_routers`);
+- `kvfleet:usage:{tenant}`, a stream of the tenant's usage records (router/tenants/ledger.py), one entry (field `r`,
+  the record's JSON) per settled request, appended by the same script that settles its budget; entries older than
+  `usage_retention_s` are trimmed as new ones arrive (XADD MINID ~, Redis >= 6.2);
+- `kvfleet:usage:{tenant}:ids`, a sorted set request id -> time of the last day's records: a record sent twice (its
+  settle timed out here but ran in Redis) is appended once.
 
 A Redis restarted without persistence has lost these: every tenant starts again from a full bucket, and
 settling a reservation made before the restart refunds into that full bucket (capped) and frees no lease.
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from typing import cast
 
 import redis.asyncio as aioredis
@@ -80,13 +86,37 @@ store()
 return {'ok', fmt(level), fmt(updated), ''}
 """
 
-# ARGV: tpm, now|'', margin, reserved, used, lease_id|''
-_SETTLE = _PRELUDE + """
+# Append records to the usage stream KEYS[3]: ARGV[first] the retention in seconds, then (request id, record) pairs.
+# A request id already in KEYS[4] (a sorted set id -> time, the last day's) is not appended again: a settle that timed
+# out may still have run in Redis, and its record is sent again with the next append. Entry ids are Redis's clock
+# in milliseconds: records are read back by time with XRANGE.
+_APPEND = """
+local function append(first)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1])
+  local minid = math.floor((now - tonumber(ARGV[first])) * 1000)
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - 86400)
+  for i = first + 1, #ARGV - 1, 2 do
+    if redis.call('ZADD', KEYS[4], 'NX', now, ARGV[i]) == 1 then
+      redis.call('XADD', KEYS[3], 'MINID', '~', tostring(math.max(minid, 0)), '*', 'r', ARGV[i + 1])
+    end
+  end
+  redis.call('EXPIRE', KEYS[4], 90000)
+end
+"""
+
+# ARGV: tpm, now|'', margin, reserved, used, lease_id|'', retention_s, [request id, record]
+_SETTLE = _PRELUDE + _APPEND + """
 level = math.min(cap, level + (tonumber(ARGV[4]) - tonumber(ARGV[5])))
 store()
 if ARGV[6] ~= '' then redis.call('ZREM', KEYS[2], ARGV[6]) end
+append(7)
 return {fmt(level), fmt(updated)}
 """
+
+# ARGV: retention_s, (request id, record)...
+_APPEND_ONLY = "if redis.replicate_commands then redis.replicate_commands() end\n" + _APPEND + "append(1)\nreturn 1\n"
+
 
 # KEYS: routers; ARGV: router id, ttl_s. Returns the number of routers whose heartbeat has not expired.
 _HEARTBEAT = """
@@ -100,10 +130,16 @@ return redis.call('ZCARD', KEYS[1])
 """
 
 _ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+USAGE_RETENTION_S = 400 * 86400.0  # usage records kept this long (a year of monthly invoices and their disputes)
 
 
 def _text(x: bytes | str) -> str:
     return x.decode() if isinstance(x, bytes) else x
+
+
+def _pairs(records: list[str]) -> list[str]:
+    """(request id, record) pairs, flat, for the append script (the id from each record's JSON)."""
+    return [x for r in records for x in (json.loads(r)["request_id"], r)]
 
 
 def _arg(x: float | None) -> str:
@@ -114,10 +150,12 @@ class RedisStore:
     """A `BudgetStore` in Redis. Every Redis failure is raised as `StoreError`."""
 
     def __init__(self, client: aioredis.Redis, lease_s: float = 600.0, ttl_margin_s: float = 60.0,
-                 prefix: str = "kvfleet"):
+                 prefix: str = "kvfleet", usage_retention_s: float = USAGE_RETENTION_S):
         self.client, self.lease_s, self.ttl_margin_s, self.prefix = client, lease_s, ttl_margin_s, prefix
+        self.usage_retention_s = usage_retention_s
         self._reserve = client.register_script(_RESERVE)
         self._settle = client.register_script(_SETTLE)
+        self._append = client.register_script(_APPEND_ONLY)
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._batch = _Batch(client)
 
@@ -135,7 +173,8 @@ class RedisStore:
         await self.client.aclose()
 
     def keys(self, tenant: str) -> list[str]:
-        return [f"{self.prefix}:budget:{{{tenant}}}", f"{self.prefix}:budget:{{{tenant}}}:leases"]
+        return [f"{self.prefix}:budget:{{{tenant}}}", f"{self.prefix}:budget:{{{tenant}}}:leases",
+                f"{self.prefix}:usage:{{{tenant}}}", f"{self.prefix}:usage:{{{tenant}}}:ids"]
 
     async def reserve(self, tenant: str, spec: BudgetSpec, amount: int,
                       now: float | None = None) -> Reservation | Rejection:
@@ -156,17 +195,18 @@ class RedisStore:
             return Rejection(tenant, Reason.CONCURRENCY, CONCURRENCY_RETRY_S, quota)
         return Rejection(tenant, Reason.TOO_LARGE, None, quota)
 
-    async def settle(self, reservation: Reservation, used: int, now: float | None = None) -> Quota:
+    async def settle(self, reservation: Reservation, used: int, now: float | None = None,
+                     record: str | None = None) -> Quota:
         if used < 0:
             raise ValueError(f"used must be >= 0, got {used}")
         spec = reservation.spec
         args = [_arg(spec.tokens_per_minute), _arg(now), _arg(self.ttl_margin_s), str(reservation.amount),
-                str(used), reservation.lease_id or ""]
+                str(used), reservation.lease_id or "", _arg(self.usage_retention_s)] + _pairs([record] if record else [])
         level, updated = await self._call(self._settle, self.keys(reservation.tenant), args)
         return Bucket(float(level), float(updated)).quota(spec)
 
     async def state(self, tenant: str) -> tuple[Bucket | None, Leases]:
-        bucket_key, leases_key = self.keys(tenant)
+        bucket_key, leases_key = self.keys(tenant)[:2]
         try:
             level, updated = await self.client.hmget(bucket_key, ["level", "updated"])
             rows = await self.client.zrange(leases_key, 0, -1, withscores=True)
@@ -176,6 +216,18 @@ class RedisStore:
         held = cast("list[tuple[bytes | str, float]]", rows)
         bucket = None if level is None or updated is None else Bucket(float(level), float(updated))
         return bucket, Leases(tuple((_text(m), float(s)) for m, s in held))
+
+    async def append(self, tenant: str, records: list[str]) -> None:
+        if records:
+            await self._call(self._append, self.keys(tenant), [_arg(self.usage_retention_s), *_pairs(records)])
+
+    async def records(self, tenant: str, start: float, end: float) -> list[str]:
+        try:
+            rows = await self.client.xrange(self.keys(tenant)[2], min=str(int(start * 1000)),
+                                            max="(" + str(int(end * 1000)))
+        except _ERRORS as e:
+            raise StoreError(f"redis: {e!r}") from e
+        return [_text(fields.get(b"r") or fields.get("r")) for _, fields in rows]
 
     async def heartbeat(self, router_id: str, ttl_s: float) -> int:
         """Register this router as live for `ttl_s` seconds; returns the number of live routers."""

@@ -117,6 +117,16 @@ def presented_key(headers: Iterable[tuple[bytes | str, bytes | str]]) -> bytes |
     return None
 
 
+def api_key_id(headers: Iterable[tuple[bytes | str, bytes | str]]) -> str | None:
+    """The id of the key a request presents, as usage records and the usage API name it: `key_` and the first 16
+    hex digits of its sha256 (the key itself is never kept); None without a key (or a malformed header)."""
+    try:
+        key = presented_key(headers)
+    except AuthError:
+        return None
+    return None if key is None else "key_" + hashlib.sha256(key).hexdigest()[:16]
+
+
 def strip_client_credentials(headers: Iterable[tuple[bytes | str, bytes | str]]) -> list:
     """The headers without the client's `Authorization` and `api-key` (the router's own credentials go
     upstream instead). Keeps the pairs' type (bytes or str) and order."""

@@ -5,7 +5,7 @@ between them when Redis fails.
     got = await store.reserve(tenant, spec, prompt_tokens + n * max_tokens)
     if isinstance(got, Rejection): ...            # 400 if got.reason is TOO_LARGE, else 429 + Retry-After
     try: ... proxy ...
-    finally: await store.settle(got, used)        # refund reserved - used, release the concurrency lease
+    finally: await store.settle(got, used, rec)   # refund reserved - used, release the lease, record the usage
 
 A reservation's lease expires `lease_s` after admission (the request timeout) even if it is never settled,
 so a router that dies leaks no concurrency slot; its reserved tokens stay charged.
@@ -53,8 +53,18 @@ class BudgetStore(Protocol):
         `now` (seconds) is for tests; stores read their own clock without it."""
         ...
 
-    async def settle(self, reservation: Reservation, used: int, now: float | None = None) -> Quota:
-        """Charge the real usage: refund `amount - used` (or charge the excess) and release the lease."""
+    async def settle(self, reservation: Reservation, used: int, now: float | None = None,
+                     record: str | None = None) -> Quota:
+        """Charge the real usage: refund `amount - used` (or charge the excess) and release the lease; and, in
+        the same atomic step, append `record` (router/tenants/ledger.py, as JSON) to the tenant's usage ledger."""
+        ...
+
+    async def append(self, tenant: str, records: list[str]) -> None:
+        """Append records to a tenant's ledger (those a failing store could not take at settlement)."""
+        ...
+
+    async def records(self, tenant: str, start: float, end: float) -> list[str]:
+        """A tenant's records settled from `start` to `end` (Unix seconds), oldest first."""
         ...
 
     async def state(self, tenant: str) -> tuple[Bucket | None, Leases]:
@@ -75,6 +85,7 @@ class InProcessStore:
         self.lease_s, self.clock = lease_s, clock
         self._buckets: dict[str, Bucket] = {}
         self._leases: dict[str, Leases] = {}
+        self._ledger: dict[str, list[tuple[float, str]]] = {}  # tenant -> (wall time, record), this process only
 
     async def reserve(self, tenant: str, spec: BudgetSpec, amount: int,
                       now: float | None = None) -> Reservation | Rejection:
@@ -88,7 +99,10 @@ class InProcessStore:
         self._buckets[tenant], self._leases[tenant] = got
         return Reservation(tenant, spec, amount, lease_id, got[0].quota(spec))
 
-    async def settle(self, reservation: Reservation, used: int, now: float | None = None) -> Quota:
+    async def settle(self, reservation: Reservation, used: int, now: float | None = None,
+                     record: str | None = None) -> Quota:
+        if record is not None:
+            self._ledger.setdefault(reservation.tenant, []).append((time.time(), record))
         now = self.clock() if now is None else now
         tenant, spec = reservation.tenant, reservation.spec
         bucket = (self._buckets.get(tenant) or Bucket.full(spec, now)).settle(spec, reservation.amount, used, now)
@@ -99,3 +113,16 @@ class InProcessStore:
 
     async def state(self, tenant: str) -> tuple[Bucket | None, Leases]:
         return self._buckets.get(tenant), self._leases.get(tenant, Leases())
+
+    async def append(self, tenant: str, records: list[str]) -> None:
+        t = time.time()
+        self._ledger.setdefault(tenant, []).extend((t, r) for r in records)
+
+    async def records(self, tenant: str, start: float, end: float) -> list[str]:
+        return [r for t, r in self._ledger.get(tenant, ()) if start <= t < end]
+
+    def take_ledger(self) -> dict[str, list[str]]:
+        """Every record kept here, removed (to move them to the shared store once it is back)."""
+        out = {tenant: [r for _, r in rows] for tenant, rows in self._ledger.items() if rows}
+        self._ledger = {}
+        return out

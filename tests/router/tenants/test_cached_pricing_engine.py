@@ -17,7 +17,7 @@ KEYS = {"discount": "sk-disc-3Rt8Wq", "full": "sk-full-5Yh2Lp", "fresh": "sk-fre
 BUDGET = 6000  # tokens per minute: the same for the two tenants compared
 TENANTS = "tenants:\n" + "".join(
     f"  {name}:\n    api_key_sha256: [\"{key_sha256(key)}\"]\n    tokens_per_minute: {tpm}\n"
-    f"    max_tokens: 1\n" + (f"    prices: {{smollm2: {{input: 0.10, cached_input: 0.01, output: 0.40}}}}\n"
+    f"    max_tokens: 1\n" + ("    prices: {smollm2: {input: 0.10, cached_input: 0.01, output: 0.40}}\n"
                              if name != "full" else "")
     for name, key, tpm in (("discount", KEYS["discount"], BUDGET), ("full", KEYS["full"], BUDGET),
                            ("fresh", KEYS["fresh"], 1_000_000), ("warm", KEYS["warm"], 1_000_000)))

@@ -14,6 +14,7 @@ COMMANDS = {
     "ray": ("deploy.ray.cli", "kvfleet on Ray Serve: `kvfleet ray up` runs deploy/ray/serve_config.yaml locally"),
     "sim": ("kvfleet.sim.main", "simulate a fleet: a trace through the router's policies over modelled engines"),
     "keys": ("router.tenants.keys", "API keys for the router's tenants file: hash a key, or make a new one"),
+    "usage": ("router.tenants.usage_export", "the usage ledger: export every tenant's records (JSON Lines or CSV)"),
     "bench": ("kvfleet.bench.cli", "load an OpenAI-compatible endpoint (presets, traces, rates) and report it"),
     "profile": ("kvfleet.profile", "profile a JSONL trace: lengths, multi-turn and shared-prefix shares, burstiness"),
     "capacity": ("kvfleet.capacity", "KV bytes per token, sequences that fit, replicas for a target rate"),

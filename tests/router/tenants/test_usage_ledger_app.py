@@ -5,8 +5,12 @@ budgets meanwhile reach the ledger once Redis answers again)."""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -61,8 +65,8 @@ def reported_usage(r: httpx.Response, stream: bool) -> dict:
     return [json.loads(c) for c in chunks if '"usage":{' in c][-1]["usage"]
 
 
-def test_every_request_leaves_one_record_that_any_router_reads(fleet):
-    routers, _ = fleet
+def test_every_request_leaves_one_record_that_any_router_reads(fleet, tmp_path):
+    routers, redis_server = fleet
     sent = {"input_tokens": 0, "input_cached_tokens": 0, "output_tokens": 0}
     ids = set()
     for i in range(12):
@@ -90,6 +94,20 @@ def test_every_request_leaves_one_record_that_any_router_reads(fleet):
     assert usage(routers[0].url, "sk-unknown-0000").status_code == 401
     bad = usage(routers[0].url, KEYS[0], bucket_width="2h")
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "bucket_width"
+    # the operator's export: every record, each request once, as JSON Lines and as CSV
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(TENANTS)
+    base = [sys.executable, "-m", "kvfleet", "usage", "export", "--redis-url", redis_server.url, "--tenants",
+            str(tenants)]
+    lines = subprocess.run(base, capture_output=True, text=True, check=True).stdout.splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert {r["request_id"] for r in rows} == ids and {r["tenant"] for r in rows} == {"acme"}
+    assert sum(r["prompt_tokens"] for r in rows) == sent["input_tokens"]
+    assert all(r["cost_usd"] and r["outcome"] == "200" and r["replica"] for r in rows)
+    table = list(csv.DictReader(io.StringIO(subprocess.run(base + ["--format", "csv"], capture_output=True,
+                                                           text=True, check=True).stdout)))
+    assert sorted(r["request_id"] for r in table) == sorted(ids)
+    assert sum(int(r["cached_tokens"]) for r in table) == sent["input_cached_tokens"]
 
 
 def test_a_redis_outage_loses_no_record(fleet):
@@ -106,9 +124,10 @@ def test_a_redis_outage_loses_no_record(fleet):
         assert usage(routers[0].url, KEYS[0]).status_code == 503  # the ledger cannot be read meanwhile
     finally:
         redis_server.popen.send_signal(signal.SIGCONT)
-    wait_for(lambda: totals(usage(routers[0].url, KEYS[0]).json())["num_model_requests"] == 8, timeout=30,
-             what="the records settled during the outage in the ledger")
-    time.sleep(1.0)  # a later heartbeat's flush must not write any of them twice
+    # each router reads the ledger plus what it still holds for it; both see all 8 once both have flushed theirs
+    wait_for(lambda: [totals(usage(rt.url, KEYS[0]).json())["num_model_requests"] for rt in routers] == [8, 8],
+             timeout=30, what="the records settled during the outage in the ledger")
+    time.sleep(5.0)  # two more heartbeats: no flush writes any of them twice
     page = usage(routers[1].url, KEYS[0]).json()
     got = totals(page)
     assert (got["input_tokens"], got["output_tokens"], got["num_model_requests"]) == (8 * 32, 8 * 6, 8)

@@ -128,9 +128,13 @@ class RateLimitConfig:
     redis_url: str | None = None  # None: budgets in this router's memory
     on_store_error: str = "open"
     heartbeat_s: float = 2.0  # routers count each other through Redis at this period
+    usage_reconcile_after_s: float = 3600.0  # an unsettled request's pending ledger record is due after this
     shedding: SheddingConfig = dataclasses.field(default_factory=SheddingConfig)
 
     def validate(self) -> None:
+        if not 0 < self.usage_reconcile_after_s < float("inf"):
+            raise ConfigError("usage_reconcile_after_s", f"must be a number of seconds > 0, got "
+                                                         f"{self.usage_reconcile_after_s}")
         if self.on_store_error not in ("open", "closed"):
             raise ConfigError("ratelimit_on_store_error", f"must be open or closed, got {self.on_store_error!r}")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):

@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ratelimit-on-store-error", choices=("open", "closed"), default="open",
                    help="when Redis fails: open = local limits (each tenant's budget divided by the routers last "
                    "seen), closed = 503 (default open)")
+    g.add_argument("--usage-reconcile-after", type=float, default=3600.0, dest="usage_reconcile_after_s",
+                   help="seconds after admission from which a request no router has settled (its router died) goes "
+                   "to the usage ledger with its whole reservation charged (with --redis-url; default 3600)")
     g.add_argument("--shed-kv-high", type=float, default=sh.kv_high,
                    help="fleet KV usage from which, with --shed-waiting-high waiting requests per replica, the "
                    "expensive requests of the lowest-priority tenants get 503 + Retry-After")
@@ -200,6 +203,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         vllm_events=VllmEventsConfig.parse(ns.vllm_kv_events),
         ratelimit=RateLimitConfig(tenants_file=ns.tenants, redis_url=ns.redis_url or None,
                                   on_store_error=ns.ratelimit_on_store_error,
+                                  usage_reconcile_after_s=ns.usage_reconcile_after_s,
                                   shedding=SheddingConfig(kv_high=ns.shed_kv_high, waiting_high=ns.shed_waiting_high,
                                                           min_cost_tokens=ns.shed_min_cost_tokens)))
 

@@ -31,6 +31,7 @@ from router.config import SheddingConfig
 from router.pools.choice import PoolSpec
 from router.pools.control import Pools
 from router.refusal import Refusal
+from router.tenants.ledger import Ticket
 from router.tenants.ratelimit import Budget, RateLimiter
 from router.tenants.registry import Tenant
 
@@ -76,8 +77,10 @@ class Admission:
         return got
 
     async def admit(self, req: OpenAIRequest, tenant: Tenant | None, session_key: str | None,
-                    prompt_tokens: Sequence[int]) -> Admitted | Refusal:
-        """`req` is one `model()` passed: its model is served."""
+                    prompt_tokens: Sequence[int], request_id: str | None = None,
+                    api_key_id: str | None = None) -> Admitted | Refusal:
+        """`req` is one `model()` passed: its model is served. `request_id` / `api_key_id`: for the usage ledger's
+        record of the request should its router die before settling it."""
         m = self.metrics
         model = req.model
         if model is None:
@@ -115,7 +118,8 @@ class Admission:
             headers.append((LOWERED_HEADER, str(lowered).encode()))
         budget = None
         if tenant is not None:
-            got_budget = await self._limiter().reserve(tenant, cost, model)
+            ticket = Ticket(request_id, api_key_id, pool.name) if request_id is not None else None
+            got_budget = await self._limiter().reserve(tenant, cost, model, ticket)
             if isinstance(got_budget, Refusal):
                 return got_budget
             budget = got_budget

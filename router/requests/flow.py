@@ -38,6 +38,10 @@ SESSION_HEADERS = (b"x-session-id",)
 _FAIRNESS = FAIRNESS_HEADER.encode()
 
 
+def new_request_id() -> str:
+    return "req_" + uuid.uuid4().hex[:24]
+
+
 @dataclass(slots=True)
 class Entry:
     """A request admitted: what goes upstream, and what its end settles."""
@@ -53,7 +57,7 @@ class Entry:
     follower: StreamUsage | None = None  # reads the usage the response reports (budgets, pool signals)
     prepared_s: float = 0.0  # seconds from t0 until the request was ready to place
     unfit: frozenset[str] = field(default_factory=frozenset)  # replicas of the pool listing other models
-    request_id: str = field(default_factory=lambda: "req_" + uuid.uuid4().hex[:24])  # the ledger's, x-request-id
+    request_id: str = field(default_factory=lambda: new_request_id())  # the ledger's, and x-request-id
     api_key_id: str | None = None  # the first 16 hex digits of the client key's sha256 (never the key)
 
     @property
@@ -112,14 +116,16 @@ class Flow:
         if kind is not None:
             core.metrics.constrained.labels(kind).inc()
         counts = prompt_token_counts(path, req.body, tokenizer, prep)
-        admitted = await core.admission.admit(req, tenant, prep.session_key, counts)
+        request_id, key_id = new_request_id(), api_key_id(headers)
+        admitted = await core.admission.admit(req, tenant, prep.session_key, counts, request_id, key_id)
         if isinstance(admitted, Refusal):
             return admitted
         prep.cache_salt = admitted.request.cache_salt
         pool = admitted.pool
         # hashes per adapter; an adapter loaded on demand where the score puts it
         await core.adapters.prepare(prep, model, pool.name, dict(pool.adapters))
-        return Entry(path, admitted.request, tenant, admitted, prep, counts, t0, api_key_id=api_key_id(headers))
+        return Entry(path, admitted.request, tenant, admitted, prep, counts, t0, request_id=request_id,
+                     api_key_id=key_id)
 
     async def queue(self, entry: Entry, fairness_id: str | None = None, priority: int | None = None
                     ) -> Refusal | None:

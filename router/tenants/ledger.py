@@ -39,7 +39,7 @@ class UsageRecord:
     output_tokens: int
     budget_tokens: int  # what the tenant's budget was charged
     cost_usd: str | None  # exact decimal string; None: the model has no prices
-    outcome: str  # the HTTP status sent, "error", or "disconnected"
+    outcome: str  # the HTTP status sent, "error", "disconnected", or router_lost (no router settled it)
     time: float  # Unix seconds when it was settled
     duration_s: float  # from admission to the end
     ttft_s: float | None
@@ -68,6 +68,18 @@ def record(request_id: str, tenant: str, api_key_id: str | None, model: str, poo
     return UsageRecord(request_id, tenant, api_key_id, model, pool, replica, u.prompt_tokens, u.cached_tokens,
                        u.completion_tokens, budget_tokens, cost, outcome, now, round(duration_s, 6),
                        None if ttft_s is None else round(ttft_s, 6))
+
+
+ROUTER_LOST = "router_lost"  # the outcome of a request no router settled: its reservation is what it was charged
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """Who a request is, known at admission: what its pending record needs."""
+
+    request_id: str
+    api_key_id: str | None
+    pool: str
 
 
 @dataclass(frozen=True)

@@ -83,9 +83,9 @@ class Limiter:
                 self.routers = max(1, count)
         return self.routers
 
-    async def reserve(self, tenant: str, spec: BudgetSpec, amount: int,
-                      now: float | None = None) -> Reservation | Rejection:
-        got = await self._shared(lambda: self.store.reserve(tenant, spec, amount, now))
+    async def reserve(self, tenant: str, spec: BudgetSpec, amount: int, now: float | None = None,
+                      pending: tuple[str, str] | None = None) -> Reservation | Rejection:
+        got = await self._shared(lambda: self.store.reserve(tenant, spec, amount, now, pending))
         if got is not _DOWN:
             return got
         if self.on_error is OnStoreError.CLOSED:
@@ -128,6 +128,19 @@ class Limiter:
             if await self._shared(lambda t=tenant, r=records: self.store.append(t, r)) is _DOWN:
                 self._unsent.setdefault(tenant, [])[:0] = records
                 return
+
+    async def reconcile(self, tenants: list[str]) -> int:
+        """Move the records of requests no router settled in time to the ledger (shared stores only); how many."""
+        move = getattr(self.store, "reconcile", None)
+        if move is None or not self.healthy:
+            return 0
+        moved = 0
+        for t in tenants:
+            n = await self._shared(lambda t=t: move(t))
+            if n is _DOWN:
+                break
+            moved += n
+        return moved
 
     async def records(self, tenant: str, start: float, end: float) -> list[str]:
         """A tenant's usage records from the shared store (with those not yet sent to it); StoreError there."""

@@ -35,13 +35,14 @@ from router.refusal import Refusal, refuse
 from router.tenants import ledger
 from router.tenants.budget import BudgetSpec, Quota, Reason, weighted
 from router.tenants.file import TenantsFile
-from router.tenants.ledger import RecordMeta
+from router.tenants.ledger import RecordMeta, Ticket
 from router.tenants.limiter import Limiter, LimiterUnavailable, OnStoreError
 from router.tenants.pricing import Prices, budget_tokens, cost_usd, usage_of
 from router.tenants.registry import AuthError, Tenant
 from router.tenants.store import BudgetStore, InProcessStore, Rejection, Reservation, StoreError
 
 log = logging.getLogger("kvfleet.router.ratelimit")
+RECONCILE_EVERY_BEATS = 5  # every ~10 s at the default 2 s heartbeat
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +86,8 @@ class RateLimiter:
             if cfg.redis_url:
                 from router.tenants.redis_store import RedisStore
 
-                store = RedisStore.from_url(cfg.redis_url, lease_s=lease_s)
+                store = RedisStore.from_url(cfg.redis_url, lease_s=lease_s,
+                                            reconcile_after_s=cfg.usage_reconcile_after_s)
             else:
                 store = InProcessStore(lease_s)
         self.store = store
@@ -110,10 +112,16 @@ class RateLimiter:
                 await close()
 
     async def _heartbeats(self) -> None:
+        beats = 0
         while True:
             await self.limiter.heartbeat(self.router_id, self.cfg.heartbeat_s * 3)
             if self.limiter.unsent_records:
                 await self.limiter.flush_records()
+            beats += 1
+            if beats % RECONCILE_EVERY_BEATS == 0:  # requests whose router died before settling them
+                moved = await self.limiter.reconcile(list(self.file.registry.tenants))
+                if moved:
+                    log.warning("usage ledger: %d requests no router settled recorded with their reservation", moved)
             self.metrics.store_healthy.set(1 if self.limiter.healthy else 0)
             await asyncio.sleep(self.cfg.heartbeat_s)
 
@@ -126,14 +134,21 @@ class RateLimiter:
             self.metrics.ratelimit_requests.labels("-", "unauthorized").inc()
             return Refusal(401, e.body(), list(e.headers), "unauthorized")
 
-    async def reserve(self, tenant: Tenant, tokens: int, model: str | None = None) -> Budget | Refusal:
+    async def reserve(self, tenant: Tenant, tokens: int, model: str | None = None,
+                      ticket: Ticket | None = None) -> Budget | Refusal:
         """Reserve what `tokens` tokens (router/admission/stages.py `request_cost`) of `model` cost in the tenant's
-        budget: `weighted(tokens, the model's token weight)`."""
+        budget: `weighted(tokens, the model's token weight)`. With a `ticket`, the shared store also keeps the
+        record the ledger gets should this request never be settled (its router dies): the reservation, charged."""
         weight = self.file.registry.token_weight(model)
         cost = weighted(tokens, weight)
         spec = BudgetSpec(tenant.tokens_per_minute, tenant.max_concurrent_requests)
+        pending = None
+        if ticket is not None:
+            lost = ledger.record(ticket.request_id, tenant.name, ticket.api_key_id, model or "-", ticket.pool, None,
+                                 None, cost, None, ledger.ROUTER_LOST, time.time(), 0.0, None)
+            pending = (ticket.request_id, lost.to_json())
         try:
-            got = await self.limiter.reserve(tenant.name, spec, cost)
+            got = await self.limiter.reserve(tenant.name, spec, cost, pending=pending)
         except LimiterUnavailable:
             return self.refused(tenant, refuse(503, "the rate limiter's store is unavailable; retry shortly",
                                                "unavailable", None, "ratelimit_unavailable", [(b"retry-after", b"1")]))

@@ -15,6 +15,9 @@ Keys (the `{tenant}` hash tag keeps a tenant's keys in one cluster slot):
 - `kvfleet:usage:{tenant}`, a stream of the tenant's usage records (router/tenants/ledger.py), one entry (field `r`,
   the record's JSON) per settled request, appended by the same script that settles its budget; entries older than
   `usage_retention_s` are trimmed as new ones arrive (XADD MINID ~, Redis >= 6.2);
+- `kvfleet:usage:{tenant}:pending`, a hash request id -> 'deadline record': each admitted request's record should its
+  router die before settling it (written by the reserve script, removed by the settle script); past the deadline
+  (`reconcile_after_s` after admission) any router's `reconcile` moves it to the ledger, once;
 - `kvfleet:usage:{tenant}:ids`, a sorted set request id -> time of the last day's records: a record sent twice (its
   settle timed out here but ran in Redis) is appended once.
 
@@ -67,7 +70,9 @@ local function store()
 end
 """
 
-# ARGV: tpm, now|'', margin, amount, largest, max_concurrent|'', lease_id, lease_s
+# ARGV: tpm, now|'', margin, amount, largest, max_concurrent|'', lease_id, lease_s, request id|'', pending record,
+# reconcile_after_s. The pending record (KEYS[5] request id -> 'deadline record') is the request's record should its
+# router never settle it (router/tenants/ledger.py: outcome router_lost, the reservation charged).
 _RESERVE = _PRELUDE + """
 local amount = tonumber(ARGV[4])
 if amount > tonumber(ARGV[5]) then return {'too_large', fmt(level), fmt(updated), ''} end
@@ -83,39 +88,71 @@ if mcr then
 end
 level = level - amount
 store()
+if ARGV[9] and ARGV[9] ~= '' then
+  redis.call('HSET', KEYS[5], ARGV[9], fmt(now + tonumber(ARGV[11])) .. ' ' .. ARGV[10])
+end
 return {'ok', fmt(level), fmt(updated), ''}
 """
 
-# Append records to the usage stream KEYS[3]: ARGV[first] the retention in seconds, then (request id, record) pairs.
+# Append records to the usage stream KEYS[3]: a[first] the retention in seconds, then (request id, record) pairs.
 # A request id already in KEYS[4] (a sorted set id -> time, the last day's) is not appended again: a settle that timed
 # out may still have run in Redis, and its record is sent again with the next append. Entry ids are Redis's clock
 # in milliseconds: records are read back by time with XRANGE.
 _APPEND = """
-local function append(first)
+local function append(a, first)
   local t = redis.call('TIME')
   local now = tonumber(t[1])
-  local minid = math.floor((now - tonumber(ARGV[first])) * 1000)
+  local minid = math.floor((now - tonumber(a[first])) * 1000)
   redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - 86400)
-  for i = first + 1, #ARGV - 1, 2 do
-    if redis.call('ZADD', KEYS[4], 'NX', now, ARGV[i]) == 1 then
-      redis.call('XADD', KEYS[3], 'MINID', '~', tostring(math.max(minid, 0)), '*', 'r', ARGV[i + 1])
+  for i = first + 1, #a - 1, 2 do
+    if redis.call('ZADD', KEYS[4], 'NX', now, a[i]) == 1 then
+      redis.call('XADD', KEYS[3], 'MINID', '~', tostring(math.max(minid, 0)), '*', 'r', a[i + 1])
     end
   end
   redis.call('EXPIRE', KEYS[4], 90000)
 end
 """
 
-# ARGV: tpm, now|'', margin, reserved, used, lease_id|'', retention_s, [request id, record]
+# ARGV: tpm, now|'', margin, reserved, used, lease_id|'', request id|'', retention_s, [request id, record]. A request
+# whose pending record was already reconciled (it outlived reconcile_after_s) keeps the whole reservation charged, as
+# the ledger's reconciled record says, and adds no second record.
 _SETTLE = _PRELUDE + _APPEND + """
-level = math.min(cap, level + (tonumber(ARGV[4]) - tonumber(ARGV[5])))
+local used = tonumber(ARGV[5])
+local settled = true
+if ARGV[7] ~= '' and redis.call('HDEL', KEYS[5], ARGV[7]) == 0 and redis.call('ZSCORE', KEYS[4], ARGV[7]) then
+  used = tonumber(ARGV[4])
+  settled = false
+end
+level = math.min(cap, level + (tonumber(ARGV[4]) - used))
 store()
 if ARGV[6] ~= '' then redis.call('ZREM', KEYS[2], ARGV[6]) end
-append(7)
+if settled then append(ARGV, 8) end
 return {fmt(level), fmt(updated)}
 """
 
+# Records of requests whose router never settled them: every pending record past its deadline goes to the ledger
+# once (HDEL decides who moves it). ARGV: retention_s. Returns how many.
+_RECONCILE = "if redis.replicate_commands then redis.replicate_commands() end\n" + _APPEND + """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local rows = redis.call('HGETALL', KEYS[5])
+local due = {}
+for i = 1, #rows, 2 do
+  local sp = string.find(rows[i + 1], ' ', 1, true)
+  if tonumber(string.sub(rows[i + 1], 1, sp - 1)) <= now and redis.call('HDEL', KEYS[5], rows[i]) == 1 then
+    table.insert(due, rows[i])
+    table.insert(due, string.sub(rows[i + 1], sp + 1))
+  end
+end
+if #due == 0 then return 0 end
+local args = {ARGV[1]}
+for _, x in ipairs(due) do table.insert(args, x) end
+append(args, 1)
+return #due / 2
+"""
+
 # ARGV: retention_s, (request id, record)...
-_APPEND_ONLY = "if redis.replicate_commands then redis.replicate_commands() end\n" + _APPEND + "append(1)\nreturn 1\n"
+_APPEND_ONLY = "if redis.replicate_commands then redis.replicate_commands() end\n" + _APPEND + "append(ARGV, 1)\nreturn 1\n"
 
 
 # KEYS: routers; ARGV: router id, ttl_s. Returns the number of routers whose heartbeat has not expired.
@@ -130,6 +167,7 @@ return redis.call('ZCARD', KEYS[1])
 """
 
 _ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+RECONCILE_AFTER_S = 3600.0  # a request not settled an hour after admission: its router is gone
 USAGE_RETENTION_S = 400 * 86400.0  # usage records kept this long (a year of monthly invoices and their disputes)
 
 
@@ -150,12 +188,14 @@ class RedisStore:
     """A `BudgetStore` in Redis. Every Redis failure is raised as `StoreError`."""
 
     def __init__(self, client: aioredis.Redis, lease_s: float = 600.0, ttl_margin_s: float = 60.0,
-                 prefix: str = "kvfleet", usage_retention_s: float = USAGE_RETENTION_S):
+                 prefix: str = "kvfleet", usage_retention_s: float = USAGE_RETENTION_S,
+                 reconcile_after_s: float = RECONCILE_AFTER_S):
         self.client, self.lease_s, self.ttl_margin_s, self.prefix = client, lease_s, ttl_margin_s, prefix
-        self.usage_retention_s = usage_retention_s
+        self.usage_retention_s, self.reconcile_after_s = usage_retention_s, reconcile_after_s
         self._reserve = client.register_script(_RESERVE)
         self._settle = client.register_script(_SETTLE)
         self._append = client.register_script(_APPEND_ONLY)
+        self._reconcile = client.register_script(_RECONCILE)
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._batch = _Batch(client)
 
@@ -174,21 +214,24 @@ class RedisStore:
 
     def keys(self, tenant: str) -> list[str]:
         return [f"{self.prefix}:budget:{{{tenant}}}", f"{self.prefix}:budget:{{{tenant}}}:leases",
-                f"{self.prefix}:usage:{{{tenant}}}", f"{self.prefix}:usage:{{{tenant}}}:ids"]
+                f"{self.prefix}:usage:{{{tenant}}}", f"{self.prefix}:usage:{{{tenant}}}:ids",
+                f"{self.prefix}:usage:{{{tenant}}}:pending"]
 
-    async def reserve(self, tenant: str, spec: BudgetSpec, amount: int,
-                      now: float | None = None) -> Reservation | Rejection:
+    async def reserve(self, tenant: str, spec: BudgetSpec, amount: int, now: float | None = None,
+                      pending: tuple[str, str] | None = None) -> Reservation | Rejection:
         if amount < 0:
             raise ValueError(f"amount must be >= 0, got {amount}")
         mcr = spec.max_concurrent_requests
         lease_id = new_lease_id() if mcr is not None else None
+        rid, rec = pending or ("", "")
         args = [_arg(spec.tokens_per_minute), _arg(now), _arg(self.ttl_margin_s), str(amount),
-                _arg(spec.max_request), "" if mcr is None else str(mcr), lease_id or "", _arg(self.lease_s)]
+                _arg(spec.max_request), "" if mcr is None else str(mcr), lease_id or "", _arg(self.lease_s),
+                rid, rec, _arg(self.reconcile_after_s)]
         reason, level, updated, retry = await self._call(self._reserve, self.keys(tenant), args)
         quota = Bucket(float(level), float(updated)).quota(spec)
         reason = _text(reason)
         if reason == "ok":
-            return Reservation(tenant, spec, amount, lease_id, quota)
+            return Reservation(tenant, spec, amount, lease_id, quota, pending_id=rid or None)
         if reason == "tokens":
             return Rejection(tenant, Reason.TOKENS, float(retry), quota)
         if reason == "concurrency":
@@ -201,7 +244,8 @@ class RedisStore:
             raise ValueError(f"used must be >= 0, got {used}")
         spec = reservation.spec
         args = [_arg(spec.tokens_per_minute), _arg(now), _arg(self.ttl_margin_s), str(reservation.amount),
-                str(used), reservation.lease_id or "", _arg(self.usage_retention_s)] + _pairs([record] if record else [])
+                str(used), reservation.lease_id or "", reservation.pending_id or "", _arg(self.usage_retention_s)] + \
+            _pairs([record] if record else [])
         level, updated = await self._call(self._settle, self.keys(reservation.tenant), args)
         return Bucket(float(level), float(updated)).quota(spec)
 
@@ -220,6 +264,10 @@ class RedisStore:
     async def append(self, tenant: str, records: list[str]) -> None:
         if records:
             await self._call(self._append, self.keys(tenant), [_arg(self.usage_retention_s), *_pairs(records)])
+
+    async def reconcile(self, tenant: str) -> int:
+        """Move the records of the tenant's requests that no router settled in time to its ledger; how many."""
+        return int(await self._call(self._reconcile, self.keys(tenant), [_arg(self.usage_retention_s)]))
 
     async def records(self, tenant: str, start: float, end: float) -> list[str]:
         try:

@@ -34,6 +34,7 @@ class Reservation:
     lease_id: str | None  # None where concurrency is unlimited
     quota: Quota  # header values right after admission
     local: bool = False  # made by router/tenants/limiter.py's fallback store, not the shared one
+    pending_id: str | None = None  # the request id of its pending ledger record (shared store only)
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,11 @@ class Rejection:
 class BudgetStore(Protocol):
     lease_s: float  # a concurrency lease expires this long after admission (the request timeout)
 
-    async def reserve(self, tenant: str, spec: BudgetSpec, amount: int,
-                      now: float | None = None) -> Reservation | Rejection:
+    async def reserve(self, tenant: str, spec: BudgetSpec, amount: int, now: float | None = None,
+                      pending: tuple[str, str] | None = None) -> Reservation | Rejection:
         """Admit `amount` tokens (and a concurrency lease) for `tenant`, atomically, or say why not.
-        `now` (seconds) is for tests; stores read their own clock without it."""
+        `now` (seconds) is for tests; stores read their own clock without it. `pending`: (request id, the record
+        the ledger gets should the request never be settled), kept by a shared store until it is."""
         ...
 
     async def settle(self, reservation: Reservation, used: int, now: float | None = None,
@@ -87,9 +89,9 @@ class InProcessStore:
         self._leases: dict[str, Leases] = {}
         self._ledger: dict[str, list[tuple[float, str]]] = {}  # tenant -> (wall time, record), this process only
 
-    async def reserve(self, tenant: str, spec: BudgetSpec, amount: int,
-                      now: float | None = None) -> Reservation | Rejection:
-        now = self.clock() if now is None else now
+    async def reserve(self, tenant: str, spec: BudgetSpec, amount: int, now: float | None = None,
+                      pending: tuple[str, str] | None = None) -> Reservation | Rejection:
+        now = self.clock() if now is None else now  # `pending`: this process's memory dies with the router
         bucket = self._buckets.get(tenant) or Bucket.full(spec, now)
         lease_id = new_lease_id() if spec.max_concurrent_requests is not None else None
         got = admit(bucket, self._leases.get(tenant, Leases()), spec, amount, now, lease_id or "",

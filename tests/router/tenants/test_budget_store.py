@@ -182,3 +182,37 @@ def test_heartbeats_count_live_routers(redis_server):
         return await store.heartbeat("r2", 5.0)
 
     assert run(scenario, redis_server.url) == 1
+
+
+def test_redis_ledger_records_once_and_reconciles_what_no_router_settled(redis_server):
+    """A pending record is written with the reservation and removed with the settle; past its deadline any router
+    moves it to the ledger once; a request settled after that keeps its whole reservation charged, as its record
+    says, and adds no second record. Every append of a request id already recorded is a no-op."""
+    import asyncio
+    import json as _json
+
+    def rec(rid: str, outcome: str) -> str:
+        return _json.dumps({"request_id": rid, "outcome": outcome})
+
+    async def scenario(store):
+        store.reconcile_after_s = 0.2
+        spec = BudgetSpec(600)
+        settled = await store.reserve("t", spec, 100, pending=("req_a", rec("req_a", "router_lost")))
+        lost = await store.reserve("t", spec, 100, pending=("req_b", rec("req_b", "router_lost")))
+        late = await store.reserve("t", spec, 100, pending=("req_c", rec("req_c", "router_lost")))
+        assert lost.pending_id == "req_b"
+        await store.settle(settled, 30, record=rec("req_a", "200"))
+        assert await store.reconcile("t") == 0  # not due yet
+        await asyncio.sleep(0.3)
+        assert await store.reconcile("t") == 2 and await store.reconcile("t") == 0  # req_b and req_c, once
+        before, _ = await store.state("t")
+        await store.settle(late, 10, record=rec("req_c", "200"))  # settled after its record was reconciled
+        after, _ = await store.state("t")
+        assert after.level <= before.level + 1e-6 + (after.updated - before.updated) * 10  # no refund: only refill
+        await store.append("t", [rec("req_a", "200")])  # sent again (a settle that timed out but ran): no-op
+        rows = [_json.loads(r) for r in await store.records("t", 0, time.time() + 5)]
+        assert [(r["request_id"], r["outcome"]) for r in rows] == [
+            ("req_a", "200"), ("req_b", "router_lost"), ("req_c", "router_lost")]
+        assert await store.client.hlen(store.keys("t")[4]) == 0  # no pending record left
+
+    run(scenario, redis_server.url)

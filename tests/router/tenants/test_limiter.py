@@ -175,12 +175,12 @@ class FlakyStore(InProcessStore):
         self.failing, self.calls, self.gate = False, 0, asyncio.Event()
         self.gate.set()
 
-    async def reserve(self, tenant, spec, amount, now=None):
+    async def reserve(self, tenant, spec, amount, now=None, pending=None):
         self.calls += 1
         await self.gate.wait()
         if self.failing:
             raise StoreError("down")
-        return await super().reserve(tenant, spec, amount, now)
+        return await super().reserve(tenant, spec, amount, now, pending)
 
 
 def test_one_probe_at_a_time_and_a_cancelled_probe_does_not_wedge_the_limiter():

@@ -131,3 +131,37 @@ def test_a_redis_outage_loses_no_record(fleet):
     page = usage(routers[1].url, KEYS[0]).json()
     got = totals(page)
     assert (got["input_tokens"], got["output_tokens"], got["num_model_requests"]) == (8 * 32, 8 * 6, 8)
+
+
+def test_a_request_whose_router_dies_mid_stream_is_recorded_once_with_its_reservation(procs, tmp_path,
+                                                                                         redis_server):
+    """A router SIGKILLed between admission and settlement leaves a pending record in Redis; once it is due another
+    router moves it to the ledger (outcome router_lost, the reservation charged), exactly once."""
+    engine = fake_engine(procs, "e1", "--chunks", "6").wait_ready()
+    path = tmp_path / "tenants.yaml"
+    path.write_text(TENANTS)
+    common = ["--tenants", str(path), "--redis-url", redis_server.url, "--usage-reconcile-after", "1"]
+    doomed, survivor = (router(procs, [engine.url], *common, policy="least-load").wait_ready() for _ in range(2))
+    auth = {"authorization": f"Bearer {KEYS[0]}"}
+    body = {"model": "smollm2", "prompt": PROMPT, "max_tokens": 6, "stream": True}
+    with httpx.Client(timeout=30) as c, c.stream("POST", doomed.url + "/v1/completions", json=body,
+                                                 headers={**auth, "x-fake-chunk-delay-ms": "1000"}) as r:
+        lost_id = r.headers["x-request-id"]
+        next(r.iter_lines())  # the stream has begun
+        doomed.kill()
+    ok = [httpx.post(survivor.url + "/v1/completions", json={**body, "stream": False}, headers=auth)
+          for _ in range(3)]
+    assert all(r.status_code == 200 for r in ok)
+
+    def ledger() -> list[dict]:
+        out = subprocess.run([sys.executable, "-m", "kvfleet", "usage", "export", "--redis-url", redis_server.url,
+                              "--tenants", str(path)], capture_output=True, text=True, check=True).stdout
+        return [json.loads(line) for line in out.splitlines()]
+
+    rows = wait_for(lambda: (got := ledger()) and len(got) == 4 and got, timeout=40,
+                    what="the dead router's request reconciled into the ledger")
+    lost = [r for r in rows if r["request_id"] == lost_id]
+    assert len(lost) == 1 and lost[0]["outcome"] == "router_lost"
+    assert lost[0]["budget_tokens"] == len(PROMPT) + 6  # the reservation: prompt + max_tokens, charged whole
+    time.sleep(12)  # another reconcile round: nothing twice
+    assert sorted(r["request_id"] for r in ledger()) == sorted(r["request_id"] for r in rows)

@@ -84,6 +84,10 @@ class RouterMetrics:
                                         registry=r)
         self.reserved_outstanding = Gauge("kvfleet_router_ratelimit_reserved_tokens", "Tokens reserved by "
                                           "requests in flight, by tenant", ["tenant"], registry=r)
+        self.tenant_tokens = Counter("kvfleet_router_tenant_tokens", "Tokens of tenants' settled requests as the "
+                                     "engines reported them: prompt tokens computed, prompt tokens read from a "
+                                     "prefix cache, output tokens; by tenant and model", ["tenant", "model", "kind"],
+                                     registry=r)
         self.tenant_cost = Counter("kvfleet_router_tenant_cost_dollars", "What tenants' settled requests cost at "
                                    "the tenants file's prices (US dollars; models with prices only), by tenant and "
                                    "model", ["tenant", "model"], registry=r)

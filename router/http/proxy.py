@@ -46,7 +46,7 @@ _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"
                          b"trailers", b"transfer-encoding", b"upgrade", b"host", b"content-length"})
 _PULL = PULL_HEADER.encode()  # the router's own word to an engine: a client's is dropped
 _DROP_RESPONSE = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date",
-                            b"server"})
+                            b"server", b"x-request-id"})  # the router's own x-request-id goes out instead (the ledger's)
 
 
 def forward_headers(raw_headers, internal_token: str | None = None, own_credentials: bool = False

@@ -211,8 +211,12 @@ class RateLimiter:
         m.reserved_outstanding.labels(name).dec(r.amount)
         m.ratelimit_tokens.labels(name, "used").inc(used)
         m.ratelimit_tokens.labels(name, "refunded").inc(max(0, r.amount - used))
-        if usage is not None and a.prices is not None:
-            m.tenant_cost.labels(name, a.model).inc(float(cost_usd(usage, a.prices)))
+        if usage is not None:
+            m.tenant_tokens.labels(name, a.model, "computed").inc(usage.computed_tokens)
+            m.tenant_tokens.labels(name, a.model, "cached").inc(usage.cached_tokens)
+            m.tenant_tokens.labels(name, a.model, "output").inc(usage.completion_tokens)
+            if a.prices is not None:
+                m.tenant_cost.labels(name, a.model).inc(float(cost_usd(usage, a.prices)))
         rec = None
         if meta is not None:
             rec = ledger.record(meta.request_id, name, meta.api_key_id, a.model, meta.pool, meta.replica, usage, used,

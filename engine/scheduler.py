@@ -84,6 +84,7 @@ class Scheduler:
         self._reserved_seats = 0  # children that running, not yet forked sequences will fork into
         self.oom = OomBackoff(config.max_num_batched_tokens)
         self.fair = FairShare()
+        self._room_unused = False  # the last step's running prompts left room that no waiting prompt took
         self.step_time = StepTimeModel()
         self.step_stats = StepTimeStats()
 
@@ -110,11 +111,16 @@ class Scheduler:
             preempted = [s for s in self.waiting if s.num_preemptions]  # at the head already: they stay there
             self.waiting = deque(preempted + self.fair.order([s for s in self.waiting if not s.num_preemptions]))
         made_room = len(out.preempted)
-        fair = not self.by_priority and len(self.fair.active) > 1 and bool(self.waiting)
-        self._schedule_running(out, budget, self._startable(budget) if fair else [])
+        # a step in which running prompts made room for waiting ones that did not start after all (blocks ran
+        # out) is not followed by another: running prompts always progress
+        fair = not self.by_priority and len(self.fair.active) > 1 and bool(self.waiting) and not self._room_unused
+        startable = self._startable(budget) if fair else []
+        self._schedule_running(out, budget, startable)
+        num_running = len(out.scheduled)
         budget -= out.num_batched_tokens
         if len(out.preempted) == made_room:  # no running sequence ran out of blocks
             self._schedule_waiting(out, budget)
+        self._room_unused = bool(startable) and len(out.scheduled) == num_running
         out.shape = step_shape((item.seq, item.num_new_tokens) for item in out.scheduled)
         out.predicted_s = self.step_time.predict(out.shape)
         return out
@@ -208,9 +214,9 @@ class Scheduler:
             if need == 1:
                 owed -= 1
             n = min(need, budget - owed) if need > 1 else need
-            if need > 1 and startable:  # at least a block, so that it progresses whatever waits
+            if need > 1 and startable:
                 mine = self.fair.counters.get(seq.fairness_id, 0)
-                n = min(n, max(self.kv.block_size, budget - owed - sum(t for c, t in startable if c < mine)))
+                n = min(n, budget - owed - sum(t for c, t in startable if c < mine))
             if n <= 0:
                 i += 1
                 continue

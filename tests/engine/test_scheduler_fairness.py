@@ -174,8 +174,18 @@ def test_a_running_prompt_leaves_room_to_the_waiting_prompt_of_a_tenant_below_it
     assert steps(eng) == [{"a1": 18, "b1": 6}]  # b1's tokens kept from a1's chunk, not c1's
     eng.add("d1", [7] * 30, max_tokens=2, fairness_id="d")
     eng.sched.fair.counters.update(d=0)
-    # d1's 30 tokens wait below a's counter: a1 still gets a block (4), d1 the rest of the budget (c1 waits)
-    assert steps(eng) == [{"b1": 1, "a1": 4, "d1": 19}]
+    # d1's 30 tokens wait below a's counter: a1 leaves them all its chunk (c1 waits)
+    assert steps(eng) == [{"b1": 1, "d1": 23}]
+
+
+def test_running_prompts_progress_when_the_room_they_left_was_not_taken():
+    eng = FakeEngine(budget=24, max_num_seqs=2)
+    eng.add("x1", [2] * 4, max_tokens=9, fairness_id="x")
+    eng.add("a1", [1] * 60, max_tokens=2, fairness_id="a")
+    assert steps(eng) == [{"x1": 4, "a1": 20}]
+    eng.add("b1", [9] * 6, max_tokens=2, fairness_id="b")  # no seat for it
+    eng.sched._startable = lambda budget: [(0, 100)]  # as if it could start, but it will not
+    assert steps(eng, 3) == [{"x1": 1}, {"a1": 23, "x1": 1}, {"x1": 1}]  # a1 left room once, then went on
 
 
 def test_with_one_id_a_running_prompt_goes_first_as_before():

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence as Seq
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 PROMPT_WEIGHT = 1
 GENERATED_WEIGHT = 2
@@ -32,6 +32,9 @@ class Queued(Protocol):
 
     @property
     def num_tokens(self) -> int: ...
+
+
+Q = TypeVar("Q", bound=Queued)
 
 
 class FairShare:
@@ -67,7 +70,7 @@ class FairShare:
         self.counters[fairness_id] = (self.counters.get(fairness_id, 0) + PROMPT_WEIGHT * prompt_tokens
                                       + GENERATED_WEIGHT * generated_tokens)
 
-    def order(self, queue: Seq[Queued]) -> list[Queued]:
+    def order(self, queue: Seq[Q]) -> list[Q]:
         """The queue served lowest counter first (module docstring); the queue itself when one id holds it all."""
         by_id: dict[str, list[int]] = {}
         for pos, seq in enumerate(queue):

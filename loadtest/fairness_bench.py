@@ -87,10 +87,10 @@ class Fleet:
             p.stop()
 
 
-async def one(client: httpx.AsyncClient, url: str, tenant: str, max_tokens: int
+async def one(client: httpx.AsyncClient, url: str, tenant: str, max_tokens: int, prompt: str = PROMPT
               ) -> tuple[float | None, int, bool, float]:
     """(TTFT, tokens generated, ok, when it ended) of one streamed chat."""
-    body = {"model": "smollm2", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft, tokens = None, 0

@@ -14,12 +14,12 @@ import json
 import random
 import time
 
-from serving.http_limits import HttpLimits
 from loadtest.chaos.clients import Tally, chat_body, prompt
 from loadtest.chaos.common import Options, Probe, check_no_leak, client
 from loadtest.chaos.fleet import KEYS, Fleet, Proc
 from loadtest.chaos.fuzz_bodies import draw
 from loadtest.chaos.verdict import Verdict
+from serving.http_limits import HttpLimits
 
 NAME = "hostile and slow clients"
 MEMORY_BOUND = 100 << 20

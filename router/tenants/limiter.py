@@ -27,6 +27,7 @@ import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Final, Literal, TypeVar
 
 from router.states import StrEnum
@@ -125,7 +126,7 @@ class Limiter:
         while self._unsent:
             tenant = next(iter(self._unsent))
             records = self._unsent.pop(tenant)
-            if await self._shared(lambda t=tenant, r=records: self.store.append(t, r)) is _DOWN:
+            if await self._shared(partial(self.store.append, tenant, records)) is _DOWN:
                 self._unsent.setdefault(tenant, [])[:0] = records
                 return
 
@@ -136,7 +137,7 @@ class Limiter:
             return 0
         moved = 0
         for t in tenants:
-            n = await self._shared(lambda t=t: move(t))
+            n = await self._shared(partial(move, t))
             if n is _DOWN:
                 break
             moved += n

@@ -275,7 +275,8 @@ class RedisStore:
                                             max="(" + str(int(end * 1000)))
         except _ERRORS as e:
             raise StoreError(f"redis: {e!r}") from e
-        return [_text(fields.get(b"r") or fields.get("r")) for _, fields in rows]
+        held = cast("list[tuple[bytes | str, dict[bytes | str, bytes | str]]]", rows)
+        return [_text(fields.get(b"r") or fields.get("r") or b"") for _, fields in held]
 
     async def heartbeat(self, router_id: str, ttl_s: float) -> int:
         """Register this router as live for `ttl_s` seconds; returns the number of live routers."""

@@ -57,7 +57,7 @@ class Entry:
     follower: StreamUsage | None = None  # reads the usage the response reports (budgets, pool signals)
     prepared_s: float = 0.0  # seconds from t0 until the request was ready to place
     unfit: frozenset[str] = field(default_factory=frozenset)  # replicas of the pool listing other models
-    request_id: str = field(default_factory=lambda: new_request_id())  # the ledger's, and x-request-id
+    request_id: str = field(default_factory=new_request_id)  # the ledger's, and x-request-id
     api_key_id: str | None = None  # the first 16 hex digits of the client key's sha256 (never the key)
 
     @property
@@ -116,7 +116,7 @@ class Flow:
         if kind is not None:
             core.metrics.constrained.labels(kind).inc()
         counts = prompt_token_counts(path, req.body, tokenizer, prep)
-        request_id, key_id = new_request_id(), api_key_id(headers)
+        request_id, key_id = new_request_id(), api_key_id(headers) if tenant is not None else None
         admitted = await core.admission.admit(req, tenant, prep.session_key, counts, request_id, key_id)
         if isinstance(admitted, Refusal):
             return admitted

@@ -50,7 +50,7 @@ class EngineArgs:
     num_threads: int | None = None  # torch CPU threads; default: every core this process may use
     cpu_cores: str | None = None  # Linux CPU list ("0", "0-1", "0,2-3") to pin the engine to; default: no pinning
     deterministic: bool = False  # a request's tokens and logprobs independent of its batch and of the cache
-    cuda_graphs: bool = False  # decode steps replay CUDA graphs (CUDA + triton backend); off until a GPU run shows equal tokens
+    cuda_graphs: bool | None = None  # decode steps replay CUDA graphs; None: wherever they apply (CUDA, triton, no LoRA)
     engine_core: str = "process"  # process: the core in a process of its own (engine/core/); thread: in the server's
     enable_lora: bool = False  # serve LoRA adapters (implied by lora_modules); off: the projections are untouched
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT adapter directory) registered at start
@@ -108,7 +108,7 @@ class EngineArgs:
             check_int("--num-threads", self.num_threads, 1)
         if self.cpu_cores is not None:
             _cpu_cores(self.cpu_cores)
-        _check(isinstance(self.cuda_graphs, bool), "--cuda-graphs", "must be a bool")
+        _check(self.cuda_graphs is None or isinstance(self.cuda_graphs, bool), "--cuda-graphs", "must be a bool")
         _check(isinstance(self.deterministic, bool), "--deterministic", "must be a bool")
         _check(not (self.deterministic and (self.enable_lora or self.lora_modules)), "--deterministic",
                "does not cover LoRA adapters yet (their products take batch-dependent paths); "
@@ -218,8 +218,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "with the fused kernels, bfloat16 or float32, no LoRA). Default: off, the fastest kernel per "
                         "step size; see docs/engine.md#determinism")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=d.cuda_graphs,
-                   help="replay CUDA graphs of the decode step (CUDA with the triton backend; captured at start-up). "
-                        "Off by default: not yet verified on a GPU")
+                   help="replay CUDA graphs of the decode step, captured at start-up per batch-size bucket. Default: "
+                        "on wherever they apply (a CUDA device, the triton backend, no LoRA), off elsewhere; "
+                        "--no-cuda-graphs runs every step eagerly")
     g.add_argument("--engine-core", default=d.engine_core, choices=ENGINE_CORES,
                    help="process (default): the loop that schedules, runs the model and samples runs in a process of "
                         "its own, so the HTTP server's work overlaps its steps; thread: in the server's process "

@@ -52,14 +52,30 @@ class StepInputs:
     sample_seqs: list[Sequence]  # row i of the logits belongs to sample_seqs[i]
 
 
+def graphs_apply(asked: bool | None, device_type: str, backend: str, persistent_decode: bool,
+                 lora: bool) -> tuple[bool, str | None]:
+    """(whether decode steps replay CUDA graphs, the warning to log when they were asked for and cannot).
+    asked None (--cuda-graphs left unset): on wherever they apply, off elsewhere without a word."""
+    if asked is False:
+        return False, None
+    if not (device_type == "cuda" and backend == "triton" and persistent_decode):
+        why = "CUDA graphs need a CUDA device, the triton backend and persistent decode inputs: off"
+    elif lora:
+        why = "CUDA graphs do not capture the LoRA products yet: off with LoRA enabled"
+    else:
+        return True, None
+    return False, (why if asked else None)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend, num_blocks: int, block_size: int,
                  device: torch.device | str = "cpu", debug_oom_every: int = 0, max_num_seqs: int = 256,
-                 max_model_len: int | None = None, persistent_decode: bool = True, cuda_graphs: bool = False,
+                 max_model_len: int | None = None, persistent_decode: bool = True, cuda_graphs: bool | None = False,
                  lora=None):
         """persistent_decode: decode-only steps run from persistent buffers (False: rebuilt each step, as
         before; kept for the equality test). cuda_graphs: replay captured graphs for decode steps (CUDA and
-        the triton backend only; captured by warm_up). lora: the engine's LoRAManager (engine/lora/), told each
+        the triton backend only; captured by warm_up); None: wherever that applies, off elsewhere without a
+        warning. lora: the engine's LoRAManager (engine/lora/), told each
         step which rows run under which adapter; None: LoRA is off."""
         self.model = model
         self.lora = lora
@@ -78,12 +94,10 @@ class ModelRunner:
         max_blocks = num_blocks if max_model_len is None else min(num_blocks, -(-max_model_len // block_size))
         self.decode_inputs = (DecodeInputs(max_num_seqs, max_blocks, block_size, self.device)
                               if persistent_decode else None)
-        if cuda_graphs and not (self.device.type == "cuda" and backend.name == "triton" and persistent_decode):
-            logger.warning("CUDA graphs need a CUDA device, the triton backend and persistent decode inputs: off")
-            cuda_graphs = False
-        if cuda_graphs and lora is not None:
-            logger.warning("CUDA graphs do not capture the LoRA products yet: off with LoRA enabled")
-            cuda_graphs = False
+        cuda_graphs, why_not = graphs_apply(cuda_graphs, self.device.type, backend.name, persistent_decode,
+                                            lora is not None)
+        if why_not:
+            logger.warning(why_not)
         self.graphs = DecodeGraphs(model, self.kv_caches, backend, self.decode_inputs) if cuda_graphs else None
         per_token = kv_bytes_per_token(cfg, dtype)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f KiB/token, %.2f GiB, %s)",

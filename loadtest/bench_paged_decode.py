@@ -2,7 +2,9 @@
 
 For each batch x context, every sequence holds `context` tokens in a paged cache with shuffled physical
 blocks; one decode step (one query token per sequence, all layers' worth of nothing else) is timed with
-triton.testing.do_bench (median). Reported: achieved GB/s (bytes of K, V, Q and O moved / time), the
+triton.testing.do_bench (median): on CUDA the step captured in a CUDA graph and replayed (the kernels' own time,
+as the engine's decode graphs run them), with the whole eager call (Python planning and launches included)
+beside it. Reported: achieved GB/s (bytes of K, V, Q and O moved / time), the
 fraction of the measured device copy bandwidth, and torch SDPA on the same K/V stored contiguously
 (GQA folded into the query length, so K/V are read once) where it fits in memory.
 
@@ -115,10 +117,20 @@ def bench_shape(batch: int, context: int, args, device: torch.device, timer: Tim
         query_lens_host=(1,) * batch, seq_lens_host=(context,) * batch)
     scale = 1.0 / math.sqrt(d)
     out = torch.empty_like(q)
+    if device.type == "cuda":
+        backend.reserve(batch, hq, hkv, d, device)  # as the engine does before capturing its decode graphs
     backend.forward(q, k_cache, v_cache, meta, scale, out=out)  # compile + plan
     moved = kv_bytes + 2 * batch * hq * d * elt + tables.numel() * 4
-    ms = timer(functools.partial(backend.forward, q, k_cache, v_cache, meta, scale, out=out))
-    row.update(paged_ms=ms, paged_gbs=moved / (ms * 1e-3) / 1e9, num_splits=backend._plan.num_splits)
+    call = functools.partial(backend.forward, q, k_cache, v_cache, meta, scale, out=out)
+    eager_ms = timer(call)
+    ms, how = eager_ms, "eager"
+    if device.type == "cuda":  # the kernels alone, as a decode step under CUDA graphs launches them
+        try:
+            ms, how = timer(captured(call, device).replay), "graph"
+        except RuntimeError as e:  # a capture that fails is reported, and the eager time stands
+            row["graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    row.update(paged_ms=ms, paged_timed=how, eager_ms=eager_ms, paged_gbs=moved / (ms * 1e-3) / 1e9,
+               num_splits=backend._plan.num_splits)
     del k_cache, v_cache  # free the paged cache before the contiguous copy is allocated
     if sdpa and not args.no_sdpa:
         try:
@@ -126,6 +138,20 @@ def bench_shape(batch: int, context: int, args, device: torch.device, timer: Tim
         except (RuntimeError, torch.OutOfMemoryError) as e:  # no SDPA kernel or memory for it: say so
             row["sdpa_skipped"] = f"{type(e).__name__}: {str(e)[:200]}"
     return row
+
+
+def captured(call, device: torch.device) -> torch.cuda.CUDAGraph:
+    """`call` captured once into a CUDA graph (warmed on a side stream first, as torch asks)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    torch.cuda.synchronize(device)
+    return graph
 
 
 def sdpa_vs(batch, context, q, args, device, timer, gen, moved) -> dict:
@@ -236,7 +262,7 @@ def targets(rows: list[dict]) -> dict:
 
 def print_table(rows: list[dict]) -> None:
     print(f"{'batch':>5} {'ctx':>6} {'splits':>6} {'paged us':>9} {'GB/s':>7} {'%copy':>6} "
-          f"{'sdpa us':>9} {'GB/s':>7} {'paged/sdpa':>10}")
+          f"{'sdpa us':>9} {'GB/s':>7} {'paged/sdpa':>10} {'eager us':>9}")
     for r in rows:
         if "paged_ms" not in r:
             print(f"{r['batch']:>5} {r['context']:>6}  skipped: {r.get('skipped')}")
@@ -244,7 +270,7 @@ def print_table(rows: list[dict]) -> None:
         sd = (f"{r['sdpa_ms'] * 1e3:>9.1f} {r['sdpa_gbs']:>7.0f} {r['paged_vs_sdpa_time']:>10.2f}"
               if "sdpa_ms" in r else f"{'-':>9} {'-':>7} {'-':>10}")
         print(f"{r['batch']:>5} {r['context']:>6} {r['num_splits']:>6} {r['paged_ms'] * 1e3:>9.1f} "
-              f"{r['paged_gbs']:>7.0f} {100 * r['paged_frac_copy']:>5.0f}% {sd}", flush=True)
+              f"{r['paged_gbs']:>7.0f} {100 * r['paged_frac_copy']:>5.0f}% {sd} {r['eager_ms'] * 1e3:>9.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -35,15 +35,21 @@ def bench_md(name: str, b: dict) -> list[str]:
     a = b["args"]
     out = [f"### paged decode, {name} (Hq={a['heads']} Hkv={a['kv_heads']} D={a['head_dim']}, {a['dtype']}, "
            f"block {a['block_size']}); copy bandwidth {b['copy_gbs']:.0f} GB/s", "",
-           "| batch | context | splits | paged us | GB/s | % copy | SDPA us | paged/SDPA time |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "paged us: the step's kernels replayed from a CUDA graph (timed `graph`), or the whole eager call where "
+           "capture failed (`eager`); eager us: the whole eager call, Python planning and launches included.", "",
+           "| batch | context | splits | paged us | timed | GB/s | % copy | SDPA us | paged/SDPA time | eager us |",
+           "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in b["rows"]:
         if "paged_ms" not in r:
-            out.append(f"| {r['batch']} | {r['context']} | skipped: {r.get('skipped')} | | | | | |")
+            out.append(f"| {r['batch']} | {r['context']} | skipped: {r.get('skipped')} | | | | | | | |")
             continue
         sd = (f"{r['sdpa_ms'] * 1e3:.1f} | {r['paged_vs_sdpa_time']:.2f}" if "sdpa_ms" in r else "- | -")
+        eager = f"{r['eager_ms'] * 1e3:.1f}" if "eager_ms" in r else "-"
         out.append(f"| {r['batch']} | {r['context']} | {r['num_splits']} | {r['paged_ms'] * 1e3:.1f} | "
-                   f"{r['paged_gbs']:.0f} | {100 * r['paged_frac_copy']:.0f}% | {sd} |")
+                   f"{r.get('paged_timed', 'eager')} | {r['paged_gbs']:.0f} | {100 * r['paged_frac_copy']:.0f}% | {sd} "
+                   f"| {eager} |")
+        if "graph_error" in r:
+            out.append(f"| | | graph capture failed: {r['graph_error']} | | | | | | | |")
     t = b["targets"]
     out += ["", f"pass mark (context >= 2K, batch >= 16): min {_num(t['min_frac_copy'])} of copy bandwidth "
                 f"(>= 0.85: **{t['frac_copy_ok']}**); max paged/SDPA time {_num(t['max_time_vs_sdpa'])} "
@@ -67,6 +73,11 @@ def engine_md(e: dict) -> list[str]:
         out.append(f"| {mode} | load + warm-up | {m['load_and_warmup_s']:.1f} s | | | | |")
     if "greedy_equal" in e:
         out += ["", f"greedy tokens equal, eager vs CUDA graphs: {e['greedy_equal']} (all: **{e['greedy_equal_all']}**)"]
+        for b, d in e.get("divergence", {}).items():
+            if d["identical"] < d["sequences"]:
+                gaps = ", ".join("not in top 20" if g is None else f"{g:.3f}" for g in d["logprob_gaps"])
+                out.append(f"- batch {b}: {d['identical']}/{d['sequences']} sequences identical; first differences at "
+                           f"tokens {d['first_difference_at']}; the two tokens' logprob gap there: {gaps}")
     return out + [""]
 
 

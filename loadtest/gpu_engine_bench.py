@@ -90,7 +90,7 @@ class StepTimer:
                 "decode_gpu_ms_median": median(gpu), "engine_step_wall_ms_median": median(self.wall)}
 
 
-def run_mode(args, mode: str, model_path: str, loaded, device: torch.device) -> dict:
+def run_mode(args, mode: str, model_path: str, loaded, device: torch.device, reference: dict | None = None) -> dict:
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
@@ -109,10 +109,10 @@ def run_mode(args, mode: str, model_path: str, loaded, device: torch.device) -> 
     timer = StepTimer(llm, cuda)
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    tokens = {}
+    tokens, prompts_of = {}, {}
     vocab = llm.engine.limits.vocab_size  # the smaller of the model's and the tokenizer's
     for b in args.batches:
-        prompts = torch.randint(3, vocab, (b, args.prompt_len), generator=gen).tolist()
+        prompts = prompts_of[b] = torch.randint(3, vocab, (b, args.prompt_len), generator=gen).tolist()
         timer.reset()
         if cuda:
             torch.cuda.synchronize()
@@ -128,10 +128,37 @@ def run_mode(args, mode: str, model_path: str, loaded, device: torch.device) -> 
         print(f"  {mode:>6} batch {b:>4}: {n_out / dt:9.1f} output tok/s; decode step host "
               f"{fmt_ms(row['decode_host_ms_median'])}, GPU {fmt_ms(row['decode_gpu_ms_median'])}, "
               f"engine step {fmt_ms(row['engine_step_wall_ms_median'])}", flush=True)
+    if reference is not None:
+        res["divergence"] = {str(b): divergence(llm, prompts_of[b], reference[b], tokens[b]) for b in args.batches}
     del llm, timer
     if cuda:
         torch.cuda.empty_cache()
     return res | {"tokens": tokens}
+
+
+def divergence(llm, prompts: list[list[int]], ref: list[list[int]], got: list[list[int]]) -> dict:
+    """Where two runs' greedy tokens part: how many sequences are identical, and for each one that is not, how
+    close the two tokens chosen at the first difference were (their logprob gap, read by one more prefill of the
+    prompt and the common prefix, top 20). bf16 sums in another order move logits by ~1e-2; on a random model's
+    flat logits that flips near-ties, which a gap of that size shows. A wrong graph replay parts early and far."""
+    from engine.sampling_params import SamplingParams
+
+    parted = [(i, next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))))
+              for i, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b]
+    out = {"sequences": len(ref), "identical": len(ref) - len(parted), "first_difference_at": [j for _, j in parted],
+           "logprob_gaps": []}
+    if not parted:
+        return out
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
+    reqs = [{"prompt_token_ids": prompts[i] + ref[i][:j]} for i, j in parted]
+    for (i, j), o in zip(parted, llm.generate(reqs, params), strict=True):
+        if j >= min(len(ref[i]), len(got[i])):  # one run stopped earlier: no token to compare
+            out["logprob_gaps"].append(None)
+            continue
+        top = dict(o.outputs[0].logprobs[0].top)
+        a, b = ref[i][j], got[i][j]
+        out["logprob_gaps"].append(abs(top[a] - top[b]) if a in top and b in top else None)  # None: not in top 20
+    return out
 
 
 def main(argv=None) -> int:
@@ -155,14 +182,21 @@ def main(argv=None) -> int:
         result["gpu"] = torch.cuda.get_device_name(device)
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(shape, tmp, layers, max_len)
+        reference = None
         for mode in modes:
-            result["modes"][mode] = run_mode(args, mode, path, loaded, device)
+            result["modes"][mode] = run_mode(args, mode, path, loaded, device, reference)
+            reference = reference or result["modes"][mode]["tokens"]
             write(args.json, result)
     if len(modes) == 2:
         a, b = (result["modes"][m].pop("tokens") for m in modes)
         result["greedy_equal"] = {str(k): a[k] == b[k] for k in a}
         result["greedy_equal_all"] = all(result["greedy_equal"].values())
+        result["divergence"] = result["modes"][modes[1]].pop("divergence")
         print(f"greedy tokens equal between {modes[0]} and {modes[1]}: {result['greedy_equal']}", flush=True)
+        for k, d in result["divergence"].items():
+            if d["identical"] < d["sequences"]:
+                print(f"  batch {k}: {d['identical']}/{d['sequences']} sequences identical; first differences at "
+                      f"tokens {d['first_difference_at']}; logprob gaps there {d['logprob_gaps']}", flush=True)
     else:
         for m in modes:
             result["modes"][m].pop("tokens")

@@ -1,7 +1,8 @@
 """Random-weight models with real architectures' shapes, built on the device: no checkpoint, no download.
 
-`SHAPES` holds Llama-3-8B and Qwen2.5-7B (head_dim 128, GQA 4 and 7) and a tiny shape for CPU smoke runs.
-`model_dir` writes what the engine reads besides weights (config.json and a small word-level tokenizer)
+`SHAPES` holds Llama-3-8B and Qwen2.5-7B (head_dim 128, GQA 4 and 7), the bundled SmolLM2-135M's shape and a
+tiny shape for CPU smoke runs.
+`model_dir` writes what the engine reads besides weights (config.json and a word-level tokenizer)
 into a directory; `build` makes the decoder with random weights directly on the device, to hand to
 LLMEngine as an already loaded model. Rotary embedding: the default (theta only; Llama-3's frequency
 scaling is left out, which changes no shape or cost).
@@ -42,13 +43,15 @@ class Shape:
 SHAPES = {
     "llama3-8b": Shape("llama3-8b", "llama", 4096, 14336, 32, 32, 8, 128256, 500000.0),
     "qwen2.5-7b": Shape("qwen2.5-7b", "qwen2", 3584, 18944, 28, 28, 4, 152064, 1000000.0),
+    # the bundled SmolLM2-135M's shape, for machines without its GGUF (a GPU machine compiling its kernels)
+    "smollm2": Shape("smollm2", "llama", 576, 1536, 30, 9, 3, 49152, 100000.0, head_dim=64),
     "tiny": Shape("tiny", "llama", 256, 512, 2, 4, 1, 512, 10000.0, head_dim=64),
 }
-TOKENIZER_WORDS = 1000
 
 
 def model_dir(shape: Shape, path: str, layers: int | None = None, max_len: int = 8192) -> str:
-    """config.json and a word-level tokenizer (ids 0-2 special, then w3..w999) in `path`, and an empty
+    """config.json and a word-level tokenizer (ids 0-2 special, then one word per id up to the
+    vocabulary size, so every id the model can emit is also a valid prompt token) in `path`, and an empty
     model.safetensors (the engine resolves a directory by it; the weights come from `build`)."""
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -57,7 +60,7 @@ def model_dir(shape: Shape, path: str, layers: int | None = None, max_len: int =
     os.makedirs(path, exist_ok=True)
     save_file({}, os.path.join(path, "model.safetensors"))
     shape.hf_config(layers, max_len).save_pretrained(path)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, min(TOKENIZER_WORDS, shape.vocab))}
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, shape.vocab)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"

@@ -97,3 +97,18 @@ def test_cli_rejects_unknown_choices_through_argparse():
     parser = add_cli_args(argparse.ArgumentParser())
     with pytest.raises(SystemExit):
         parser.parse_args(["--dtype", "int4"])
+
+
+def test_cuda_graphs_default_to_wherever_they_apply_and_warn_only_when_asked_for():
+    from engine.model_runner import graphs_apply
+
+    assert EngineArgs().cuda_graphs is None and _parse().cuda_graphs is None
+    assert _parse("--no-cuda-graphs").cuda_graphs is False and _parse("--cuda-graphs").cuda_graphs is True
+    assert graphs_apply(None, "cuda", "triton", True, False) == (True, None)
+    assert graphs_apply(None, "cpu", "cpu", True, False) == (False, None)  # a CPU engine starts without a warning
+    assert graphs_apply(None, "cuda", "triton", True, True) == (False, None)
+    assert graphs_apply(False, "cuda", "triton", True, False) == (False, None)
+    on, why = graphs_apply(True, "cpu", "torch", True, False)
+    assert not on and "need a CUDA device" in why
+    on, why = graphs_apply(True, "cuda", "triton", True, True)
+    assert not on and "LoRA" in why

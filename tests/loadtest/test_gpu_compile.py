@@ -144,3 +144,20 @@ def test_gpu_check_report_carries_the_device_compile_table(tmp_path):
     assert "- FAIL sm_90 llama3-8b extend bf16: spills 8 B" in md and row in md
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     assert summary["compile_failures"] == ["sm_90 llama3-8b extend bf16: spills 8 B"]
+
+
+def test_the_written_down_smollm2_shape_is_the_bundled_ggufs(monkeypatch):
+    """A GPU machine has no bundled GGUF: gpu_compile then compiles for SHAPES["smollm2"], which must be the shape
+    the GGUF's own config gives (every field a kernel variant depends on)."""
+    import engine.model.registry as registry
+    from loadtest.gpu_compile import model_config
+
+    fields = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
+    from_gguf = model_config("smollm2")
+
+    def missing(*_a, **_k):
+        raise registry.ModelNotFoundError("no GGUF on this machine")
+
+    monkeypatch.setattr(registry, "resolve_model", missing)
+    written = model_config("smollm2")
+    assert {f: getattr(written, f) for f in fields} == {f: getattr(from_gguf, f) for f in fields}

@@ -7,7 +7,8 @@
   can read it), named by its path (`messages[0].content`);
 - a field the router reads with the wrong type or range: `model`, `messages` / `prompt`, `max_tokens`,
   `max_completion_tokens`, `n`, `stream`, `stream_options`, `cache_salt`, `user`, `prompt_cache_key`,
-  `prompt_cache_retention` (the engine's own strict rules: no "5" for an integer, no true for a number).
+  `prompt_cache_retention` (the engine's own strict rules: no "5" for an integer, no true for a number);
+- a chat `cache_control` (on a message, a content part or a tool) breaking contract/cache_control.py's rule.
 Other fields go upstream untouched; the engine validates them (and the router hands its 400 on).
 
 The max_tokens rule (OpenAI's, and the engine's): `max_completion_tokens` when it is not null, else
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from types import MappingProxyType
 from typing import Any
+
+from contract.cache_control import CacheControlError, breakpoints
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 128
@@ -229,6 +232,11 @@ def request_from(endpoint: Endpoint, obj: dict, raw: bytes) -> OpenAIRequest:
         raise RequestError(f"'{prompt}' is required", prompt, "missing_required_parameter")
     if endpoint is Endpoint.CHAT and (not isinstance(value, list) or not value):
         raise RequestError("messages must be a non-empty array of messages", prompt)
+    if endpoint is Endpoint.CHAT:
+        try:
+            breakpoints(value, obj.get("tools"))
+        except CacheControlError as e:
+            raise RequestError(str(e), e.path) from None
     if endpoint is Endpoint.COMPLETIONS and not isinstance(value, (str, list)):
         raise RequestError("prompt must be a string, an array of strings or an array of token ids", prompt)
     max_completion = _int(obj, "max_completion_tokens", 1) if endpoint is Endpoint.CHAT else None

@@ -6,6 +6,7 @@ each to an HTTP status and an OpenAI error type, and the CLI can name the flag.
       SamplingParamsError  (engine/sampling_params.py: a sampling parameter is out of range)
       LoRAError            a LoRA adapter cannot be served (engine/lora/adapter.py)
     QueueFullError         the replica already holds all the requests it takes; retry shortly or elsewhere
+    PinLimitError          a cache_control prefix would pin more KV blocks than the engine or the tenant may
     EngineDeadError        the engine loop is not running (not started, shut down or crashed)
     RequestOutOfMemoryError  the engine gave up on a running request that kept running out of memory
 
@@ -43,6 +44,11 @@ class RequestTooLongError(InvalidRequestError):
 
 class QueueFullError(RuntimeError):
     """The replica holds as many requests as it runs plus its queue limit."""
+
+
+class PinLimitError(RuntimeError):
+    """Pinning the request's cache_control prefix would exceed the engine's or its tenant's pinned-block limit
+    (engine/kv/pins.py); nothing of it was taken."""
 
 
 class EngineDeadError(RuntimeError):

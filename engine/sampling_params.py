@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from contract.fairness import MAX_FAIRNESS_ID_CHARS
 from engine.errors import InvalidRequestError
+from engine.kv.pins import CachePin
 from engine.lora.request import LoRARequest
 from engine.structured.spec import Guide
 
@@ -38,6 +39,7 @@ class SamplingParams:
     priority: int = 0  # scheduling, not sampling (vLLM's field): lower runs first under --scheduling-policy priority
     lora: LoRARequest | None = None  # not sampling either: the LoRA adapter the request runs under (None: the base)
     fairness_id: str = ""  # scheduling too: whom the waiting queue is fair across (the router's tenant; contract/fairness.py)
+    cache_pin: CachePin | None = None  # caching: the cache_control prefix to pin (engine/kv/pins.py); None: none
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

@@ -44,6 +44,9 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V is in the cache
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
+        self.cached_by_tier = (0, 0, 0)  # of them: (device, lower tier, peer): where their blocks came from
+        self.pinned = False  # its cache_control prefix (params.cache_pin) was pinned (engine/kv/pins.py)
+        self.num_cache_created_tokens = 0  # tokens of that prefix it computed itself (not cache hits)
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks seen so far
         self.status = SequenceStatus.WAITING

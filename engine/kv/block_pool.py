@@ -16,7 +16,7 @@ from engine.kv.events import KVEventLog
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "lora_name", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "lora_name", "origin", "prev_free", "next_free")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -24,6 +24,7 @@ class KVCacheBlock:
         self.block_hash: int | None = None  # set while the block is in the prefix cache
         self.token_ids: tuple[int, ...] | None = None  # its tokens while cached (collision guard)
         self.lora_name: str | None = None  # the LoRA adapter it was computed under, while cached
+        self.origin: str | None = None  # "lower_tier" | "peer": where an imported block came from, until first read
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -210,6 +211,7 @@ class BlockPool:
             block.block_hash = None
             block.token_ids = None
             block.lora_name = None
+            block.origin = None
         self.cached.clear()
         self.events.cleared()
         return True
@@ -224,3 +226,4 @@ class BlockPool:
         block.block_hash = None
         block.token_ids = None
         block.lora_name = None
+        block.origin = None

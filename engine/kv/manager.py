@@ -5,6 +5,11 @@ Ask/act pairs keep the scheduler's decisions free of side effects until it commi
 `allocate_slots(seq, n, computed)` either takes those blocks plus enough new ones for n more
 tokens, or changes nothing and returns None. After the forward pass `cache_full_blocks(seq)`
 registers the blocks that became full, hashing only those (seq.block_hashes grows incrementally).
+
+Pins (engine/kv/pins.py): a sequence whose params carry a `cache_pin` reserves room at admission
+(`reserve_pin`, PinLimitError beyond a limit) and pins the whole blocks of its marked prefix once they are cached;
+a prefix hit on pinned blocks refreshes their TTL. `tick(now)` starts every step: the time pins are measured by,
+and the expiry of those whose TTL has passed.
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ from contract.kv_events import KVEvent
 from engine.kv.block_pool import BlockPool, KVCacheBlock
 from engine.kv.config import CacheConfig
 from engine.kv.events import KVEventLog
+from engine.kv.pins import PinTable
 from engine.sequence import Sequence
+
+TIERS = ("device", "lower_tier", "peer")  # where a prefix hit's blocks came from (KVCacheBlock.origin; None: device)
 
 
 class LowerTier(Protocol):
@@ -43,6 +51,7 @@ class KVCacheStats:
     alloc_failures: int
     evictions: int
     preemptions: int
+    pinned_blocks: int = 0
 
 
 class KVCacheManager:
@@ -54,6 +63,9 @@ class KVCacheManager:
         self.hash_seed = config.hash_seed
         self.events = KVEventLog(config.max_pending_kv_events)
         self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching, self.events)
+        self.pins = PinTable(self.pool, config.max_pinned_blocks if self.enable_caching else 0,
+                             config.max_pinned_blocks_per_tenant)
+        self.now = 0.0  # the time of the step being run (tick), in the clock pins expire by
         self._num_registered: dict[int, int] = {}  # seq_id -> leading blocks already in the cache
         self.lora_ids: dict[str, int] = {}  # LoRA adapter name -> the id of its current load (engine/lora/)
         self.lower: LowerTier | None = None  # engine/kv/offload.py's Offload when a lower tier keeps evicted blocks
@@ -118,6 +130,9 @@ class KVCacheManager:
                 self.alloc_failures += 1
                 return None
             self.pool.touch(computed_blocks)
+            self.pins.refresh(computed_blocks, self.now)
+            if seq.num_preemptions == 0:
+                seq.cached_by_tier = self._tiers(computed_blocks)
             table.extend(b.block_id for b in computed_blocks)
             seq.num_computed_tokens += len(computed_blocks) * bs
             self._num_registered[seq.seq_id] = len(table)
@@ -133,6 +148,14 @@ class KVCacheManager:
             table.extend(b.block_id for b in self.pool.get_new_blocks(grow))
         return copies
 
+    def _tiers(self, blocks: list[KVCacheBlock]) -> tuple[int, int, int]:
+        """Prefix-hit tokens by where their blocks came from; an imported block counts as its origin once."""
+        counts = [0, 0, 0]
+        for b in blocks:
+            counts[TIERS.index(b.origin or "device")] += self.block_size
+            b.origin = None
+        return counts[0], counts[1], counts[2]
+
     def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries_tokens += num_query_tokens
         self.prefix_hits_tokens += num_hit_tokens
@@ -145,8 +168,12 @@ class KVCacheManager:
             return
         end = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         start = self._num_registered.get(seq.seq_id, 0)
-        if end <= start:
-            return
+        if end > start:
+            self._register(seq, start, end)
+        if seq.params.cache_pin is not None and not seq.pinned and seq.index == 0:
+            self._pin(seq, max(end, start))
+
+    def _register(self, seq: Sequence, start: int, end: int) -> None:
         self._extend_hashes(seq, end * self.block_size)
         bs = self.block_size
         self.pool.cache_blocks(
@@ -157,6 +184,40 @@ class KVCacheManager:
             seq.lora.name if seq.lora is not None else None,
         )
         self._num_registered[seq.seq_id] = end
+
+    # ---- pins (engine/kv/pins.py) ------------------------------------------------------------
+
+    def tick(self, now: float) -> int:
+        """A step starts at `now`: pins whose TTL has passed are dropped; how many blocks."""
+        self.now = now
+        return self.pins.expire(now)
+
+    def pin_blocks(self, seq: Sequence) -> int:
+        """The whole blocks of seq's cache_control prefix (0 when it has none or pinning is off)."""
+        pin = seq.params.cache_pin
+        if pin is None or not self.pins.enabled or seq.index != 0:
+            return 0
+        return min(pin.num_tokens, seq.num_prompt_tokens) // self.block_size
+
+    def reserve_pin(self, seq: Sequence) -> None:
+        """Room for the blocks of seq's prefix not pinned yet, before it is queued; PinLimitError beyond a limit."""
+        n = self.pin_blocks(seq)
+        if n == 0 or self._stale_adapter(seq):
+            return
+        held = [b for b in self.cached_run(self.hash_prompt(seq)[:n]) if self.pins.is_pinned(b)]
+        self.pins.reserve(seq.seq_id, seq.fairness_id, n - len(held), lambda: not seq.is_finished)
+
+    def _pin(self, seq: Sequence, registered: int) -> None:
+        n = self.pin_blocks(seq)
+        if registered < n:
+            return  # its prefix is still being computed
+        seq.pinned = True
+        pin = seq.params.cache_pin
+        if n == 0 or pin is None:
+            self.pins.release(seq.seq_id)
+            return
+        self.pins.pin(seq.seq_id, self.cached_run(seq.block_hashes[:n]), seq.fairness_id, pin.ttl_s, self.now)
+        seq.num_cache_created_tokens = max(0, min(pin.num_tokens, seq.num_prompt_tokens) - seq.num_cached_tokens)
 
     # ---- blocks between engines (engine/kv/transfer.py) --------------------------------------
 
@@ -177,12 +238,13 @@ class KVCacheManager:
         return seq.block_hashes
 
     def import_blocks(self, prefix: Seq[int], hashes: Seq[int], tokens: Seq[tuple[int, ...]], lora_name: str | None,
-                      write: Callable[[list[int], list[int]], None]) -> tuple[int, int]:
+                      write: Callable[[list[int], list[int]], None], origin: str = "peer") -> tuple[int, int]:
         """Take in the blocks `hashes` (with their `tokens`) that follow `prefix` in one hash chain: those not cached
         yet get free blocks, `write(block_ids, rows)` fills them from rows of the payload, and they enter the prefix
         cache (a `stored` event) free, as if computed here. The chain's blocks held already are kept from eviction
         meanwhile. Nothing is taken when a block of `prefix` is no longer cached (the import could never be hit);
-        fewer are when free blocks run short. Returns (blocks imported, blocks of `hashes` held already)."""
+        fewer are when free blocks run short. `origin` ("peer", "lower_tier") is where the first request to read a block
+counts it from. Returns (blocks imported, blocks of `hashes` held already)."""
         if not self.enable_caching:
             return 0, 0
         held = self.cached_run(prefix)
@@ -203,6 +265,9 @@ class KVCacheManager:
                 parent = hashes[present - 1] if present else (prefix[-1] if prefix else None)
                 self.pool.cache_blocks(blocks, list(hashes[present:present + n]), list(tokens[present:present + n]),
                                        parent, lora_name)
+                for b in blocks:
+                    if b.block_hash is not None:
+                        b.origin = origin
             finally:
                 self.pool.free_blocks(reversed(blocks))
             return n, present
@@ -231,6 +296,11 @@ class KVCacheManager:
         self._num_registered.pop(seq.seq_id, None)
 
     def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, pinned ones too, while no request holds a block."""
+        pinned = self.pins.block_ids()
+        if pinned and self.pool.num_used_blocks == len(pinned) and all(
+                self.pool.blocks[b].ref_cnt == 1 for b in pinned):
+            self.pins.unpin_all()
         done = self.pool.reset_prefix_cache()
         if done and self.lower is not None:
             self.lower.clear()
@@ -286,7 +356,7 @@ class KVCacheManager:
             num_free_blocks=self.pool.num_free_blocks, num_cached_blocks=len(self.pool.cached),
             usage=self.usage, prefix_queries_tokens=self.prefix_queries_tokens,
             prefix_hits_tokens=self.prefix_hits_tokens, alloc_failures=self.alloc_failures,
-            evictions=self.evictions, preemptions=self.num_preemptions)
+            evictions=self.evictions, preemptions=self.num_preemptions, pinned_blocks=self.pins.num_pinned)
 
     # ---- internals -------------------------------------------------------------------------
 

@@ -65,7 +65,7 @@ class Offload:
             return 0
         payload = memoryview(bytearray().join(p for _, p in found))
         imported, _ = transfer.import_blocks(kv, self.kv_caches, hashes[:held], hashes[held:held + len(found)],
-                                             [t for t, _ in found], lora, payload)
+                                             [t for t, _ in found], lora, payload, origin="lower_tier")
         self.reloaded_blocks += imported
         return imported
 

@@ -62,9 +62,11 @@ def gather(kv_caches: KVCaches, block_ids: Sequence[int], out: memoryview) -> No
 
 
 def import_blocks(kv: KVCacheManager, kv_caches: KVCaches, prefix: Sequence[int], hashes: Sequence[int],
-                  tokens: Sequence[tuple[int, ...]], lora: str | None, payload: memoryview) -> tuple[int, int]:
+                  tokens: Sequence[tuple[int, ...]], lora: str | None, payload: memoryview,
+                  origin: str = "peer") -> tuple[int, int]:
     """Take in blocks that follow `prefix` (hashes of the chain's blocks this cache should hold already), their
-    payload laid out as `gather` writes it. Returns (blocks imported, blocks it held already)."""
+    payload laid out as `gather` writes it; `origin`: where they came from ("peer", "lower_tier"), what the first
+    request to read them reports. Returns (blocks imported, blocks it held already)."""
     if len(payload) != len(hashes) * block_bytes(kv_caches):
         raise ValueError(f"a payload of {len(payload)} bytes does not hold {len(hashes)} blocks")
     if not hashes:
@@ -79,4 +81,4 @@ def import_blocks(kv: KVCacheManager, kv_caches: KVCaches, prefix: Sequence[int]
             k.index_copy_(0, idx, src[:, layer, 0])
             v.index_copy_(0, idx, src[:, layer, 1])
 
-    return kv.import_blocks(prefix, hashes, tokens, lora, write)
+    return kv.import_blocks(prefix, hashes, tokens, lora, write, origin)

@@ -137,6 +137,7 @@ class AsyncLLMEngine:
         self._stopped: asyncio.Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}  # running requests (loop thread only)
+        self.usage_sink = None  # engine/usage_book.py's UsageBook: sees every delta the core reports (the server's)
         self._subscribers: set[asyncio.Queue] = set()
         self._cached: dict[int, None] = dict.fromkeys(info.cached_hashes)  # the prefix cache's hashes, in order
         self._tiers: dict[str, dict[int, None]] = {}  # medium -> hashes the lower tier holds
@@ -330,7 +331,10 @@ class AsyncLLMEngine:
             self._stopped.set_result(None)
 
     def _dispatch(self, outputs: list[RequestDelta], errors, events: list[KVEvent]) -> None:
+        sink = self.usage_sink
         for out in outputs:
+            if sink is not None:  # those of a closed stream too: what the core did after its client went away
+                sink.observe(out)
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
@@ -342,7 +346,11 @@ class AsyncLLMEngine:
                 self._core.send(Abort(out.request_id, index))
             if delta is not None:
                 stream.put(delta)
+                if sink is not None and delta.finished and not out.finished:  # a stop string ended it here
+                    sink.end(out.request_id)
         for rid, err in errors:
+            if sink is not None:
+                sink.end(rid, "error")
             stream = self._streams.get(rid)
             if stream is not None:
                 stream.put(err)

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from contract.kv_transfer import PATH
+from contract.usage_lookup import PATH as USAGE_LOOKUP_PATH
 from engine.server.auth import InternalTokenGuard
 from engine.server.chat import create_chat_completion
 from engine.server.completions import create_completion
@@ -30,6 +31,7 @@ from engine.server.lora import LoRARegistry, load_lora_adapter, model_cards, unl
 from engine.server.metrics import EngineMetrics
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.serving import ServerConfig, ServerState
+from engine.server.usage import usage_lookup
 from engine.tokenizer import tokenizer_archive
 
 logger = logging.getLogger("kvfleet.server")
@@ -98,6 +100,8 @@ def build_app(config: ServerConfig, engine=None, engine_factory: Callable[[], ob
         try:
             eng = engine if engine is not None else await asyncio.to_thread(engine_factory)
             await eng.start()
+            if hasattr(eng, "usage_sink"):  # every delta its core reports: what each request used
+                eng.usage_sink = state.usage
             state.engine = eng
             logger.info("engine ready: model %s, max_model_len %s", config.model_name, eng.limits.max_model_len)
         except Exception as e:  # report it on /ready and let main() decide to exit
@@ -187,6 +191,10 @@ def build_app(config: ServerConfig, engine=None, engine_factory: Callable[[], ob
     @app.post(PATH)
     async def blocks(request: Request) -> Response:
         return await kv_blocks(state, request)
+
+    @app.post(USAGE_LOOKUP_PATH)
+    async def usage(request: Request) -> Response:
+        return await usage_lookup(state, request)
 
     @app.get("/v1/kvfleet/tokenizer")
     async def tokenizer_files(request: Request) -> Response:

@@ -26,6 +26,9 @@ from engine.server.formatter import Format, Reply
 from engine.server.generation import ClosingBody, Inflight, Tracked, close_all, merge, start
 from engine.server.protocol import _SamplingRequest
 from engine.server.streaming import ClientGone, sse_response, watch_disconnect
+from engine.usage_book import UsageBook
+
+MAX_ROUTER_ID_CHARS = 200  # a router's x-request-id longer than this is not remembered in the usage book
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class ServerState:
         self.draining = False
         self.closing = False  # set when the process exits: long-lived streams end
         self.inflight = Inflight()
+        self.usage = UsageBook()  # what each request used, by its router's x-request-id (POST /v1/kvfleet/usage/lookup)
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
 
@@ -161,6 +165,7 @@ async def respond(state: ServerState, request: Request, req: _SamplingRequest, f
         for ids, sp in zip(prompts, params, strict=True):  # before the requests are added: they find the blocks
             await state.kv_puller.pull(hint or None, ids, req.cache_salt, sp.lora.name if sp.lora is not None else None)
     streams: list[Tracked] = []
+    router_id = request.headers.get("x-request-id", "")[:MAX_ROUTER_ID_CHARS + 1]
     try:
         for k, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
             names = wire if len(prompts) == 1 else {**wire, "prompt": f"prompt[{k}]"}
@@ -169,11 +174,13 @@ async def respond(state: ServerState, request: Request, req: _SamplingRequest, f
                                      metrics, state.inflight, arrival))
             except Exception as e:
                 raise engine_error(e, names) from None
+            if router_id and len(router_id) <= MAX_ROUTER_ID_CHARS:  # before any await: no delta came yet
+                state.usage.expect(streams[-1].request_id, router_id)
     except BaseException:
         await close_all(streams)
         raise
     reply = Reply(fmt, rid, model, int(time.time()), req.n, params[0].logprobs is not None, echo and echo(),
-                  prompts if req.return_token_ids else None)
+                  prompts if req.return_token_ids else None, cache_control=params[0].cache_pin is not None)
     headers = {"X-Request-Id": rid}
     if req.stream:
         continuous = req.include_usage() and req.stream_options.continuous_usage_stats

@@ -1,0 +1,105 @@
+"""engine/usage_book.py: what each request used, by the router's request id, bounded in size and time."""
+
+import pytest
+
+from engine.outputs import CompletionDelta, RequestDelta
+from engine.usage_book import RUNNING, UNKNOWN, RequestUsage, UsageBook
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def delta(rid, tokens=(), finish=None, index=0, prompt=10, cached=4, finished=False, error=None, outs=None):
+    outputs = outs if outs is not None else [CompletionDelta(index, token_ids=list(tokens), finish_reason=finish)]
+    return RequestDelta(rid, outputs, finished, prompt, cached, error=error)
+
+
+def test_a_request_sums_its_deltas_and_finishes_with_its_reason():
+    clock = Clock()
+    book = UsageBook(clock=clock)
+    book.expect("chatcmpl-1", "req_a")
+    assert book.lookup(["req_a", "req_b"]) == {"req_a": RUNNING, "req_b": UNKNOWN}
+    book.observe(delta("chatcmpl-1", [5]))
+    book.observe(delta("chatcmpl-1", [6, 7]))
+    book.observe(delta("chatcmpl-1", [8], "length", finished=True))
+    assert book.lookup(["req_a"]) == {"req_a": RequestUsage(10, 4, 4, "length", 1000.0)}
+
+
+def test_an_abort_counts_every_token_the_core_sampled_and_no_prompt_before_the_first_token():
+    book = UsageBook(clock=Clock())
+    book.expect("e1", "req_a")
+    book.observe(delta("e1", [1, 2, 3]))
+    book.observe(delta("e1", [4]))  # sampled after the client went away: the engine counted it
+    book.observe(delta("e1", [], "abort", finished=True))
+    book.expect("e2", "req_b")
+    book.observe(delta("e2", [], "abort", finished=True))  # aborted while waiting: no prompt counted
+    got = book.lookup(["req_a", "req_b"])
+    assert got["req_a"] == RequestUsage(10, 4, 4, "aborted", 1000.0)
+    assert got["req_b"] == RequestUsage(0, 0, 0, "aborted", 1000.0)
+
+
+def test_deltas_of_ids_never_expected_are_ignored():
+    book = UsageBook(clock=Clock())
+    book.observe(delta("other", [1], "stop", finished=True))
+    assert len(book) == 0 and book.lookup(["other"]) == {"other": UNKNOWN}
+
+
+def test_the_parts_of_a_batch_sum_under_the_router_id_and_finish_with_the_last():
+    book = UsageBook(clock=Clock())
+    book.expect("cmpl-1-0", "req_a")
+    book.expect("cmpl-1-1", "req_a")
+    book.observe(delta("cmpl-1-0", [1, 2], "stop", prompt=7, cached=0, finished=True))
+    assert book.lookup(["req_a"]) == {"req_a": RUNNING}
+    book.observe(delta("cmpl-1-1", [1, 2, 3], "length", prompt=9, cached=5, finished=True))
+    assert book.lookup(["req_a"])["req_a"] == RequestUsage(16, 5, 5, "stop", 1000.0)
+
+
+def test_n_completions_count_all_their_tokens_and_an_error_is_the_outcome():
+    book = UsageBook(clock=Clock())
+    book.expect("e1", "req_a")
+    book.observe(delta("e1", outs=[CompletionDelta(0, token_ids=[1]), CompletionDelta(1, token_ids=[2])]))
+    book.observe(delta("e1", [], "abort", finished=True, error=RuntimeError("oom")))
+    assert book.lookup(["req_a"])["req_a"] == RequestUsage(10, 4, 2, "error", 1000.0)
+
+
+def test_a_stop_string_seen_by_the_server_ends_the_request():
+    book = UsageBook(clock=Clock())
+    book.expect("e1", "req_a")
+    book.observe(delta("e1", [1, 2]))
+    book.end("e1", "stop")
+    book.end("e1", "stop")  # once
+    assert book.lookup(["req_a"])["req_a"] == RequestUsage(10, 4, 2, "stop", 1000.0)
+
+
+def test_a_retry_on_the_same_engine_adds_to_the_first_attempt():
+    book = UsageBook(clock=Clock())
+    for eid in ("e1", "e2"):
+        book.expect(eid, "req_a")
+        book.observe(delta(eid, [1], "stop", finished=True))
+    assert book.lookup(["req_a"])["req_a"] == RequestUsage(20, 8, 2, "stop", 1000.0)
+
+
+def test_entries_are_forgotten_after_the_ttl_and_beyond_max_entries_oldest_first():
+    clock = Clock()
+    book = UsageBook(max_entries=2, ttl_s=60, clock=clock)
+    for i in range(3):
+        book.expect(f"e{i}", f"req_{i}")
+        book.observe(delta(f"e{i}", [1], "stop", finished=True))
+        clock.t += 10
+    assert [k for k, v in book.lookup(["req_0", "req_1", "req_2"]).items() if v == UNKNOWN] == ["req_0"]
+    clock.t = 1000.0 + 10 + 60  # req_1 finished at 1010: exactly ttl_s ago
+    assert book.lookup(["req_1", "req_2"]) == {"req_1": UNKNOWN,
+                                                "req_2": RequestUsage(10, 4, 1, "stop", 1020.0)}
+    assert len(book) == 1
+
+
+def test_bad_bounds_are_refused():
+    with pytest.raises(ValueError):
+        UsageBook(max_entries=0)
+    with pytest.raises(ValueError):
+        UsageBook(ttl_s=0)

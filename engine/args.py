@@ -17,6 +17,7 @@ from contract.hashing import DEFAULT_HASH_SEED
 from engine.config import DEFAULT_MAX_STEP_MS, SCHEDULING_POLICIES, check, check_int, check_max_step_ms
 from engine.cpu_cores import format_cpu_list, parse_cpu_list
 from engine.kv.config import BLOCK_SIZES, valid_block_size
+from engine.spec.config import SpeculativeConfig
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 BACKEND_CHOICES = ("auto", "torch", "cpu", "triton")
@@ -57,6 +58,7 @@ class EngineArgs:
     max_loras: int = 1  # adapters one step can run (slots in the model)
     max_cpu_loras: int | None = None  # adapters kept read in memory; default: max_loras
     max_lora_rank: int = 16  # the largest adapter rank accepted
+    speculative_config: SpeculativeConfig | None = None  # vLLM's JSON object (engine/spec/config.py); None: off
     debug_step_delay_ms: int = 0  # fault injection: sleep this long after every step (a slow replica)
     debug_oom_every: int = 0  # fault injection: every Nth model step raises MemoryError (0: off)
 
@@ -127,6 +129,7 @@ class EngineArgs:
                    f"must be at least --max-loras ({self.max_loras}), got {self.max_cpu_loras}")
         check_int("--max-lora-rank", self.max_lora_rank, 1)
         _check(self.max_lora_rank <= 512, "--max-lora-rank", f"must be at most 512, got {self.max_lora_rank}")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         check_int("--debug-step-delay-ms", self.debug_step_delay_ms, 0)
         check_int("--debug-oom-every", self.debug_oom_every, 0)
 
@@ -238,6 +241,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     help="most adapters kept read in memory, least recently used dropped first (default: --max-loras)")
     lo.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
                     help="the largest adapter rank accepted (default %(default)s)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding, vLLM's JSON object: '{\"method\": \"ngram\", \"num_speculative_tokens\": "
+                        "4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' (prompt lookup: drafts copied from "
+                        "the prompt and output, verified in one step, greedy output unchanged); optional "
+                        "\"disable_by_batch_size\" (default 16): no drafts in steps with more running sequences. "
+                        "Default: off; see docs/engine.md#speculative-decoding")
     t = parser.add_argument_group("fault injection (for tests and chaos drills only; off by default)")
     t.add_argument("--debug-step-delay-ms", type=int, default=d.debug_step_delay_ms, metavar="MS",
                    help="sleep MS milliseconds after every engine step, making this replica slow (0: off)")

@@ -1,0 +1,89 @@
+"""`--speculative-config`: vLLM's JSON object, validated once at the edge.
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5,
+     "disable_by_batch_size": 16}
+
+As in vLLM: `num_speculative_tokens` is required; `prompt_lookup_min` / `prompt_lookup_max` default to 5 when both
+are absent and to each other when one is; `disable_by_batch_size` (vLLM's name) is kvfleet's back-off: a step with
+more running sequences than this proposes nothing (engine/spec/decoder.py). Every error is a ConfigError naming
+`--speculative-config` and the field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from contract.errors import ConfigError
+
+FLAG = "--speculative-config"
+METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min / _max when neither is given
+DEFAULT_DISABLE_BY_BATCH_SIZE = 16  # not measured yet (issue 45): verifying k drafts costs k rows per sequence
+_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = DEFAULT_LOOKUP
+    prompt_lookup_max: int = DEFAULT_LOOKUP
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        _check(self.method in METHODS, "method", f"must be one of {', '.join(METHODS)}, got {self.method!r}")
+        _int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+        _int("prompt_lookup_min", self.prompt_lookup_min, 1)
+        _int("prompt_lookup_max", self.prompt_lookup_max, 1)
+        _check(self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
+               f"must be <= prompt_lookup_max ({self.prompt_lookup_max}), got {self.prompt_lookup_min}")
+        _int("disable_by_batch_size", self.disable_by_batch_size, 1)
+
+    @classmethod
+    def parse(cls, value: object) -> SpeculativeConfig | None:
+        """From the flag's JSON text, a dict, or a SpeculativeConfig; None (or an empty string) is off."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(FLAG, f"{FLAG}: must be a JSON object, e.g. '{{\"method\": \"ngram\", "
+                                        f"\"num_speculative_tokens\": 4}}' ({e})") from None
+        _check(isinstance(value, dict), None, f"must be a JSON object, got {type(value).__name__}")
+        unknown = sorted(set(value) - set(_FIELDS))
+        _check(not unknown, None,
+               f"unknown field(s) {', '.join(map(repr, unknown))}; kvfleet takes {', '.join(_FIELDS)}")
+        _check("method" in value, "method", "is required (\"ngram\")")
+        _check("num_speculative_tokens" in value, "num_speculative_tokens", "is required (the drafts per step, k)")
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo = hi = DEFAULT_LOOKUP
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        method = value["method"]
+        if method == "[ngram]":  # vLLM's legacy spelling
+            method = "ngram"
+        disable = value.get("disable_by_batch_size")
+        return cls(method, value["num_speculative_tokens"], lo, hi,
+                   DEFAULT_DISABLE_BY_BATCH_SIZE if disable is None else disable)
+
+    def to_json(self) -> str:
+        return json.dumps({f: getattr(self, f) for f in _FIELDS})
+
+
+def _int(name: str, value: object, minimum: int, maximum: int | None = None) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+    ok = ok and (maximum is None or value <= maximum)
+    bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+    _check(ok, name, f"must be an integer {bound}, got {value!r}")
+
+
+def _check(ok: bool, name: str | None, message: str) -> None:
+    if not ok:
+        where = f"{FLAG}: {name}" if name else FLAG
+        raise ConfigError(FLAG, f"{where} {message}" if name else f"{where}: {message}")

@@ -27,11 +27,12 @@ class EngineLimits:
     max_num_seqs: int
     block_size: int
     num_blocks: int
+    pinned_blocks: int = 0  # of them, the most cache_control pins may keep (engine/kv/pins.py)
 
     @property
     def kv_tokens(self) -> int:
-        """Token slots of the whole KV cache (no request can hold more)."""
-        return self.block_size * self.num_blocks
+        """Token slots of the KV cache that pins can never take (no request can hold more)."""
+        return self.block_size * (self.num_blocks - self.pinned_blocks)
 
 
 def admit(prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -74,10 +75,11 @@ def _max_tokens(prompt_len: int, requested: int | None, limits: EngineLimits) ->
     kv_left = limits.kv_tokens + 1 - prompt_len  # the last sampled token never needs a KV slot
     budget = min(left, kv_left) if requested is None else requested
     if budget > kv_left or budget < 1:
+        pinned = f", {limits.pinned_blocks} of them kept for cache_control pins" if limits.pinned_blocks else ""
         slots = prompt_len + max(budget, 1) - 1
         raise RequestTooLongError("max_tokens" if requested is not None else "prompt",
                                   f"the request needs up to {slots} KV slots ({-(-slots // limits.block_size)} "
                                   f"blocks of {limits.block_size}) but the KV cache holds only "
-                                  f"{limits.num_blocks} blocks ({limits.kv_tokens} tokens); reduce the prompt "
+                                  f"{limits.num_blocks} blocks{pinned} ({limits.kv_tokens} tokens); reduce the prompt "
                                   f"or max_tokens")
     return budget

@@ -45,6 +45,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     kv_tier_gib: float = 0.0  # a lower tier of this many GiB keeps evicted blocks (engine/kv/tier.py); 0: none
     kv_tier_path: str | None = None  # the tier's directory on local disk; None: host memory
+    kv_pin_fraction: float = 0.25  # share of the KV blocks cache_control prefixes may pin (engine/kv/pins.py); 0: off
+    kv_pin_tenant_fraction: float = 0.125  # share of the KV blocks one tenant's cache_control prefixes may pin
     allow_download: bool = False  # fetch a hub id missing from the local Hugging Face cache (off: offline)
     hash_seed: int = DEFAULT_HASH_SEED
     seed: int = 0
@@ -92,6 +94,10 @@ class EngineArgs:
         _check(self.kv_tier_path is None or self.kv_tier_gib > 0, "--kv-tier-path", "needs --kv-tier-gib above 0")
         _check(self.kv_tier_gib == 0 or self.enable_prefix_caching, "--kv-tier-gib",
                "a lower tier keeps cached blocks: it needs --enable-prefix-caching")
+        for flag, value in (("--kv-pin-fraction", self.kv_pin_fraction),
+                            ("--kv-pin-tenant-fraction", self.kv_pin_tenant_fraction)):
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 0.9, flag,
+                   f"must be a share of the KV blocks in [0, 0.9], got {value!r}")
         check_int("--max-num-batched-tokens", self.max_num_batched_tokens, 1)
         _check(self.max_num_batched_tokens >= self.max_num_seqs, "--max-num-batched-tokens",
                f"must be at least --max-num-seqs ({self.max_num_seqs}) so every running sequence can decode "
@@ -207,6 +213,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "prefilling them again; 0: no tier")
     g.add_argument("--kv-tier-path", default=d.kv_tier_path, metavar="DIR",
                    help="directory of the lower tier on local disk (emptied at start); default: host memory")
+    g.add_argument("--kv-pin-fraction", type=float, default=d.kv_pin_fraction, metavar="SHARE",
+                   help="share of the KV blocks that prefixes marked with cache_control may pin (kept from eviction "
+                        "for their ttl, 5m or 1h, refreshed by every request that reads them); a request that would "
+                        "pin more is refused with 429 cache_pin_limit_exceeded, and no request may need these blocks; "
+                        "0: cache_control is accepted and ignored (default %(default)s)")
+    g.add_argument("--kv-pin-tenant-fraction", type=float, default=d.kv_pin_tenant_fraction, metavar="SHARE",
+                   help="share of the KV blocks one tenant (the x-llm-d-inference-fairness-id header; requests "
+                        "without it are one tenant) may pin, within --kv-pin-fraction (default %(default)s)")
     g.add_argument("--hash-seed", type=int, default=d.hash_seed,
                    help="seed of the prefix block hashes (must match the routers')")
     g.add_argument("--seed", type=int, default=d.seed, help="seed of requests sampled without their own seed")

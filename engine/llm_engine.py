@@ -130,13 +130,17 @@ class LLMEngine:
         self.lora = lora_manager(self.model, args, backend.name)  # None unless LoRA is on: projections untouched
         self.kv_cache_plan = None  # how the KV cache was sized (engine/kv/sizing.py); None with --num-blocks
         num_blocks = args.num_blocks or self._size_kv_cache(backend, free_at_start)
-        self.kv = KVCacheManager(CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching, args.hash_seed))
+        pinned = int(args.kv_pin_fraction * num_blocks) if args.enable_prefix_caching else 0
+        self.kv = KVCacheManager(CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching, args.hash_seed,
+                                             max_pinned_blocks=pinned,
+                                             max_pinned_blocks_per_tenant=int(args.kv_pin_tenant_fraction * num_blocks)))
+        self.clock = time.monotonic  # the time cache_control pins expire by (a benchmark may set another)
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, self.max_model_len,
                                                    args.scheduling_policy, args.priority_aging, args.max_loras,
                                                    args.max_step_ms),
                                    self.kv)
         self.limits = EngineLimits(min(self.config.vocab_size, self.tokenizer.vocab_size), self.max_model_len,
-                                   args.max_num_seqs, args.block_size, num_blocks)
+                                   args.max_num_seqs, args.block_size, num_blocks, pinned)
         self.runner = ModelRunner(self.model, backend, num_blocks, args.block_size, self.device,
                                   args.debug_oom_every, max_num_seqs=args.max_num_seqs,
                                   max_model_len=self.max_model_len, cuda_graphs=args.cuda_graphs, lora=self.lora)
@@ -203,6 +207,9 @@ class LLMEngine:
             self.kv.on_adapter_load(seq.lora.name, seq.lora.id)  # a reloaded name: its old blocks leave the cache
         if self.offload is not None:  # its prompt's blocks the lower tier holds come back before it is scheduled
             self.offload.reload(seq)
+        if seq.params.cache_pin is not None:  # PinLimitError: its prefix would pin more than the limits allow
+            self.kv.tick(self.clock())  # pins that expired while the engine was idle leave room first
+            self.kv.reserve_pin(seq)
         self.scheduler.add(seq)
         req = self.requests[seq.request_id] = _Request(seq)
         self._track(req, seq)
@@ -249,6 +256,7 @@ class LLMEngine:
 
     def _step(self) -> list[RequestDelta]:
         t0 = time.perf_counter()
+        self.kv.tick(self.clock())  # cache_control pins whose TTL passed become ordinary cached blocks
         out = self.scheduler.schedule()
         try:
             logits, seqs = self.runner.execute(out.scheduled, out.blocks_to_copy)
@@ -339,8 +347,10 @@ class LLMEngine:
         req.checkers[seq.index] = StopChecker(seq.params, self.eos_token_ids, self.max_model_len)
 
     def _delta(self, req: _Request, deltas: list[CompletionDelta]) -> RequestDelta:
-        return RequestDelta(req.request_id, deltas, req.finished, len(req.prompt), req.seqs[0].num_cached_tokens,
-                            req.metrics)
+        first = req.seqs[0]
+        return RequestDelta(req.request_id, deltas, req.finished, len(req.prompt), first.num_cached_tokens,
+                            req.metrics, cache_creation_tokens=first.num_cache_created_tokens,
+                            cached_tokens_by_tier=first.cached_by_tier)
 
     @property
     def kv_layout(self):
@@ -375,6 +385,7 @@ class LLMEngine:
             oom_events=self.oom_events, gpu_memory_used_bytes=self._gpu_memory_used(),
             deterministic=self.args.deterministic,
             num_free_blocks=kv.num_free_blocks, num_cached_blocks=len(kv.pool.cached),
+            num_pinned_blocks=kv.pins.num_pinned,
             **self._step_time_stats(),
             **(self._tier_stats() if self.offload is not None else {}),
             **(self._lora_stats() if self.lora is not None else {}))

@@ -26,6 +26,7 @@ Per completion (CompletionText), token by token:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from engine.detokenizer import Decoder, IncrementalDetokenizer
@@ -137,8 +138,7 @@ class RequestText:
             return None, stopped
         if self.finished and not delta.finished:  # a stop string ended its last completion: stop it all
             stopped = [None]
-        return RequestDelta(delta.request_id, outputs, delta.finished or self.finished, delta.num_prompt_tokens,
-                            delta.num_cached_tokens, delta.metrics), stopped
+        return dataclasses.replace(delta, outputs=outputs, finished=delta.finished or self.finished), stopped
 
 
 def _find_stop(text: str, old_len: int, stops: tuple[str, ...]) -> tuple[int, str] | None:

@@ -67,6 +67,8 @@ class RequestDelta:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     metrics: RequestMetrics | None = None
     error: Exception | None = None  # why the engine failed the request (on its last delta, reason "abort")
+    cache_creation_tokens: int = 0  # tokens of its cache_control prefix it computed (and pinned) itself
+    cached_tokens_by_tier: tuple[int, int, int] = (0, 0, 0)  # num_cached_tokens by origin: (device, lower tier, peer)
 
     def merge(self, later: RequestDelta) -> None:
         """Fold a later delta of the same request into this one (in place)."""
@@ -78,6 +80,8 @@ class RequestDelta:
                 self.outputs.append(o)
         self.finished = later.finished
         self.num_cached_tokens = later.num_cached_tokens
+        self.cache_creation_tokens = later.cache_creation_tokens
+        self.cached_tokens_by_tier = later.cached_tokens_by_tier
         self.metrics = later.metrics
         self.error = later.error
 

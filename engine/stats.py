@@ -25,6 +25,7 @@ class EngineStats:
     kv_events_published: int = 0
     num_free_blocks: int = 0  # blocks no request holds (cached ones among them, evictable)
     num_cached_blocks: int = 0  # blocks whose content the prefix cache holds (held or free)
+    num_pinned_blocks: int = 0  # blocks cache_control prefixes keep from eviction (engine/kv/pins.py)
     max_loras: int = 0  # adapter slots per step (0: LoRA off)
     deterministic: bool = False  # --deterministic: batch-invariant kernels
     tier_blocks: int = 0  # blocks the lower tier holds (--kv-tier-gib)

@@ -13,6 +13,7 @@ from contract.messages import chat_messages
 from engine.server import serving
 from engine.server.errors import bad_request
 from engine.server.formatter import ChatFormat
+from engine.server.prompt_cache import cache_pin
 from engine.server.protocol import ChatCompletionRequest
 from engine.server.serving import ServerState
 from engine.server.structured import compile_guide, structured_plan
@@ -30,6 +31,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     except TokenizerError as e:
         raise bad_request(str(e), "messages") from None
     params = serving.build_params(req, req.requested_max_tokens(), req.requested_logprobs())
+    pin = cache_pin(engine.tokenizer, req, messages, plan.prompt_tools, prompt_ids)
+    if pin is not None:  # cache_control: the engine pins the marked prefix's blocks (engine/kv/pins.py)
+        params = dataclasses.replace(params, cache_pin=pin)
     if plan.guide is not None:
         await compile_guide(engine.grammars, plan)  # waits on the grammar worker, never on the engine loop
         params = dataclasses.replace(params, guide=plan.guide)

@@ -18,7 +18,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from contract.errors import error_body, error_type
-from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError, RequestOutOfMemoryError
+from engine.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    PinLimitError,
+    QueueFullError,
+    RequestOutOfMemoryError,
+)
 
 logger = logging.getLogger("kvfleet.server")
 
@@ -49,6 +55,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 ENGINE_ERRORS: tuple[tuple[type[BaseException], int, str | None, dict[str, str] | None], ...] = (
     (InvalidRequestError, 400, None, None),  # code: the error's own (invalid_value, context_length_exceeded)
     (QueueFullError, 429, "engine_overloaded", {"Retry-After": "1"}),
+    (PinLimitError, 429, "cache_pin_limit_exceeded", None),
     (EngineDeadError, 503, "engine_dead", None),
     (RequestOutOfMemoryError, 500, "out_of_memory", None),
 )

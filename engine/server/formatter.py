@@ -1,7 +1,7 @@
 """One OpenAI formatter for chat and completions: request deltas → SSE chunks, or one response body.
 
     fmt = ChatFormat(token_text)  |  CompletionFormat(token_text)
-    reply = Reply(fmt, request_id, model, created, n, want_logprobs, echo, prompt_ids)
+    reply = Reply(fmt, request_id, model, created, n, want_logprobs, echo, prompt_ids, cache_control)
     body_iter = reply.stream(outs, num_prompts, include_usage, continuous_usage)   # SSE bytes, ends with [DONE]
     body = await reply.collect(outs, num_prompts)                                     # or APIError 503 if aborted
 
@@ -127,30 +127,48 @@ class _Choice:
 
 
 class _Usage:
-    """Token counts per prompt, from the deltas."""
+    """Token counts per prompt, from the deltas. OpenAI's fields always; cached tokens by the tier their blocks
+    came from when there are any (`cached_tokens_by_tier`: device, lower_tier, peer); Anthropic's
+    `cache_creation_input_tokens` (tokens of the cache_control prefix the request computed and pinned) and
+    `cache_read_input_tokens` (prompt tokens read from the cache) when the request had breakpoints."""
 
-    def __init__(self, num_prompts: int):
+    def __init__(self, num_prompts: int, cache_control: bool = False):
+        self.cache_control = cache_control
         self.prompt = [0] * num_prompts
         self.cached = [0] * num_prompts
+        self.created = [0] * num_prompts
+        self.tiers = [(0, 0, 0)] * num_prompts
         self.completion = [0] * num_prompts
         self.finished = [False] * num_prompts
 
     def add(self, k: int, d: RequestDelta) -> None:
         self.prompt[k] = d.num_prompt_tokens
         self.cached[k] = d.num_cached_tokens
+        self.created[k] = d.cache_creation_tokens
+        self.tiers[k] = d.cached_tokens_by_tier
         self.completion[k] += sum(len(o.token_ids) for o in d.outputs)
         self.finished[k] = d.finished
 
     def body(self, ks: range | list[int]) -> dict:
         prompt, completion = sum(self.prompt[k] for k in ks), sum(self.completion[k] for k in ks)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(self.cached[k] for k in ks)}}
+        cached = sum(self.cached[k] for k in ks)
+        details: dict = {"cached_tokens": cached}
+        if cached:
+            details["cached_tokens_by_tier"] = {
+                tier: sum(self.tiers[k][i] for k in ks) for i, tier in enumerate(("device", "lower_tier", "peer"))}
+        out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+               "prompt_tokens_details": details}
+        if self.cache_control:
+            out["cache_creation_input_tokens"] = sum(self.created[k] for k in ks)
+            out["cache_read_input_tokens"] = cached
+        return out
 
 
 class Reply:
     def __init__(self, fmt: Format, request_id: str, model: str, created: int, n: int, want_logprobs: bool,
-                 echo: list[str] | None = None, prompt_ids: list[list[int]] | None = None):
+                 echo: list[str] | None = None, prompt_ids: list[list[int]] | None = None, cache_control: bool = False):
         self.fmt = fmt
+        self.cache_control = cache_control  # the request had cache_control breakpoints: Anthropic's usage fields
         self.prompt_ids = prompt_ids  # per prompt, when the request asked for return_token_ids
         self.id = request_id
         self.model = model
@@ -175,7 +193,7 @@ class Reply:
                      continuous_usage: bool) -> AsyncIterator[bytes]:
         """SSE chunks, then `data: [DONE]`; APIError if it fails or is aborted before its first chunk."""
         base = {"id": self.id, "object": self.fmt.chunk_object, "created": self.created, "model": self.model}
-        usage = _Usage(num_prompts)
+        usage = _Usage(num_prompts, self.cache_control)
         sent = False
         try:
             async with aclosing(outs) as g:
@@ -230,7 +248,7 @@ class Reply:
 
     async def collect(self, outs: AsyncIterator[tuple[int, RequestDelta]], num_prompts: int) -> dict:
         """The whole response body; APIError if the engine failed or a request was aborted."""
-        usage = _Usage(num_prompts)
+        usage = _Usage(num_prompts, self.cache_control)
         async with aclosing(outs) as g:
             async for k, d in g:
                 usage.add(k, d)

@@ -64,6 +64,8 @@ _GAUGES = (
     ("kvfleet:step_seconds", "step_seconds", "Wall time of the last engine step (schedule to sampled tokens)."),
     ("kvfleet:step_predicted_seconds_last", "step_predicted_seconds", "The step-time model's prediction for the last "
      "step (0 until it is fitted)."),
+    ("kvfleet:kv_pinned_blocks", "num_pinned_blocks", "KV cache blocks that cache_control prefixes keep from "
+     "eviction until their TTL passes (--kv-pin-fraction)."),
     ("kvfleet:num_cached_kv_blocks", "num_cached_blocks", "KV cache blocks whose content the prefix cache holds "
      "(held or free): what the KV events announce."),
 )

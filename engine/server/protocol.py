@@ -34,10 +34,20 @@ _NO_OPS: dict[str, tuple] = {  # values of unimplemented fields that ask for the
 _TOOL_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"
 
 
+class CacheControl(BaseModel):
+    """Anthropic's cache breakpoint (contract/cache_control.py): the prompt up to what carries it is pinned in the
+    KV cache for the TTL (engine/server/prompt_cache.py). Never dumped: the chat template does not see it."""
+
+    model_config = _STRICT
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] = "5m"
+
+
 class TextPart(BaseModel):
     model_config = _STRICT
     type: Literal["text"]
     text: str
+    cache_control: CacheControl | None = Field(None, exclude=True)
 
 
 class FunctionCall(BaseModel):
@@ -60,6 +70,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None  # assistant
     tool_call_id: str | None = None  # tool
+    cache_control: CacheControl | None = Field(None, exclude=True)
 
     @model_validator(mode="after")
     def _content_needed(self) -> ChatMessage:
@@ -113,6 +124,7 @@ class Tool(BaseModel):
     model_config = _STRICT
     type: Literal["function"]
     function: FunctionDef
+    cache_control: CacheControl | None = Field(None, exclude=True)
 
 
 class NamedFunction(BaseModel):
@@ -150,7 +162,8 @@ class _SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # OpenAI's prompt caching: a routing hint (read by routers) and a retention (the engine's LRU and lower tier
-    # keep prefixes as long as they can either way); validated as the router's contract/request.py validates them
+    # keep prefixes as long as they can either way: with --kv-tier-gib every evicted block goes to the lower tier,
+    # which "24h" asks for); validated as the router's contract/request.py validates them
     prompt_cache_key: str | None = Field(None, min_length=1, max_length=1024)
     prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
     # vLLM extras

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from functools import partial
 
 from contract.errors import error_body, error_type
 from contract.token_ids import RETURN_TOKEN_IDS
@@ -245,6 +246,7 @@ class RouterApp:
         req = self.flow.upstream(entry)
         headers = self.flow.upstream_headers(entry, headers)
         attempts.follower = entry.follower
+        attempts.sending = partial(self.flow.sending, entry)
         pool, path, prep = entry.pool, entry.path, entry.prep
         if self.cfg.max_migrations and req.stream and why_not(req) is None \
                 and self.fleet.engine_of(pool.name).kind != "sglang":  # SGLang sends no token ids

@@ -22,7 +22,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -135,6 +135,7 @@ class Attempts:
     no_replica: bool = False  # no replica could be leased at all (none ready): not the pool's failure
     follower: StreamUsage | None = None  # set by the app: reads what was used, gives the client the usage it asked for
     resume: Resume | None = None  # set by the app for a stream that may move to another replica
+    sending: Callable[[str], Awaitable[None]] | None = None  # set by the app: called with each replica before it is sent
 
 
 class Proxy:
@@ -170,6 +171,8 @@ class Proxy:
             attempts.replica, attempts.predicted_cached_tokens, attempts.retries = \
                 url, ls.predicted_cached_tokens, attempt
             try:
+                if attempts.sending is not None:
+                    await attempts.sending(url)
                 result = await self._attempt(send, url, path, body, fwd_headers, prep, ls, extra_headers, attempts)
                 if result.end is End.DONE:
                     ls.succeeded()

@@ -36,8 +36,8 @@ class RouterCore:
         self.tokenizers = Tokenizers(tokenizer)
         # engine pools and tenants (a bad pools or tenants file raises here, before anything serves)
         self.pools = Pools(cfg, self.fleet, self.metrics)
-        self.ratelimit = (RateLimiter(cfg.ratelimit, self.metrics, self.fleet.load, cfg.request_timeout_s)
-                          if cfg.ratelimit.tenants_file else None)
+        self.ratelimit = (RateLimiter(cfg.ratelimit, self.metrics, self.fleet.load, cfg.request_timeout_s,
+                                      internal_token=cfg.internal_token) if cfg.ratelimit.tenants_file else None)
         self.admission = Admission(self.pools, self.ratelimit, self.metrics, cfg.ratelimit.shedding, cfg.default_model)
         self.gate = (Gate(FairQueueConfig(max_per_tenant=cfg.queue_max_per_tenant, max_total=cfg.queue_max_total,
                                           timeout_s=cfg.queue_timeout_s),

@@ -36,6 +36,7 @@ from router.tenants.registry import Tenant, api_key_id
 
 SESSION_HEADERS = (b"x-session-id",)
 _FAIRNESS = FAIRNESS_HEADER.encode()
+_REQUEST_ID = b"x-request-id"
 
 
 def new_request_id() -> str:
@@ -172,13 +173,21 @@ class Flow:
 
     @staticmethod
     def upstream_headers(entry: Entry, headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-        """The client's headers for the engines, with the request's fairness id (contract/fairness.py): its tenant's
-        name, a client's own value dropped (no tenant passes for another); without tenants, as the client sent it."""
-        if entry.tenant is None:
-            return list(headers)
-        out = [(k, v) for k, v in headers if k.lower() != _FAIRNESS]
-        out.append((_FAIRNESS, entry.tenant.name.encode("latin-1", "replace")))
+        """The client's headers for the engines, with the router's x-request-id (the ledger's: the engine's usage
+        lookup answers by it) instead of a client's, and the request's fairness id (contract/fairness.py): its
+        tenant's name, a client's own value dropped (no tenant passes for another); without tenants, as sent."""
+        drop = (_REQUEST_ID,) if entry.tenant is None else (_REQUEST_ID, _FAIRNESS)
+        out = [(k, v) for k, v in headers if k.lower() not in drop]
+        out.append((_REQUEST_ID, entry.request_id.encode()))
+        if entry.tenant is not None:
+            out.append((_FAIRNESS, entry.tenant.name.encode("latin-1", "replace")))
         return out
+
+    async def sending(self, entry: Entry, replica: str) -> None:
+        """The request is about to go to `replica`: its pending ledger record names it first (router/tenants/
+        pending.py), so a router that reconciles it after this one died knows whom to ask what it used."""
+        if entry.admitted.budget is not None and self.core.ratelimit is not None:
+            await self.core.ratelimit.attach(entry.admitted.budget, entry.request_id, replica)
 
     def lease(self, entry: Entry, tried: set[str] | frozenset[str] = frozenset(), *,
               candidates: Sequence[str] | None = None) -> Lease | None:

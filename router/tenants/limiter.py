@@ -22,6 +22,7 @@ logged once each. Nothing else is raised (but ValueError for a negative token co
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
 import logging
@@ -32,6 +33,7 @@ from typing import Final, Literal, TypeVar
 
 from router.states import StrEnum
 from router.tenants.budget import BudgetSpec, Quota
+from router.tenants.pending import Close, Pending
 from router.tenants.store import BudgetStore, InProcessStore, Rejection, Reservation, StoreError
 
 log = logging.getLogger("kvfleet.router.limiter")
@@ -130,18 +132,29 @@ class Limiter:
                 self._unsent.setdefault(tenant, [])[:0] = records
                 return
 
-    async def reconcile(self, tenants: list[str]) -> int:
-        """Move the records of requests no router settled in time to the ledger (shared stores only); how many."""
-        move = getattr(self.store, "reconcile", None)
-        if move is None or not self.healthy:
+    async def due(self, tenants: list[str]) -> dict[str, list[Pending]]:
+        """The pending records past their deadline of requests no router settled (shared stores only), by tenant;
+        the calls go to the store together (one pipeline)."""
+        due = getattr(self.store, "due", None)
+        if due is None or not self.healthy:
+            return {}
+        got = await asyncio.gather(*(self._shared(partial(due, t)) for t in tenants))
+        return {t: rows for t, rows in zip(tenants, got, strict=True) if rows is not _DOWN and rows}
+
+    async def close_pending(self, specs: dict[str, BudgetSpec], closes: dict[str, list[Close]]) -> int:
+        """Close due pending records (router/tenants/pending.py), together; how many this router closed."""
+        close = getattr(self.store, "close_pending", None)
+        if close is None or not closes:
             return 0
-        moved = 0
-        for t in tenants:
-            n = await self._shared(partial(move, t))
-            if n is _DOWN:
-                break
-            moved += n
-        return moved
+        got = await asyncio.gather(*(self._shared(partial(close, t, specs[t], cs)) for t, cs in closes.items()))
+        return sum(n for n in got if n is not _DOWN)
+
+    async def attach(self, tenant: str, request_id: str, replica: str) -> None:
+        """Name the replica a request is sent to in its pending record (shared stores only; a failure is counted,
+        and the request goes on: its record would then be closed as reserved)."""
+        attach = getattr(self.store, "attach", None)
+        if attach is not None:
+            await self._shared(partial(attach, tenant, request_id, replica))
 
     async def records(self, tenant: str, start: float, end: float) -> list[str]:
         """A tenant's usage records from the shared store (with those not yet sent to it); StoreError there."""

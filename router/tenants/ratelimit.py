@@ -38,6 +38,7 @@ from router.tenants.file import TenantsFile
 from router.tenants.ledger import RecordMeta, Ticket
 from router.tenants.limiter import Limiter, LimiterUnavailable, OnStoreError
 from router.tenants.pricing import Prices, budget_tokens, cost_usd, usage_of
+from router.tenants.reconcile import grace_for, reconcile
 from router.tenants.registry import AuthError, Tenant
 from router.tenants.store import BudgetStore, InProcessStore, Rejection, Reservation, StoreError
 
@@ -75,7 +76,7 @@ def quota_headers(q: Quota) -> list[tuple[bytes, bytes]]:
 
 class RateLimiter:
     def __init__(self, cfg: RateLimitConfig, metrics, load: Callable[[], tuple[float | None, float | None]],
-                 lease_s: float, store: BudgetStore | None = None):
+                 lease_s: float, store: BudgetStore | None = None, internal_token: str | None = None):
         """`load()` gives the fleet's mean KV usage and waiting requests per ready replica (None: unknown).
         A bad tenants file raises here (TenantsFileError, with its line), before the router serves."""
         self.cfg, self.metrics, self.load = cfg, metrics, load
@@ -93,6 +94,7 @@ class RateLimiter:
         self.store = store
         self.limiter = Limiter(store, OnStoreError(cfg.on_store_error), on_store_error=metrics.store_error)
         self.router_id = uuid.uuid4().hex
+        self.internal_token = internal_token  # for the engines' usage lookup (router/tenants/reconcile.py)
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -119,11 +121,26 @@ class RateLimiter:
                 await self.limiter.flush_records()
             beats += 1
             if beats % RECONCILE_EVERY_BEATS == 0:  # requests whose router died before settling them
-                moved = await self.limiter.reconcile(list(self.file.registry.tenants))
-                if moved:
-                    log.warning("usage ledger: %d requests no router settled recorded with their reservation", moved)
+                await self._reconcile()
             self.metrics.store_healthy.set(1 if self.limiter.healthy else 0)
             await asyncio.sleep(self.cfg.heartbeat_s)
+
+    async def _reconcile(self) -> None:
+        try:
+            got = await reconcile(self.limiter, self.file.registry, self.internal_token,
+                                  grace_for(self.cfg.usage_reconcile_after_s))
+        except Exception:  # noqa: BLE001 - the next round tries again
+            log.exception("usage ledger: reconcile failed")
+            return
+        if got.settled or got.lost:
+            log.warning("usage ledger: %d requests no router settled recorded with what their engines said they used, "
+                        "%d with their reservation (their engines did not know them)", got.settled, got.lost)
+
+    async def attach(self, a: Budget, request_id: str, replica: str) -> None:
+        """Name the replica the request goes to in its pending ledger record, before it is sent there."""
+        r = a.reservation
+        if r is not None and r.pending_id is not None and not r.local:
+            await self.limiter.attach(r.tenant, request_id, replica)
 
     # -- admission -----------------------------------------------------------------------------------------
     def identify(self, headers) -> Tenant | Refusal:

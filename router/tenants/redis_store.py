@@ -15,9 +15,12 @@ Keys (the `{tenant}` hash tag keeps a tenant's keys in one cluster slot):
 - `kvfleet:usage:{tenant}`, a stream of the tenant's usage records (router/tenants/ledger.py), one entry (field `r`,
   the record's JSON) per settled request, appended by the same script that settles its budget; entries older than
   `usage_retention_s` are trimmed as new ones arrive (XADD MINID ~, Redis >= 6.2);
-- `kvfleet:usage:{tenant}:pending`, a hash request id -> 'deadline record': each admitted request's record should its
-  router die before settling it (written by the reserve script, removed by the settle script); past the deadline
-  (`reconcile_after_s` after admission) any router's `reconcile` moves it to the ledger, once;
+- `kvfleet:usage:{tenant}:pending`, a hash request id -> 'deadline record', then 'deadline replica record' once the
+  router named the replica it sent the request to (`attach`): each admitted request's record should its router die
+  before settling it (written by the reserve script, removed by the settle script); past the deadline
+  (`reconcile_after_s` after admission) any router closes it, once (router/tenants/pending.py, reconcile.py);
+- `kvfleet:budget:{tenant}:charged`, an integer: every budget token charged to the tenant in this store (reserved, less what
+  settles and reconciles refunded), for audits: it equals the sum of the ledger's `budget_tokens`;
 - `kvfleet:usage:{tenant}:ids`, a sorted set request id -> time of the last day's records: a record sent twice (its
   settle timed out here but ran in Redis) is appended once.
 
@@ -39,7 +42,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from router.tenants import redis_pending
 from router.tenants.budget import CONCURRENCY_RETRY_S, Bucket, BudgetSpec, Leases, Quota, Reason
+from router.tenants.pending import Close, Pending, parse
 from router.tenants.store import Rejection, Reservation, StoreError, new_lease_id
 
 # Shared by both scripts: load the bucket (missing: full at now), refill it to now.
@@ -88,6 +93,7 @@ if mcr then
 end
 level = level - amount
 store()
+redis.call('INCRBY', KEYS[6], amount)
 if ARGV[9] and ARGV[9] ~= '' then
   redis.call('HSET', KEYS[5], ARGV[9], fmt(now + tonumber(ARGV[11])) .. ' ' .. ARGV[10])
 end
@@ -114,8 +120,8 @@ end
 """
 
 # ARGV: tpm, now|'', margin, reserved, used, lease_id|'', request id|'', retention_s, [request id, record]. A request
-# whose pending record was already reconciled (it outlived reconcile_after_s) keeps the whole reservation charged, as
-# the ledger's reconciled record says, and adds no second record.
+# whose pending record was already closed (it outlived reconcile_after_s) stays charged what that close charged, as
+# the ledger's record says, and adds no second record.
 _SETTLE = _PRELUDE + _APPEND + """
 local used = tonumber(ARGV[5])
 local settled = true
@@ -125,34 +131,15 @@ if ARGV[7] ~= '' and redis.call('HDEL', KEYS[5], ARGV[7]) == 0 and redis.call('Z
 end
 level = math.min(cap, level + (tonumber(ARGV[4]) - used))
 store()
+if used ~= tonumber(ARGV[4]) then redis.call('INCRBY', KEYS[6], used - tonumber(ARGV[4])) end
 if ARGV[6] ~= '' then redis.call('ZREM', KEYS[2], ARGV[6]) end
 if settled then append(ARGV, 8) end
 return {fmt(level), fmt(updated)}
 """
 
-# Records of requests whose router never settled them: every pending record past its deadline goes to the ledger
-# once (HDEL decides who moves it). ARGV: retention_s. Returns how many.
-_RECONCILE = "if redis.replicate_commands then redis.replicate_commands() end\n" + _APPEND + """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local rows = redis.call('HGETALL', KEYS[5])
-local due = {}
-for i = 1, #rows, 2 do
-  local sp = string.find(rows[i + 1], ' ', 1, true)
-  if tonumber(string.sub(rows[i + 1], 1, sp - 1)) <= now and redis.call('HDEL', KEYS[5], rows[i]) == 1 then
-    table.insert(due, rows[i])
-    table.insert(due, string.sub(rows[i + 1], sp + 1))
-  end
-end
-if #due == 0 then return 0 end
-local args = {ARGV[1]}
-for _, x in ipairs(due) do table.insert(args, x) end
-append(args, 1)
-return #due / 2
-"""
-
 # ARGV: retention_s, (request id, record)...
 _APPEND_ONLY = "if redis.replicate_commands then redis.replicate_commands() end\n" + _APPEND + "append(ARGV, 1)\nreturn 1\n"
+_REPLICATE = "if redis.replicate_commands then redis.replicate_commands() end\n"
 
 
 # KEYS: routers; ARGV: router id, ttl_s. Returns the number of routers whose heartbeat has not expired.
@@ -195,7 +182,9 @@ class RedisStore:
         self._reserve = client.register_script(_RESERVE)
         self._settle = client.register_script(_SETTLE)
         self._append = client.register_script(_APPEND_ONLY)
-        self._reconcile = client.register_script(_RECONCILE)
+        self._attach = client.register_script(_REPLICATE + redis_pending.ATTACH)
+        self._due = client.register_script(_REPLICATE + redis_pending.DUE)
+        self._close = client.register_script(_PRELUDE + _APPEND + redis_pending.CLOSE)
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._batch = _Batch(client)
 
@@ -215,7 +204,7 @@ class RedisStore:
     def keys(self, tenant: str) -> list[str]:
         return [f"{self.prefix}:budget:{{{tenant}}}", f"{self.prefix}:budget:{{{tenant}}}:leases",
                 f"{self.prefix}:usage:{{{tenant}}}", f"{self.prefix}:usage:{{{tenant}}}:ids",
-                f"{self.prefix}:usage:{{{tenant}}}:pending"]
+                f"{self.prefix}:usage:{{{tenant}}}:pending", f"{self.prefix}:budget:{{{tenant}}}:charged"]
 
     async def reserve(self, tenant: str, spec: BudgetSpec, amount: int, now: float | None = None,
                       pending: tuple[str, str] | None = None) -> Reservation | Rejection:
@@ -265,9 +254,31 @@ class RedisStore:
         if records:
             await self._call(self._append, self.keys(tenant), [_arg(self.usage_retention_s), *_pairs(records)])
 
-    async def reconcile(self, tenant: str) -> int:
-        """Move the records of the tenant's requests that no router settled in time to its ledger; how many."""
-        return int(await self._call(self._reconcile, self.keys(tenant), [_arg(self.usage_retention_s)]))
+    async def attach(self, tenant: str, request_id: str, replica: str) -> None:
+        """Name the replica a request goes to in its pending record (before it is sent there)."""
+        await self._call(self._attach, self.keys(tenant), [request_id, replica])
+
+    async def due(self, tenant: str) -> list[Pending]:
+        """The tenant's pending records past their deadline (requests no router settled in time), left in place."""
+        rows = await self._call(self._due, self.keys(tenant), [])
+        return [parse(_text(rows[i]), _text(rows[i + 1])) for i in range(0, len(rows), 2)]
+
+    async def close_pending(self, tenant: str, spec: BudgetSpec, closes: list[Close]) -> int:
+        """Close due pending records (router/tenants/pending.py), each once whoever else tries: its record to the
+        ledger, the budget charged what it used. How many this call closed."""
+        if not closes:
+            return 0
+        args = [_arg(spec.tokens_per_minute), "", _arg(self.ttl_margin_s), _arg(self.usage_retention_s)]
+        for c in closes:
+            args += [c.request_id, str(c.reserved), str(c.used), c.record]
+        return int(await self._call(self._close, self.keys(tenant), args))
+
+    async def charged(self, tenant: str) -> int:
+        """Budget tokens ever charged to the tenant (the sum of its ledger's budget_tokens)."""
+        try:
+            return int(await self.client.get(self.keys(tenant)[5]) or 0)
+        except _ERRORS as e:
+            raise StoreError(f"redis: {e!r}") from e
 
     async def records(self, tenant: str, start: float, end: float) -> list[str]:
         try:

@@ -11,18 +11,28 @@ from router.tenants.registry import Tenant
 H = FAIRNESS_HEADER.encode()
 
 
+RID = (b"x-request-id", b"req_1")
+
+
 def entry(tenant: str | None):
-    return SimpleNamespace(tenant=None if tenant is None else Tenant(tenant, frozenset(), 1000))
+    return SimpleNamespace(tenant=None if tenant is None else Tenant(tenant, frozenset(), 1000), request_id="req_1")
 
 
 def test_the_tenants_name_goes_upstream_and_a_clients_own_value_is_dropped():
     headers = [(b"content-type", b"application/json"), (b"X-LLM-D-Inference-Fairness-Id", b"someone-else")]
-    assert Flow.upstream_headers(entry("team-a"), headers) == [(b"content-type", b"application/json"),
+    assert Flow.upstream_headers(entry("team-a"), headers) == [(b"content-type", b"application/json"), RID,
                                                                 (H, b"team-a")]
     assert Flow.upstream_headers(entry("team-b"), [])[-1] == (H, b"team-b")
 
 
 def test_without_tenants_the_clients_or_gateways_value_goes_as_sent():
     headers = [(H, b"gw-tenant"), (b"accept", b"*/*")]
-    assert Flow.upstream_headers(entry(None), headers) == headers
-    assert Flow.upstream_headers(entry(None), []) == []
+    assert Flow.upstream_headers(entry(None), headers) == [*headers, RID]
+    assert Flow.upstream_headers(entry(None), []) == [RID]
+
+
+def test_the_routers_own_request_id_goes_upstream_never_a_clients():
+    headers = [(b"X-Request-Id", b"client-chosen"), (b"accept", b"*/*")]
+    for tenant in (None, "team-a"):
+        out = Flow.upstream_headers(entry(tenant), headers)
+        assert [v for k, v in out if k.lower() == b"x-request-id"] == [b"req_1"]

@@ -184,15 +184,20 @@ def test_heartbeats_count_live_routers(redis_server):
     assert run(scenario, redis_server.url) == 1
 
 
-def test_redis_ledger_records_once_and_reconciles_what_no_router_settled(redis_server):
-    """A pending record is written with the reservation and removed with the settle; past its deadline any router
-    moves it to the ledger once; a request settled after that keeps its whole reservation charged, as its record
-    says, and adds no second record. Every append of a request id already recorded is a no-op."""
-    import asyncio
+def test_redis_ledger_records_once_and_closes_what_no_router_settled(redis_server):
+    """A pending record is written with the reservation and removed with the settle; the replica is attached to it;
+    past its deadline it is due, and closing it (router/tenants/pending.py) refunds what the engine did not use and
+    appends its record, once, however many routers close it at once; a request settled after that changes nothing
+    and adds no second record. Every append of a request id already recorded is a no-op. The charged counter is
+    the sum of the ledger's budget_tokens throughout."""
     import json as _json
 
-    def rec(rid: str, outcome: str) -> str:
-        return _json.dumps({"request_id": rid, "outcome": outcome})
+    from router.tenants import ledger
+    from router.tenants.pending import Close
+
+    def rec(rid: str, outcome: str, budget: int = 100) -> str:
+        return ledger.record(rid, "t", None, "m", "default", None, None, budget, None, outcome, 1.0, 0.0,
+                             None).to_json()
 
     async def scenario(store):
         store.reconcile_after_s = 0.2
@@ -201,18 +206,32 @@ def test_redis_ledger_records_once_and_reconciles_what_no_router_settled(redis_s
         lost = await store.reserve("t", spec, 100, pending=("req_b", rec("req_b", "router_lost")))
         late = await store.reserve("t", spec, 100, pending=("req_c", rec("req_c", "router_lost")))
         assert lost.pending_id == "req_b"
-        await store.settle(settled, 30, record=rec("req_a", "200"))
-        assert await store.reconcile("t") == 0  # not due yet
+        await store.attach("t", "req_b", "http://127.0.0.1:1")
+        await store.attach("t", "req_b", "http://127.0.0.1:2")  # a retry elsewhere: the last one counts
+        await store.settle(settled, 30, record=rec("req_a", "200", 30))
+        await store.attach("t", "req_a", "http://127.0.0.1:1")  # settled already: nothing comes back
+        assert await store.due("t") == []  # not due yet
         await asyncio.sleep(0.3)
-        assert await store.reconcile("t") == 2 and await store.reconcile("t") == 0  # req_b and req_c, once
+        due = {p.request_id: p for p in await store.due("t")}
+        assert set(due) == {"req_b", "req_c"} and set(await store.client.hkeys(store.keys("t")[4])) == {
+            b"req_b", b"req_c"}  # due, and left in place
+        assert due["req_b"].replica == "http://127.0.0.1:2" and due["req_c"].replica is None
+        assert due["req_b"].record.budget_tokens == 100
+        closes = [Close("req_b", 100, 40, rec("req_b", "router_lost_settled", 40), "router_lost_settled"),
+                  Close("req_c", 100, 100, rec("req_c", "router_lost"), "router_lost")]
         before, _ = await store.state("t")
-        await store.settle(late, 10, record=rec("req_c", "200"))  # settled after its record was reconciled
+        two = await asyncio.gather(store.close_pending("t", spec, closes), store.close_pending("t", spec, closes))
+        assert sorted(two) == [0, 2]  # two routers closing at once: one of them closes both
         after, _ = await store.state("t")
-        assert after.level <= before.level + 1e-6 + (after.updated - before.updated) * 10  # no refund: only refill
-        await store.append("t", [rec("req_a", "200")])  # sent again (a settle that timed out but ran): no-op
+        assert after.level == pytest.approx(before.level + 60 + (after.updated - before.updated) * 10)  # refund 60
+        await store.settle(late, 10, record=rec("req_c", "200", 10))  # settled after its record was closed
+        late_state, _ = await store.state("t")
+        assert late_state.level <= after.level + 1e-6 + (late_state.updated - after.updated) * 10  # only refill
+        await store.append("t", [rec("req_a", "200", 30)])  # sent again (a settle that timed out but ran): no-op
         rows = [_json.loads(r) for r in await store.records("t", 0, time.time() + 5)]
-        assert sorted((r["request_id"], r["outcome"]) for r in rows) == [  # reconciled in the hash's order
-            ("req_a", "200"), ("req_b", "router_lost"), ("req_c", "router_lost")]
+        assert sorted((r["request_id"], r["outcome"], r["budget_tokens"]) for r in rows) == [
+            ("req_a", "200", 30), ("req_b", "router_lost_settled", 40), ("req_c", "router_lost", 100)]
         assert await store.client.hlen(store.keys("t")[4]) == 0  # no pending record left
+        assert await store.charged("t") == sum(r["budget_tokens"] for r in rows) == 170
 
     run(scenario, redis_server.url)

@@ -1,0 +1,65 @@
+"""router/tenants/pending.py: a pending record, parsed, and what it becomes given its engine's answer."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+from router.tenants import ledger
+from router.tenants.pending import ROUTER_LOST_SETTLED, Close, parse
+from router.tenants.pending import close as close_
+from router.tenants.pricing import Prices
+
+LOST = ledger.record("req_1", "acme", "ab12", "smollm2", "default", None, None, 500, None, ledger.ROUTER_LOST,
+                     1000.0, 0.0, None)
+PRICES = Prices.of(input="2", output="8", cached_input="0.5")  # dollars per million tokens
+
+
+def pending(replica: str | None = "http://e1:8000"):
+    value = "1010.5 " + (f"{replica} " if replica else "") + LOST.to_json()
+    return parse("req_1", value)
+
+
+def test_parse_with_and_without_a_replica():
+    p = pending()
+    assert (p.request_id, p.deadline, p.replica, p.record) == ("req_1", 1010.5, "http://e1:8000", LOST)
+    assert pending(None).replica is None and pending(None).record == LOST
+
+
+def test_what_the_engine_says_it_used_is_recorded_priced_and_charged():
+    usage = {"prompt_tokens": 120, "cached_tokens": 80, "completion_tokens": 7, "outcome": "aborted"}
+    c = close_(pending(), usage, Fraction(1), PRICES, 2000.0, 60.0)
+    rec = json.loads(c.record)
+    # budget: 40 computed + 80 x 0.25 (cached at a quarter of the input price) + 7 output = 67
+    assert (c.request_id, c.reserved, c.used, c.outcome) == ("req_1", 500, 67, ROUTER_LOST_SETTLED)
+    assert (rec["prompt_tokens"], rec["cached_tokens"], rec["output_tokens"], rec["budget_tokens"]) == (120, 80, 7, 67)
+    assert rec["cost_usd"] == "0.000176"  # (40 x 2 + 80 x 0.5 + 7 x 8) / 1e6
+    assert (rec["outcome"], rec["replica"], rec["time"], rec["tenant"]) == (ROUTER_LOST_SETTLED, "http://e1:8000",
+                                                                            2000.0, "acme")
+
+
+def test_weights_apply_and_the_charge_never_exceeds_the_reservation():
+    usage = {"prompt_tokens": 300, "cached_tokens": 0, "completion_tokens": 100, "outcome": "length"}
+    assert close_(pending(), usage, Fraction(3, 2), None, 2000.0, 60.0).used == 500  # 600 capped at 500
+    usage["completion_tokens"] = 10
+    c = close_(pending(), usage, Fraction(3, 2), None, 2000.0, 60.0)
+    assert c.used == 465 and json.loads(c.record)["cost_usd"] is None  # ceil(1.5 x 310), no prices
+
+
+def test_unknown_to_the_engine_keeps_the_reservation_charged():
+    c = close_(pending(), "unknown", Fraction(1), PRICES, 2000.0, 60.0)
+    assert c == Close("req_1", 500, 500, ledger.UsageRecord(**{**LOST.__dict__, "replica": "http://e1:8000"})
+                      .to_json(), ledger.ROUTER_LOST)
+
+
+def test_never_sent_to_a_replica_is_lost_at_once():
+    for answer in (None, "running"):
+        c = close_(pending(None), answer, Fraction(1), PRICES, 1011.0, 60.0)
+        assert c == Close("req_1", 500, 500, LOST.to_json(), ledger.ROUTER_LOST)
+
+
+def test_running_or_unreachable_waits_until_the_grace_has_passed():
+    for answer in (None, "running"):
+        assert close_(pending(), answer, Fraction(1), PRICES, 1070.4, 60.0) is None
+        c = close_(pending(), answer, Fraction(1), PRICES, 1070.5, 60.0)
+        assert (c.used, c.outcome) == (500, ledger.ROUTER_LOST)

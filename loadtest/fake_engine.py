@@ -19,6 +19,9 @@ Per process: `--fail-status` (every completion answers it), `--no-kv-events` (40
 waiting in /metrics);
 `POST /fake/set?delay_ms=..&oom_events=..&fail_status=..` changes those three at run time. A request's
 `max_tokens` caps its chunks.
+`POST /v1/kvfleet/usage/lookup` (contract/usage_lookup.py) answers what each request sent under an
+`x-request-id` used (its prompt, cached and sent tokens; `aborted` where its client went away), the last
+100,000 of them (flavor kvfleet only: the others answer 404, as vLLM and SGLang do).
 `GET /fake/stats` reports requests served, cancelled streams and the event sequence; `POST /fake/skip-seq`
 makes the event stream skip a sequence number (to test resync); `POST /fake/clear` clears the cache.
 
@@ -39,6 +42,10 @@ from contract.hashing import DEFAULT_HASH_SEED, hash_blocks
 from contract.kv_events import Heartbeat, KVEvent, KVEventKind, Snapshot
 from contract.kv_wire import encode_line
 from contract.request import max_tokens_of
+from contract.usage_lookup import PATH as USAGE_LOOKUP
+from contract.usage_lookup import RUNNING, UNKNOWN
+
+USAGE_KEPT = 100_000
 
 
 class FakeEngine:
@@ -55,6 +62,7 @@ class FakeEngine:
         self.queued = 0
         self.adapters: dict[str, None] = dict.fromkeys(ns.lora_modules or ())  # LoRA adapters it holds
         self.stats.update(lora_requests=0, lora_loads=0, lora_by_adapter={})
+        self.usage: dict[str, dict] = {}  # router request id -> what it used, oldest first (the usage lookup)
 
     # -- KV cache ------------------------------------------------------------------------------------------
     def _publish(self, kind: KVEventKind, block_hashes: tuple[int, ...] = ()) -> None:
@@ -115,6 +123,10 @@ class FakeEngine:
             await self.lora_endpoint(receive, send, path)
         elif path == "/v1/kv/events":
             await self.kv_events(receive, send)
+        elif path == USAGE_LOOKUP and self.ns.flavor == "kvfleet":
+            ids = json.loads(await _read_body(receive)).get("request_ids") or []
+            await _json(send, 200, {"object": "kvfleet.usage_lookup", "data": {
+                i: self.usage.get(i, UNKNOWN) for i in ids}})
         elif path == "/fake/stats":
             await _json(send, 200, {**self.stats, "seq": self.seq, "cached_blocks": len(self.cached)})
         elif path == "/fake/skip-seq":
@@ -234,6 +246,10 @@ class FakeEngine:
                  "prompt_tokens_details": {"cached_tokens": cached}}
         chat = path == "/v1/chat/completions"
         rid = f"fake-{self.ns.instance_id}-{self.stats['requests']}"
+        key = dict(scope["headers"]).get(b"x-request-id", b"").decode()
+        tally = {"prompt_tokens": n_prompt, "cached_tokens": cached, "completion_tokens": 0, "outcome": "aborted"}
+        if key:
+            self.usage[key] = RUNNING
         if self.ns.max_running:
             if self.slots is None:
                 self.slots = asyncio.Semaphore(self.ns.max_running)
@@ -250,6 +266,7 @@ class FakeEngine:
                 text = " tok" * chunks
                 choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
                           if chat else {"index": 0, "text": text, "finish_reason": "length"})
+                tally.update(completion_tokens=chunks, outcome="length")
                 await _json(send, 200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
                                         "created": int(time.time()), "model": self.ns.model, "choices": [choice],
                                         "usage": usage}, [(b"x-fake-instance", self.ns.instance_id.encode())])
@@ -259,14 +276,20 @@ class FakeEngine:
             keepalives = (int(hdr.get("x-fake-keepalives", 0)), float(hdr.get("x-fake-keepalive-ms", 100)) / 1000)
             await self.stream(receive, send, rid, chat, chunks, chunk_delay, break_after, usage,
                               bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats")), keepalives,
-                              ids, error_after)
+                              ids, error_after, tally)
         finally:
             self.stats["running"] -= 1
+            if key:
+                self.usage.pop(key, None)
+                self.usage[key] = {**tally, "finished_at": time.time()}
+                while len(self.usage) > USAGE_KEPT:
+                    del self.usage[next(iter(self.usage))]
             if self.slots is not None:
                 self.slots.release()
 
     async def stream(self, receive, send, rid, chat, chunks, chunk_delay, break_after, usage, include_usage,
-                     continuous=False, keepalives=(0, 0.0), prompt_ids=None, error_after=(-1, 503)):
+                     continuous=False, keepalives=(0, 0.0), prompt_ids=None, error_after=(-1, 503), tally=None):
+        tally = {} if tally is None else tally  # what was sent: completion_tokens, and outcome once it ended
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": rid, "object": obj, "created": int(time.time()), "model": self.ns.model}
         disconnected = asyncio.ensure_future(_wait_disconnect(receive))
@@ -302,12 +325,14 @@ class FakeEngine:
                     event["usage"] = {**usage, "completion_tokens": i + 1, "total_tokens": usage["prompt_tokens"] + i + 1}
                 await send({"type": "http.response.body", "more_body": True,
                             "body": b"data: " + json.dumps(event).encode() + b"\n\n"})
+                tally["completion_tokens"] = i + 1
             if break_after == chunks:  # after the last token, before the stream's end
                 raise ConnectionAbortedError("x-fake-break-after")
             tail = b""
             if include_usage:
                 tail = b"data: " + json.dumps({**base, "choices": [], "usage": usage}).encode() + b"\n\n"
             await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n", "more_body": False})
+            tally["outcome"] = "length"
             self.stats["completed"] += 1
         finally:
             disconnected.cancel()

@@ -133,10 +133,11 @@ def test_a_redis_outage_loses_no_record(fleet):
     assert (got["input_tokens"], got["output_tokens"], got["num_model_requests"]) == (8 * 32, 8 * 6, 8)
 
 
-def test_a_request_whose_router_dies_mid_stream_is_recorded_once_with_its_reservation(procs, tmp_path,
-                                                                                         redis_server):
-    """A router SIGKILLed between admission and settlement leaves a pending record in Redis; once it is due another
-    router moves it to the ledger (outcome router_lost, the reservation charged), exactly once."""
+def test_a_request_whose_router_dies_mid_stream_is_recorded_once_with_what_its_engine_sent(procs, tmp_path,
+                                                                                              redis_server):
+    """A router SIGKILLed between admission and settlement leaves a pending record in Redis naming the replica; once
+    it is due another router asks that engine what the request used and closes the record with it (outcome
+    router_lost_settled, the rest of the reservation refunded), exactly once."""
     engine = fake_engine(procs, "e1", "--chunks", "6").wait_ready()
     path = tmp_path / "tenants.yaml"
     path.write_text(TENANTS)
@@ -161,7 +162,11 @@ def test_a_request_whose_router_dies_mid_stream_is_recorded_once_with_its_reserv
     rows = wait_for(lambda: (got := ledger()) and len(got) == 4 and got, timeout=40,
                     what="the dead router's request reconciled into the ledger")
     lost = [r for r in rows if r["request_id"] == lost_id]
-    assert len(lost) == 1 and lost[0]["outcome"] == "router_lost"
-    assert lost[0]["budget_tokens"] == len(PROMPT) + 6  # the reservation: prompt + max_tokens, charged whole
+    said = httpx.post(engine.url + "/v1/kvfleet/usage/lookup", json={"request_ids": [lost_id]}).json()["data"][lost_id]
+    assert said["outcome"] == "aborted" and 1 <= said["completion_tokens"] < 6  # the engine saw its client go
+    assert len(lost) == 1 and lost[0]["outcome"] == "router_lost_settled" and lost[0]["replica"] == engine.url
+    assert (lost[0]["prompt_tokens"], lost[0]["cached_tokens"], lost[0]["output_tokens"]) == (
+        said["prompt_tokens"], said["cached_tokens"], said["completion_tokens"])
+    assert lost[0]["budget_tokens"] < len(PROMPT) + 6  # less than the reservation (prompt + max_tokens)
     time.sleep(12)  # another reconcile round: nothing twice
     assert sorted(r["request_id"] for r in ledger()) == sorted(r["request_id"] for r in rows)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from contract.fairness import MAX_FAIRNESS_ID_CHARS
+from engine.cache_pin import CachePin
 from engine.errors import InvalidRequestError
-from engine.kv.pins import CachePin
 from engine.lora.request import LoRARequest
 from engine.structured.spec import Guide
 

@@ -17,7 +17,7 @@ import itertools
 import time
 
 from engine.args import EngineArgs
-from engine.kv.pins import CachePin
+from engine.cache_pin import CachePin
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 

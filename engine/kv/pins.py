@@ -1,5 +1,5 @@
-"""Pinned KV blocks: prefixes a client marked with `cache_control` (contract/cache_control.py), kept from eviction
-for a while.
+"""Pinned KV blocks: prefixes a client marked with `cache_control` (contract/cache_control.py; a request's
+engine/cache_pin.py CachePin), kept from eviction for a while.
 
     pins = PinTable(pool, max_blocks, max_blocks_per_tenant)
     pins.reserve(key, tenant, n, alive)    # at admission: room for n more pinned blocks, or PinLimitError
@@ -24,19 +24,6 @@ from dataclasses import dataclass
 
 from engine.errors import PinLimitError
 from engine.kv.block_pool import BlockPool, KVCacheBlock
-
-
-@dataclass(frozen=True)
-class CachePin:
-    """What a request asks to pin: its first `num_tokens` prompt tokens (the whole blocks among them) for
-    `ttl_s` seconds."""
-
-    num_tokens: int
-    ttl_s: float
-
-    def __post_init__(self) -> None:
-        if self.num_tokens < 0 or not self.ttl_s > 0:
-            raise ValueError(f"a cache pin needs num_tokens >= 0 and ttl_s > 0, got {self}")
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from contract.cache_control import CACHE_CONTROL_TTLS, Breakpoint, longest
-from engine.kv.pins import CachePin
+from engine.cache_pin import CachePin
 from engine.server.protocol import ChatCompletionRequest
 from engine.tokenizer import Tokenizer, TokenizerError
 

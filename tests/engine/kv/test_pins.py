@@ -6,10 +6,10 @@ import pytest
 
 from contract.errors import ConfigError
 from contract.kv_events import KVEventKind
+from engine.cache_pin import CachePin
 from engine.errors import PinLimitError
 from engine.kv.config import CacheConfig
 from engine.kv.manager import KVCacheManager
-from engine.kv.pins import CachePin
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 

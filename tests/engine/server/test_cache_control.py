@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from contract.fairness import FAIRNESS_HEADER
+from contract.messages import chat_messages
 from engine.server.prompt_cache import cache_pin, common_prefix, marks
 from engine.server.protocol import ChatCompletionRequest
 from engine.tokenizer import load_tokenizer
@@ -34,7 +35,6 @@ def test_the_marked_prefix_ends_where_the_marked_part_ends():
     tok = load_tokenizer("smollm2")
     body = chat(DOCS, "Which way do valves open?")
     req = ChatCompletionRequest.model_validate(body)
-    from contract.messages import chat_messages
     messages = chat_messages([m.model_dump(exclude_none=True) for m in req.messages])
     prompt = tok.apply_chat_template(messages, True)
     pin = cache_pin(tok, req, messages, None, prompt)
@@ -49,6 +49,21 @@ def test_the_marked_prefix_ends_where_the_marked_part_ends():
     longer = cache_pin(tok, two, chat_messages([m.model_dump(exclude_none=True) for m in two.messages]), None,
                        tok.apply_chat_template(chat_messages([m.model_dump(exclude_none=True) for m in two.messages])))
     assert longer is not None and longer.num_tokens > pin.num_tokens and longer.ttl_s == 3600.0
+
+
+def test_a_marked_tool_pins_the_prompt_up_to_that_tool():
+    tok = load_tokenizer("smollm2")
+    tools = [{"type": "function", "function": {"name": f"tool_{k}", "description": "Looks things up. " * 8,
+                                               "parameters": {"type": "object"}}} for k in range(3)]
+    body = {**chat(DOCS, "q", mark=False), "tools": [tools[0], {**tools[1], "cache_control": EPH}, tools[2]]}
+    req = ChatCompletionRequest.model_validate(body)
+    messages = chat_messages([m.model_dump(exclude_none=True) for m in req.messages])
+    prompt = tok.apply_chat_template(messages, True, tools)
+    pin = cache_pin(tok, req, messages, tools, prompt)
+    upto = common_prefix(tok.apply_chat_template(messages[:1], False, tools[:2]), prompt)
+    assert pin is not None and pin.num_tokens == upto
+    first_only = common_prefix(tok.apply_chat_template(messages[:1], False, tools[:1]), prompt)
+    assert first_only < pin.num_tokens < len(prompt)
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+from engine.spec.decoder import SpecDecoder
 from engine.stats import EngineStats
 from engine.stop import StopChecker
 from engine.structured.grammars import GrammarCache
@@ -150,6 +151,9 @@ class LLMEngine:
         if self.device.type == "cuda":
             self.runner.warm_up()  # every Triton kernel compiled (and graphs captured) before the first request
         self.sampler = Sampler(seed=args.seed)
+        self.spec = None  # engine/spec/: draft tokens verified in one step (--speculative-config)
+        if args.speculative_config is not None:
+            self.spec = self.scheduler.proposer = SpecDecoder(args.speculative_config, self.max_model_len)
         self.grammars = GrammarCache(self.tokenizer.hf, self.config.vocab_size, self.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self.prompt_tokens_total = 0
@@ -268,8 +272,7 @@ class LLMEngine:
             return self._recover_from_oom(out, error)
         self.scheduler.on_step_done(out)
         logits, seqs = self._fork(logits, seqs)
-        sampled = self.sampler(logits, seqs, self.eos_token_ids) if seqs else None
-        deltas = self._update(seqs, sampled) if seqs else []
+        deltas = self._update(self._sample(logits, seqs, out)) if seqs else []
         self.scheduler.observe_step(out, time.perf_counter() - t0)  # the step-time model's sample
         return deltas
 
@@ -311,25 +314,44 @@ class LLMEngine:
             return logits, seqs
         return logits[torch.tensor(rows, device=logits.device)], seqs + extra_seqs
 
-    def _update(self, seqs: list[Sequence], sampled) -> list[RequestDelta]:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], out: SchedulerOutput):
+        """(seq, tokens, logprobs, drafts verified) per sequence sampled: one token each, or with drafts
+        (engine/spec/) the drafts the sampled tokens agree with and the token after them."""
+        drafts = {it.seq.seq_id: it.spec_token_ids for it in out.scheduled if it.spec_token_ids}
+        if not drafts:
+            sampled = self.sampler(logits, seqs, self.eos_token_ids)
+            return [(seq, [tok], [lp], 0) for seq, tok, lp in zip(seqs, sampled.token_ids, sampled.logprobs,
+                                                                  strict=True)]
+        sampled = self.sampler(logits, self.spec.sampling_rows(seqs, drafts), self.eos_token_ids)
+        return self.spec.accept(seqs, sampled.token_ids, sampled.logprobs, drafts)
+
+    def _update(self, sampled: list[tuple[Sequence, list[int], list, int]]) -> list[RequestDelta]:
         now = time.monotonic()
         news: dict[str, tuple[_Request, list[CompletionDelta]]] = {}
-        for seq, tok, lp in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
+        for seq, toks, lps, num_drafts in sampled:
             if seq.is_finished:
                 continue
             req = self.requests[seq.request_id]
-            seq.append_token(tok)
-            if seq.matcher is not None and not seq.matcher.accept_token(tok):
-                logger.warning("request %s: the grammar refused sampled token %d", seq.request_id, tok)
-            self.generation_tokens_total += 1
+            checker = req.checkers[seq.index]
+            n = 0
+            for tok in toks:  # several with drafts: a stop inside the run cuts it there
+                n += 1
+                seq.append_token(tok)
+                if seq.matcher is not None and not seq.matcher.accept_token(tok):
+                    logger.warning("request %s: the grammar refused sampled token %d", seq.request_id, tok)
+                res = checker.update(seq)
+                if res.finish_reason is not None:
+                    break
+            self.generation_tokens_total += n
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
                 req.metrics.first_scheduled_time = seq.first_scheduled_time
                 self.prompt_tokens_total += len(req.prompt)
-            res = req.checkers[seq.index].update(seq)
             if res.finish_reason is not None:
                 self.scheduler.finish(seq, _FINISH_STATUS[res.finish_reason])
-            delta = CompletionDelta(seq.index, "", [tok], None if lp is None else [lp], res.finish_reason,
+            elif num_drafts:
+                self.scheduler.on_drafts_verified(seq, n - 1)
+            delta = CompletionDelta(seq.index, "", toks[:n], None if lps[0] is None else lps[:n], res.finish_reason,
                                     res.stop_reason)
             news.setdefault(req.request_id, (req, []))[1].append(delta)
         outputs = []
@@ -387,6 +409,7 @@ class LLMEngine:
             num_free_blocks=kv.num_free_blocks, num_cached_blocks=len(kv.pool.cached),
             num_pinned_blocks=kv.pins.num_pinned,
             **self._step_time_stats(),
+            **(self._spec_stats() if self.spec is not None else {}),
             **(self._tier_stats() if self.offload is not None else {}),
             **(self._lora_stats() if self.lora is not None else {}))
 
@@ -396,6 +419,12 @@ class LLMEngine:
                 "steps_predicted": st.predicted_steps, "step_predicted_seconds_total": st.predicted_s_total,
                 "step_observed_seconds_total": st.observed_s_total,
                 "step_prediction_error_seconds_total": st.abs_error_s_total}
+
+    def _spec_stats(self) -> dict:
+        st = self.spec.stats
+        return {"spec_num_drafts": st.num_drafts, "spec_num_draft_tokens": st.num_draft_tokens,
+                "spec_num_accepted_tokens": st.num_accepted_tokens,
+                "spec_accepted_per_pos": tuple(st.accepted_per_pos)}
 
     def _tier_stats(self) -> dict:
         off = self.offload

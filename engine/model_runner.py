@@ -4,7 +4,8 @@ The runner owns the paged KV cache (one [num_blocks, block_size, kv_heads, head_
 per layer). For each step it builds input ids, positions, slot mapping and AttentionMetadata with a
 handful of tensor ops (no per-token Python loop), copies the copy-on-write blocks in every layer, and
 returns float32 logits only for the sequences whose every known token is now computed: exactly the
-rows the engine samples from. Decode-only steps (one new token per sequence, every one sampled) take
+rows the engine samples from (a sequence verifying k draft tokens, engine/spec/, gets k+1 rows in a row, one
+per position). Decode-only steps (one new token per sequence, every one sampled) take
 persistent device buffers instead (engine/decode_inputs.py: filled in place, non-blocking copies, no
 host synchronisation before the sampled tokens are read) and, with cuda_graphs, replay a captured
 CUDA graph of the whole forward pass (engine/cuda_graphs.py). `warm_up()` compiles every kernel variant
@@ -49,7 +50,7 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
-    sample_seqs: list[Sequence]  # row i of the logits belongs to sample_seqs[i]
+    sample_seqs: list[Sequence]  # row i of the logits belongs to sample_seqs[i] (k+1 rows for one with k drafts)
 
 
 def graphs_apply(asked: bool | None, device_type: str, backend: str, persistent_decode: bool,
@@ -209,10 +210,13 @@ class ModelRunner:
         sample_seqs: list[Sequence] = []
         row = 0
         for item in scheduled:
-            seq, n = item.seq, item.num_new_tokens
+            seq, n, drafts = item.seq, item.num_new_tokens, item.spec_token_ids
             c = seq.num_computed_tokens
             if n == 1:
                 ids.append(seq.token_ids[c])
+            elif drafts:  # its last token and the drafts it verifies: a short chunk, every row sampled
+                ids.append(seq.token_ids[c])
+                ids.extend(drafts)
             else:
                 ids.extend(seq.token_ids[c:c + n])
             starts.append(c)
@@ -220,7 +224,10 @@ class ModelRunner:
             seq_lens.append(c + n)
             tables.append(seq.block_table)
             row += n
-            if c + n == seq.num_tokens:
+            if drafts:
+                sample_rows.extend(range(row - n, row))
+                sample_seqs.extend([seq] * n)
+            elif c + n == seq.num_tokens:
                 sample_rows.append(row - 1)
                 sample_seqs.append(seq)
         dev = self.device

@@ -54,6 +54,8 @@ from engine.step_time import StepShape, StepTimeModel, StepTimeStats, step_shape
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens seq.token_ids[num_computed_tokens : num_computed_tokens + this]
+    # draft tokens verified after seq's last token (engine/spec/): num_new_tokens is then 1 + len(spec_token_ids)
+    spec_token_ids: tuple[int, ...] | list[int] = ()
 
 
 @dataclass
@@ -87,6 +89,7 @@ class Scheduler:
         self._room_unused = False  # the last step's running prompts left room that no waiting prompt took
         self.step_time = StepTimeModel()
         self.step_stats = StepTimeStats()
+        self.proposer = None  # engine/spec/decoder.py's SpecDecoder with --speculative-config: drafts for decodes
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -220,6 +223,9 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            drafts = (self._drafts(seq, budget - owed - n, len(self.running) - i - 1)
+                      if need == 1 and self.proposer is not None else ())
+            n += len(drafts)
             copies = self.kv.allocate_slots(seq, n)
             while copies is None:
                 victim = self._pop_victim(i)
@@ -233,10 +239,23 @@ class Scheduler:
             if copies is None:
                 break  # seq preempted itself: every sequence before it is scheduled
             out.blocks_to_copy.extend(copies)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            out.scheduled.append(ScheduledSeq(seq, n, drafts))
             out.num_batched_tokens += n
             budget -= n
             i += 1
+
+    def _drafts(self, seq: Sequence, room: int, later: int) -> list[int]:
+        """The draft tokens a decoding seq verifies this step: what the proposer offers, as many as the step's `room`
+        holds. Drafts are never worth a preemption or a delayed admission: they take new blocks only while no request
+        waits for a free seat, and leave one free block for each of the `later` running sequences still to schedule."""
+        drafts = self.proposer.propose(seq, len(self.running))[:max(0, room)]
+        if drafts:
+            base = self.kv.num_blocks_needed(seq, 1)
+            admitting = self.waiting and len(self.running) + self._reserved_seats < self.config.max_num_seqs
+            spare = 0 if admitting else max(0, self.kv.num_free_blocks - base - later)
+            while drafts and self.kv.num_blocks_needed(seq, 1 + len(drafts)) - base > spare:
+                drafts = drafts[:-1]
+        return drafts
 
     def _pop_victim(self, i: int) -> Sequence:
         """Take the running sequence to preempt, among those not scheduled yet this step (from index i on)."""
@@ -334,10 +353,22 @@ class Scheduler:
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or finished while the step ran
-            seq.num_computed_tokens += item.num_new_tokens
+            seq.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids)  # drafts: on_drafts_verified
             self.kv.cache_full_blocks(seq)
             if seq.num_computed_tokens == seq.num_tokens:  # a token is sampled for it
                 self.fair.charge(seq.fairness_id, generated_tokens=1)
+
+    def on_drafts_verified(self, seq: Sequence, num_accepted: int) -> None:
+        """seq verified drafts in the step and kept num_accepted of them (its tokens appended already, the last one
+        sampled after them): their K/V is computed; the slots of the rejected ones are given back, and only full
+        blocks of kept tokens enter the prefix cache."""
+        if seq.status is not SequenceStatus.RUNNING:
+            return  # finished inside the run (its blocks are freed) or aborted
+        seq.num_computed_tokens += num_accepted
+        self.kv.free_tail(seq)
+        self.kv.cache_full_blocks(seq)
+        if num_accepted:
+            self.fair.charge(seq.fairness_id, generated_tokens=num_accepted)
 
     def on_step_failed(self, out: SchedulerOutput) -> str | None:
         """The forward pass ran out of memory: no sequence advanced, and the next steps are smaller. A sequence

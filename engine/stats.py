@@ -38,5 +38,9 @@ class EngineStats:
     step_predicted_seconds_total: float = 0.0
     step_observed_seconds_total: float = 0.0
     step_prediction_error_seconds_total: float = 0.0  # and the sum of |predicted - taken|
+    spec_num_drafts: int = 0  # --speculative-config (engine/spec/): verifications of a sequence with drafts,
+    spec_num_draft_tokens: int = 0  # the drafts they verified, and those accepted, since start
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()  # [i]: drafts accepted at position i; () with speculation off
     lora_running: tuple[str, ...] = ()  # adapters of the running requests
     lora_waiting: tuple[str, ...] = ()  # adapters of the waiting ones

@@ -295,6 +295,13 @@ counts it from. Returns (blocks imported, blocks of `hashes` held already)."""
         seq.num_computed_tokens = 0
         self._num_registered.pop(seq.seq_id, None)
 
+    def free_tail(self, seq: Sequence) -> None:
+        """Release the blocks past those holding seq's known tokens (slots of rejected draft tokens, engine/spec/);
+        they never held a full block of computed tokens, so none is in the prefix cache."""
+        keep = -(-seq.num_tokens // self.block_size)
+        tail, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
+        self.pool.free_blocks(self.pool.blocks[b] for b in reversed(tail))
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block, pinned ones too, while no request holds a block."""
         pinned = self.pins.block_ids()

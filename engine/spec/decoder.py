@@ -1,0 +1,174 @@
+"""Proposing draft tokens for a step, and keeping those the target model agrees with.
+
+The scheduler asks `propose(seq, num_running)` for every running sequence that decodes; a sequence with drafts
+d_1..d_k runs k+1 query positions in the step (its last token and the drafts, as a short prompt chunk over its
+paged KV), and the model returns logits for each. `sampling_rows` gives the sampler one row per position: row j
+is the sequence as it would stand after d_1..d_j (penalties, min_tokens and the seeded draw's position all
+follow). Each row is sampled exactly as a decode step would sample it, and `accept` keeps the longest run of
+drafts equal to what was sampled at their positions, plus the token sampled after that run (the correction, or
+the bonus token when every draft was kept).
+
+That is the standard rejection rule for a draft distribution that is a point mass on d (accept d with probability
+p(d), else draw from p without d, renormalized), drawn by sampling t ~ p and accepting when t = d: the emitted
+tokens are distributed exactly as without speculation. Greedy rows are the argmax, so greedy output is token for
+token the output without speculation whenever the verifying rows' logits equal a decode step's (always under
+--deterministic); seeded rows draw the same numbers as they would one token at a time, so seeded output is the
+same too.
+
+Not proposed for (they decode one token at a time): requests with a grammar (structured outputs, tool calls: the
+matcher would have to advance over drafts and roll back), LoRA requests (verification under adapters is not
+tested yet), a sequence still in its prompt.
+
+Back-off (a simple rule): a step with more running sequences than `disable_by_batch_size` proposes nothing; and a
+sequence whose drafts were all rejected skips its next 1, 2, 4, 8, then 16 decode steps (doubling while
+verifications keep rejecting everything, back to 0 at the first accepted draft).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from engine.sequence import Sequence
+from engine.spec import ngram
+from engine.spec.config import SpeculativeConfig
+
+MAX_SKIP = 16
+
+
+@dataclass
+class SpecStats:
+    """vLLM's spec_decode counters, since start."""
+
+    num_drafts: int = 0  # verifications of a sequence with drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i (0-based)
+
+
+class _Backoff:
+    __slots__ = ("skip", "wait")
+
+    def __init__(self) -> None:
+        self.skip = 0  # decode steps the last all-rejected verification made it skip (doubling, up to MAX_SKIP)
+        self.wait = 0  # decode steps still to skip
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self._backoff: weakref.WeakKeyDictionary[Sequence, _Backoff] = weakref.WeakKeyDictionary()
+
+    # ---- proposing (the scheduler) -----------------------------------------------------------
+
+    def propose(self, seq: Sequence, num_running: int) -> list[int]:
+        """Drafts for a running sequence that decodes this step (its last token is its only uncomputed one)."""
+        cfg = self.config
+        if num_running > cfg.disable_by_batch_size or seq.matcher is not None or seq.lora is not None:
+            return []
+        if seq.num_output_tokens == 0:
+            return []  # its prompt's last token: the step that forks n > 1 and reports the first token
+        back = self._backoff.get(seq)
+        if back is not None and back.wait > 0:
+            back.wait -= 1
+            return []
+        k = min(cfg.num_speculative_tokens, self.max_model_len - seq.num_tokens)
+        if seq.params.max_tokens is not None:
+            k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
+        return ngram.propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+
+    # ---- verifying (the engine, after the forward pass) ---------------------------------------
+
+    def sampling_rows(self, seqs: Seq[Sequence], drafts: dict[int, Seq[int]]) -> list:
+        """What the sampler reads for each logits row: `seqs` lists a sequence with k drafts k+1 times in a row
+        (one per verified position); row j of it is the sequence after its first j drafts."""
+        rows: list = []
+        i = 0
+        while i < len(seqs):
+            seq = seqs[i]
+            d = drafts.get(seq.seq_id, ())
+            rows.append(seq)
+            rows.extend(DraftView(seq, d[:j]) for j in range(1, len(d) + 1))
+            i += len(d) + 1
+        return rows
+
+    def accept(self, seqs: Seq[Sequence], token_ids: Seq[int], logprobs: Seq, drafts: dict[int, Seq[int]]
+               ) -> list[tuple[Sequence, list[int], list, int]]:
+        """Per sequence: (seq, tokens to emit, their logprobs, drafts it ran). Rows as in sampling_rows."""
+        out = []
+        i = 0
+        while i < len(seqs):
+            seq = seqs[i]
+            d = drafts.get(seq.seq_id, ())
+            sampled = token_ids[i:i + len(d) + 1]
+            a = 0
+            while a < len(d) and sampled[a] == d[a]:
+                a += 1
+            out.append((seq, list(sampled[:a + 1]), list(logprobs[i:i + a + 1]), len(d)))
+            if d:
+                self._count(seq, len(d), a)
+            i += len(d) + 1
+        return out
+
+    def _count(self, seq: Sequence, k: int, accepted: int) -> None:
+        st = self.stats
+        st.num_drafts += 1
+        st.num_draft_tokens += k
+        st.num_accepted_tokens += accepted
+        for pos in range(accepted):
+            st.accepted_per_pos[pos] += 1
+        back = self._backoff.get(seq)
+        if accepted:
+            if back is not None:
+                back.skip = back.wait = 0
+            return
+        if back is None:
+            back = self._backoff[seq] = _Backoff()
+        back.skip = min(MAX_SKIP, max(1, back.skip * 2))
+        back.wait = back.skip
+
+
+class DraftView:
+    """A sequence as it would stand after some of its drafts: what the sampler reads of a row."""
+
+    __slots__ = ("seq", "drafts")
+    matcher = None  # requests with a grammar get no drafts
+
+    def __init__(self, seq: Sequence, drafts: Seq[int]):
+        self.seq = seq
+        self.drafts = list(drafts)
+
+    @property
+    def params(self):
+        return self.seq.params
+
+    @property
+    def index(self) -> int:
+        return self.seq.index
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.seq.num_prompt_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids + self.drafts
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seq.num_tokens + len(self.drafts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.seq.num_output_tokens + len(self.drafts)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.seq.output_token_ids + self.drafts

@@ -31,8 +31,6 @@ __all__ = ["DEFAULT_POOL", "Fleet", "PoolEngine"]
 
 MODELS_INTERVAL_S = 5.0  # how often a ready replica's /v1/models is asked again (adapters come and go)
 KV_EVENTS_WARN_HEARTBEATS = 3  # ready this many --kv-heartbeat-timeout without a live KV event stream: a warning
-INFLIGHT_S = 30.0  # with pulls on: a prompt routed to a replica counts as held there this long, until its KV
-#                    events say so (a burst on a new prompt pulls from the replica computing it)
 
 
 @dataclass(frozen=True)
@@ -52,7 +50,7 @@ class Fleet:
         self.policy = POLICIES[cfg.policy]
         self.placement = Placement(self.policy, PlacementConfig(
             cfg.scoring, cfg.block_size, cfg.hash_seed, cfg.approx_max_blocks, cfg.scrape_stale_s,
-            breaker_failures=cfg.breaker_failures, breaker_open_s=cfg.breaker_open_s, inflight_s=INFLIGHT_S))
+            breaker_failures=cfg.breaker_failures, breaker_open_s=cfg.breaker_open_s))
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self._client: httpx.AsyncClient | None = None
         self.changed = asyncio.Event()  # set whenever readiness, membership or models change (tests, `kvfleet up`)

@@ -1,10 +1,11 @@
 """Prefixes on their way into a replica's cache: prompts routed there in the last `ttl_s` seconds.
 
 An exact index learns a replica holds a prefix from its KV events, once the prefill ran. Until then a burst of
-requests on one new prompt looks uncached everywhere, and a router that pulls (issue 31) would not know where
-to pull from. With pulls on, the placement counts a prompt it routed as held by that replica for `ttl_s`: the
-next request may go elsewhere and pull it, and the source engine streams the blocks as its prefill computes
-them (engine/server/kv_transfer.py). Pure state, no I/O.
+requests on one new prompt looks uncached everywhere: each would compute the prompt again wherever load sends it,
+and a router that pulls (issue 31) would not know where to pull from. The placement counts a prompt it routed as
+held by that replica for `ttl_s`: the next request stays there while its load allows (the `kv` cost), or with
+pulls on goes elsewhere and pulls it, the source engine streaming the blocks as its prefill computes them
+(engine/server/kv_transfer.py). Pure state, no I/O.
 """
 
 from __future__ import annotations

@@ -80,9 +80,10 @@ class PlacementConfig:
     grace_s: float = 0.2  # requests dispatched this long before a reading was taken are not in it yet
     breaker_failures: int = 3
     breaker_open_s: float = 5.0
-    # with pulls on: how long a prompt routed to a replica counts as held there before its KV events say so
-    # (router/routing/inflight_prefixes.py); 0: never (the simulator imports only what a source holds)
-    inflight_s: float = 0.0
+    # how long a prompt routed to a replica counts as held there before its KV events say so
+    # (router/routing/inflight_prefixes.py): a burst on a new prompt stays with the replica computing it, or with
+    # pulls on pulls from it; 0: never
+    inflight_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "approx_max_blocks", "breaker_failures"):
@@ -109,7 +110,7 @@ class Placement:
         self.index = PrefixIndex()
         self.approx = ApproxPrefixIndex(cfg.approx_max_blocks)
         self.pull_rates = PullRates()  # --pull-token-cost auto: the engines' measured rates
-        self.inflight = InflightPrefixes(cfg.inflight_s or 1.0)  # with pulls on: prompts routed, not in KV events yet
+        self.inflight = InflightPrefixes(cfg.inflight_s or 1.0)  # prompts routed, not in KV events yet
         self.replicas: dict[str, ReplicaState] = {}
         self.members: dict[str, list[str]] = {}  # pool -> its replicas, in the order the driver listed them
         self.pool_of: dict[str, str] = {}  # replica -> its pool
@@ -279,8 +280,9 @@ class Placement:
 
     @property
     def inflight_on(self) -> bool:
-        """With pulls on: prompts routed count as on their way into the replica's cache."""
-        return self.pulls and self.cfg.inflight_s > 0
+        """Prompts routed count as on their way into the replica's cache (cfg.inflight_s > 0): a burst on a new
+        prompt stays with the replica computing it (or, with pulls on, pulls from it) while load allows."""
+        return self.cfg.inflight_s > 0
 
     def predict_cached(self, prompt: Prompt, replicas: Sequence[str], now: float | None = None,
                        on_the_way: set[str] | None = None, tiered: dict[str, int] | None = None) -> dict[str, int]:

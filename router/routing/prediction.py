@@ -1,6 +1,6 @@
 """What each replica holds of one prompt, for the placement core (router/routing/placement.py): its prefix-cache hit
 from the exact index (KV events, hashed with each replica's own block size and seed) or the approximate one (where
-the router sent prompts), with pulls on the prompts on their way into a cache, the tokens a lower KV tier holds, and
+the router sent prompts), the prompts on their way into a cache, the tokens a lower KV tier holds, and
 the peers a replica could pull from - the replica views the policy chooses over. Pure: it reads the core's indexes
 and replica states, and changes nothing."""
 
@@ -24,7 +24,7 @@ class Prediction:
                        on_the_way: set[str] | None = None, tiered: dict[str, int] | None = None) -> dict[str, int]:
         """Per replica, the prompt tokens its prefix cache holds: from the exact index where its KV events are
         live (hashed with the block size and seed of its snapshot), from the approximate index where the policy
-        falls back to it; no entry where neither predicts. With pulls on (and `now` given), a prompt routed to an
+        falls back to it; no entry where neither predicts. With `now` given, a prompt routed to an
         exact-index replica in the last cfg.inflight_s seconds counts as held there already (on_the_way, if given,
         collects the replicas predicted so). tiered, if given, gets per replica the tokens past its cached prefix its
         lower tier holds."""

@@ -358,7 +358,9 @@ async def _replay(policy: str, seed: int) -> list[Decision]:
             held[url].clear()
             await kv(url, KVEventKind.CLEARED)
         # a request: a session's next turn (its history plus a new message), or a one-off on a system prompt
-        if rng.random() < 0.7:
+        if rng.random() < 0.2:  # a prompt nobody has seen: no replica holds any of it, nor has it on the way
+            prep = PreparedRequest(_tokens(rng, rng.randrange(20, 60)), None, f"user-{step % 4}", True)
+        elif rng.random() < 0.7:
             sid = rng.randrange(6)
             history = sessions.get(sid) or list(systems[sid % 2])
             tokens = sessions[sid] = history + _tokens(rng, rng.randrange(5, 40))

@@ -87,11 +87,16 @@ def test_a_burst_on_a_new_prompt_pulls_from_the_replica_it_was_first_routed_to()
     assert late.pull_from is None and late.predicted_cached_tokens == 0
 
 
-def test_in_flight_prefixes_are_off_without_pulls_or_without_inflight_s():
-    for scoring, inflight in ((ScoringConfig(), 30.0), (CHEAP, 0.0)):
-        p = _empty(scoring, inflight)
+def test_in_flight_prefixes_count_with_or_without_pulls_and_are_off_without_inflight_s():
+    """Without pulls a burst on a new prompt stays with the replica computing it while load allows (the second
+    request's cost there is its queue, not a recompute); inflight_s 0 turns the prediction off."""
+    for scoring in (ScoringConfig(), CHEAP):
+        p = _empty(scoring, 30.0)
         p.on_routed(A, _request(), 0, 1.0)
-        assert p.predict_cached(_request(), [A, B], 1.1) == {A: 0, B: 0}
+        assert p.predict_cached(_request(), [A, B], 1.1) == {A: len(TOKENS) // BS * BS, B: 0}
+    p = _empty(CHEAP, 0.0)
+    p.on_routed(A, _request(), 0, 1.0)
+    assert p.predict_cached(_request(), [A, B], 1.1) == {A: 0, B: 0}
 
 
 def test_blocks_a_lower_tier_holds_count_at_their_reload_cost():

@@ -22,7 +22,7 @@ from router.routing.lease import Lease
 from router.routing.placement import DEFAULT_POOL, Placement, PlacementConfig
 from router.routing.policies import POLICIES, Decision
 from router.routing.prepare import PreparedRequest
-from router.routing.replicas import EngineLoad, ReplicaState, parse_engine_metrics
+from router.routing.replicas import EngineLoad, ReplicaState, Ticket, parse_engine_metrics
 from router.states import KVEventsState
 
 log = logging.getLogger("kvfleet.router.fleet")
@@ -281,4 +281,13 @@ class Fleet:
         ticket = self.placement.on_routed(decision.url, prep, decision.predicted_cached_tokens, self.clock())
         if ticket is None:  # not a known replica (the policy chooses among them): nothing to lease
             return None
-        return Lease(decision, self.replicas[decision.url], ticket, self.clock)
+        return Lease(decision, self.replicas[decision.url], ticket, self.clock, self._first_token_of(decision.url))
+
+    def _first_token_of(self, url: str):
+        def first_token(ticket: Ticket) -> None:
+            seconds = self.placement.on_first_token(url, ticket, self.clock())
+            if seconds is not None and ticket.predicted_ttft_s is not None:
+                self.metrics.ttft_error.observe(seconds - ticket.predicted_ttft_s)
+                self.metrics.ttft_predicted.inc()
+
+        return first_token

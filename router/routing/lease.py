@@ -25,13 +25,15 @@ class Verdict(StrEnum):
 
 
 class Lease:
-    __slots__ = ("decision", "verdict", "_state", "_ticket", "_clock", "_released")
+    __slots__ = ("decision", "verdict", "_state", "_ticket", "_clock", "_released", "_on_first_token")
 
-    def __init__(self, decision: Decision, state: ReplicaState, ticket: Ticket, clock: Callable[[], float]):
+    def __init__(self, decision: Decision, state: ReplicaState, ticket: Ticket, clock: Callable[[], float],
+                 on_first_token: Callable[[Ticket], None] | None = None):
         self.decision = decision
         self.verdict: Verdict | None = None
         self._state, self._ticket, self._clock = state, ticket, clock
         self._released = False
+        self._on_first_token = on_first_token  # the placement core's (it learns TTFT from it); else the state's
 
     @property
     def url(self) -> str:
@@ -47,7 +49,10 @@ class Lease:
 
     def first_token(self) -> None:
         """The replica streamed the request's first token: its prefill is no longer queued there."""
-        self._state.on_first_token(self._ticket)
+        if self._on_first_token is not None:
+            self._on_first_token(self._ticket)
+        else:
+            self._state.on_first_token(self._ticket)
 
     def succeeded(self) -> None:
         self._settle(Verdict.SUCCEEDED)

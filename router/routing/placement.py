@@ -32,6 +32,7 @@ from router.routing.prediction import Prediction
 from router.routing.prefix_index import PrefixIndex
 from router.routing.pull_rates import PullRates
 from router.routing.replicas import CircuitBreaker, EngineLoad, ReplicaState, Ticket
+from router.routing.ttft_model import TTFTModel, features
 from router.states import CircuitState, KVEventsState
 
 DEFAULT_POOL = "default"  # the one pool of a router started without --pools (and of Ray and the simulator)
@@ -117,6 +118,7 @@ class Placement:
         self.rings: dict[str, HashRing] = {}  # pool -> the session ring over its members
         self.turn = 0  # advanced once per decision: rotates ties (and round-robin)
         self.prediction = Prediction(self)  # what each replica holds of a prompt: the views the policy sees
+        self.ttft = TTFTModel()  # time to first token from a replica's load and the request, fitted from first tokens
 
     # -- membership ----------------------------------------------------------------------------------------
     def set_members(self, pool: str, replicas: Iterable[str]) -> Membership:
@@ -331,7 +333,9 @@ class Placement:
         st = self.replicas.get(replica)
         if st is None:
             return None
+        x = features(st.view(now, self.cfg.stale_s), prompt.num_prompt_tokens, predicted_cached_tokens)
         ticket = st.on_dispatch(max(prompt.num_prompt_tokens - predicted_cached_tokens, 0), now)
+        ticket.ttft_features, ticket.predicted_ttft_s = x, self.ttft.predict(x)
         st.breaker.on_attempt(now)
         kind = self.policy.needs.index_for(st.kv_events)
         if kind is IndexKind.APPROX:
@@ -344,12 +348,20 @@ class Placement:
                 self.inflight.record(replica, hashes, now)
         return ticket
 
-    def on_first_token(self, replica: str, ticket: Ticket) -> None:
+    def on_first_token(self, replica: str, ticket: Ticket, now: float | None = None) -> float | None:
         """The replica streamed the request's first token: its prefill is no longer ahead there. A driver that
-        cannot see first tokens leaves the request pending until on_done."""
+        cannot see first tokens leaves the request pending until on_done. With `now`, the TTFT model learns from it
+        (the first of an attempt only); returns the observed TTFT then."""
         st = self.replicas.get(replica)
-        if st is not None:
-            st.on_first_token(ticket)
+        if st is None:
+            return None
+        first = ticket.prefilling
+        st.on_first_token(ticket)
+        if now is None or not first or ticket.ttft_features is None:
+            return None
+        seconds = now - ticket.dispatched_at
+        self.ttft.observe(ticket.ttft_features, seconds)
+        return seconds
 
     def on_done(self, replica: str, ticket: Ticket) -> None:
         """The request left the replica (finished, failed or abandoned)."""

@@ -206,6 +206,8 @@ class Ticket:
     dispatched_at: float
     tokens: int  # uncached prompt tokens (predicted)
     prefilling: bool = True  # no token streamed back yet (a non-streamed request stays so until it ends)
+    ttft_features: tuple | None = None  # router/routing/ttft_model.py's TTFTFeatures when it was dispatched
+    predicted_ttft_s: float | None = None  # the TTFT model's prediction then (None: the model was not ready)
 
 
 class ReplicaState:

@@ -1,0 +1,85 @@
+"""Predicted time to first token on a replica, fitted online from what the router observes on the streams it proxies.
+
+    seconds ~ c0 + c1 * uncached prompt tokens of the request there
+                 + c2 * prefill this router knows is ahead there (its own requests' uncached tokens, no token yet)
+                 + c3 * waiting requests other routers sent there (scraped)
+                 + c4 * running sequences there (scraped, plus this router's sent since)
+
+The features are read from the replica's view when the request is placed (`features`); the request's first
+streamed token gives the seconds (`observe`). Least squares over the last `window` observations, columns scaled to
+unit norm; a coefficient that comes out negative is fixed at 0 and the rest refitted, so every feature costs time.
+Until `min_samples` observations are in (and some coefficient is positive) `predict` answers None: no
+prediction, no target refused for want of one. Shared by every replica of a router (the engines of one pool run
+one model on like hardware; a replica's own load is in its features). Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+import numpy as np
+
+from router.routing.policies.base import ReplicaView
+
+
+class TTFTFeatures(NamedTuple):
+    prompt_tokens: float  # uncached prompt tokens of this request on the replica
+    ahead_tokens: float  # this router's pending prefill there
+    waiting: float  # other routers' waiting requests there
+    running: float  # running sequences there
+
+
+def features(view: ReplicaView, num_prompt_tokens: int, predicted_cached_tokens: int) -> TTFTFeatures:
+    running = max(view.running - view.finished, 0) + view.new_requests
+    waiting = max(view.waiting - view.pending, 0)
+    return TTFTFeatures(float(max(num_prompt_tokens - predicted_cached_tokens, 0)), float(view.pending_tokens),
+                        float(waiting), float(running))
+
+
+class TTFTModel:
+    def __init__(self, window: int = 512, min_samples: int = 16, refit_every: int = 8):
+        if window < 5 or not 5 <= min_samples <= window or refit_every < 1:
+            raise ValueError(f"need window >= min_samples >= 5 and refit_every >= 1, got {window}, {min_samples}, "
+                             f"{refit_every}")
+        self.min_samples, self.refit_every = min_samples, refit_every
+        self.samples: deque[tuple[TTFTFeatures, float]] = deque(maxlen=window)
+        self.coefficients: tuple[float, ...] | None = None  # c0 (s), then seconds per unit of each feature
+        self._new = 0
+
+    def observe(self, x: TTFTFeatures, seconds: float) -> None:
+        if not seconds >= 0:
+            return
+        self.samples.append((x, seconds))
+        self._new += 1
+        if len(self.samples) >= self.min_samples and (self.coefficients is None or self._new >= self.refit_every):
+            self._fit()
+
+    def predict(self, x: TTFTFeatures) -> float | None:
+        c = self.coefficients
+        if c is None:
+            return None
+        return c[0] + sum(ci * xi for ci, xi in zip(c[1:], x, strict=True))
+
+    @property
+    def ready(self) -> bool:
+        return self.coefficients is not None
+
+    def _fit(self) -> None:
+        self._new = 0
+        a = np.array([(1.0, *x) for x, _ in self.samples])
+        y = np.array([s for _, s in self.samples])
+        keep = list(range(a.shape[1]))
+        coef = np.zeros(a.shape[1])
+        while keep:
+            cols = a[:, keep]
+            norms = np.linalg.norm(cols, axis=0)
+            norms[norms == 0] = 1.0
+            sol = np.linalg.lstsq(cols / norms, y, rcond=None)[0] / norms
+            negative = [k for k, v in zip(keep, sol, strict=True) if v < 0]
+            if not negative:
+                coef[:] = 0.0
+                coef[keep] = sol
+                break
+            keep = [k for k in keep if k not in negative]
+        self.coefficients = tuple(float(v) for v in coef) if coef.any() else None

@@ -41,6 +41,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.config import SchedulerConfig
 from engine.fair_share import FairShare
@@ -48,6 +49,12 @@ from engine.kv.manager import KVCacheManager
 from engine.oom_backoff import OomBackoff
 from engine.sequence import Sequence, SequenceStatus
 from engine.step_time import StepShape, StepTimeModel, StepTimeStats, step_shape
+
+
+class DraftProposer(Protocol):
+    """Draft tokens for a running sequence that decodes this step (engine/spec/decoder.py's SpecDecoder)."""
+
+    def propose(self, seq: Sequence, num_running: int) -> list[int]: ...
 
 
 @dataclass
@@ -89,7 +96,7 @@ class Scheduler:
         self._room_unused = False  # the last step's running prompts left room that no waiting prompt took
         self.step_time = StepTimeModel()
         self.step_stats = StepTimeStats()
-        self.proposer = None  # engine/spec/decoder.py's SpecDecoder with --speculative-config: drafts for decodes
+        self.proposer: DraftProposer | None = None  # with --speculative-config: drafts for decodes (engine/spec/)
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -248,6 +255,7 @@ class Scheduler:
         """The draft tokens a decoding seq verifies this step: what the proposer offers, as many as the step's `room`
         holds. Drafts are never worth a preemption or a delayed admission: they take new blocks only while no request
         waits for a free seat, and leave one free block for each of the `later` running sequences still to schedule."""
+        assert self.proposer is not None
         drafts = self.proposer.propose(seq, len(self.running))[:max(0, room)]
         if drafts:
             base = self.kv.num_blocks_needed(seq, 1)
@@ -379,6 +387,8 @@ class Scheduler:
             if copied.intersection(item.seq.block_table):
                 self.running.remove(item.seq)
                 self._preempt(item.seq)
+            elif item.spec_token_ids and item.seq.status is SequenceStatus.RUNNING:
+                self.kv.free_tail(item.seq)  # its drafts' slots: the retry proposes again
         return self.oom.on_oom(out.num_batched_tokens, {item.seq.request_id for item in out.scheduled})
 
     # ---- leaving ---------------------------------------------------------------------------

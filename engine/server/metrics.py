@@ -106,6 +106,7 @@ class _StatsCollector:
                               "and logprobs independent of its batch and of the cache), else 0.", labels=["model_name"])
         g.add_metric(labels, 1.0 if getattr(s, "deterministic", False) else 0.0)
         yield g
+        yield from _spec_decode(s, labels)
         max_loras = getattr(s, "max_loras", 0)
         if max_loras:  # vLLM's gauge with LoRA enabled: the value is the time of the reading
             g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
@@ -119,6 +120,29 @@ class _StatsCollector:
                               labels=list(info))
         g.add_metric(list(info.values()), 1.0)
         yield g
+
+
+_SPEC_COUNTERS = (
+    ("vllm:spec_decode_num_drafts", "spec_num_drafts", "Verifications of a sequence with draft tokens."),
+    ("vllm:spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Draft tokens verified."),
+    ("vllm:spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Draft tokens accepted."),
+)
+
+
+def _spec_decode(s, labels: list[str]):
+    """vLLM's spec_decode counters, on an engine with --speculative-config only (engine/spec/)."""
+    per_pos = getattr(s, "spec_accepted_per_pos", ())
+    if not per_pos:
+        return
+    for name, attr, help_text in _SPEC_COUNTERS:
+        c = CounterMetricFamily(name, help_text, labels=["model_name"])
+        c.add_metric(labels, float(getattr(s, attr, 0)))
+        yield c
+    c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by their "
+                            "position among a step's drafts (0: the first).", labels=["model_name", "position"])
+    for pos, n in enumerate(per_pos):
+        c.add_metric([*labels, str(pos)], float(n))
+    yield c
 
 
 class EngineMetrics:

@@ -54,17 +54,18 @@ class SpeculativeConfig:
             except json.JSONDecodeError as e:
                 raise ConfigError(FLAG, f"{FLAG}: must be a JSON object, e.g. '{{\"method\": \"ngram\", "
                                         f"\"num_speculative_tokens\": 4}}' ({e})") from None
-        _check(isinstance(value, dict), None, f"must be a JSON object, got {type(value).__name__}")
+        if not isinstance(value, dict):
+            raise ConfigError(FLAG, f"{FLAG}: must be a JSON object, got {type(value).__name__}")
         unknown = sorted(set(value) - set(_FIELDS))
         _check(not unknown, None,
                f"unknown field(s) {', '.join(map(repr, unknown))}; kvfleet takes {', '.join(_FIELDS)}")
         _check("method" in value, "method", "is required (\"ngram\")")
         _check("num_speculative_tokens" in value, "num_speculative_tokens", "is required (the drafts per step, k)")
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
-        if lo is None and hi is None:
-            lo = hi = DEFAULT_LOOKUP
-        lo = hi if lo is None else lo
-        hi = lo if hi is None else hi
+        if lo is None:  # vLLM's defaults: 5 and 5 when neither is given, else each the other's
+            lo = DEFAULT_LOOKUP if hi is None else hi
+        if hi is None:
+            hi = lo
         method = value["method"]
         if method == "[ngram]":  # vLLM's legacy spelling
             method = "ngram"
@@ -77,8 +78,8 @@ class SpeculativeConfig:
 
 
 def _int(name: str, value: object, minimum: int, maximum: int | None = None) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-    ok = ok and (maximum is None or value <= maximum)
+    ok = (isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+          and (maximum is None or value <= maximum))
     bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
     _check(ok, name, f"must be an integer {bound}, got {value!r}")
 

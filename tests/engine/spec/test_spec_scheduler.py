@@ -119,3 +119,13 @@ def test_drafts_leave_a_block_for_each_decode_after_them():
     # whose other slots take b's drafts
     assert [(it.seq.request_id, list(it.spec_token_ids)) for it in out.scheduled] == [("a", []), ("b", [8, 9, 10])]
     assert out.preempted == [] and b.block_table == [2, 3, 4]
+
+
+def test_a_step_that_ran_out_of_memory_gives_the_drafts_slots_back():
+    kv, sched, seq = setup()
+    out = sched.schedule()
+    assert seq.block_table == [0, 1, 2]
+    sched.on_step_failed(out)
+    assert (seq.num_computed_tokens, seq.block_table, kv.num_free_blocks) == (6, [0, 1], 14)
+    out = sched.schedule()  # the retry, in half the failed step's tokens: one draft
+    assert list(out.scheduled[0].spec_token_ids) == [8] and seq.block_table == [0, 1]

@@ -1,0 +1,82 @@
+"""SpecDecoder: who gets drafts (and how many), the back-off, and keeping the longest agreeing run. Pure."""
+
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from engine.spec.config import SpeculativeConfig
+from engine.spec.decoder import DraftView, SpecDecoder
+
+CFG = SpeculativeConfig("ngram", 3, 1, 2, disable_by_batch_size=4)
+
+
+def decoding(prompt=(1, 2, 3, 1, 2), output=(3,), **params) -> Sequence:
+    seq = Sequence("r", list(prompt), SamplingParams(**params))
+    for t in output:
+        seq.append_token(t)
+    return seq
+
+
+def test_drafts_for_a_decoding_sequence_capped_by_max_tokens_and_max_model_len():
+    spec = SpecDecoder(CFG, max_model_len=64)
+    assert spec.propose(decoding(), 1) == [1, 2, 3]  # "2 3" occurred at 1..2
+    assert spec.propose(decoding(max_tokens=3), 1) == [1]  # 1 output so far: 2 more at most, the last one sampled
+    assert spec.propose(decoding(max_tokens=2), 1) == []
+    assert SpecDecoder(CFG, max_model_len=8).propose(decoding(), 1) == [1, 2]  # positions 5..7
+
+
+def test_no_drafts_for_grammars_lora_first_tokens_or_large_batches():
+    spec = SpecDecoder(CFG, max_model_len=64)
+    seq = decoding()
+    assert spec.propose(seq, 4) == [1, 2, 3] and spec.propose(seq, 5) == []  # disable_by_batch_size 4
+    seq.matcher = object()
+    assert spec.propose(seq, 1) == []
+    lora = decoding()
+    lora.lora = object()
+    assert spec.propose(lora, 1) == []
+    assert spec.propose(decoding(output=()), 1) == []  # the prompt's last token: the first output comes next
+
+
+def test_a_sequence_whose_drafts_all_fail_backs_off_doubling():
+    spec = SpecDecoder(CFG, max_model_len=1024)
+    seq = decoding()
+    pattern = []
+    for _ in range(20):
+        d = spec.propose(seq, 1)
+        pattern.append(len(d) > 0)
+        if d:
+            spec.accept([seq] * (len(d) + 1), [0] * (len(d) + 1), [None] * (len(d) + 1), {seq.seq_id: d})
+    # proposes, skips 1, proposes, skips 2, proposes, skips 4, proposes, skips 8, proposes
+    assert pattern == [True, False, True, False, False, True, False, False, False, False, True] + [False] * 8 + [True]
+
+
+def test_a_kept_draft_resets_the_back_off():
+    spec = SpecDecoder(CFG, max_model_len=1024)
+    seq = decoding()
+    d = spec.propose(seq, 1)
+    spec.accept([seq] * 4, [9, 9, 9, 9], [None] * 4, {seq.seq_id: d})  # all rejected
+    assert spec.propose(seq, 1) == []  # skips one step
+    d = spec.propose(seq, 1)
+    spec.accept([seq] * 4, [d[0], 9, 9, 9], [None] * 4, {seq.seq_id: d})  # one kept
+    assert spec.propose(seq, 1) == d
+
+
+def test_rows_and_the_longest_agreeing_run():
+    spec = SpecDecoder(CFG, max_model_len=64)
+    a, b, c = decoding(), decoding(output=(3, 7)), decoding(output=(3, 8))
+    drafts = {a.seq_id: [1, 2, 3], c.seq_id: [5]}
+    seqs = [a] * 4 + [b] + [c] * 2
+    rows = spec.sampling_rows(seqs, drafts)
+    assert rows[0] is a and rows[4] is b and rows[5] is c
+    assert [r.token_ids[-2:] for r in rows[1:4]] == [[3, 1], [1, 2], [2, 3]]
+    assert isinstance(rows[6], DraftView) and rows[6].num_output_tokens == 3 and rows[6].num_tokens == 8
+    assert rows[6].output_token_ids == [3, 8, 5] and rows[6].matcher is None and rows[6].index == c.index
+    sampled = [1, 2, 9, 4, 11, 6, 12]  # a: 1 and 2 kept, 9 instead of 3; b: 11; c: 6 instead of 5
+    lps = list("abcdefg")
+    out = spec.accept(seqs, sampled, lps, drafts)
+    assert [(s is x, t, lp, k) for (s, t, lp, k), x in zip(out, (a, b, c), strict=True)] == [
+        (True, [1, 2, 9], ["a", "b", "c"], 3), (True, [11], ["e"], 0), (True, [6], ["f"], 1)]
+    st = spec.stats
+    assert (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, st.accepted_per_pos) == (2, 4, 2, [1, 1, 0])
+    spec.accept([a] * 4, [1, 2, 3, 4], [None] * 4, {a.seq_id: [1, 2, 3]})  # all kept, plus the bonus token
+    assert spec.stats.accepted_per_pos == [2, 2, 1] and spec.stats.num_accepted_tokens == 5

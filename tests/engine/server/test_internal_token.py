@@ -109,6 +109,11 @@ def test_without_the_flag_only_kv_events_need_the_token():
         assert client.get("/metrics").status_code == 200
         r = client.get("/v1/kv/events")
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_internal_token"
+        lookup = {"request_ids": ["req_1"]}  # the usage lookup is internal too (contract/usage_lookup.py)
+        r = client.post("/v1/kvfleet/usage/lookup", json=lookup)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_internal_token"
+        r = client.post("/v1/kvfleet/usage/lookup", json=lookup, headers=AUTH)
+        assert r.json() == {"object": "kvfleet.usage_lookup", "data": {"req_1": "unknown"}}
 
 
 def test_token_matches():

@@ -51,6 +51,9 @@ class RouterMetrics:
                                     "out", buckets=_TTFT_ERROR_BUCKETS, registry=r)
         self.ttft_predicted = Counter("kvfleet_router_ttft_predicted_requests", "Requests whose first token came "
                                       "with a TTFT prediction made when they were placed", registry=r)
+        self.slo_refused = Counter("kvfleet_router_slo_refused_requests", "Requests with a TTFT target (the "
+                                   "x-llm-d-slo-ttft-ms header) refused with 429 slo_unattainable: no replica of the "
+                                   "pool was predicted to meet it", ["pool"], registry=r)
         self.pulls = Counter("kvfleet_router_kv_pulls", "Requests sent to a replica with a peer to pull their "
                              "cached prefix from (the pulling replica and the source)", ["replica", "source"],
                              registry=r)

@@ -19,9 +19,12 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from contract.fairness import FAIRNESS_HEADER
 from contract.request import Endpoint, OpenAIRequest, RequestError, parse_request
+from contract.slo import HEADERS as slo_headers
+from contract.slo import latency_targets
 from contract.structured import constrained_kind
 from router.admission.gate import Pass
 from router.admission.pipeline import Admitted
@@ -35,6 +38,7 @@ from router.tenants.ledger import RecordMeta
 from router.tenants.registry import Tenant, api_key_id
 
 SESSION_HEADERS = (b"x-session-id",)
+SLO_HEADERS = tuple(h.encode() for h in slo_headers)
 _FAIRNESS = FAIRNESS_HEADER.encode()
 _REQUEST_ID = b"x-request-id"
 
@@ -111,14 +115,21 @@ class Flow:
         if tokenizer is None and core.tokenizer_pending(model):
             return refuse(503, f"the router is still fetching the tokenizer of {model} from its engines; retry",
                           "no_ready_replica", None, "no_ready_replica", [(b"retry-after", b"1")])
-        hdr = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers if k.lower() in SESSION_HEADERS}
+        hdr = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers
+               if k.lower() in SESSION_HEADERS or k.lower() in SLO_HEADERS}
+        try:
+            targets = latency_targets(hdr)
+        except RequestError as e:
+            return refuse(e.status, str(e), "invalid", e.param, e.code)
         prep = prepare_request(path, req.body, hdr, tokenizer, core.need_tokens)
+        prep.ttft_target_s = targets.ttft_s
         kind = constrained_kind(req.body)
         if kind is not None:
             core.metrics.constrained.labels(kind).inc()
         counts = prompt_token_counts(path, req.body, tokenizer, prep)
         request_id, key_id = new_request_id(), api_key_id(headers) if tenant is not None else None
-        admitted = await core.admission.admit(req, tenant, prep.session_key, counts, request_id, key_id)
+        slo = partial(core.fleet.slo_refusal, prep) if prep.ttft_target_s is not None else None
+        admitted = await core.admission.admit(req, tenant, prep.session_key, counts, request_id, key_id, slo)
         if isinstance(admitted, Refusal):
             return admitted
         prep.cache_salt = admitted.request.cache_salt

@@ -9,14 +9,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import httpx
 
+from contract.slo import TTFT_HEADER
 from router.config import RouterConfig, VllmEventsConfig
 from router.metrics import RouterMetrics
+from router.refusal import Refusal, refuse
 from router.routing.kv_events import KVEventSubscriber
 from router.routing.lease import Lease
 from router.routing.placement import DEFAULT_POOL, Placement, PlacementConfig
@@ -270,6 +273,20 @@ class Fleet:
     def route(self, prep: PreparedRequest, excluded: set[str] | frozenset[str] = frozenset(),
               pool: str = DEFAULT_POOL, candidates: Sequence[str] | None = None, peek: bool = False) -> Decision | None:
         return self.placement.choose(prep, self.clock(), pool, excluded, candidates, peek)
+
+    def slo_refusal(self, prep: PreparedRequest, pool: str) -> Refusal | None:
+        """429 `slo_unattainable` (with Retry-After) when no routable replica of `pool` is predicted to send the
+        request's first token within its target; None when one is, when it has no target, or while the TTFT model
+        is not ready (no prediction: no refusal)."""
+        target = prep.ttft_target_s
+        predicted = self.placement.predict_ttft(prep, self.clock(), pool) if target is not None else {}
+        if not predicted or (best := min(predicted.values())) <= target:
+            return None
+        self.metrics.slo_refused.labels(pool).inc()
+        return refuse(429, f"no replica of pool {pool!r} is predicted to send the first token within "
+                           f"{target * 1000:.0f} ms (the best predicts {best * 1000:.0f} ms); retry later, or with a "
+                           f"longer {TTFT_HEADER}", "slo_unattainable", TTFT_HEADER, "slo_unattainable",
+                      [(b"retry-after", str(max(1, math.ceil(best - target))).encode())])
 
     def lease(self, prep: PreparedRequest, excluded: set[str] | frozenset[str] = frozenset(),
               pool: str = DEFAULT_POOL, candidates: Sequence[str] | None = None) -> Lease | None:

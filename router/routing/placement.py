@@ -311,6 +311,9 @@ class Placement:
         if not replicas or ring is None:
             return None
         views = self.views(prompt, replicas, now, excluded)
+        target = getattr(prompt, "ttft_target_s", None)
+        if target is not None and (slow := self.prediction.missing_target(views, prompt, target)):
+            views = [replace(v, routable=False) if v.url in slow else v for v in views]
         turn = self.turn
         if not peek:
             self.turn += 1
@@ -325,6 +328,14 @@ class Placement:
             d = replace(d, pull_from=source, pull_pending=pending) if source is not None else replace(
                 d, pull_tokens=0, predicted_cached_tokens=d.predicted_cached_tokens - d.pull_tokens)
         return d
+
+    def predict_ttft(self, prompt: Prompt, now: float, pool: str = DEFAULT_POOL,
+                     excluded: set[str] | frozenset[str] = frozenset()) -> dict[str, float]:
+        """Per routable replica of `pool`, the predicted seconds to the request's first token there (its cached
+        prefix and the load it would join); empty while the TTFT model is not ready."""
+        if not self.ttft.ready:
+            return {}
+        return self.prediction.ttft(self.views(prompt, self.members.get(pool, []), now, excluded), prompt)
 
     def on_routed(self, replica: str, prompt: Prompt, predicted_cached_tokens: int, now: float) -> Ticket | None:
         """The request went to `replica` (None: the replica is not known, nothing to book). Its uncached prompt

@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from router.routing.policies import Decision, IndexKind, ReplicaView
+from router.routing.ttft_model import features
 
 if TYPE_CHECKING:
     from router.routing.placement import Placement, Prompt
@@ -85,6 +86,21 @@ class Prediction:
             n, r = next(((n, r) for n, r in sources if r != v.url), (0, ""))
             out.append(replace(v, peer_cached_tokens=n, peer_wait_tokens=wait.get(r, 0), peer_on_the_way=r in on_the_way))
         return out
+
+    def ttft(self, views: Sequence[ReplicaView], prompt: Prompt) -> dict[str, float]:
+        """Per routable view, the TTFT model's predicted seconds to the first token (none while it is not ready)."""
+        out = {}
+        for v in views:
+            if v.routable and (s := self.p.ttft.predict(features(v, prompt.num_prompt_tokens, v.cached_tokens))) is not None:
+                out[v.url] = s
+        return out
+
+    def missing_target(self, views: Sequence[ReplicaView], prompt: Prompt, target: float) -> set[str]:
+        """The routable replicas predicted to miss the TTFT target, when at least one is predicted to meet it (else
+        none: the request goes where the policy puts it, the admission having let it through)."""
+        predicted = self.ttft(views, prompt)
+        slow = {u for u, s in predicted.items() if s > target}
+        return slow if len(slow) < len(predicted) else set()
 
     def pull_source(self, decision: Decision, views: Sequence[ReplicaView]) -> str | None:
         """The ready replica other than the chosen one holding the most of the prompt (where it pulls from)."""

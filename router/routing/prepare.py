@@ -25,6 +25,7 @@ class PreparedRequest:
     session_key: str | None
     stream: bool
     adapter: str | None = None  # the LoRA adapter the request names (its model), None for a base model
+    ttft_target_s: float | None = None  # the request's time-to-first-token target (contract/slo.py), if any
     _hashes: dict[tuple[int, int], list[int]] = field(default_factory=dict)
 
     @property

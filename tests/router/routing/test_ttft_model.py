@@ -77,3 +77,46 @@ def test_the_placement_core_learns_from_first_tokens_and_predicts_at_dispatch():
         p.on_done("http://a", ticket)
         now += 10.0
     assert p.ttft.ready and len(p.ttft.samples) == 20
+
+
+def _two_replicas_fitted() -> Placement:
+    """Replicas a (10 short sequences running) and b (one 4,000-token prefill of this router's ahead), the model
+    fitted exactly: least-load prefers b (1 request against 10), the model a (b's prefill comes first)."""
+    p = Placement(POLICIES["least-load"], PlacementConfig(block_size=16))
+    p.set_members("default", ["http://a", "http://b"])
+    for u, running in (("http://a", 10), ("http://b", 0)):
+        p.on_health(u, True, 0.0)
+        p.on_load(u, EngineLoad(running=running), 0.0, 0.0)
+    for x in _samples(16, seed=2):
+        p.ttft.observe(x, _truth(x))
+    p.on_routed("http://b", HashedPrompt(num_prompt_tokens=4000), 0, 0.5)
+    return p
+
+
+def test_a_request_with_a_ttft_target_goes_only_where_it_is_predicted_to_be_met():
+    p = _two_replicas_fitted()
+    prompt = HashedPrompt(num_prompt_tokens=1000)
+    predicted = p.predict_ttft(prompt, 1.0)
+    assert predicted == pytest.approx({"http://a": _truth(TTFTFeatures(1000, 0, 0, 10)),
+                                       "http://b": _truth(TTFTFeatures(1000, 4000, 0, 1))})
+    assert {p.choose(prompt, 1.0).url for _ in range(4)} == {"http://b"}  # no target: the policy's choice
+    targeted = _Targeted(1000, 0.6)  # a: 0.55 s, b: 2.12 s
+    assert {p.choose(targeted, 1.0).url for _ in range(4)} == {"http://a"}
+    assert {p.choose(_Targeted(1000, 5.0), 1.0).url for _ in range(4)} == {"http://b"}  # both meet it: the policy
+    unmeetable = _Targeted(1000, 0.1)  # neither meets it: the policy decides (the admission refuses it before)
+    assert p.choose(unmeetable, 1.0) is not None
+
+
+def test_no_prediction_before_the_model_is_fitted():
+    p = Placement(POLICIES["least-load"], PlacementConfig(block_size=16))
+    p.set_members("default", ["http://a"])
+    p.on_health("http://a", True, 0.0)
+    assert p.predict_ttft(HashedPrompt(num_prompt_tokens=10), 0.0) == {}
+
+
+class _Targeted(HashedPrompt):
+    __slots__ = ("ttft_target_s",)
+
+    def __init__(self, n: int, target: float):
+        super().__init__(num_prompt_tokens=n)
+        object.__setattr__(self, "ttft_target_s", target)

@@ -1,0 +1,48 @@
+"""Latency targets through a real router over fake engines (each sends its first byte 60 ms after a request): once
+the router's TTFT model has 16 first tokens, a request whose `x-llm-d-slo-ttft-ms` no replica is predicted to meet
+gets 429 `slo_unattainable` with Retry-After before anything is sent to an engine; one that can be met is served; a
+bad target is a 400 naming the header."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests.router.conftest import fake_engine, metric, ready_replicas, router, wait_for
+
+
+def _chat(stream: bool = False) -> dict:
+    return {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": stream}
+
+
+def test_a_ttft_target_no_replica_can_meet_is_refused_and_one_it_can_is_served(procs):
+    engines = [fake_engine(procs, f"e{i}", "--delay-ms", "60") for i in range(2)]
+    for e in engines:
+        e.wait_ready()
+    r = router(procs, [e.url for e in engines], policy="least-load").wait_ready()
+    wait_for(lambda: ready_replicas(r) == 2, what="both replicas ready")
+    with httpx.Client(base_url=r.url, timeout=30) as c:
+        bad = c.post("/v1/chat/completions", json=_chat(), headers={"x-llm-d-slo-ttft-ms": "soon"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-llm-d-slo-ttft-ms"
+        # before the model has its 16 first tokens nothing is predicted, so nothing is refused
+        early = c.post("/v1/chat/completions", json=_chat(), headers={"x-llm-d-slo-ttft-ms": "1"})
+        assert early.status_code == 200, early.text
+        for _ in range(16):
+            with c.stream("POST", "/v1/chat/completions", json=_chat(stream=True)) as s:
+                assert s.status_code == 200
+                s.read()
+        served_before = sum(httpx.get(e.url + "/fake/stats").json()["requests"] for e in engines)
+        late = c.post("/v1/chat/completions", json=_chat(), headers={"x-llm-d-slo-ttft-ms": "1"})
+        assert late.status_code == 429, late.text
+        err = late.json()["error"]
+        assert err["code"] == "slo_unattainable" and err["param"] == "x-llm-d-slo-ttft-ms"
+        assert "predicted" in err["message"] and int(late.headers["retry-after"]) >= 1
+        served_after = sum(httpx.get(e.url + "/fake/stats").json()["requests"] for e in engines)
+        assert served_after == served_before  # refused before any engine saw it
+        with c.stream("POST", "/v1/chat/completions", json=_chat(stream=True),
+                      headers={"x-llm-d-slo-ttft-ms": "5000"}) as ok:
+            assert ok.status_code == 200
+            ok.read()
+        text = c.get("/metrics").text
+    assert metric(text, "kvfleet_router_slo_refused_requests_total") == 1
+    assert metric(text, "kvfleet_router_ttft_predicted_requests_total") >= 1
+    assert metric(text, "kvfleet_router_ttft_prediction_error_seconds_count") >= 1

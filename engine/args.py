@@ -216,8 +216,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--kv-pin-fraction", type=float, default=d.kv_pin_fraction, metavar="SHARE",
                    help="share of the KV blocks that prefixes marked with cache_control may pin (kept from eviction "
                         "for their ttl, 5m or 1h, refreshed by every request that reads them); a request that would "
-                        "pin more is refused with 429 cache_pin_limit_exceeded, and every request must fit in the other "
-                        "blocks; "
+                        "pin more is refused with 429 cache_pin_limit_exceeded. Pins never take the room a "
+                        "request of --max-model-len needs (on a KV cache no larger than that nothing is pinned); "
                         "0: cache_control is accepted and ignored (default %(default)s)")
     g.add_argument("--kv-pin-tenant-fraction", type=float, default=d.kv_pin_tenant_fraction, metavar="SHARE",
                    help="share of the KV blocks one tenant (the x-llm-d-inference-fairness-id header; requests "

@@ -131,7 +131,10 @@ class LLMEngine:
         self.lora = lora_manager(self.model, args, backend.name)  # None unless LoRA is on: projections untouched
         self.kv_cache_plan = None  # how the KV cache was sized (engine/kv/sizing.py); None with --num-blocks
         num_blocks = args.num_blocks or self._size_kv_cache(backend, free_at_start)
-        pinned = int(args.kv_pin_fraction * num_blocks) if args.enable_prefix_caching else 0
+        # pins take at most --kv-pin-fraction of the blocks and never room the longest request needs: a request
+        # that fits max_model_len fits beside any pins (on a cache no larger than that, nothing can be pinned)
+        room = num_blocks - -(-self.max_model_len // args.block_size)
+        pinned = max(0, min(int(args.kv_pin_fraction * num_blocks), room)) if args.enable_prefix_caching else 0
         self.kv = KVCacheManager(CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching, args.hash_seed,
                                              max_pinned_blocks=pinned,
                                              max_pinned_blocks_per_tenant=int(args.kv_pin_tenant_fraction * num_blocks)))

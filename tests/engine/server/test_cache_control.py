@@ -68,7 +68,7 @@ def test_a_marked_tool_pins_the_prompt_up_to_that_tool():
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    server = start_engine(str(tmp_path_factory.mktemp("pins")), "--num-blocks", "64", "--max-model-len", "1024",
+    server = start_engine(str(tmp_path_factory.mktemp("pins")), "--num-blocks", "64", "--max-model-len", "512",
                           "--max-num-seqs", "4", "--dtype", "float32", "--kv-pin-fraction", "0.25",
                           "--kv-pin-tenant-fraction", "0.125")
     yield server

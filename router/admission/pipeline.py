@@ -79,10 +79,10 @@ class Admission:
     async def admit(self, req: OpenAIRequest, tenant: Tenant | None, session_key: str | None,
                     prompt_tokens: Sequence[int], request_id: str | None = None,
                     api_key_id: str | None = None,
-                    slo: Callable[[str], Refusal | None] | None = None) -> Admitted | Refusal:
+                    slo: Callable[[PoolSpec], Refusal | None] | None = None) -> Admitted | Refusal:
         """`req` is one `model()` passed: its model is served. `request_id` / `api_key_id`: for the usage ledger's
         record of the request should its router die before settling it. `slo`: given the pool, the refusal of a
-        request whose latency target no replica there is predicted to meet (router/routing/fleet.py)."""
+        request whose latency target (its own, its tenant's or the pool's) no replica there is predicted to meet."""
         m = self.metrics
         model = req.model
         if model is None:
@@ -115,7 +115,7 @@ class Admission:
             if sheds:
                 m.pool_requests.labels(pool.name, version, model, "503").inc()
             return self._refused(tenant, refused)
-        if slo is not None and (late := slo(pool.name)) is not None:
+        if slo is not None and (late := slo(pool)) is not None:
             m.pool_requests.labels(pool.name, version, model, "429").inc()
             return self._refused(tenant, late)
         headers = [(POOL_HEADER, pool.name.encode())]

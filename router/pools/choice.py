@@ -60,6 +60,7 @@ class PoolSpec:
     # prefill/decode disaggregation (router/http/disagg.py): "prefill" pools only prefill for "decode" pools of the
     # same model (never chosen here); a "decode" pool's requests are prefilled there first; "both": colocated
     role: str = "both"
+    slo_ttft_s: float | None = None  # the TTFT target of its requests that carry none, nor their tenant (contract/slo.py)
 
     def __post_init__(self) -> None:
         for field in ("name", "version"):

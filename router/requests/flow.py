@@ -88,6 +88,14 @@ class Outcome:
     replica: str | None = None  # the replica of the last attempt
 
 
+def _slo(core: RouterCore, prep: PreparedRequest, pool: PoolSpec) -> Refusal | None:
+    """The request's TTFT target (its header's, else its tenant's, else its pool's) checked against the pool's
+    predicted TTFTs: the 429 when no replica is predicted to meet it."""
+    if prep.ttft_target_s is None:
+        prep.ttft_target_s = pool.slo_ttft_s
+    return core.fleet.slo_refusal(prep, pool.name)
+
+
 class Flow:
     def __init__(self, core: RouterCore):
         self.core = core
@@ -122,14 +130,15 @@ class Flow:
         except RequestError as e:
             return refuse(e.status, str(e), "invalid", e.param, e.code)
         prep = prepare_request(path, req.body, hdr, tokenizer, core.need_tokens)
-        prep.ttft_target_s = targets.ttft_s
+        prep.ttft_target_s = targets.ttft_s if targets.ttft_s is not None else (
+            tenant.slo_ttft_s if tenant is not None else None)
         kind = constrained_kind(req.body)
         if kind is not None:
             core.metrics.constrained.labels(kind).inc()
         counts = prompt_token_counts(path, req.body, tokenizer, prep)
         request_id, key_id = new_request_id(), api_key_id(headers) if tenant is not None else None
-        slo = partial(core.fleet.slo_refusal, prep) if prep.ttft_target_s is not None else None
-        admitted = await core.admission.admit(req, tenant, prep.session_key, counts, request_id, key_id, slo)
+        admitted = await core.admission.admit(req, tenant, prep.session_key, counts, request_id, key_id,
+                                              partial(_slo, core, prep))
         if isinstance(admitted, Refusal):
             return admitted
         prep.cache_salt = admitted.request.cache_salt

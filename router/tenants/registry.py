@@ -45,6 +45,7 @@ class Tenant:
     isolate_cache: bool = False
     models: frozenset[str] | None = None  # the models it may use (others: 404 as if unknown); None: all
     weight: float = 1.0  # its share of a full pool against other tenants' (the fair queue, router/admission/gate.py)
+    slo_ttft_s: float | None = None  # the TTFT target of its requests that carry none (contract/slo.py)
 
     def cache_salt(self) -> str | None:
         """The `cache_salt` forced into every request of an isolated tenant (None for the others): the same

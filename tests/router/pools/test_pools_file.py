@@ -173,3 +173,12 @@ def test_models_engines_and_tokenizers_per_pool():
     assert large.spec.models == ("llama-70b", "llama-70b-chat") and large.engine == "vllm"
     assert large.kv_events.endpoints("http://10.0.0.5:8000") == ("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558")
     assert large.tokenizer == "/models/llama"
+
+
+def test_a_pools_ttft_target_is_read_in_milliseconds():
+    cfg = parse_pools("pools:\n  p:\n    version: v1\n    weight: 1\n    slo_ttft_ms: 750\n"
+                      "    replicas: [http://127.0.0.1:8001]\n", "pools.yaml")
+    assert cfg.pools[0].spec.slo_ttft_s == 0.75
+    with pytest.raises(Exception, match="slo_ttft_ms: must be a number >= 1"):
+        parse_pools("pools:\n  p:\n    version: v1\n    weight: 1\n    slo_ttft_ms: 0\n"
+                    "    replicas: [http://127.0.0.1:8001]\n", "pools.yaml")

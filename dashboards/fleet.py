@@ -147,6 +147,20 @@ POOLS = [
     Panel("TPOT p99 per pool", "Time per output token p99 as the routers measure it, per pool and version.",
           (q("pool_version_model:kvfleet_router_pool_tpot_seconds:quantile_rate5m", "{{pool}} {{version}} {{model}}"),),
           unit="s", min=0),
+    Panel("TTFT target attainment", "Share of streamed requests with a TTFT target (x-llm-d-slo-ttft-ms, or "
+          "their tenant's or pool's slo_ttft_ms) whose first token came within it, per pool and tenant priority; and "
+          "requests refused 429 slo_unattainable because no replica was predicted to meet theirs.",
+          (q(f'sum by (pool, priority) (rate(kvfleet_router_slo_ttft_requests_total{{outcome="met"}}[{RATE}])) / '
+             f"sum by (pool, priority) (rate(kvfleet_router_slo_ttft_requests_total[{RATE}]))",
+             "met {{pool}} p{{priority}}"),
+           q(f"sum by (pool) (rate(kvfleet_router_slo_refused_requests_total[{RATE}]))", "refused/s {{pool}}")),
+          min=0),
+    Panel("TTFT prediction error", "Observed minus predicted time to first token (the router's TTFT model, "
+          "fitted online): median and p90 of the error; near 0 when the model is right.",
+          (q(f"histogram_quantile(0.5, sum by (le) (rate(kvfleet_router_ttft_prediction_error_seconds_bucket[{RATE}])))",
+             "median"),
+           q(f"histogram_quantile(0.9, sum by (le) (rate(kvfleet_router_ttft_prediction_error_seconds_bucket[{RATE}])))",
+             "p90")), unit="s"),
     Panel("Cache hit ratio per pool", "Cached / prompt tokens the engines reported, per pool and version.",
           (q("pool_version_model:kvfleet_router_pool_hit_ratio:rate5m", "{{pool}} {{version}} {{model}}"),),
           unit="percentunit", min=0, max=1),

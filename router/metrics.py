@@ -54,6 +54,10 @@ class RouterMetrics:
         self.slo_refused = Counter("kvfleet_router_slo_refused_requests", "Requests with a TTFT target (the "
                                    "x-llm-d-slo-ttft-ms header) refused with 429 slo_unattainable: no replica of the "
                                    "pool was predicted to meet it", ["pool"], registry=r)
+        self.slo_ttft = Counter("kvfleet_router_slo_ttft_requests", "Streamed requests with a TTFT target (header, "
+                                "tenant's or pool's) by pool, tenant priority ('-': no tenant) and whether their first "
+                                "token came within it (attainment: met / (met + missed))",
+                                ["pool", "priority", "outcome"], registry=r)
         self.pulls = Counter("kvfleet_router_kv_pulls", "Requests sent to a replica with a peer to pull their "
                              "cached prefix from (the pulling replica and the source)", ["replica", "source"],
                              registry=r)

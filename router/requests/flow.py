@@ -266,6 +266,10 @@ class Flow:
             if outcome.ended_at is not None and isinstance(completion, int) and completion > 1:
                 tpot = (outcome.ended_at - outcome.first_token_at) / (completion - 1)
                 m.pool_tpot.labels(pool, version, model).observe(tpot)
+        target = entry.prep.ttft_target_s
+        if target is not None and ttft is not None:  # a streamed request with a TTFT target: met or missed
+            tier = str(entry.tenant.priority) if entry.tenant is not None else "-"
+            m.slo_ttft.labels(pool, tier, "met" if ttft <= target else "missed").inc()
         failed = status in ("error", "429") or status.startswith("5")
         core.pools.record(pool, failed, ttft, tpot)
 

@@ -264,7 +264,7 @@ class Simulator:
                 self._finished(seq, res, si, ti)
 
         seq = SimSeq(next(self._rid), turn.block_hashes, turn.prompt_tokens, 1 if disagg else turn.output_tokens,
-                     t, lambda _: router.on_first_token(d.url, ticket), done)
+                     t, lambda s: router.on_first_token(d.url, ticket, s.first_token_s), done)
         if not engine.fits(seq):
             self.dropped += 1
             router.on_done(d.url, ticket)
@@ -291,7 +291,7 @@ class Simulator:
             self._finished(seq, res, si, ti)
 
         seq = SimSeq(next(self._rid), (), turn.prompt_tokens, turn.output_tokens, res.arrival_s,
-                     lambda _: router.on_first_token(d.url, ticket), done, prefilled=True)
+                     lambda s: router.on_first_token(d.url, ticket, s.first_token_s), done, prefilled=True)
         if not engine.fits(seq):
             self.dropped += 1
             router.on_done(d.url, ticket)

@@ -62,8 +62,9 @@ class SimRouter:
         assert ticket is not None  # the chosen replica is a member
         return d, ticket
 
-    def on_first_token(self, url: str, ticket: Ticket) -> None:
-        self.placement.on_first_token(url, ticket)
+    def on_first_token(self, url: str, ticket: Ticket, now: float | None = None) -> None:
+        """With `now`, the router's TTFT model learns from it, as the live router's does."""
+        self.placement.on_first_token(url, ticket, now)
 
     def on_done(self, url: str, ticket: Ticket) -> None:
         self.placement.on_done(url, ticket)

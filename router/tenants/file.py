@@ -3,7 +3,8 @@
     tenants:
       acme:
         api_key_sha256: ["<hex sha256 of a key>"]   # `kvfleet keys hash`; plain keys never go in the file
-        tokens_per_minute: 20000                   # required
+        tokens_per_minute: 20000                   # required, or dollars_per_minute: 0.5 (a budget in money,
+                                                   #   charged each request's cost; its models need model_prices)
         max_concurrent_requests: 8                 # optional (default: no limit)
         max_tokens: 1024                           # optional: cap, and default for requests without one
         max_context_tokens: 4096                   # optional
@@ -43,13 +44,13 @@ import yaml
 
 from router.config_file import ConfigFileError, NodeReader, WatchedFile, read_file, show
 from router.tenants.budget import token_weight
-from router.tenants.pricing import PRICE_FIELDS, Prices, price
+from router.tenants.pricing import MICRO_USD, PRICE_FIELDS, Prices, price
 from router.tenants.registry import Tenant, TenantRegistry
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 TOP_FIELDS = ("tenants", "anonymous", "model_token_weights", "model_prices")
-TENANT_FIELDS = ("api_key_sha256", "tokens_per_minute", "max_concurrent_requests", "max_tokens",
+TENANT_FIELDS = ("api_key_sha256", "tokens_per_minute", "dollars_per_minute", "max_concurrent_requests", "max_tokens",
                  "max_context_tokens", "priority", "isolate_cache", "models", "weight", "prices", "slo_ttft_ms")
 
 TenantsFileError = ConfigFileError
@@ -102,8 +103,9 @@ def parse_tenants(text: str | bytes, path: str = "<tenants>") -> TenantRegistry:
                                             "with a letter or digit")
         body = p.mapping(body_node, field, "a mapping of settings")
         p.known(body, field, TENANT_FIELDS, "a tenant has")
-        if "tokens_per_minute" not in body:
-            raise p.error(name_node, f"{field}.tokens_per_minute", "missing: every tenant needs a token budget")
+        if ("tokens_per_minute" in body) == ("dollars_per_minute" in body):
+            raise p.error(name_node, f"{field}.tokens_per_minute", "every tenant needs one budget: tokens_per_minute "
+                                                                   "or dollars_per_minute, not both")
         hashes = p.key_hashes(body["api_key_sha256"][1], f"{field}.api_key_sha256") if "api_key_sha256" in body else []
         for i, (h, node) in enumerate(hashes):
             first = seen.setdefault(h, _Seen(name, node))
@@ -180,7 +182,9 @@ def _tenant(p: _KeyReader, name: str, field: str, body: dict[str, tuple[yaml.Nod
         raise p.error(body["max_tokens"][1], f"{field}.max_tokens", f"must be less than max_context_tokens "
                       f"({max_context}): a request's prompt and max_tokens must fit in it, got {max_tokens}")
     return Tenant(name=name, api_key_sha256=hashes,
-                  tokens_per_minute=get("tokens_per_minute", p.int_field, 1, False),
+                  tokens_per_minute=(get("tokens_per_minute", p.int_field, 1, False) if "tokens_per_minute" in body
+                                     else max(1, round(get("dollars_per_minute", p.number_field, 1e-6) * MICRO_USD))),
+                  cost_budget="dollars_per_minute" in body,
                   max_concurrent_requests=get("max_concurrent_requests", p.int_field, 1, True),
                   max_tokens=max_tokens, max_context_tokens=max_context,
                   priority=get("priority", p.int_field, None, False, default=0),

@@ -24,7 +24,7 @@ from fractions import Fraction
 
 from contract.usage_lookup import RUNNING, UNKNOWN
 from router.tenants import ledger
-from router.tenants.pricing import Prices, Usage, budget_tokens, cost_usd
+from router.tenants.pricing import Prices, Usage, charge_units, cost_usd
 
 ROUTER_LOST_SETTLED = "router_lost_settled"  # no router settled it; its engine said what it used
 
@@ -58,7 +58,7 @@ def parse(request_id: str, value: str) -> Pending:
 
 
 def close(p: Pending, answer: dict | str | None, weight: Fraction, prices: Prices | None, now: float,
-          grace_s: float) -> Close | None:
+          grace_s: float, cost_budget: bool = False) -> Close | None:
     """What a due pending record becomes, given its engine's answer (contract/usage_lookup.py: a usage dict,
     RUNNING or UNKNOWN; None: not asked, or the engine could not be reached). None: leave it pending."""
     rec, reserved = p.record, p.record.budget_tokens
@@ -71,7 +71,7 @@ def close(p: Pending, answer: dict | str | None, weight: Fraction, prices: Price
     if not isinstance(answer, dict) or answer == UNKNOWN:
         return Close(p.request_id, reserved, reserved, rec.to_json(), rec.outcome)
     usage = Usage(answer["prompt_tokens"], answer["cached_tokens"], answer["completion_tokens"])
-    used = min(budget_tokens(usage, weight, prices), reserved)  # never beyond what the request reserved
+    used = min(charge_units(usage, weight, prices, cost_budget), reserved)  # never beyond what it reserved
     cost = ledger.decimal_text(cost_usd(usage, prices)) if prices is not None else None
     rec = dataclasses.replace(rec, prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
                               output_tokens=usage.completion_tokens, budget_tokens=used, cost_usd=cost,

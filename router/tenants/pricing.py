@@ -14,6 +14,10 @@ request with nothing cached is charged exactly as without prices, and one whose 
 the input price is charged 0.19 of its prompt. A request reserves its worst case (nothing cached) at admission and
 settles what the engine reported it used (`usage.prompt_tokens_details.cached_tokens`), never the router's own
 prediction.
+
+Cost budgets (`dollars_per_minute`) count micro-dollars instead: a request reserves its prompt and output tokens at
+the model's highest price (`reserve_units`) and is charged its exact cost, rounded up to a micro-dollar
+(`charge_units`); a model without prices cannot be charged to such a budget.
 """
 
 from __future__ import annotations
@@ -108,3 +112,27 @@ def budget_tokens(usage: Usage, weight: Fraction, prices: Prices | None) -> int:
     exactly; without prices every token counts 1 (ceil(weight x total), as budgets always charged)."""
     cached = usage.cached_tokens * (prices.cached_weight() if prices is not None else 1)
     return math.ceil(weight * (usage.computed_tokens + cached + usage.completion_tokens))
+
+
+MICRO_USD = 1_000_000  # budget units of a cost budget per US dollar
+
+
+def reserve_units(tokens: int, weight: Fraction, prices: Prices | None, cost_budget: bool) -> int:
+    """What a request that may use `tokens` tokens reserves: ceil(weight x tokens) budget tokens, or for a cost
+    budget its worst case in micro-dollars, every token at the model's highest price (prices per million tokens are
+    micro-dollars per token)."""
+    if not cost_budget:
+        return math.ceil(weight * tokens)
+    if prices is None:
+        raise ValueError("a cost budget needs the model's prices")
+    return math.ceil(tokens * max(prices.input, prices.cached_input, prices.cache_write, prices.output))
+
+
+def charge_units(usage: Usage, weight: Fraction, prices: Prices | None, cost_budget: bool) -> int:
+    """What a request that used `usage` is charged: budget tokens (budget_tokens), or for a cost budget its exact
+    cost rounded up to a micro-dollar."""
+    if not cost_budget:
+        return budget_tokens(usage, weight, prices)
+    if prices is None:
+        raise ValueError("a cost budget needs the model's prices")
+    return math.ceil(cost_usd(usage, prices) * MICRO_USD)

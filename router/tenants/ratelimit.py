@@ -33,11 +33,11 @@ from contract.errors import error_body, error_type
 from router.config import RateLimitConfig
 from router.refusal import Refusal, refuse
 from router.tenants import ledger
-from router.tenants.budget import BudgetSpec, Quota, Reason, weighted
+from router.tenants.budget import BudgetSpec, Quota, Reason
 from router.tenants.file import TenantsFile
 from router.tenants.ledger import RecordMeta, Ticket
 from router.tenants.limiter import Limiter, LimiterUnavailable, OnStoreError
-from router.tenants.pricing import Prices, budget_tokens, cost_usd, usage_of
+from router.tenants.pricing import Prices, charge_units, cost_usd, reserve_units, usage_of
 from router.tenants.reconcile import grace_for, reconcile
 from router.tenants.registry import AuthError, Tenant
 from router.tenants.store import BudgetStore, InProcessStore, Rejection, Reservation, StoreError
@@ -157,7 +157,12 @@ class RateLimiter:
         budget: `weighted(tokens, the model's token weight)`. With a `ticket`, the shared store also keeps the
         record the ledger gets should this request never be settled (its router dies): the reservation, charged."""
         weight = self.file.registry.token_weight(model)
-        cost = weighted(tokens, weight)
+        prices = self.file.registry.prices(tenant.name, model)
+        if tenant.cost_budget and prices is None:
+            return self.refused(tenant, refuse(
+                400, f"model {model!r} has no price in the tenants file, and this API key's budget is in dollars",
+                "unpriced", "model", "model_not_priced"))
+        cost = reserve_units(tokens, weight, prices, tenant.cost_budget)
         spec = BudgetSpec(tenant.tokens_per_minute, tenant.max_concurrent_requests)
         pending = None
         if ticket is not None:
@@ -170,24 +175,24 @@ class RateLimiter:
             return self.refused(tenant, refuse(503, "the rate limiter's store is unavailable; retry shortly",
                                                "unavailable", None, "ratelimit_unavailable", [(b"retry-after", b"1")]))
         if isinstance(got, Rejection):
-            return self.refused(tenant, self._rejection(got, cost, spec))
+            return self.refused(tenant, self._rejection(got, cost, spec, "micro-dollars" if tenant.cost_budget
+                                                        else "tokens"))
         m = self.metrics
         m.ratelimit_requests.labels(tenant.name, "admitted").inc()
         m.ratelimit_tokens.labels(tenant.name, "reserved").inc(cost)
         m.reserved_outstanding.labels(tenant.name).inc(cost)
-        return Budget(tenant, got, quota_headers(got.quota), weight,
-                      self.file.registry.prices(tenant.name, model), model or "-")
+        return Budget(tenant, got, quota_headers(got.quota), weight, prices, model or "-")
 
-    def _rejection(self, got: Rejection, cost: int, spec: BudgetSpec) -> Refusal:
+    def _rejection(self, got: Rejection, cost: int, spec: BudgetSpec, unit: str = "tokens") -> Refusal:
         if got.reason is Reason.TOO_LARGE:
             return Refusal(400, error_body(
-                f"this request reserves {cost} tokens (prompt + n x max_tokens), more than this API key's whole "
-                f"budget of {spec.tokens_per_minute} tokens per minute; lower max_tokens", error_type(400),
+                f"this request reserves {cost} {unit} (prompt + n x max_tokens), more than this API key's whole "
+                f"budget of {spec.tokens_per_minute} {unit} per minute; lower max_tokens", error_type(400),
                 "max_tokens", "request_too_large"), quota_headers(got.quota), "too_large")
         retry = got.retry_after_s or 1.0
-        what = ("tokens per min (TPM)" if got.reason is Reason.TOKENS
+        what = ((f"{unit} per min" if unit != "tokens" else "tokens per min (TPM)") if got.reason is Reason.TOKENS
                 else f"concurrent requests ({spec.max_concurrent_requests})")
-        body = error_body(f"Rate limit reached on {what}: limit {got.quota.limit} tokens per minute, "
+        body = error_body(f"Rate limit reached on {what}: limit {got.quota.limit} {unit} per minute, "
                           f"{got.quota.remaining} remaining, {cost} requested. Please try again in "
                           f"{reset_text(retry)}.", "tokens" if got.reason is Reason.TOKENS else "requests",
                           None, "rate_limit_exceeded")
@@ -223,7 +228,8 @@ class RateLimiter:
         if r is None:
             return
         usage = usage_of(reported)
-        used = budget_tokens(usage, a.weight, a.prices) if usage is not None else (r.amount if answered else 0)
+        used = (charge_units(usage, a.weight, a.prices, a.tenant.cost_budget) if usage is not None
+                else (r.amount if answered else 0))
         m, name = self.metrics, a.tenant.name
         m.reserved_outstanding.labels(name).dec(r.amount)
         m.ratelimit_tokens.labels(name, "used").inc(used)

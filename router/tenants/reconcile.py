@@ -82,8 +82,10 @@ async def reconcile(limiter: Limiter, registry: TenantRegistry, token: str | Non
     for tenant, rows in due.items():
         for p in rows:
             model = p.record.model
-            c = pending.close(p, answers.get(p.request_id), registry.token_weight(model),
-                              registry.prices(tenant, model), now, grace_s)
+            prices, t = registry.prices(tenant, model), registry.tenants.get(tenant)
+            cost_budget = t is not None and t.cost_budget and prices is not None
+            c = pending.close(p, answers.get(p.request_id), registry.token_weight(model), prices, now, grace_s,
+                              cost_budget)
             if c is None:
                 waiting += 1
                 continue

@@ -37,7 +37,7 @@ def key_sha256(key: str | bytes) -> str:
 class Tenant:
     name: str
     api_key_sha256: frozenset[str]  # lowercase hex digests of the tenant's keys
-    tokens_per_minute: int
+    tokens_per_minute: int  # budget units per minute: tokens, or micro-dollars where `cost_budget`
     max_concurrent_requests: int | None = None  # None: no limit
     max_tokens: int | None = None  # cap, and the default for requests that omit max_tokens; None: no cap
     max_context_tokens: int | None = None  # prompt + max_tokens; None: no limit of the tenant's own
@@ -46,6 +46,7 @@ class Tenant:
     models: frozenset[str] | None = None  # the models it may use (others: 404 as if unknown); None: all
     weight: float = 1.0  # its share of a full pool against other tenants' (the fair queue, router/admission/gate.py)
     slo_ttft_s: float | None = None  # the TTFT target of its requests that carry none (contract/slo.py)
+    cost_budget: bool = False  # its budget is in money (dollars_per_minute), counted in micro-dollars
 
     def cache_salt(self) -> str | None:
         """The `cache_salt` forced into every request of an isolated tenant (None for the others): the same

@@ -105,3 +105,58 @@ def test_settle_charges_cached_tokens_at_their_price_and_counts_dollars(tmp_path
     assert 'kvfleet_router_ratelimit_tokens_total{kind="used",tenant="cheap"} 22.0' in text
     # plain: (10 x 0.1 + 90 x 0.01 + 7 x 0.4) + (100 x 0.1 + 7 x 0.4) = 4.7 + 12.8 = 17.5 per million
     assert 'kvfleet_router_tenant_cost_dollars_total{model="smollm2",tenant="plain"} 1.75e-05' in text
+
+
+COST_FILE = f"""
+tenants:
+  dollars:
+    api_key_sha256: ["{A}"]
+    dollars_per_minute: 0.05
+model_prices:
+  smollm2: {{input: 0.10, cached_input: 0.01, output: 0.40}}
+"""
+
+
+def test_reserve_and_charge_units_of_token_and_cost_budgets_are_exact():
+    from router.tenants.pricing import charge_units, reserve_units
+
+    p = Prices.of("0.10", "0.40", "0.01")
+    assert reserve_units(164, Fraction(1), p, False) == 164 and reserve_units(164, Fraction(3, 2), p, False) == 246
+    assert reserve_units(164, Fraction(1), p, True) == 66  # 164 tokens at the highest price, 0.40 micro-dollars each
+    u = Usage(100, 90, 7)
+    assert charge_units(u, Fraction(1), p, False) == budget_tokens(u, Fraction(1), p) == 26
+    assert charge_units(u, Fraction(1), p, True) == 5  # 10 x 0.1 + 90 x 0.01 + 7 x 0.4 = 4.7 micro-dollars, up
+    with pytest.raises(ValueError):
+        charge_units(u, Fraction(1), None, True)
+
+
+def test_a_cost_budget_is_read_in_micro_dollars_and_one_budget_is_required():
+    t = parse_tenants(COST_FILE, "t.yaml").tenants["dollars"]
+    assert t.cost_budget and t.tokens_per_minute == 50_000
+    both = COST_FILE.replace("dollars_per_minute: 0.05", "dollars_per_minute: 0.05\n    tokens_per_minute: 10")
+    with pytest.raises(TenantsFileError, match="tokens_per_minute or dollars_per_minute, not both"):
+        parse_tenants(both, "t.yaml")
+
+
+def test_a_cost_budget_reserves_the_worst_case_and_settles_the_exact_cost(tmp_path):
+    from router.config import RateLimitConfig
+    from router.tenants.ratelimit import RateLimiter
+
+    path = tmp_path / "tenants.yaml"
+    path.write_text(COST_FILE)
+    rl = RateLimiter(RateLimitConfig(tenants_file=str(path)), RouterMetrics("kv"), lambda: (None, None), 30.0)
+    tenant = rl.file.registry.get("dollars")
+
+    async def run():
+        got = await rl.reserve(tenant, 164, "smollm2")
+        assert got.reservation.amount == 66
+        await rl.settle(got, {"prompt_tokens": 100, "completion_tokens": 7,
+                              "prompt_tokens_details": {"cached_tokens": 90}}, True)
+        unpriced = await rl.reserve(tenant, 10, "other-model")
+        assert unpriced.status == 400 and unpriced.body["error"]["code"] == "model_not_priced"
+        assert unpriced.body["error"]["param"] == "model"
+
+    asyncio.run(run())
+    text = rl.metrics.render().decode()
+    assert 'kvfleet_router_ratelimit_tokens_total{kind="used",tenant="dollars"} 5.0' in text
+    assert 'kvfleet_router_ratelimit_tokens_total{kind="refunded",tenant="dollars"} 61.0' in text

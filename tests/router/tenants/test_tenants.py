@@ -93,7 +93,7 @@ BAD = [
     (_tenant("    max_tokens: 4096\n    max_context_tokens: 4096\n"), 5, "tenants.acme.max_tokens",
      "must be less than max_context_tokens (4096): a request's prompt and max_tokens must fit in it, got 4096"),
     (_tenant("    rpm: 5\n"), 5, "tenants.acme.rpm", "unknown field (a tenant has api_key_sha256, "
-     "tokens_per_minute, max_concurrent_requests, max_tokens, max_context_tokens, priority, isolate_cache, models, weight, prices, "
+     "tokens_per_minute, dollars_per_minute, max_concurrent_requests, max_tokens, max_context_tokens, priority, isolate_cache, models, weight, prices, "
      "slo_ttft_ms)"),
     (_tenant("    slo_ttft_ms: 0\n"), 5, "tenants.acme.slo_ttft_ms", "must be a number >= 1, got 0"),
     (_tenant("    priority: 1\n    priority: 2\n"), 6, "tenants.acme.priority", "given twice (first on line 5)"),
@@ -114,7 +114,7 @@ BAD = [
     ("tenants:\n  acme:\n    api_key_sha256: [\"" + H_A + "\", \"" + H_A + "\"]\n    tokens_per_minute: 1\n",
      3, "tenants.acme.api_key_sha256[1]", "this key hash is already a key of this tenant (line 3)"),
     ("tenants:\n  acme:\n    api_key_sha256: [\"" + H_A + "\"]\n", 2, "tenants.acme.tokens_per_minute",
-     "missing: every tenant needs a token budget"),
+     "every tenant needs one budget: tokens_per_minute or dollars_per_minute, not both"),
     ("tenants:\n  acme:\n    tokens_per_minute: 1\n", 2, "tenants.acme.api_key_sha256",
      "missing: a tenant that is not the `anonymous` one needs at least one key hash"),
     ("tenants:\n  'a b':\n    tokens_per_minute: 1\n", 2, "tenants.a b", "a tenant name is 1-64 letters, digits, "

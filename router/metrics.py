@@ -13,6 +13,7 @@ from router.states import CircuitState, KVEventsState
 
 _DECISION_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1)
 _TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384)
+_RELATIVE_BUCKETS = (0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 _TTFT_ERROR_BUCKETS = (-5.0, -2.0, -1.0, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -49,6 +50,10 @@ class RouterMetrics:
                                     "to first token per request, from the TTFT model fitted online "
                                     "(router/routing/ttft_model.py); requests placed before it was ready are left "
                                     "out", buckets=_TTFT_ERROR_BUCKETS, registry=r)
+        self.ttft_relative_error = Histogram("kvfleet_router_ttft_prediction_relative_error", "|observed - "
+                                             "predicted| / observed time to first token per request (the TTFT "
+                                             "model's accuracy; its median is the figure to watch)",
+                                             buckets=_RELATIVE_BUCKETS, registry=r)
         self.ttft_predicted = Counter("kvfleet_router_ttft_predicted_requests", "Requests whose first token came "
                                       "with a TTFT prediction made when they were placed", registry=r)
         self.slo_refused = Counter("kvfleet_router_slo_refused_requests", "Requests with a TTFT target (the "

@@ -305,6 +305,8 @@ class Fleet:
             seconds = self.placement.on_first_token(url, ticket, self.clock())
             if seconds is not None and ticket.predicted_ttft_s is not None:
                 self.metrics.ttft_error.observe(seconds - ticket.predicted_ttft_s)
+                if seconds > 0:
+                    self.metrics.ttft_relative_error.observe(abs(seconds - ticket.predicted_ttft_s) / seconds)
                 self.metrics.ttft_predicted.inc()
 
         return first_token

@@ -47,3 +47,4 @@ def test_a_ttft_target_no_replica_can_meet_is_refused_and_one_it_can_is_served(p
     assert metric(text, "kvfleet_router_slo_ttft_requests_total", outcome="met", priority="-") == 1  # the 5,000 ms one
     assert metric(text, "kvfleet_router_ttft_predicted_requests_total") >= 1
     assert metric(text, "kvfleet_router_ttft_prediction_error_seconds_count") >= 1
+    assert metric(text, "kvfleet_router_ttft_prediction_relative_error_count") >= 1

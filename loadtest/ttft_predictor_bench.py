@@ -1,0 +1,123 @@
+"""The router's TTFT model on a live fleet (issue 46): how far its predictions are from the first tokens it sees.
+
+Two real engines of the bundled model behind one `kv` router at default flags. Streamed chat requests with mixed
+prompt lengths (short questions, and ~300- and ~1,000-word documents, each new, so most of each prompt is computed)
+arrive open-loop at `--rate` requests/s for `--duration` seconds after a warm-up of `--warmup` requests (the model
+needs 16 first tokens before it predicts). Prints the router's own figures: how many requests had a prediction,
+the median and p90 of |observed - predicted| / observed (from kvfleet_router_ttft_prediction_relative_error, by
+linear interpolation inside its buckets), the median signed error, and the fitted coefficients' effect is visible
+in both.
+
+    python -m loadtest.ttft_predictor_bench --rate 2 --duration 90
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import tempfile
+import time
+
+import httpx
+
+from kvfleet.workload import words
+from loadtest.router_procs import Proc, start_engine, start_router
+
+
+def histogram(text: str, name: str) -> list[tuple[float, float]]:
+    """(upper bound, cumulative count) of a Prometheus histogram in exposition text, in bucket order."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
+    return sorted(out)
+
+
+def quantile(buckets: list[tuple[float, float]], q: float, low: float = 0.0) -> float | None:
+    """The q-quantile by linear interpolation inside the bucket that holds it (histogram_quantile's rule)."""
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0:
+        return None
+    rank, prev_le, prev_n = q * total, low, 0.0
+    for le, n in buckets:
+        if n >= rank:
+            if le == float("inf"):
+                return prev_le
+            return prev_le + (le - prev_le) * (rank - prev_n) / max(n - prev_n, 1e-12)
+        prev_le, prev_n = le, n
+    return prev_le
+
+
+async def drive(url: str, rate: float, n: int, rng: random.Random) -> int:
+    done = 0
+
+    async def one(c: httpx.AsyncClient) -> None:
+        nonlocal done
+        kind = rng.random()
+        doc = words(rng, 1000) if kind < 0.2 else words(rng, 300) if kind < 0.5 else ""
+        body = {"model": "smollm2", "max_tokens": 16, "stream": True, "temperature": 0,
+                "messages": [{"role": "user", "content": f"{doc}\nQuestion: {words(rng, 10)}?"}]}
+        async with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            async for _ in r.aiter_bytes():
+                pass
+        done += 1
+
+    async with httpx.AsyncClient(timeout=600) as c:
+        tasks = []
+        for _ in range(n):
+            tasks.append(asyncio.create_task(one(c)))
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rate", type=float, default=2.0, help="requests per second, open loop")
+    p.add_argument("--duration", type=float, default=90.0)
+    p.add_argument("--warmup", type=int, default=24)
+    p.add_argument("--seed", type=int, default=1)
+    ns = p.parse_args(argv)
+    ns.model, ns.engine_module, ns.engine_arg, ns.threads_per_engine, ns.pin_cores = "smollm2", None, [], 1, True
+    log_dir = tempfile.mkdtemp(prefix="ttft_predictor_bench_")
+    procs: list[Proc] = []
+    rng = random.Random(ns.seed)
+    try:
+        engines = [start_engine(ns, log_dir, f"e{i}", 4096, i) for i in range(2)]
+        procs += engines
+        for e in engines:
+            e.wait_ready(300)
+        router = start_router(ns, log_dir, [e.url for e in engines], "kv", "smollm2")
+        procs.append(router)
+        router.wait_ready(120)
+        asyncio.run(drive(router.url, ns.rate, ns.warmup, rng))
+        before = httpx.get(router.url + "/metrics").text
+        t0 = time.monotonic()
+        n = asyncio.run(drive(router.url, ns.rate, int(ns.rate * ns.duration), rng))
+        after = httpx.get(router.url + "/metrics").text
+        rel = [(le, a - b) for (le, a), (_, b) in zip(histogram(after, "kvfleet_router_ttft_prediction_relative_error"),
+                                                      histogram(before, "kvfleet_router_ttft_prediction_relative_error"),
+                                                      strict=True)]
+        signed = [(le, a - b) for (le, a), (_, b) in zip(histogram(after, "kvfleet_router_ttft_prediction_error_seconds"),
+                                                         histogram(before, "kvfleet_router_ttft_prediction_error_seconds"),
+                                                         strict=True)]
+        predicted = rel[-1][1] if rel else 0
+        print(f"{n} streamed requests in {time.monotonic() - t0:.0f} s at {ns.rate}/s (two engines, kv router, "
+              f"default flags); {predicted:.0f} with a TTFT prediction")
+        med, p90 = quantile(rel, 0.5), quantile(rel, 0.9)
+        print(f"|observed - predicted| / observed: median {med:.3f}, p90 {p90:.3f} (target: median <= 0.20)"
+              if med is not None else "no predictions")
+        s_med = quantile(signed, 0.5, low=-5.0)
+        if s_med is not None:
+            print(f"observed - predicted: median {s_med * 1000:+.0f} ms")
+        return 0
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

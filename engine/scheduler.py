@@ -79,6 +79,14 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def step_target_s(max_step_ms: float, running) -> float | None:
+    """The time a step should stay under: max_step_ms, lowered to the strictest TPOT target among the running
+    sequences (a step is one token of each decode); None when neither bounds it."""
+    targets = [s.params.tpot_target_s for s in running if s.params.tpot_target_s is not None]
+    bounds = targets + ([max_step_ms / 1000] if max_step_ms else [])
+    return min(bounds) if bounds else None
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic):
         self.config = config
@@ -137,13 +145,15 @@ class Scheduler:
 
     def _step_budget(self, budget: int) -> int:
         """The step's token budget: all of it for a lone sequence or an unfitted model, else the decodes' tokens
-        and the prompt tokens that keep the step's predicted time at or under max_step_ms (at least one block)."""
-        if not self.config.max_step_ms or len(self.running) + len(self.waiting) <= 1:
+        and the prompt tokens that keep the step's predicted time at or under its target: max_step_ms, or the
+        strictest TPOT target of a running sequence when that is lower (at least one block)."""
+        target = step_target_s(self.config.max_step_ms, self.running)
+        if target is None or len(self.running) + len(self.waiting) <= 1:
             return budget
         decodes = [s.num_tokens for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         chunked = [s.num_computed_tokens for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         context = sum(decodes) + sum(chunked)  # what the decodes and the prompts already started read
-        room = self.step_time.max_prefill_tokens(self.config.max_step_ms / 1000, len(decodes), context)
+        room = self.step_time.max_prefill_tokens(target, len(decodes), context)
         if room is None:
             return budget
         return min(budget, len(decodes) + max(room, self.kv.block_size))

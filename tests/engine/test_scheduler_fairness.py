@@ -193,3 +193,31 @@ def test_with_one_id_a_running_prompt_goes_first_as_before():
     eng.add("a1", [1] * 40, max_tokens=2, fairness_id="t")
     eng.add("b1", [9] * 4, max_tokens=2, fairness_id="t")
     assert steps(eng, 2) == [{"a1": 16}, {"a1": 16}]
+
+
+@pytest.mark.parametrize("max_step_ms", [100.0, 0.0])
+def test_a_running_sequences_tpot_target_lowers_the_step_target(max_step_ms):
+    """a streams with a 50 ms TPOT target: the step keeps under 50 ms, not max_step_ms (nor unbounded when off)."""
+    eng = FakeEngine(budget=64, max_step_ms=max_step_ms)
+    eng.add("a", [1] * 4, max_tokens=10, tpot_target_s=0.05)
+    eng.add("b", [2] * 4, max_tokens=10)
+    assert steps(eng) == [{"a": 4, "b": 4}]
+    eng.sched.step_time.coefficients = COEF
+    eng.add("c", [3] * 100, max_tokens=1)
+    # decodes 0.021 s as above; room 0.029 s at 0.0021 per prompt token = 13.8 -> 13
+    out = eng.step()
+    assert {i.seq.request_id: i.num_new_tokens for i in out.scheduled} == {"a": 1, "b": 1, "c": 13}
+    assert out.predicted_s <= 0.05
+
+
+def test_the_step_target_is_the_strictest_of_max_step_ms_and_the_running_tpot_targets():
+    from types import SimpleNamespace
+
+    from engine.scheduler import step_target_s
+
+    def seq(t):
+        return SimpleNamespace(params=SimpleNamespace(tpot_target_s=t))
+
+    assert step_target_s(150.0, []) == 0.15 and step_target_s(0.0, []) is None
+    assert step_target_s(150.0, [seq(None), seq(0.08), seq(0.2)]) == 0.08
+    assert step_target_s(0.0, [seq(0.3)]) == 0.3 and step_target_s(50.0, [seq(0.3)]) == 0.05

@@ -1,4 +1,5 @@
-"""The engine server reads the fairness id the router sends (contract/fairness.py) into the request's params."""
+"""The engine server reads the fairness id the router sends (contract/fairness.py) and the TPOT target header
+(contract/slo.py) into the request's params."""
 
 from __future__ import annotations
 
@@ -27,3 +28,16 @@ def test_an_overlong_id_is_a_400_naming_the_header():
     assert e.value.status == 400 and e.value.param == FAIRNESS_HEADER
     with pytest.raises(SamplingParamsError, match="fairness_id"):
         SamplingParams(fairness_id="x" * 257)
+
+
+def test_the_tpot_target_header_becomes_seconds_and_a_bad_one_is_a_400_naming_it():
+    from contract.slo import TPOT_HEADER
+    from engine.server.serving import tpot_target_of
+
+    assert tpot_target_of(request((TPOT_HEADER.encode(), b"50"))) == 0.05
+    assert tpot_target_of(request()) is None
+    with pytest.raises(APIError) as e:
+        tpot_target_of(request((TPOT_HEADER.encode(), b"-1")))
+    assert e.value.status == 400 and e.value.param == TPOT_HEADER
+    with pytest.raises(SamplingParamsError, match="tpot_target_s"):
+        SamplingParams(tpot_target_s=0.0)

@@ -87,16 +87,16 @@ class Fleet:
             p.stop()
 
 
-async def one(client: httpx.AsyncClient, url: str, tenant: str, max_tokens: int, prompt: str = PROMPT
-              ) -> tuple[float | None, int, bool, float]:
-    """(TTFT, tokens generated, ok, when it ended) of one streamed chat."""
+async def one(client: httpx.AsyncClient, url: str, tenant: str, max_tokens: int, prompt: str = PROMPT,
+              headers: dict[str, str] | None = None) -> tuple[float | None, int, bool, float]:
+    """(TTFT, tokens generated, ok, when it ended) of one streamed chat (with `headers` besides the tenant's key)."""
     body = {"model": "smollm2", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft, tokens = None, 0
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body,
-                                 headers={"authorization": f"Bearer {KEYS[tenant]}"}) as r:
+                                 headers={"authorization": f"Bearer {KEYS[tenant]}", **(headers or {})}) as r:
             if r.status_code != 200:
                 await r.aread()
                 return None, 0, False, time.perf_counter()

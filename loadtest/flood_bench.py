@@ -9,7 +9,8 @@ at its default flags (plus `--engine-arg`s), on loopback; it stops by itself.
 
 Prints B's TTFT p50/p99 idle and under the flood, their ratio against the target (flood p99 <= 1.5x idle p99 plus
 one step of `--max-step-ms`, the engine's default step-time target), whether every B request was served, and A's
-and B's output tokens/s (of the requests that ended within the measured seconds).
+and B's output tokens/s (of the requests that ended within the measured seconds). B's TPOT p50/p99 too; with
+`--b-tpot-ms`, B's requests carry that TPOT target (`x-llm-d-slo-tpot-ms`) and the flood's p99 is checked against it.
 """
 
 from __future__ import annotations
@@ -67,12 +68,13 @@ async def phase(url: str, engine: str, ns, flood: bool) -> dict:
     """B's steady chats for ns.seconds (after ns.warmup with A's flood on, when `flood`); per tenant: TTFTs, sent,
     ok, failed, and the output tokens of requests that ended within the measured seconds; the engine's own prompt
     and output tokens/s (of every tenant) over the same seconds."""
-    out = {t: {"ttft": [], "tokens": 0, "sent": 0, "ok": 0, "failed": 0} for t in "ab"}
+    out = {t: {"ttft": [], "tpot": [], "tokens": 0, "sent": 0, "ok": 0, "failed": 0} for t in "ab"}
+    b_headers = {"x-llm-d-slo-tpot-ms": f"{ns.b_tpot_ms:g}"} if ns.b_tpot_ms else None
     rng = random.Random(46)
     stop = asyncio.Event()
     window: list[float] = []  # [start, end] of the measured seconds
 
-    def record(t: str, res) -> None:
+    def record(t: str, res, t0: float | None = None) -> None:
         ttft, tokens, ok, ended = res
         o = out[t]
         o["ok" if ok else "failed"] += 1
@@ -80,6 +82,8 @@ async def phase(url: str, engine: str, ns, flood: bool) -> dict:
             o["tokens"] += tokens
         if ttft is not None and t == "b":
             o["ttft"].append(ttft)
+            if t0 is not None and tokens > 1:
+                o["tpot"].append((ended - t0 - ttft) / (tokens - 1))
 
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1000)) as c:
         async def flooder():
@@ -89,13 +93,14 @@ async def phase(url: str, engine: str, ns, flood: bool) -> dict:
 
         async def b_stream(k: int):
             await asyncio.sleep(k * ns.b_interval / ns.b_streams)  # the streams' sends spread over the interval
-            tasks = []
+            tasks, starts = [], []
             while time.perf_counter() < window[1] - 1e-3:
                 out["b"]["sent"] += 1
-                tasks.append(asyncio.create_task(one(c, url, "b", ns.b_max_tokens)))
+                starts.append(time.perf_counter())
+                tasks.append(asyncio.create_task(one(c, url, "b", ns.b_max_tokens, headers=b_headers)))
                 await asyncio.sleep(ns.b_interval)
-            for res in await asyncio.gather(*tasks):
-                record("b", res)
+            for t0, res in zip(starts, await asyncio.gather(*tasks), strict=True):
+                record("b", res, t0)
 
         floods = [asyncio.create_task(flooder()) for _ in range(ns.a_streams if flood else 0)]
         if flood:
@@ -117,6 +122,8 @@ async def phase(url: str, engine: str, ns, flood: bool) -> dict:
         o["tokens_per_s"] = o["tokens"] / seconds
         o["ttft_p50"], o["ttft_p99"] = pct(o["ttft"], 50), pct(o["ttft"], 99)
         o["ttft_n"] = len(o.pop("ttft"))
+        o["tpot_p50"], o["tpot_p99"] = (pct(o["tpot"], 50), pct(o["tpot"], 99)) if o["tpot"] else (None, None)
+        o.pop("tpot")
     return out
 
 
@@ -139,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--b-max-tokens", type=int, default=32)
     ap.add_argument("--max-step-ms", type=float, default=150.0,
                     help="the engine's step-time target, for the target line (engine default)")
+    ap.add_argument("--b-tpot-ms", type=float, default=0.0,
+                    help="B's requests carry this TPOT target (x-llm-d-slo-tpot-ms); 0: none")
     ap.add_argument("--engine-arg", action="append", default=[], help="one more engine flag (repeatable)")
     ap.add_argument("--json", help="write the figures here")
     ns = ap.parse_args(argv)
@@ -153,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, flood in (("idle", False), ("flood", True)):
             res[name] = r = asyncio.run(phase(url, fleet.engines[0].url, ns, flood))
             a, b, e = r["a"], r["b"], r["engine"]
-            print(f"{name:6s} B: TTFT p50 {b['ttft_p50']:.2f} s p99 {b['ttft_p99']:.2f} s, served {b['ok']}/{b['sent']} "
+            tpot = (f", TPOT p50 {b['tpot_p50'] * 1000:.0f} ms p99 {b['tpot_p99'] * 1000:.0f} ms"
+                    if b["tpot_p99"] is not None else "")
+            print(f"{name:6s} B: TTFT p50 {b['ttft_p50']:.2f} s p99 {b['ttft_p99']:.2f} s{tpot}, served {b['ok']}/{b['sent']} "
                   f"({b['failed']} failed), {b['tokens_per_s']:.1f} tok/s | A: {a['tokens_per_s']:.1f} tok/s, "
                   f"{a['ok']} done | engine: {e['prompt_tokens_per_s']:.0f} prompt + "
                   f"{e['generation_tokens_per_s']:.1f} output tok/s", flush=True)
@@ -167,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"B's TTFT p99 under the flood / idle: {res['p99_ratio']:.2f}x ({flood['ttft_p99']:.2f} s against a target "
           f"of {target:.2f} s = 1.5x idle + one {ns.max_step_ms:g} ms step: "
           f"{'met' if flood['ttft_p99'] <= target else 'MISSED'}); every B request served: {served}", flush=True)
+    if ns.b_tpot_ms and flood["tpot_p99"] is not None:
+        met = flood["tpot_p99"] * 1000 <= ns.b_tpot_ms
+        print(f"B's TPOT p99 under the flood: {flood['tpot_p99'] * 1000:.0f} ms against its target of "
+              f"{ns.b_tpot_ms:g} ms: {'met' if met else 'MISSED'}", flush=True)
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(res, f, indent=2)

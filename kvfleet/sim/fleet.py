@@ -67,6 +67,7 @@ class SimConfig:
     pull: PullLink | None = None  # peer pulls over this link (None: a replica computes what it lacks)
     tier: TierSpec | None = None  # a lower KV tier on every replica (None: evicted blocks are gone)
     disagg: Disagg | None = None  # prefill/decode disaggregation (None: every replica does both)
+    ttft_target_s: float | None = None  # every request's TTFT target: placed where the router predicts it met
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -242,7 +243,8 @@ class Simulator:
     def _arrive(self, t: float, si: int, ti: int) -> None:
         session = self.wl.sessions[si]
         turn = session.turns[ti]
-        prompt = HashedPrompt(turn.prompt_tokens, session.key, self.bs, SIM_HASH_SEED, turn.block_hashes)
+        prompt = HashedPrompt(turn.prompt_tokens, session.key, self.bs, SIM_HASH_SEED, turn.block_hashes,
+                              self.cfg.ttft_target_s)
         d, ticket = self.router.route(prompt, t)
         engine, router = self.engines[d.url], self.router
         res = TurnResult(si, ti, d.url, t, num_blocks=turn.num_blocks,

@@ -66,6 +66,7 @@ class HashedPrompt:
     block_size: int = 16
     hash_seed: int = DEFAULT_HASH_SEED
     hashes: tuple[int, ...] | None = None  # None: not tokenized
+    ttft_target_s: float | None = None  # the request's TTFT target, if any (placed where it is predicted met)
 
     def block_hashes(self, block_size: int, hash_seed: int) -> Sequence[int] | None:
         return self.hashes if (block_size, hash_seed) == (self.block_size, self.hash_seed) else None

@@ -50,3 +50,17 @@ def test_goodput_table(capsys):
                  "--replicas", "4", "--splits", "colocated,1:1", "--rates", "0.5,1"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 4 |")]
     assert [row.split(" | ")[1] for row in rows] == ["colocated", "1:1 (2P + 2D)"]
+
+
+def test_the_simulated_router_fits_its_ttft_model_and_places_by_the_target():
+    from kvfleet.sim.cost import CostModel
+    from kvfleet.sim.fleet import SimConfig, Simulator
+    from kvfleet.sim.workload import multi_turn
+
+    wl = multi_turn(24, seed=3, turns=3, mean_user_tokens=80, reply_tokens=20, output_tokens=8,
+                    system_tokens=64, concurrency=6, think_s=0.05, block_size=16)
+    cost = CostModel(base_s=0.01, prefill_token_s=0.0005, decode_seq_s=0.002)
+    sim = Simulator(SimConfig(3, "kv", cost, 16 * 400, ttft_target_s=0.2), wl)
+    out = sim.run()
+    model = sim.router.placement.ttft
+    assert out["completed"] == 72 and model.ready and len(model.samples) == 72  # every first token observed

@@ -18,6 +18,7 @@ COMMANDS = {
     "bench": ("kvfleet.bench.cli", "load an OpenAI-compatible endpoint (presets, traces, rates) and report it"),
     "profile": ("kvfleet.profile", "profile a JSONL trace: lengths, multi-turn and shared-prefix shares, burstiness"),
     "capacity": ("kvfleet.capacity", "KV bytes per token, sequences that fit, replicas for a target rate"),
+    "plan": ("kvfleet.plan", "the fewest replicas that meet TTFT / TPOT targets at a rate, by simulation"),
 }
 
 

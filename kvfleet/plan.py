@@ -1,0 +1,113 @@
+"""`kvfleet plan`: the fewest replicas that meet latency targets at a request rate, found with the fleet simulator.
+
+    kvfleet plan --format sessions --sessions 300 --rate 6 --ttft-ms 8000 --tpot-ms 100
+    kvfleet plan --format mooncake --trace conversation_trace.jsonl --rate 2 --ttft-ms 30000 --tpot-ms 200 \
+        --engine-speedup 40
+
+The workload (a Mooncake-format trace, or generated multi-turn sessions: the flags `kvfleet sim` takes) is replayed
+at `--rate` requests per second (its arrival times scaled) through the router's own placement core (`--policy`,
+default `kv`) over simulated engines (kvfleet/sim: the cost model of the bundled model on one core, `--engine-
+speedup` times faster for a bigger machine), each replica holding `--kv-tokens-per-replica` tokens of KV cache. A
+size meets the targets when at least `--goal` of the requests have both TTFT and TPOT within them (DistServe's
+attainment, kvfleet/sim/slo.py). Attainment grows with the fleet, so the search doubles the size until one meets
+the targets and then bisects between the last that did not and the first that did; it prints every size it tried,
+and the answer: the smallest size that meets the targets, the one below it not. When two doublings in a row
+raise attainment by less than 0.01, it stops: the engines are too slow for the targets however many there are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from kvfleet.sim.cost import COST_MODELS
+from kvfleet.sim.fleet import SimConfig, Simulator
+from kvfleet.sim.goodput import at_rate, request_rate
+from kvfleet.sim.slo import SLO, attainment, percentile
+from kvfleet.sim.table import add_workload_args, workload
+
+
+def smallest(meets: Callable[[int], bool], max_replicas: int, stalled: Callable[[], bool] = lambda: False
+             ) -> int | None:
+    """The smallest n in [1, max_replicas] with meets(n), for a `meets` that stays true once true (doubling, then
+    bisection); None when even max_replicas does not, or when `stalled()` says more replicas stopped helping."""
+    hi = 1
+    while not meets(hi):
+        if hi >= max_replicas or stalled():
+            return None
+        hi = min(2 * hi, max_replicas)
+    lo = hi // 2  # meets(lo) was false (or lo == 0)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if meets(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvfleet plan", description=__doc__.split("\n\n")[0])
+    add_workload_args(ap)
+    ap.add_argument("--rate", type=float, required=True, help="requests per second the fleet must serve")
+    ap.add_argument("--ttft-ms", type=float, required=True, help="time-to-first-token target, milliseconds")
+    ap.add_argument("--tpot-ms", type=float, required=True, help="time-per-output-token target, milliseconds")
+    ap.add_argument("--goal", type=float, default=0.9, help="share of requests that must meet both (default 0.9)")
+    ap.add_argument("--policy", default="kv")
+    ap.add_argument("--cost-model", choices=sorted(COST_MODELS), default="smollm2-1core")
+    ap.add_argument("--engine-speedup", type=float, default=1.0, help="engines this many times the cost model's speed")
+    ap.add_argument("--kv-tokens-per-replica", type=int, default=819_200)
+    ap.add_argument("--max-replicas", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    for name in ("rate", "ttft_ms", "tpot_ms", "engine_speedup"):
+        if not getattr(a, name) > 0:
+            ap.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(a, name)}")
+    if not 0 < a.goal <= 1:
+        ap.error(f"--goal must be in (0, 1], got {a.goal}")
+    if a.max_replicas < 1:
+        ap.error(f"--max-replicas must be >= 1, got {a.max_replicas}")
+    if a.format == "sessions" and a.session_rate is None and a.concurrency is None:
+        a.session_rate = 1.0  # an open loop: --rate scales it
+    base = workload(a, a.seed)
+    wl = at_rate(base, a.rate / request_rate(base))
+    slo = SLO(a.ttft_ms / 1000, a.tpot_ms / 1000, a.goal)
+    cost = COST_MODELS[a.cost_model].scaled(a.engine_speedup)
+    print(f"{wl.num_requests} requests at {a.rate:g}/s; targets TTFT {a.ttft_ms:g} ms, TPOT {a.tpot_ms:g} ms for "
+          f"{a.goal:.0%}; engines: {a.cost_model} x{a.engine_speedup:g}, {a.kv_tokens_per_replica:,} KV tokens each; "
+          f"policy {a.policy}")
+    tried: dict[int, float] = {}
+
+    def meets(n: int) -> bool:
+        sim = Simulator(SimConfig(n, a.policy, cost, a.kv_tokens_per_replica), wl)
+        sim.run()
+        lat = sim.latencies()
+        tried[n] = att = attainment(lat, slo)
+        ttfts = sorted(x.ttft_s if x.ttft_s is not None else float("inf") for x in lat)
+        tpots = sorted(x.tpot_s for x in lat if x.tpot_s is not None)
+        tpot90 = f"{percentile(tpots, 0.9) * 1000:.0f} ms" if tpots else "-"
+        print(f"  {n:4d} replicas: attainment {att:.3f}, TTFT p90 {percentile(ttfts, 0.9):.2f} s, TPOT p90 {tpot90}",
+              flush=True)
+        return att >= slo.goal
+
+    def stalled() -> bool:
+        """Two doublings in a row that raised attainment by less than 0.01: the engines are too slow for the
+        targets whatever their number (a request alone on an idle replica misses them)."""
+        sizes = sorted(tried)
+        return len(sizes) >= 3 and tried[sizes[-1]] - tried[sizes[-3]] < 0.01
+
+    n = smallest(meets, a.max_replicas, stalled)
+    if n is None:
+        best = max(tried.values())
+        why = (f"attainment stops growing at about {best:.3f}: the targets need faster engines, not more of them"
+               if stalled() else f"up to {a.max_replicas} replicas reach {best:.3f}")
+        print(f"no fleet meets the targets ({why})")
+        return 1
+    below = f"; {n - 1} reach {tried[n - 1]:.3f}" if n - 1 in tried else ""
+    print(f"plan: {n} replicas (attainment {tried[n]:.3f} >= {a.goal:g}{below})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

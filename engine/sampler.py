@@ -316,7 +316,9 @@ def _logprobs(logits: torch.Tensor, params: list[SamplingParams],
         return result
     dev = logits.device
     x = logits if len(rows) == len(params) else logits[torch.tensor(rows, device=dev)]
-    lse = torch.logsumexp(x, dim=-1)
+    # row by row: torch sums one row over its threads but several rows one per thread, in another order, so a
+    # batched logsumexp moves a row's logprob in its last bits with the number of rows (--deterministic, engine/spec/)
+    lse = torch.stack([torch.logsumexp(r, dim=-1) for r in x]) if x.shape[0] > 1 else torch.logsumexp(x, dim=-1)
     picked = torch.tensor([tokens[i] for i in rows], device=dev).unsqueeze(1)
     chosen = (x.gather(1, picked).squeeze(1) - lse).tolist()
     kmax = max(params[i].logprobs for i in rows)

@@ -53,5 +53,15 @@ def test_a_served_engine_counts_drafts(tmp_path):
         assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
         # every output token is a step's sampled token or an accepted draft
         assert server.metric("vllm:generation_tokens_total") == r.json()["usage"]["completion_tokens"]
+        # streamed, the same text in chunks (a chunk per step: several tokens when drafts were kept)
+        text, chunks = "", 0
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120, json={
+                "model": "smollm2", "prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+                    chunks += 1
+        assert text == choice["text"] and 0 < chunks < 24
+        assert server.metric("vllm:spec_decode_num_drafts_total") > drafts
     finally:
         server.stop(signal.SIGTERM)

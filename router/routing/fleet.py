@@ -279,7 +279,9 @@ class Fleet:
         request's first token within its target; None when one is, when it has no target, or while the TTFT model
         is not ready (no prediction: no refusal)."""
         target = prep.ttft_target_s
-        predicted = self.placement.predict_ttft(prep, self.clock(), pool) if target is not None else {}
+        if target is None:
+            return None
+        predicted = self.placement.predict_ttft(prep, self.clock(), pool)
         if not predicted or (best := min(predicted.values())) <= target:
             return None
         self.metrics.slo_refused.labels(pool).inc()

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 
 from router.routing.policies import ReplicaView
+from router.routing.ttft_model import TTFTFeatures
 from router.states import CircuitState, KVEventsState
 
 
@@ -206,7 +207,7 @@ class Ticket:
     dispatched_at: float
     tokens: int  # uncached prompt tokens (predicted)
     prefilling: bool = True  # no token streamed back yet (a non-streamed request stays so until it ends)
-    ttft_features: tuple | None = None  # router/routing/ttft_model.py's TTFTFeatures when it was dispatched
+    ttft_features: TTFTFeatures | None = None  # the TTFT model's features when it was dispatched
     predicted_ttft_s: float | None = None  # the TTFT model's prediction then (None: the model was not ready)
 
 

@@ -1,0 +1,156 @@
+"""Speculative decoding (`ngram`) against none, served over HTTP (issue 45): one real engine of the bundled model
+at its default flags (4,096 KV blocks), started without and then with `--speculative-config`, alternating for `--rounds` rounds.
+
+- copy, c=1: prompts whose answers copy spans of the prompt (code to repeat with one change, a list to reformat,
+  a passage to quote), one at a time, greedy, `--copy-max-tokens` out; output tokens/s over the set, and whether
+  every answer is the same text with and without speculation (greedy: it must be);
+- chat, c=16: 16 concurrent streams of short seeded chats (`ignore_eos`, `--chat-max-tokens` out) for
+  `--chat-requests` requests; output tokens/s.
+
+Prints per round and pooled: tokens/s without and with, their ratio, identical answers, and the engine's own
+acceptance (vllm:spec_decode_num_accepted_tokens / num_draft_tokens) and tokens per verifying step.
+
+    python -m loadtest.spec_bench --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import tempfile
+import time
+
+import httpx
+
+from kvfleet.workload import words
+from loadtest.router_procs import Proc, start_engine
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+
+CODE = '''def moving_average(values, window):
+    if window <= 0:
+        raise ValueError("window must be positive")
+    out = []
+    total = 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            out.append(total / window)
+    return out
+'''
+
+
+def copy_prompts() -> list[str]:
+    rng = random.Random(45)
+    items = [words(rng, 6) for _ in range(12)]
+    passage = words(rng, 120)
+    return [
+        f"Rewrite this Python function, renaming the parameter `values` to `xs`. Output only the code.\n\n{CODE}",
+        f"Repeat this Python function exactly, adding a docstring line at the top. Output only the code.\n\n{CODE}",
+        "Turn this list into a numbered list, one item per line, keeping each item's words:\n"
+        + "\n".join(f"- {x}" for x in items),
+        f"Quote the following passage verbatim, then stop.\n\n{passage}",
+        "Convert these lines to upper case, keeping their order:\n" + "\n".join(items),
+    ]
+
+
+def metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+async def copy_set(url: str, prompts: list[str], max_tokens: int) -> tuple[float, list[str]]:
+    """(output tokens/s over the set, each answer's text), one request at a time."""
+    texts, tokens, busy = [], 0, 0.0
+    async with httpx.AsyncClient(timeout=600) as c:
+        for p in prompts:
+            body = {"model": "smollm2", "messages": [{"role": "user", "content": p}], "max_tokens": max_tokens,
+                    "temperature": 0}
+            t = time.perf_counter()
+            r = await c.post(url + "/v1/chat/completions", json=body)
+            busy += time.perf_counter() - t
+            r.raise_for_status()
+            j = r.json()
+            texts.append(j["choices"][0]["message"]["content"])
+            tokens += j["usage"]["completion_tokens"]
+    return tokens / busy, texts
+
+
+async def chat(url: str, n: int, concurrency: int, max_tokens: int) -> float:
+    rng = random.Random(7)
+    prompts = [f"{words(rng, 30)}? Answer briefly." for _ in range(n)]
+    queue = list(prompts)
+    tokens = 0
+
+    async def worker(c: httpx.AsyncClient) -> None:
+        nonlocal tokens
+        while queue:
+            p = queue.pop()
+            body = {"model": "smollm2", "messages": [{"role": "user", "content": p}], "max_tokens": max_tokens,
+                    "ignore_eos": True, "temperature": 0}
+            r = await c.post(url + "/v1/chat/completions", json=body)
+            r.raise_for_status()
+            tokens += r.json()["usage"]["completion_tokens"]
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as c:
+        t = time.perf_counter()
+        await asyncio.gather(*(worker(c) for _ in range(concurrency)))
+        return tokens / (time.perf_counter() - t)
+
+
+def run(ns, log_dir: str, spec: bool) -> dict:
+    ns.engine_arg = ["--speculative-config", json.dumps(SPEC)] if spec else []
+    e: Proc = start_engine(ns, log_dir, "spec" if spec else "plain", 4096)
+    try:
+        e.wait_ready(300)
+        asyncio.run(copy_set(e.url, copy_prompts()[:1], 16))  # warm-up
+        copy_tps, texts = asyncio.run(copy_set(e.url, copy_prompts(), ns.copy_max_tokens))
+        chat_tps = asyncio.run(chat(e.url, ns.chat_requests, 16, ns.chat_max_tokens))
+        m = httpx.get(e.url + "/metrics").text
+        drafts = metric(m, "vllm:spec_decode_num_drafts_total")
+        draft_tokens = metric(m, "vllm:spec_decode_num_draft_tokens_total")
+        accepted = metric(m, "vllm:spec_decode_num_accepted_tokens_total")
+        return {"copy_tps": copy_tps, "chat_tps": chat_tps, "texts": texts,
+                "acceptance": accepted / draft_tokens if draft_tokens else None,
+                "tokens_per_verify": (accepted + drafts) / drafts if drafts else None}
+    finally:
+        e.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--copy-max-tokens", type=int, default=200)
+    ap.add_argument("--chat-requests", type=int, default=64)
+    ap.add_argument("--chat-max-tokens", type=int, default=64)
+    ns = ap.parse_args(argv)
+    ns.model, ns.engine_module, ns.threads_per_engine, ns.pin_cores = "smollm2", None, None, False
+    log_dir = tempfile.mkdtemp(prefix="spec_bench_")
+    pooled: dict[str, list[float]] = {"copy": [], "chat": []}
+    same_all = True
+    for rnd in range(1, ns.rounds + 1):
+        plain, spec = run(ns, log_dir, False), run(ns, log_dir, True)
+        same = plain["texts"] == spec["texts"]
+        same_all &= same
+        rc, rt = spec["copy_tps"] / plain["copy_tps"], spec["chat_tps"] / plain["chat_tps"]
+        pooled["copy"].append(rc)
+        pooled["chat"].append(rt)
+        acc = spec["acceptance"]
+        print(f"round {rnd}: copy c=1 {plain['copy_tps']:.1f} -> {spec['copy_tps']:.1f} tok/s = x{rc:.2f} "
+              f"(answers identical: {same}); chat c=16 {plain['chat_tps']:.1f} -> {spec['chat_tps']:.1f} tok/s = "
+              f"x{rt:.2f}; drafts kept {acc if acc is None else f'{acc:.2f}'}, tokens per verifying step "
+              f"{spec['tokens_per_verify'] and round(spec['tokens_per_verify'], 2)}", flush=True)
+    gm = {k: math.prod(v) ** (1 / len(v)) for k, v in pooled.items()}
+    print(f"pooled (geometric mean of rounds): copy c=1 x{gm['copy']:.2f} (target >= 1.8), chat c=16 "
+          f"x{gm['chat']:.2f} (target >= 1.0); greedy answers identical in every round: {same_all}; logs {log_dir}")
+    return 0 if same_all else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -76,7 +76,10 @@ class PickStream:
                 elif kind == "request_trailers":
                     yield wire.trailers(request=True)
                 elif kind == "response_headers":
+                    primary = self.lease
                     yield self._response_headers(msg)
+                    if self.lease is not primary and self.entry is not None and self.lease is not None:
+                        await self.flow.sending(self.entry, self.lease.url)  # a fallback served: ask it, if need be
                     if msg.response_headers.end_of_stream:
                         await self._finish()
                 elif kind == "response_body":
@@ -120,7 +123,10 @@ class PickStream:
         chosen = [lease.url] + self._fallbacks(entry, lease.url, candidates)
         body = req.upstream_body()
         cfg = self.core.cfg
-        set_headers = {"content-length": str(len(body))}
+        await flow.sending(entry, lease.url)  # the pending ledger record names the replica, as the router's does
+        # the ledger's x-request-id (the engine's usage lookup answers by it) and the tenant as the fairness id
+        set_headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in flow.upstream_headers(entry, [])}
+        set_headers["content-length"] = str(len(body))
         remove = [PULL_HEADER]  # the router's own word to an engine: a client's is dropped
         if self.core.ratelimit is not None or cfg.internal_token:
             remove += [h for h in CREDENTIAL_HEADERS if h != "authorization" or not cfg.internal_token]

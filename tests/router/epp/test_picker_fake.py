@@ -121,3 +121,53 @@ def test_bad_flags_are_refused_at_start(procs, flag, message):
     out = subprocess.run([sys.executable, "-m", "router.epp.main", "--replicas", "http://127.0.0.1:1", flag],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_a_request_whose_picker_dies_mid_stream_is_recorded_once_with_what_its_engine_sent(procs, tmp_path,
+                                                                                              redis_server):
+    """The picker sends the ledger's x-request-id to the engine and names the replica in the pending record, as
+    the router does: when it is SIGKILLed mid-stream, a router sharing its Redis closes the record from the
+    engine's usage lookup (router_lost_settled), once."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.router.conftest import router
+
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(f'tenants:\n  acme:\n    api_key_sha256: ["{key_sha256(KEY)}"]\n    tokens_per_minute: 100000\n')
+    engine = fake_engine(procs, "e0", "--chunks", "6")
+    engine.wait_ready()
+    common = ["--tenants", str(tenants), "--redis-url", redis_server.url, "--usage-reconcile-after", "1"]
+    p, address = picker(procs, [engine.url], *common)
+    body = _completion(stream=True, max_tokens=6)
+    sender = threading.Thread(target=lambda: _swallow(lambda: Gateway(address).send(
+        "/v1/completions", body, headers={"authorization": f"Bearer {KEY}", "x-fake-chunk-delay-ms": "1000"})),
+        daemon=True)
+    sender.start()
+    wait_for(lambda: metric(httpx.get(engine.url + "/metrics").text, "vllm:num_requests_running") == 1, timeout=30,
+             what="the stream running on the engine")
+    p.kill()
+    sender.join(timeout=30)
+    router(procs, [engine.url], *common, policy="least-load").wait_ready()  # the survivor that reconciles
+
+    def ledger() -> list[dict]:
+        out = subprocess.run([sys.executable, "-m", "kvfleet", "usage", "export", "--redis-url", redis_server.url,
+                              "--tenants", str(tenants)], capture_output=True, text=True, check=True).stdout
+        return [json.loads(line) for line in out.splitlines()]
+
+    rows = wait_for(lambda: (got := ledger()) and got, timeout=40, what="the dead picker's request in the ledger")
+    assert len(rows) == 1 and rows[0]["outcome"] == "router_lost_settled" and rows[0]["replica"] == engine.url
+    rid = rows[0]["request_id"]
+    said = httpx.post(engine.url + "/v1/kvfleet/usage/lookup", json={"request_ids": [rid]}).json()["data"][rid]
+    assert (rows[0]["prompt_tokens"], rows[0]["output_tokens"]) == (said["prompt_tokens"], said["completion_tokens"])
+    assert rows[0]["outcome"] != "router_lost" and said["completion_tokens"] >= 1
+    time.sleep(4)  # further reconcile rounds: nothing twice
+    assert len(ledger()) == 1
+
+
+def _swallow(fn) -> None:
+    try:
+        fn()
+    except Exception:  # the picker died under the stream: the gateway's side of it fails, as it should
+        pass

@@ -92,3 +92,20 @@ def test_mixed_step_rejects_bad_flags(capsys):
         with pytest.raises(SystemExit):
             mixed_step.main(argv)
         assert says in capsys.readouterr().err
+
+
+def test_host_share_sorts_ops_and_rejects_bad_flags(capsys):
+    from loadtest import host_share
+
+    assert host_share.is_compute("kvfleet_cpu::q4_linear") and host_share.is_compute("aten::mm")
+    assert not host_share.is_compute("aten::slice") and not host_share.is_compute("aten::empty")
+    for argv in (["--batch-sizes", "0"], ["--batch-sizes", "a"], ["--steps", "0"]):
+        with pytest.raises(SystemExit):
+            host_share.main(argv)
+        assert "--batch-sizes" in capsys.readouterr().err
+    row = {"batch": 1, "wall_ms": 17.0, "kernels_ms": 11.5, "host_share": 0.32, "glue_ops_ms": 0.6,
+           "ops_per_step": 987.0, "other_ms": 0.1, "host_ms_per_layer": 0.17, "threads": 2,
+           "phases_ms": {"schedule": 0.02, "forward": 16.6, "sample": 0.1, "update": 0.04},
+           "top_kernels_ms": {"kvfleet_cpu::q4_linear": 8.6}}
+    text = host_share.report([row])
+    assert "   17.00    11.50    32%" in text and "kvfleet_cpu::q4_linear 8.60" in text

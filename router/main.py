@@ -94,12 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cost of one waiting request this router did not send, in prefill-token equivalents")
     p.add_argument("--running-cost-tokens", type=float, default=s.running_cost_tokens,
                    help="cost of one running request on a replica, in prefill-token equivalents")
-    p.add_argument("--pull-token-cost", type=_pull_cost, default=s.pull_token_cost,
+    p.add_argument("--pull-token-cost", type=_pull_cost, default="auto",
                    help="cost of pulling one cached prompt token from a peer replica instead of prefilling it, in "
-                        "prefill tokens (loadtest/kv_transfer_bench.py measures it; 0: no pulls, the default), or "
-                        "`auto`: measured from the engines' prefill and pull rates (0.05 until both are known). "
-                        "With it, a replica chosen for its load pulls the prefix another replica holds (kvfleet "
-                        "engines only)")
+                        "prefill tokens (loadtest/kv_transfer_bench.py measures it; 0: no pulls), or `auto` (the "
+                        "default): measured from the engines' prefill and pull rates (0.05 until both are known). "
+                        "With it, a replica chosen for its load pulls the prefix another replica holds (between "
+                        "kvfleet engines only; `auto` means no pulls with --engine-type vllm or sglang)")
     p.add_argument("--pull-fixed-tokens", type=float, default=s.pull_fixed_tokens,
                    help="fixed cost of one pull (its set-up), in prefill tokens")
     p.add_argument("--tier-token-cost", type=float, default=s.tier_token_cost,
@@ -178,11 +178,13 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     inference_pool = getattr(ns, "inference_pool", None)  # kvfleet epp's flag
     discovery = ns.discovery or ("dns" if ns.dns_name else "k8s" if ns.k8s_service
                                  else "inference-pool" if inference_pool else "static")
+    auto_pulls = ns.pull_token_cost == "auto" and ns.engine_type not in ("vllm", "sglang")
+    pull_cost = (AUTO_PULL_PRIOR if auto_pulls else 0.0) if ns.pull_token_cost == "auto" else ns.pull_token_cost
     scoring = ScoringConfig(kv_token_cost=ns.kv_token_cost, prefill_weight=ns.prefill_weight,
                             waiting_cost_tokens=ns.waiting_cost_tokens,
                             running_cost_tokens=ns.running_cost_tokens,
-                            pull_token_cost=AUTO_PULL_PRIOR if ns.pull_token_cost == "auto" else ns.pull_token_cost,
-                            pull_cost_measured=ns.pull_token_cost == "auto", pull_fixed_tokens=ns.pull_fixed_tokens,
+                            pull_token_cost=pull_cost, pull_cost_measured=auto_pulls,
+                            pull_fixed_tokens=ns.pull_fixed_tokens,
                             tier_token_cost=ns.tier_token_cost,
                             overload_waiting=ns.overload_waiting,
                             overload_kv_usage=ns.overload_kv_usage)

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 from router.routing.policies import Decision, IndexKind, ReplicaView
 from router.routing.ttft_model import features
 
+NO_PULLS = frozenset({"vllm", "sglang"})  # engines that neither serve nor take a peer pull
+
 if TYPE_CHECKING:
     from router.routing.placement import Placement, Prompt
 
@@ -76,13 +78,18 @@ class Prediction:
             views = [replace(v, tier_tokens=tiered[v.url]) if v.url in tiered else v for v in views]
         if p.cfg.scoring.pull_token_cost <= 0:
             return views
-        sources = sorted(((n, r) for r, n in cached.items() if n > 0 and p.replicas[r].ready), reverse=True)[:2]
+        # pulls go between kvfleet engines only: none from or to a replica whose metrics say it is another kind
+        sources = sorted(((n, r) for r, n in cached.items() if n > 0 and p.replicas[r].ready
+                          and p.replicas[r].engine not in NO_PULLS), reverse=True)[:2]
         if not sources:
             return views
         # a source whose copy is on the way streams it as its prefill computes it: the pull waits for that prefill
         wait = {r: v.pending_tokens for v in views if (r := v.url) in on_the_way}
         out = []
         for v in views:
+            if p.replicas[v.url].engine in NO_PULLS:
+                out.append(v)
+                continue
             n, r = next(((n, r) for n, r in sources if r != v.url), (0, ""))
             out.append(replace(v, peer_cached_tokens=n, peer_wait_tokens=wait.get(r, 0), peer_on_the_way=r in on_the_way))
         return out

@@ -113,3 +113,32 @@ def test_blocks_a_lower_tier_holds_count_at_their_reload_cost():
     assert (d.url, d.predicted_cached_tokens) == (B, 8) and d.cost == 3 * 9 + 0.1 * 4
     p.index.clear(B)
     assert p.index.tier_run(hashes, B, 0) == 0
+
+
+def test_pulls_are_on_by_default_measured_and_off_for_vllm_or_sglang_engines():
+    from router.main import build_parser, config_from_args
+
+    def scoring(*argv: str) -> ScoringConfig:
+        return config_from_args(build_parser().parse_args(["--replicas", "http://a:1", *argv])).scoring
+
+    default = scoring()
+    assert (default.pull_token_cost, default.pull_cost_measured) == (0.05, True)
+    for kind in ("vllm", "sglang"):
+        off = scoring("--engine-type", kind)
+        assert (off.pull_token_cost, off.pull_cost_measured) == (0.0, False)
+    assert (scoring("--pull-token-cost", "0").pull_token_cost, scoring("--pull-token-cost", "0").pull_cost_measured) \
+        == (0.0, False)
+
+
+def test_a_replica_whose_metrics_say_vllm_neither_serves_nor_takes_a_pull():
+    p = _placement(CHEAP)
+    p.replicas[A].engine = "vllm"  # the holder cannot serve a pull: B recomputes, or A keeps it
+    d = p.choose(_request(), 0.0)
+    assert (d.pull_from, d.pull_tokens) == (None, 0)
+    p = _placement(CHEAP)
+    p.replicas[B].engine = "sglang"  # the idle replica cannot take one
+    d = p.choose(_request(), 0.0)
+    assert (d.pull_from, d.pull_tokens) == (None, 0)
+    p = _placement(CHEAP)
+    p.replicas[A].engine = p.replicas[B].engine = "kvfleet"
+    assert p.choose(_request(), 0.0).pull_from == A

@@ -104,8 +104,9 @@ class RouterMetrics:
         self.reserved_outstanding = Gauge("kvfleet_router_ratelimit_reserved_tokens", "Tokens reserved by "
                                           "requests in flight, by tenant", ["tenant"], registry=r)
         self.tenant_tokens = Counter("kvfleet_router_tenant_tokens", "Tokens of tenants' settled requests as the "
-                                     "engines reported them: prompt tokens computed, prompt tokens read from a "
-                                     "prefix cache, output tokens; by tenant and model", ["tenant", "model", "kind"],
+                                     "engines reported them: prompt tokens computed (of them written to a "
+                                     "cache_control breakpoint: written), prompt tokens read from a prefix cache, "
+                                     "output tokens; by tenant and model", ["tenant", "model", "kind"],
                                      registry=r)
         self.tenant_cost = Counter("kvfleet_router_tenant_cost_dollars", "What tenants' settled requests cost at "
                                    "the tenants file's prices (US dollars; models with prices only), by tenant and "

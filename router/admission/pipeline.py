@@ -124,7 +124,7 @@ class Admission:
         budget = None
         if tenant is not None:
             ticket = Ticket(request_id, api_key_id, pool.name) if request_id is not None else None
-            got_budget = await self._limiter().reserve(tenant, cost, model, ticket)
+            got_budget = await self._limiter().reserve(tenant, cost, model, ticket, sum(prompt_tokens))
             if isinstance(got_budget, Refusal):
                 return got_budget
             budget = got_budget

@@ -4,7 +4,9 @@ request's record in the same call, so a request is charged and recorded together
 
 A record holds who (tenant, API key id: the first 16 hex digits of the key's sha256, never the key), what (model,
 pool, replica), how much (prompt tokens computed and read from the cache as the engine reported them, output
-tokens, the budget tokens charged, the cost in US dollars at the tenants file's prices), how it ended and when.
+tokens, the budget tokens charged, the cost in US dollars at the tenants file's prices), how it ended and when;
+then, where the engine reported them, the prompt tokens written to cache_control breakpoints and the cached tokens
+by the tier they came from. Fields added later have defaults, so records stored before them still load.
 
 `usage_page` answers `GET /v1/organization/usage/completions` from a tenant's records: buckets of `bucket_width`
 (1m, 1h or 1d) from `start_time` to `end_time` (Unix seconds), each with one result, or one per model or API key
@@ -18,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 
-from router.tenants.pricing import Prices, Usage, cost_usd
+from router.tenants.pricing import TIERS, Prices, Usage, cost_usd
 
 USAGE_PATH = "/v1/organization/usage/completions"
 BUCKET_WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}
@@ -43,6 +45,8 @@ class UsageRecord:
     time: float  # Unix seconds when it was settled
     duration_s: float  # from admission to the end
     ttft_s: float | None
+    written_tokens: int = 0  # of the computed prompt tokens, written to a cache_control breakpoint
+    cached_by_tier: dict[str, int] | None = None  # cached_tokens by origin (device, lower_tier, peer); None: unknown
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -67,7 +71,12 @@ def record(request_id: str, tenant: str, api_key_id: str | None, model: str, poo
     cost = decimal_text(cost_usd(u, prices)) if prices is not None else None
     return UsageRecord(request_id, tenant, api_key_id, model, pool, replica, u.prompt_tokens, u.cached_tokens,
                        u.completion_tokens, budget_tokens, cost, outcome, now, round(duration_s, 6),
-                       None if ttft_s is None else round(ttft_s, 6))
+                       None if ttft_s is None else round(ttft_s, 6), u.written_tokens, by_tier(u))
+
+
+def by_tier(u: Usage) -> dict[str, int] | None:
+    """A usage's cached tokens by tier as the record keeps them: {"device": .., "lower_tier": .., "peer": ..}."""
+    return None if u.cached_by_tier is None else dict(zip(TIERS, u.cached_by_tier, strict=True))
 
 
 ROUTER_LOST = "router_lost"  # the outcome of a request no router settled: its reservation is what it was charged

@@ -10,7 +10,8 @@ these two steps are router/admission/):
    if it could never fit the budget, 429 + Retry-After (`rate_limit_exceeded`) if not now, 503 if the
    store failed under `--ratelimit-on-store-error closed`.
 `settle` charges what the engine reported (its usage; the last streamed chunk's for a cancelled stream), priced
-by router/tenants/pricing.py (cached prompt tokens at the model's cached price, where it has prices), 0 if no
+by router/tenants/pricing.py (cached prompt tokens at the model's cached price, those written to a cache_control
+breakpoint at its cache-write price, where it has prices), 0 if no
 replica answered with success (refused, failed, or an error answer), the whole reservation if one answered 200
 without usage. Every response to
 a known tenant carries OpenAI's `x-ratelimit-{limit,remaining,reset}-tokens` headers.
@@ -152,17 +153,18 @@ class RateLimiter:
             return Refusal(401, e.body(), list(e.headers), "unauthorized")
 
     async def reserve(self, tenant: Tenant, tokens: int, model: str | None = None,
-                      ticket: Ticket | None = None) -> Budget | Refusal:
-        """Reserve what `tokens` tokens (router/admission/stages.py `request_cost`) of `model` cost in the tenant's
-        budget: `weighted(tokens, the model's token weight)`. With a `ticket`, the shared store also keeps the
-        record the ledger gets should this request never be settled (its router dies): the reservation, charged."""
+                      ticket: Ticket | None = None, prompt_tokens: int | None = None) -> Budget | Refusal:
+        """Reserve what `tokens` tokens (router/admission/stages.py `request_cost`; `prompt_tokens` of them the
+        prompt's, None: unknown) of `model` cost in the tenant's budget at worst (router/tenants/pricing.py
+        `reserve_units`). With a `ticket`, the shared store also keeps the record the ledger gets should this request
+        never be settled (its router dies): the reservation, charged."""
         weight = self.file.registry.token_weight(model)
         prices = self.file.registry.prices(tenant.name, model)
         if tenant.cost_budget and prices is None:
             return self.refused(tenant, refuse(
                 400, f"model {model!r} has no price in the tenants file, and this API key's budget is in dollars",
                 "unpriced", "model", "model_not_priced"))
-        cost = reserve_units(tokens, weight, prices, tenant.cost_budget)
+        cost = reserve_units(tokens, weight, prices, tenant.cost_budget, prompt_tokens)
         spec = BudgetSpec(tenant.tokens_per_minute, tenant.max_concurrent_requests)
         pending = None
         if ticket is not None:
@@ -222,8 +224,9 @@ class RateLimiter:
     # -- settlement ----------------------------------------------------------------------------------------
     async def settle(self, a: Budget, reported: dict | None, answered: bool, meta: RecordMeta | None = None) -> None:
         """Charge what the request used: the usage the engine reported (router/tenants/pricing.py: weighted as
-        reserved, cached prompt tokens at the cached price), else the whole reservation if a replica answered 200
-        (`answered`), else nothing; and with `meta`, its record in the tenant's usage ledger, in the same call."""
+        reserved, cached prompt tokens at the cached price, written ones at the cache-write price), else the whole
+        reservation if a replica answered 200 (`answered`), else nothing; and with `meta`, its record in the
+        tenant's usage ledger, in the same call."""
         r = a.reservation
         if r is None:
             return
@@ -237,6 +240,7 @@ class RateLimiter:
         if usage is not None:
             m.tenant_tokens.labels(name, a.model, "computed").inc(usage.computed_tokens)
             m.tenant_tokens.labels(name, a.model, "cached").inc(usage.cached_tokens)
+            m.tenant_tokens.labels(name, a.model, "written").inc(usage.written_tokens)
             m.tenant_tokens.labels(name, a.model, "output").inc(usage.completion_tokens)
             if a.prices is not None:
                 m.tenant_cost.labels(name, a.model).inc(float(cost_usd(usage, a.prices)))

@@ -4,7 +4,8 @@ Lines or CSV, for billing and reconciliation.
     kvfleet usage export --redis-url redis://redis:6379/0 --tenants tenants.yaml --since 1796000000 --format csv
 
 Tenants are those the tenants file names (the ledger's streams are per tenant); records come oldest first per
-tenant, one per settled request, with every field of the record. Without `--output` they go to standard output.
+tenant, one per settled request, with every field of the record (in CSV a missing value is empty, and
+`cached_by_tier` is its JSON object's text). Without `--output` they go to standard output.
 """
 
 from __future__ import annotations
@@ -49,7 +50,16 @@ def write(records: list[UsageRecord], out: TextIO, fmt: str) -> None:
     w.writerow(COLUMNS)
     for r in records:
         row = json.loads(r.to_json())
-        w.writerow(["" if row[c] is None else row[c] for c in COLUMNS])
+        w.writerow([cell(row[c]) for c in COLUMNS])
+
+
+def cell(value) -> str | int | float:
+    """A record's field as a CSV cell: None empty, a mapping its compact JSON text, a number or text as it is."""
+    if value is None:
+        return ""
+    if isinstance(value, dict):
+        return json.dumps(value, separators=(",", ":"), sort_keys=True)
+    return value
 
 
 async def collect(url: str, tenants: list[str], since: float, until: float) -> list[UsageRecord]:

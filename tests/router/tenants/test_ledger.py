@@ -24,6 +24,28 @@ def test_a_record_round_trips_and_prices_exactly():
     assert record("r", "t", None, "m", "p", None, None, 0, None, "502", 1.0, 0.2, None).cost_usd is None
 
 
+def test_a_record_keeps_written_tokens_and_cached_tokens_by_tier_and_round_trips():
+    u = Usage(1000, 300, 7, 600, (200, 64, 36))
+    r = record("req_2", "acme", None, "claude", "stable", "http://e1:8000", u, 887,
+               Prices.of("3", "15", cached_input="0.30", cache_write="3.75"), "200", 1_800_000_000.0, 1.0, 0.2)
+    assert r.cost_usd == "0.002745"  # (100 x 3 + 600 x 3.75 + 300 x 0.30 + 7 x 15) / 1e6
+    assert (r.written_tokens, r.cached_by_tier) == (600, {"device": 200, "lower_tier": 64, "peer": 36})
+    assert '"written_tokens":600,"cached_by_tier":{"device":200,"lower_tier":64,"peer":36}' in r.to_json()
+    assert UsageRecord.from_json(r.to_json()) == r
+    plain = record("req_3", "acme", None, "m", "p", None, Usage(10, 0, 2), 12, None, "200", 1.0, 0.5, None)
+    assert (plain.written_tokens, plain.cached_by_tier) == (0, None)
+    assert UsageRecord.from_json(plain.to_json()) == plain
+
+
+def test_a_record_stored_before_written_tokens_and_tiers_still_loads():
+    stored = ('{"request_id":"req_1","tenant":"acme","api_key_id":null,"model":"m","pool":"p","replica":null,'
+              '"prompt_tokens":10,"cached_tokens":4,"output_tokens":2,"budget_tokens":12,"cost_usd":null,'
+              '"outcome":"200","time":1.5,"duration_s":0.5,"ttft_s":null}')
+    r = UsageRecord.from_json(stored)
+    assert (r.prompt_tokens, r.cached_tokens, r.written_tokens, r.cached_by_tier) == (10, 4, 0, None)
+    assert UsageRecord.from_json(r.to_json()) == r
+
+
 def test_decimal_text_rounds_half_up_at_twelve_places():
     assert decimal_text(Fraction(1, 3)) == "0.333333333333"
     assert decimal_text(Fraction(5, 10**13)) == "0.000000000001" and decimal_text(Fraction(0)) == "0"

@@ -160,3 +160,88 @@ def test_a_cost_budget_reserves_the_worst_case_and_settles_the_exact_cost(tmp_pa
     text = rl.metrics.render().decode()
     assert 'kvfleet_router_ratelimit_tokens_total{kind="used",tenant="dollars"} 5.0' in text
     assert 'kvfleet_router_ratelimit_tokens_total{kind="refunded",tenant="dollars"} 61.0' in text
+
+
+WRITE = Prices.of("3", "15", cached_input="0.30", cache_write="3.75")  # Anthropic's: a write at 1.25 x input
+
+
+def test_usage_reads_written_tokens_and_tiers_and_caps_written_to_the_computed():
+    report = {"prompt_tokens": 1000, "completion_tokens": 7, "cache_creation_input_tokens": 600,
+              "cache_read_input_tokens": 300,
+              "prompt_tokens_details": {"cached_tokens": 300,
+                                        "cached_tokens_by_tier": {"device": 200, "lower_tier": 64, "peer": 36}}}
+    assert usage_of(report) == Usage(1000, 300, 7, 600, (200, 64, 36))
+    assert usage_of({**report, "cache_creation_input_tokens": 900}).written_tokens == 700  # never beyond computed
+    assert usage_of({**report, "cache_creation_input_tokens": -1}).written_tokens == 0  # malformed: none
+    bad_tier = {**report, "prompt_tokens_details": {"cached_tokens": 300, "cached_tokens_by_tier": {"device": 300}}}
+    assert usage_of(bad_tier) == Usage(1000, 300, 7, 600, None)  # a tier missing: not reported
+    assert usage_of({"prompt_tokens": 10, "completion_tokens": 2}) == Usage(10, 0, 2, 0, None)
+
+
+def test_a_request_with_breakpoints_pays_cache_write_for_the_written_tokens():
+    u = Usage(1000, 300, 7, 600)
+    # 100 computed x 3 + 600 written x 3.75 + 300 cached x 0.30 + 7 out x 15 = 300 + 2250 + 90 + 105 = 2745
+    assert cost_usd(u, WRITE) == Fraction(2745, 1_000_000)
+    # budget tokens: 100 + 600 x 1.25 + 300 x 0.1 + 7 = 887
+    assert budget_tokens(u, Fraction(1), WRITE) == 887
+    assert budget_tokens(u, Fraction(2), WRITE) == 1774
+    assert budget_tokens(u, Fraction(1), None) == 1007  # without prices: every token 1, as always
+    assert budget_tokens(u, Fraction(1), Prices.of(0, 1, cache_write=5)) == 1007  # free input: no ratio
+
+
+def test_a_request_without_breakpoints_is_charged_exactly_as_before():
+    u = Usage(1000, 300, 7)  # no cache_creation_input_tokens: written 0
+    assert usage_of({"prompt_tokens": 1000, "completion_tokens": 7,
+                     "prompt_tokens_details": {"cached_tokens": 300}}) == u
+    # 700 computed x 3 + 300 cached x 0.30 + 7 x 15 = 2100 + 90 + 105 = 2295; budget 700 + 30 + 7 = 737
+    assert cost_usd(u, WRITE) == Fraction(2295, 1_000_000)
+    assert budget_tokens(u, Fraction(1), WRITE) == 737
+    p = Prices.of("0.10", "0.40", cached_input="0.01")  # cache_write defaults to input: a write costs as before
+    assert cost_usd(Usage(100, 0, 7, 60), p) == cost_usd(Usage(100, 0, 7), p) == Fraction(128, 10) / 1_000_000
+    assert budget_tokens(Usage(100, 0, 7, 60), Fraction(1), p) == budget_tokens(Usage(100, 0, 7), Fraction(1), p)
+
+
+def test_token_reservations_bound_a_charge_with_every_prompt_token_written():
+    from router.tenants.pricing import charge_units, reserve_units
+
+    # 1000 prompt + 64 max_tokens: the prompt at 1.25, the output at 1
+    assert reserve_units(1064, Fraction(1), WRITE, False, 1000) == 1314
+    assert reserve_units(1064, Fraction(1), WRITE, False) == 1330  # prompt unknown: ceil(1064 x 1.25)
+    worst = Usage(1000, 0, 64, 1000)
+    assert charge_units(worst, Fraction(1), WRITE, False) == 1314 == reserve_units(1064, Fraction(1), WRITE, False,
+                                                                                  1000)
+    assert charge_units(worst, Fraction(3, 2), WRITE, False) == 1971 == reserve_units(1064, Fraction(3, 2), WRITE,
+                                                                                     False, 1000)
+    p = Prices.of("0.10", "0.40", cached_input="0.01")  # no write above input: reserved as ever
+    assert reserve_units(1064, Fraction(1), p, False, 1000) == reserve_units(1064, Fraction(1), None, False) == 1064
+    assert reserve_units(1064, Fraction(1), WRITE, True, 1000) == 15960  # cost budget: 1064 x 15, as before
+    assert charge_units(worst, Fraction(1), WRITE, True) == 4710  # 1000 x 3.75 + 64 x 15 micro-dollars
+
+
+def test_settle_charges_written_tokens_at_the_cache_write_price_and_counts_them(tmp_path):
+    from router.config import RateLimitConfig
+    from router.tenants.ledger import RecordMeta, UsageRecord
+    from router.tenants.ratelimit import RateLimiter
+
+    path = tmp_path / "tenants.yaml"
+    path.write_text(FILE + "  claude: {input: 3, cached_input: 0.30, cache_write: 3.75, output: 15}\n")
+    rl = RateLimiter(RateLimitConfig(tenants_file=str(path)), RouterMetrics("kv"), lambda: (None, None), 30.0)
+    tenant = rl.file.registry.get("plain")
+    usage = {"prompt_tokens": 100, "completion_tokens": 7, "cache_creation_input_tokens": 60,
+             "prompt_tokens_details": {"cached_tokens": 20,
+                                       "cached_tokens_by_tier": {"device": 20, "lower_tier": 0, "peer": 0}}}
+
+    async def run():
+        got = await rl.reserve(tenant, 164, "claude", prompt_tokens=100)
+        assert got.reservation.amount == 189  # 100 prompt x 1.25 + 64 max_tokens
+        await rl.settle(got, usage, True, RecordMeta("req_1", None, "p", "http://e1", "200", 0.5, 0.1))
+        rows = await rl.limiter.records("plain", 0, 2**40)
+        return UsageRecord.from_json(rows[-1])
+
+    rec = asyncio.run(run())
+    # 20 computed + 60 written x 1.25 + 20 cached x 0.1 + 7 = 104; (20 x 3 + 60 x 3.75 + 20 x 0.3 + 7 x 15) / 1e6
+    assert (rec.budget_tokens, rec.cost_usd, rec.written_tokens) == (104, "0.000396", 60)
+    assert rec.cached_by_tier == {"device": 20, "lower_tier": 0, "peer": 0}
+    text = rl.metrics.render().decode()
+    assert 'kvfleet_router_tenant_tokens_total{kind="written",model="claude",tenant="plain"} 60.0' in text
+    assert 'kvfleet_router_tenant_tokens_total{kind="computed",model="claude",tenant="plain"} 80.0' in text

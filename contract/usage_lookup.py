@@ -4,8 +4,11 @@ request id (the `x-request-id` the router sent), for the router that reconciles 
 
     POST /v1/kvfleet/usage/lookup   {"request_ids": ["req_...", ...]}          (at most MAX_IDS)
     200 {"object": "kvfleet.usage_lookup", "data": {"req_...": {"prompt_tokens": 12, "cached_tokens": 0,
-         "completion_tokens": 30, "outcome": "aborted", "finished_at": 1764...}, "req_2": "running",
-         "req_3": "unknown"}}
+         "completion_tokens": 30, "written_tokens": 8, "outcome": "aborted", "finished_at": 1764...},
+         "req_2": "running", "req_3": "unknown"}}
+
+`written_tokens` (prompt tokens the request computed and wrote to its cache_control breakpoints) is missing from
+the answers of engines older than it: read as 0.
 
 Like the engine's other internal endpoints it needs `Authorization: Bearer <internal token>` where one is set.
 """
@@ -31,7 +34,8 @@ def parse_answer(body) -> dict[str, dict | str]:
             out[rid] = RUNNING
         elif isinstance(v, dict) and all(_count(v.get(k)) for k in ("prompt_tokens", "cached_tokens",
                                                                      "completion_tokens")) \
-                and v["cached_tokens"] <= v["prompt_tokens"] and isinstance(v.get("outcome"), str):
+                and v["cached_tokens"] <= v["prompt_tokens"] and isinstance(v.get("outcome"), str) \
+                and _count(v.get("written_tokens", 0)):
             out[rid] = v
         else:
             out[rid] = UNKNOWN

@@ -10,6 +10,8 @@ The counts follow the engine's own counters (`vllm:prompt_tokens`, `vllm:generat
 from them sums to what the engines' /metrics say:
 - prompt tokens count once a request's first token was sampled (a request aborted before that used none);
 - cached prompt tokens: as the engine reports them in its usage (`prompt_tokens_details.cached_tokens`);
+- written prompt tokens: those of its cache_control prefix it computed and pinned, as the engine reports them
+  (`cache_creation_input_tokens`), so a router prices them at the cache-write price;
 - output tokens: every token the core sampled for the request, those sampled after its client went away (in
   the step that was running when the abort arrived) included.
 
@@ -40,30 +42,31 @@ class RequestUsage:
     completion_tokens: int
     outcome: str  # "stop" | "length" | "aborted" | "error"
     finished_at: float  # Unix seconds
+    written_tokens: int = 0  # of the computed prompt tokens, written to cache_control breakpoints
 
     def to_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-                "completion_tokens": self.completion_tokens, "outcome": self.outcome,
-                "finished_at": self.finished_at}
+                "completion_tokens": self.completion_tokens, "written_tokens": self.written_tokens,
+                "outcome": self.outcome, "finished_at": self.finished_at}
 
 
 class _Part:
     """One engine request of a router request, while it runs."""
 
-    __slots__ = ("key", "prompt", "cached", "output", "outcome")
+    __slots__ = ("key", "prompt", "cached", "written", "output", "outcome")
 
     def __init__(self, key: str):
         self.key = key
-        self.prompt = self.cached = self.output = 0
+        self.prompt = self.cached = self.written = self.output = 0
         self.outcome: str | None = None
 
 
 class _Open:
-    __slots__ = ("parts", "prompt", "cached", "output", "outcomes")
+    __slots__ = ("parts", "prompt", "cached", "written", "output", "outcomes")
 
     def __init__(self) -> None:
         self.parts = 0
-        self.prompt = self.cached = self.output = 0
+        self.prompt = self.cached = self.written = self.output = 0
         self.outcomes: list[str] = []
 
 
@@ -105,6 +108,7 @@ class UsageBook:
         part.output += new
         if part.prompt:
             part.cached = delta.num_cached_tokens
+            part.written = delta.cache_creation_tokens
         if delta.error is not None:
             part.outcome = "error"
         for o in delta.outputs:
@@ -124,19 +128,21 @@ class UsageBook:
         acc.parts -= 1
         acc.prompt += part.prompt
         acc.cached += part.cached
+        acc.written += part.written
         acc.output += part.output
         acc.outcomes.append(part.outcome or outcome or "stop")
         if acc.parts:
             return
         del self._open[part.key]
         now = self.clock()
-        usage = RequestUsage(acc.prompt, acc.cached, acc.output, _outcome(acc.outcomes), now)
+        usage = RequestUsage(acc.prompt, acc.cached, acc.output, _outcome(acc.outcomes), now, acc.written)
         earlier = self._done.pop(part.key, None)
         if earlier is not None:  # the same router request again on this engine (a retry): both count
             usage = RequestUsage(earlier.prompt_tokens + usage.prompt_tokens,
                                  earlier.cached_tokens + usage.cached_tokens,
                                  earlier.completion_tokens + usage.completion_tokens,
-                                 _outcome([earlier.outcome, usage.outcome]), now)
+                                 _outcome([earlier.outcome, usage.outcome]), now,
+                                 earlier.written_tokens + usage.written_tokens)
         self._done[part.key] = usage
         self._prune(now)
 

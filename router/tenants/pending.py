@@ -8,7 +8,8 @@ request its router settles loses its pending record in the same script. One whos
 deadline; any router then asks the replica named in it what the request used (engine/usage_book.py), and:
 
 - the engine knows it (finished, or aborted when the dead router's connection dropped): the record carries the
-  engine's prompt, cached and output tokens, their cost at the model's prices, outcome `router_lost_settled`,
+  engine's prompt, cached, written (to cache_control breakpoints; 0 from an engine that does not say) and output
+  tokens, their cost at the model's prices, outcome `router_lost_settled`,
   and the budget is charged what they cost (the rest of the reservation refunded);
 - the engine does not know it (restarted, forgot it, never got it) or no replica was named (the router died
   before sending it): the record as reserved (`router_lost`, the whole reservation charged);
@@ -70,10 +71,13 @@ def close(p: Pending, answer: dict | str | None, weight: Fraction, prices: Price
         rec = dataclasses.replace(rec, replica=p.replica)
     if not isinstance(answer, dict) or answer == UNKNOWN:
         return Close(p.request_id, reserved, reserved, rec.to_json(), rec.outcome)
-    usage = Usage(answer["prompt_tokens"], answer["cached_tokens"], answer["completion_tokens"])
+    prompt, cached = answer["prompt_tokens"], answer["cached_tokens"]
+    written = min(answer.get("written_tokens", 0), prompt - cached)
+    usage = Usage(prompt, cached, answer["completion_tokens"], written)
     used = min(charge_units(usage, weight, prices, cost_budget), reserved)  # never beyond what it reserved
     cost = ledger.decimal_text(cost_usd(usage, prices)) if prices is not None else None
     rec = dataclasses.replace(rec, prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
-                              output_tokens=usage.completion_tokens, budget_tokens=used, cost_usd=cost,
+                              output_tokens=usage.completion_tokens, written_tokens=usage.written_tokens,
+                              budget_tokens=used, cost_usd=cost,
                               outcome=ROUTER_LOST_SETTLED, time=now)
     return Close(p.request_id, reserved, used, rec.to_json(), ROUTER_LOST_SETTLED)

@@ -14,9 +14,10 @@ class Clock:
         return self.t
 
 
-def delta(rid, tokens=(), finish=None, index=0, prompt=10, cached=4, finished=False, error=None, outs=None):
+def delta(rid, tokens=(), finish=None, index=0, prompt=10, cached=4, finished=False, error=None, outs=None,
+          written=0):
     outputs = outs if outs is not None else [CompletionDelta(index, token_ids=list(tokens), finish_reason=finish)]
-    return RequestDelta(rid, outputs, finished, prompt, cached, error=error)
+    return RequestDelta(rid, outputs, finished, prompt, cached, error=error, cache_creation_tokens=written)
 
 
 def test_a_request_sums_its_deltas_and_finishes_with_its_reason():
@@ -103,3 +104,22 @@ def test_bad_bounds_are_refused():
         UsageBook(max_entries=0)
     with pytest.raises(ValueError):
         UsageBook(ttl_s=0)
+
+
+def test_written_tokens_are_remembered_summed_over_parts_and_retries_and_answered():
+    book = UsageBook(clock=Clock())
+    book.expect("cmpl-1-0", "req_a")
+    book.expect("cmpl-1-1", "req_a")
+    book.observe(delta("cmpl-1-0", [], written=6))  # before the first token: the prompt is not counted yet
+    book.observe(delta("cmpl-1-0", [1], "stop", prompt=9, cached=0, written=6, finished=True))
+    book.observe(delta("cmpl-1-1", [1, 2], "stop", prompt=9, cached=4, written=3, finished=True))
+    got = book.lookup(["req_a"])["req_a"]
+    assert got == RequestUsage(18, 4, 3, "stop", 1000.0, 9)
+    assert got.to_dict() == {"prompt_tokens": 18, "cached_tokens": 4, "completion_tokens": 3, "written_tokens": 9,
+                             "outcome": "stop", "finished_at": 1000.0}
+    book.expect("e2", "req_a")  # a retry on the same engine: both count
+    book.observe(delta("e2", [1], "stop", prompt=9, cached=9, written=0, finished=True))
+    assert book.lookup(["req_a"])["req_a"] == RequestUsage(27, 13, 4, "stop", 1000.0, 9)
+    book.expect("e3", "req_b")
+    book.observe(delta("e3", [], "abort", written=5, finished=True))  # aborted while waiting: nothing written
+    assert book.lookup(["req_b"])["req_b"] == RequestUsage(0, 0, 0, "aborted", 1000.0, 0)

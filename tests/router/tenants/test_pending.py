@@ -38,6 +38,27 @@ def test_what_the_engine_says_it_used_is_recorded_priced_and_charged():
                                                                             2000.0, "acme")
 
 
+WRITE = Prices.of(input="2", output="8", cached_input="0.5", cache_write="2.5")
+
+
+def test_written_tokens_the_engine_remembers_are_priced_at_cache_write():
+    usage = {"prompt_tokens": 120, "cached_tokens": 80, "completion_tokens": 7, "written_tokens": 30,
+             "outcome": "stop"}
+    c = close_(pending(), usage, Fraction(1), WRITE, 2000.0, 60.0)
+    rec = json.loads(c.record)
+    # budget: 10 computed + 30 written x 1.25 + 80 x 0.25 + 7 output = 74.5 -> 75
+    assert (c.used, rec["budget_tokens"], rec["written_tokens"]) == (75, 75, 30)
+    assert rec["cost_usd"] == "0.000191"  # (10 x 2 + 30 x 2.5 + 80 x 0.5 + 7 x 8) / 1e6
+    assert close_(pending(), {**usage, "written_tokens": 99}, Fraction(1), WRITE, 2000.0, 60.0).used == 77  # all 40
+
+
+def test_an_answer_without_written_tokens_is_charged_as_before():
+    usage = {"prompt_tokens": 120, "cached_tokens": 80, "completion_tokens": 7, "outcome": "aborted"}
+    c = close_(pending(), usage, Fraction(1), WRITE, 2000.0, 60.0)
+    rec = json.loads(c.record)
+    assert (c.used, rec["written_tokens"], rec["cost_usd"]) == (67, 0, "0.000176")  # as with PRICES, no write
+
+
 def test_weights_apply_and_the_charge_never_exceeds_the_reservation():
     usage = {"prompt_tokens": 300, "cached_tokens": 0, "completion_tokens": 100, "outcome": "length"}
     assert close_(pending(), usage, Fraction(3, 2), None, 2000.0, 60.0).used == 500  # 600 capped at 500

@@ -148,7 +148,7 @@ def test_a_request_whose_router_dies_mid_stream_is_recorded_once_with_what_its_e
     with httpx.Client(timeout=30) as c, c.stream("POST", doomed.url + "/v1/completions", json=body,
                                                  headers={**auth, "x-fake-chunk-delay-ms": "1000"}) as r:
         lost_id = r.headers["x-request-id"]
-        next(r.iter_lines())  # the stream has begun
+        next(line for line in r.iter_lines() if line.startswith("data: "))  # the engine's stream has begun
         doomed.kill()
     ok = [httpx.post(survivor.url + "/v1/completions", json={**body, "stream": False}, headers=auth)
           for _ in range(3)]
@@ -162,7 +162,11 @@ def test_a_request_whose_router_dies_mid_stream_is_recorded_once_with_what_its_e
     rows = wait_for(lambda: (got := ledger()) and len(got) == 4 and got, timeout=40,
                     what="the dead router's request reconciled into the ledger")
     lost = [r for r in rows if r["request_id"] == lost_id]
-    said = httpx.post(engine.url + "/v1/kvfleet/usage/lookup", json={"request_ids": [lost_id]}).json()["data"][lost_id]
+    def lookup():
+        return httpx.post(engine.url + "/v1/kvfleet/usage/lookup", json={"request_ids": [lost_id]}).json()["data"][lost_id]
+
+    said = wait_for(lambda: got if isinstance(got := lookup(), dict) else None, timeout=20,
+                    what="the engine's usage of the lost request (not running, known)")
     assert said["outcome"] == "aborted" and 1 <= said["completion_tokens"] < 6  # the engine saw its client go
     assert len(lost) == 1 and lost[0]["outcome"] == "router_lost_settled" and lost[0]["replica"] == engine.url
     assert (lost[0]["prompt_tokens"], lost[0]["cached_tokens"], lost[0]["output_tokens"]) == (

@@ -4,11 +4,14 @@ request id (the `x-request-id` the router sent), for the router that reconciles 
 
     POST /v1/kvfleet/usage/lookup   {"request_ids": ["req_...", ...]}          (at most MAX_IDS)
     200 {"object": "kvfleet.usage_lookup", "data": {"req_...": {"prompt_tokens": 12, "cached_tokens": 0,
-         "completion_tokens": 30, "written_tokens": 8, "outcome": "aborted", "finished_at": 1764...},
+         "completion_tokens": 30, "written_tokens": 8,
+         "cached_tokens_by_tier": {"device": 0, "lower_tier": 0, "peer": 0}, "outcome": "aborted",
+         "finished_at": 1764...},
          "req_2": "running", "req_3": "unknown"}}
 
 `written_tokens` (prompt tokens the request computed and wrote to its cache_control breakpoints) is missing from
-the answers of engines older than it: read as 0.
+the answers of engines older than it: read as 0. `cached_tokens_by_tier` (where the cached tokens' blocks came from)
+is missing from those too: the record then carries no split.
 
 Like the engine's other internal endpoints it needs `Authorization: Bearer <internal token>` where one is set.
 """

@@ -12,6 +12,8 @@ from them sums to what the engines' /metrics say:
 - cached prompt tokens: as the engine reports them in its usage (`prompt_tokens_details.cached_tokens`);
 - written prompt tokens: those of its cache_control prefix it computed and pinned, as the engine reports them
   (`cache_creation_input_tokens`), so a router prices them at the cache-write price;
+- the cached tokens by where their blocks came from (device memory, the lower tier, a peer), as the engine reports
+  them (`cached_tokens_by_tier`), so a record closed from the book carries the same split as one settled live;
 - output tokens: every token the core sampled for the request, those sampled after its client went away (in
   the step that was running when the abort arrived) included.
 
@@ -33,6 +35,7 @@ DEFAULT_MAX_ENTRIES = 200_000  # ~150 bytes each: ~30 MB at most
 DEFAULT_TTL_S = 7200.0  # twice the router's default --usage-reconcile-after (3600 s)
 RUNNING = "running"
 UNKNOWN = "unknown"
+TIERS = ("device", "lower_tier", "peer")  # the names of cached_tokens_by_tier's entries (contract/usage_lookup.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,31 +46,39 @@ class RequestUsage:
     outcome: str  # "stop" | "length" | "aborted" | "error"
     finished_at: float  # Unix seconds
     written_tokens: int = 0  # of the computed prompt tokens, written to cache_control breakpoints
+    cached_by_tier: tuple[int, int, int] = (0, 0, 0)  # cached_tokens by origin: (device, lower tier, peer)
 
     def to_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 "completion_tokens": self.completion_tokens, "written_tokens": self.written_tokens,
+                "cached_tokens_by_tier": dict(zip(TIERS, self.cached_by_tier, strict=True)),
                 "outcome": self.outcome, "finished_at": self.finished_at}
 
 
 class _Part:
     """One engine request of a router request, while it runs."""
 
-    __slots__ = ("key", "prompt", "cached", "written", "output", "outcome")
+    __slots__ = ("key", "prompt", "cached", "written", "output", "outcome", "tiers")
 
     def __init__(self, key: str):
         self.key = key
         self.prompt = self.cached = self.written = self.output = 0
         self.outcome: str | None = None
+        self.tiers = (0, 0, 0)
 
 
 class _Open:
-    __slots__ = ("parts", "prompt", "cached", "written", "output", "outcomes")
+    __slots__ = ("parts", "prompt", "cached", "written", "output", "outcomes", "tiers")
 
     def __init__(self) -> None:
         self.parts = 0
         self.prompt = self.cached = self.written = self.output = 0
         self.outcomes: list[str] = []
+        self.tiers = (0, 0, 0)
+
+
+def _add(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, int]:
+    return (a[0] + b[0], a[1] + b[1], a[2] + b[2])
 
 
 def _outcome(outcomes: list[str]) -> str:
@@ -109,6 +120,7 @@ class UsageBook:
         if part.prompt:
             part.cached = delta.num_cached_tokens
             part.written = delta.cache_creation_tokens
+            part.tiers = tuple(delta.cached_tokens_by_tier)
         if delta.error is not None:
             part.outcome = "error"
         for o in delta.outputs:
@@ -130,19 +142,21 @@ class UsageBook:
         acc.cached += part.cached
         acc.written += part.written
         acc.output += part.output
+        acc.tiers = _add(acc.tiers, part.tiers)
         acc.outcomes.append(part.outcome or outcome or "stop")
         if acc.parts:
             return
         del self._open[part.key]
         now = self.clock()
-        usage = RequestUsage(acc.prompt, acc.cached, acc.output, _outcome(acc.outcomes), now, acc.written)
+        usage = RequestUsage(acc.prompt, acc.cached, acc.output, _outcome(acc.outcomes), now, acc.written, acc.tiers)
         earlier = self._done.pop(part.key, None)
         if earlier is not None:  # the same router request again on this engine (a retry): both count
             usage = RequestUsage(earlier.prompt_tokens + usage.prompt_tokens,
                                  earlier.cached_tokens + usage.cached_tokens,
                                  earlier.completion_tokens + usage.completion_tokens,
                                  _outcome([earlier.outcome, usage.outcome]), now,
-                                 earlier.written_tokens + usage.written_tokens)
+                                 earlier.written_tokens + usage.written_tokens,
+                                 _add(earlier.cached_by_tier, usage.cached_by_tier))
         self._done[part.key] = usage
         self._prune(now)
 

@@ -25,7 +25,7 @@ from fractions import Fraction
 
 from contract.usage_lookup import RUNNING, UNKNOWN
 from router.tenants import ledger
-from router.tenants.pricing import Prices, Usage, charge_units, cost_usd
+from router.tenants.pricing import Prices, Usage, charge_units, cost_usd, tiers_of
 
 ROUTER_LOST_SETTLED = "router_lost_settled"  # no router settled it; its engine said what it used
 
@@ -73,11 +73,12 @@ def close(p: Pending, answer: dict | str | None, weight: Fraction, prices: Price
         return Close(p.request_id, reserved, reserved, rec.to_json(), rec.outcome)
     prompt, cached = answer["prompt_tokens"], answer["cached_tokens"]
     written = min(answer.get("written_tokens", 0), prompt - cached)
-    usage = Usage(prompt, cached, answer["completion_tokens"], written)
+    usage = Usage(prompt, cached, answer["completion_tokens"], written, tiers_of(answer.get("cached_tokens_by_tier")))
     used = min(charge_units(usage, weight, prices, cost_budget), reserved)  # never beyond what it reserved
     cost = ledger.decimal_text(cost_usd(usage, prices)) if prices is not None else None
     rec = dataclasses.replace(rec, prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
                               output_tokens=usage.completion_tokens, written_tokens=usage.written_tokens,
+                              cached_by_tier=ledger.by_tier(usage),
                               budget_tokens=used, cost_usd=cost,
                               outcome=ROUTER_LOST_SETTLED, time=now)
     return Close(p.request_id, reserved, used, rec.to_json(), ROUTER_LOST_SETTLED)

@@ -100,7 +100,7 @@ def _count(x) -> int | None:
     return x if isinstance(x, int) and not isinstance(x, bool) and x >= 0 else None
 
 
-def _tiers(x) -> tuple[int, int, int] | None:
+def tiers_of(x) -> tuple[int, int, int] | None:
     """`cached_tokens_by_tier` as (device, lower_tier, peer): None unless every tier is a count."""
     if not isinstance(x, dict):
         return None
@@ -123,7 +123,7 @@ def usage_of(report) -> Usage | None:
     details = report.get("prompt_tokens_details")
     cached = min((_count(details.get("cached_tokens")) if isinstance(details, dict) else None) or 0, prompt)
     written = min(_count(report.get("cache_creation_input_tokens")) or 0, prompt - cached)
-    tiers = _tiers(details.get("cached_tokens_by_tier")) if isinstance(details, dict) else None
+    tiers = tiers_of(details.get("cached_tokens_by_tier")) if isinstance(details, dict) else None
     return Usage(prompt, cached, completion, written, tiers)
 
 

@@ -15,9 +15,10 @@ class Clock:
 
 
 def delta(rid, tokens=(), finish=None, index=0, prompt=10, cached=4, finished=False, error=None, outs=None,
-          written=0):
+          written=0, tiers=(0, 0, 0)):
     outputs = outs if outs is not None else [CompletionDelta(index, token_ids=list(tokens), finish_reason=finish)]
-    return RequestDelta(rid, outputs, finished, prompt, cached, error=error, cache_creation_tokens=written)
+    return RequestDelta(rid, outputs, finished, prompt, cached, error=error, cache_creation_tokens=written,
+                        cached_tokens_by_tier=tiers)
 
 
 def test_a_request_sums_its_deltas_and_finishes_with_its_reason():
@@ -116,6 +117,7 @@ def test_written_tokens_are_remembered_summed_over_parts_and_retries_and_answere
     got = book.lookup(["req_a"])["req_a"]
     assert got == RequestUsage(18, 4, 3, "stop", 1000.0, 9)
     assert got.to_dict() == {"prompt_tokens": 18, "cached_tokens": 4, "completion_tokens": 3, "written_tokens": 9,
+                             "cached_tokens_by_tier": {"device": 0, "lower_tier": 0, "peer": 0},
                              "outcome": "stop", "finished_at": 1000.0}
     book.expect("e2", "req_a")  # a retry on the same engine: both count
     book.observe(delta("e2", [1], "stop", prompt=9, cached=9, written=0, finished=True))
@@ -123,3 +125,18 @@ def test_written_tokens_are_remembered_summed_over_parts_and_retries_and_answere
     book.expect("e3", "req_b")
     book.observe(delta("e3", [], "abort", written=5, finished=True))  # aborted while waiting: nothing written
     assert book.lookup(["req_b"])["req_b"] == RequestUsage(0, 0, 0, "aborted", 1000.0, 0)
+
+
+def test_cached_tokens_by_tier_are_remembered_summed_over_parts_and_retries_and_answered():
+    book = UsageBook(clock=Clock())
+    book.expect("cmpl-1-0", "req_a")
+    book.expect("cmpl-1-1", "req_a")
+    book.observe(delta("cmpl-1-0", [], cached=0, tiers=(9, 9, 9)))  # before the first token: not counted yet
+    book.observe(delta("cmpl-1-0", [1], "stop", prompt=40, cached=32, tiers=(16, 0, 16), finished=True))
+    book.observe(delta("cmpl-1-1", [1], "stop", prompt=40, cached=16, tiers=(0, 16, 0), finished=True))
+    got = book.lookup(["req_a"])["req_a"]
+    assert got.cached_by_tier == (16, 16, 16) and got.cached_tokens == 48
+    assert got.to_dict()["cached_tokens_by_tier"] == {"device": 16, "lower_tier": 16, "peer": 16}
+    book.expect("e2", "req_a")  # a retry on the same engine: both count
+    book.observe(delta("e2", [1], "stop", prompt=40, cached=40, tiers=(40, 0, 0), finished=True))
+    assert book.lookup(["req_a"])["req_a"].cached_by_tier == (56, 16, 16)

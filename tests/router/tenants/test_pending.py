@@ -84,3 +84,14 @@ def test_running_or_unreachable_waits_until_the_grace_has_passed():
         assert close_(pending(), answer, Fraction(1), PRICES, 1070.4, 60.0) is None
         c = close_(pending(), answer, Fraction(1), PRICES, 1070.5, 60.0)
         assert (c.used, c.outcome) == (500, ledger.ROUTER_LOST)
+
+
+def test_the_cached_tokens_split_by_tier_the_engine_remembers_is_recorded():
+    tiers = {"device": 48, "lower_tier": 16, "peer": 16}
+    usage = {"prompt_tokens": 120, "cached_tokens": 80, "completion_tokens": 7, "outcome": "stop",
+             "cached_tokens_by_tier": tiers}
+    rec = json.loads(close_(pending(), usage, Fraction(1), PRICES, 2000.0, 60.0).record)
+    assert rec["cached_by_tier"] == tiers and rec["budget_tokens"] == 67  # the split prices nothing differently
+    without = json.loads(close_(pending(), {**usage, "cached_tokens_by_tier": {"device": -1}}, Fraction(1), PRICES,
+                                2000.0, 60.0).record)
+    assert without["cached_by_tier"] is None  # a malformed split (or none: an older engine) is no split

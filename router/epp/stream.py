@@ -137,6 +137,9 @@ class PickStream:
             set_headers[PULL_HEADER] = pull_header(d.pull_from, d.pull_pending)
             self.core.metrics.pulls.labels(lease.url, d.pull_from).inc()
             self.core.metrics.pull_tokens.labels(lease.url).inc(d.pull_tokens)
+        # a header set here replaces the client's anyway: never also removed (a gateway that applies removals after
+        # sets, as Envoy's early ext_proc did, would drop it)
+        remove = [h for h in remove if h not in set_headers]
         return [wire.picked([wire.endpoint_of(u) for u in chosen], set_headers, remove), *wire.body_chunks(body)]
 
     def _candidates(self, pool: str, hint: list[str] | None) -> list[str] | None:

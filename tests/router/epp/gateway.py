@@ -123,10 +123,11 @@ class Gateway:
         common = first.request_headers.response
         assert common.clear_route_cache, "the picker must clear the route cache"
         mutated = dict(req_headers)
-        for h in common.header_mutation.set_headers:
-            mutated[h.header.key] = h.header.raw_value.decode() or h.header.value
+        # Envoy's ext_proc applies remove_headers first, then set_headers (MutationUtils::applyHeaderMutations)
         for k in common.header_mutation.remove_headers:
             mutated.pop(k, None)
+        for h in common.header_mutation.set_headers:
+            mutated[h.header.key] = h.header.raw_value.decode() or h.header.value
         header_value = mutated.get(DESTINATION)
         lb = first.dynamic_metadata.fields["envoy.lb"].struct_value.fields
         md_value = lb[DESTINATION].string_value if DESTINATION in lb else None

@@ -190,9 +190,18 @@ def converse(send, urls, salt: str, n_conv: int = 8, turns: int = 4):
     return (h1 - h0) / (q1 - q0), served
 
 
+def _engine_pulls(urls) -> float:
+    """Pulls the engines were told to make (every outcome but `joined`: a request that joined a pull under way)."""
+    text = [httpx.get(u + "/metrics", timeout=5).text for u in urls]
+    return sum(metric(t, "kvfleet:kv_pulls_total") - metric(t, "kvfleet:kv_pulls_total", outcome="joined")
+               for t in text)
+
+
 def test_multi_turn_hit_rate_through_the_picker_matches_the_router(procs, engines):
+    """Both at their default flags, peer pulls included: each pull the picker decides reaches its engine (the pull
+    header is set, never also removed), and the hit rates match within what pulls' timing varies."""
     urls = [e.url for e in engines]
-    _, address = picker(procs, urls)
+    pk, address = picker(procs, urls)
     rt = router(procs, urls, *TOKEN, model="smollm2")
     rt.wait_ready(timeout=120)
     wait_for(lambda: metric(httpx.get(rt.url + "/metrics").text, "kvfleet_router_kv_events_live") == 2,
@@ -209,11 +218,14 @@ def test_multi_turn_hit_rate_through_the_picker_matches_the_router(procs, engine
         assert resp.status_code == 200, resp.text
         return _endpoint(resp.headers["x-kvfleet-replica"]), resp.json()["choices"][0]["message"]
 
+    pulls0 = _engine_pulls(urls)
     epp_hit, epp_served = converse(via_picker, urls, "hit-epp")
+    decided = metric(httpx.get(pk.url + "/metrics").text, "kvfleet_router_kv_pulls_total")
+    assert decided > 0 and _engine_pulls(urls) - pulls0 == decided, (decided, _engine_pulls(urls) - pulls0)
     router_hit, router_served = converse(via_router, urls, "hit-router")
     print(f"hit rate: picker {epp_hit:.3f}, router {router_hit:.3f} ({epp_hit / router_hit:.3f}); "
           f"requests per endpoint: picker {epp_served}, router {router_served}")
-    assert epp_hit >= 0.98 * router_hit, (epp_hit, router_hit)
+    assert epp_hit >= 0.95 * router_hit, (epp_hit, router_hit)  # 0.84-0.93x when the picker's pulls were lost
     assert max(epp_served.values()) <= 0.75 * sum(epp_served.values()), epp_served
     assert len(epp_served) == 2  # data-parallel: two ports of one IP, two endpoints, both serving
     gw.close()

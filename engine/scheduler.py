@@ -26,7 +26,12 @@ counters order requests of equal effective priority. With one id (or none) the o
 Bounded steps (engine/step_time.py): the engine reports each step's time (`observe_step`) and the scheduler fits a
 step-time model. When more than one sequence is waiting or running, a step's prompt tokens are cut so that the
 step is predicted to take at most `max_step_ms` (never below one block of prompt tokens, so prompts progress);
-a lone request, and every step until the model is fitted, gets the whole `max_num_batched_tokens`.
+a lone request, and every step until the model is fitted, gets the whole `max_num_batched_tokens`. A step that
+can give the head of the waiting queue its first token (its whole remaining prompt fits the step) is kept shorter:
+prompt chunks that do not finish in it (running ones, and waiting ones behind the head) share only the tokens that
+keep it under half the target (at least one block), so a short request's own step is not filled up with another
+request's long prompt (Sarathi-Serve's stall-free batching: its first token comes after the step in flight and one
+short step). Whole prompts that finish in the step are not cut by this.
 
 The engine loop: `out = schedule()`; copy `out.blocks_to_copy` in every layer's cache; run the
 model on the scheduled tokens; `on_step_done(out)` (`on_step_failed(out)` if it ran out of memory);
@@ -102,6 +107,7 @@ class Scheduler:
         self.oom = OomBackoff(config.max_num_batched_tokens)
         self.fair = FairShare()
         self._room_unused = False  # the last step's running prompts left room that no waiting prompt took
+        self._chunk_room: int | None = None  # this step's tokens for prompt chunks that do not finish in it
         self.step_time = StepTimeModel()
         self.step_stats = StepTimeStats()
         self.proposer: DraftProposer | None = None  # with --speculative-config: drafts for decodes (engine/spec/)
@@ -119,7 +125,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._step_budget(self.oom.token_budget)
+        budget, half_room = self._step_budget(self.oom.token_budget)
         if self.by_priority:
             self._now = now = self.clock()
             if self.waiting:
@@ -133,6 +139,7 @@ class Scheduler:
         # out) is not followed by another: running prompts always progress
         fair = not self.by_priority and len(self.fair.active) > 1 and bool(self.waiting) and not self._room_unused
         startable = self._startable(budget) if fair else []
+        self._chunk_room = self._chunk_room_for(budget, half_room, startable if fair else None)
         self._schedule_running(out, budget, startable)
         num_running = len(out.scheduled)
         budget -= out.num_batched_tokens
@@ -143,20 +150,35 @@ class Scheduler:
         out.predicted_s = self.step_time.predict(out.shape)
         return out
 
-    def _step_budget(self, budget: int) -> int:
+    def _step_budget(self, budget: int) -> tuple[int, int | None]:
         """The step's token budget: all of it for a lone sequence or an unfitted model, else the decodes' tokens
         and the prompt tokens that keep the step's predicted time at or under its target: max_step_ms, or the
-        strictest TPOT target of a running sequence when that is lower (at least one block)."""
+        strictest TPOT target of a running sequence when that is lower (at least one block). And the prompt tokens
+        that keep it under half the target (None when the step is not bounded)."""
         target = step_target_s(self.config.max_step_ms, self.running)
         if target is None or len(self.running) + len(self.waiting) <= 1:
-            return budget
+            return budget, None
         decodes = [s.num_tokens for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         chunked = [s.num_computed_tokens for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         context = sum(decodes) + sum(chunked)  # what the decodes and the prompts already started read
         room = self.step_time.max_prefill_tokens(target, len(decodes), context)
         if room is None:
-            return budget
-        return min(budget, len(decodes) + max(room, self.kv.block_size))
+            return budget, None
+        half = self.step_time.max_prefill_tokens(target / 2, len(decodes), context)
+        return min(budget, len(decodes) + max(room, self.kv.block_size)), half
+
+    def _chunk_room_for(self, budget: int, half_room: int | None,
+                        startable: list[tuple[int, int]] | None) -> int | None:
+        """The prompt tokens that chunks not finishing this step may take in all (None: no limit beyond the budget):
+        at least one block, at most what keeps the step under half its target, when the head of the waiting queue
+        can start now and its whole remaining prompt fits the step beside the decodes."""
+        if half_room is None or not self.waiting:
+            return None
+        heads = startable if startable is not None else self._startable(budget)
+        decodes = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
+        if not heads or heads[0][1] > budget - decodes:
+            return None
+        return max(half_room, self.kv.block_size)
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The engine ran the step `out` in `seconds` (wall time, schedule to sampled tokens)."""
@@ -237,6 +259,9 @@ class Scheduler:
             if need > 1 and startable:
                 mine = self.fair.counters.get(seq.fairness_id, 0)
                 n = min(n, budget - owed - sum(t for c, t in startable if c < mine))
+            if 1 < need and n < need and self._chunk_room is not None:
+                n = min(n, self._chunk_room)
+                self._chunk_room -= max(0, n)
             if n <= 0:
                 i += 1
                 continue
@@ -301,10 +326,17 @@ class Scheduler:
             if self._next_block_computing(seq, num_hit, computing):
                 i += 1  # a running prefill is computing the block it needs next: it waits to hit it, not to redo it
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens - num_hit, budget)
+            need = seq.num_tokens - seq.num_computed_tokens - num_hit
+            n = min(need, budget)
+            if n < need and self._chunk_room is not None:  # a chunk that will not finish in this step
+                n = min(n, self._chunk_room)
+                if n <= 0:
+                    break
             copies = self.kv.allocate_slots(seq, n, computed)
             if copies is None:
                 break  # nobody overtakes the head of the queue
+            if n < need and self._chunk_room is not None:
+                self._chunk_room -= n
             del self.waiting[i]
             self._reserved_seats += seats - 1
             self.kv.record_prefix_query(seq.num_tokens, num_hit)

@@ -125,6 +125,39 @@ def test_prompts_always_progress_by_at_least_one_block():
     assert steps(eng) == [{"a": 1, "b": 1, "c": 4}]  # block_size 4
 
 
+def test_a_short_prompts_step_keeps_other_chunks_under_half_the_target():
+    """b's whole 8-token prompt fits the step: c's chunk (running, not finishing) shares only the tokens that keep
+    the step under half the target; the step after b's first token is bounded by the whole target again."""
+    eng = two_decoding()
+    eng.sched.step_time.coefficients = COEF
+    eng.add("c", [3] * 100, max_tokens=1)
+    assert steps(eng) == [{"a": 1, "b": 1, "c": 37}]  # as above: no waiting prompt to protect
+    eng.add("d", [4] * 8, max_tokens=2)
+    # decodes 2 reading 6 + 6, c's 37 computed: 0.010 + 0.010 + 49 * 0.0001 = 0.0249 s; half the target leaves
+    # 0.0251 s: 11.9 -> 11 prompt tokens for chunks; d's 8 tokens are whole (not cut): 11 + 8 <= the full room
+    assert steps(eng) == [{"a": 1, "b": 1, "c": 11, "d": 8}]
+    # nobody waits: the whole target (3 decodes reading 7 + 7 + 9, c 48 computed: 0.0321 s; 0.0679 s -> 32)
+    assert steps(eng) == [{"a": 1, "b": 1, "c": 32, "d": 1}]
+
+
+def test_a_step_that_cannot_finish_the_waiting_head_is_not_shortened():
+    eng = two_decoding()
+    eng.sched.step_time.coefficients = COEF
+    eng.add("c", [3] * 100, max_tokens=1)
+    eng.add("d", [4] * 100, max_tokens=1)  # too long to finish in one step: chunks as before
+    out = steps(eng)
+    assert out[0]["a"] == out[0]["b"] == 1 and sum(out[0].values()) == 2 + 37
+
+
+def test_chunks_progress_by_a_block_even_when_the_decodes_take_half_the_target():
+    eng = two_decoding()
+    eng.sched.step_time.coefficients = (0.045, *COEF[1:])  # decodes alone 0.0601 s: over half of 0.100
+    eng.add("c", [3] * 100, max_tokens=1)
+    steps(eng)
+    eng.add("d", [4] * 6, max_tokens=2)
+    assert steps(eng)[0] == {"a": 1, "b": 1, "c": 4, "d": 6}  # block_size 4 for c; d whole
+
+
 def test_a_lone_prompt_gets_the_whole_budget():
     eng = FakeEngine(budget=64)
     eng.sched.step_time.coefficients = COEF

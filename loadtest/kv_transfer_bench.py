@@ -10,8 +10,9 @@
    alternating the same burst sent straight to engine A ("one": what one engine computes for it), a router
    without pulls and one with them (same engines): prompt tokens the fleet computed against one prompt and
    against one engine, each replica's share of the requests, TTFT p50 / p99, and how the pulls ended.
-   With --auto, a third router takes its turn in each round: `--pull-token-cost auto`, one router for all its
-   bursts (it learns the cost from the engines' counters as they go; its final estimate is printed).
+   With --auto, a third router takes its turn in each round: the router's defaults (`--pull-token-cost auto`),
+   one router for all its bursts (it learns the cost from the engines' counters as they go; its final estimate
+   is printed).
 
 Each engine runs on one thread (two replicas on this machine's two cores). Nothing else should run meanwhile.
 """
@@ -46,9 +47,11 @@ def engine(log_dir: str, name: str, dtype: str) -> Proc:
 
 
 def router(log_dir: str, name: str, replicas: list[str], pull_cost: float | str, fixed: float) -> Proc:
-    """pull_cost: 0 (no pulls), a cost in prefill tokens, or "auto" (measured from the engines)."""
+    """pull_cost: 0 (no pulls), a cost in prefill tokens, or "auto" (the router's defaults: measured from the
+    engines)."""
     port = free_port()
-    extra = ["--pull-token-cost", str(pull_cost), "--pull-fixed-tokens", str(fixed)] if pull_cost != 0 else []
+    extra = ([] if pull_cost == "auto" else ["--pull-token-cost", "0"] if pull_cost == 0 else
+             ["--pull-token-cost", str(pull_cost), "--pull-fixed-tokens", str(fixed)])
     return Proc([PY, "-m", "router.main", "--port", str(port), "--policy", "kv", "--model", "smollm2",
                  "--default-model", "smollm2", "--replicas", ",".join(replicas), "--health-interval", "0.2",
                  "--scrape-interval", "0.2", "--log-level", "warning", *extra], f"http://127.0.0.1:{port}",

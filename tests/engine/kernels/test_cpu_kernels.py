@@ -215,6 +215,7 @@ def test_bad_dtype_is_a_clear_error():
 
 # ---- the whole model -----------------------------------------------------------------------------
 
+@pytest.mark.slow  # 28-41 s on 2 cores: the kernels' exact tests beside it stay in the default run
 def test_bf16_engine_with_kernels_is_as_accurate_as_the_torch_path():
     """SmolLM2 greedy, prefix caching and chunked prefill on. The fused bf16 path and the plain bf16 path
     round differently, so each is compared with float32: the fused one must be at least as close."""

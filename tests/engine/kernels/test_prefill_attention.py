@@ -79,6 +79,7 @@ def test_bad_arguments_are_refused_naming_the_problem():
 
 
 @pytest.mark.model
+@pytest.mark.slow  # 28-41 s on 2 cores: the kernels' exact tests beside it stay in the default run
 def test_a_long_prompt_in_chunks_keeps_float32s_greedy_tokens_as_the_plain_bf16_path_does():
     """1,300 prompt tokens in 512-token chunks: the second and third chunks attend over a cached prefix, all of
     them in the kernel (long extends). Compared with float32 like test_cpu_kernels' whole-model check."""

@@ -127,6 +127,7 @@ def test_linear_with_q4_equals_the_bf16_linear():
     assert torch.allclose(q4(x).double(), plain, rtol=2 ** -7, atol=1e-3 * plain.abs().max().item())
 
 
+@pytest.mark.slow  # 28-41 s on 2 cores: the kernels' exact tests beside it stay in the default run
 def test_smollm2_projections_run_4bit_on_the_same_bf16_weights():
     """Every projection is packed from the GGUF's exact Q4_1 groups; where the CPU runs the packed kernel
     (AMX or AVX-512 BF16), steps beyond a few rows multiply through them (elsewhere the copies stay unused)."""

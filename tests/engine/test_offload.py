@@ -27,6 +27,7 @@ def engines(tmp_path_factory):
     return tiered, plain
 
 
+@pytest.mark.slow  # ~38 s; tests/engine/test_deterministic.py checks lower-tier reloads bit for bit in the default run
 def test_reloaded_history_gives_the_same_greedy_tokens_as_computing_it(engines):
     tiered, plain = engines
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -96,6 +96,7 @@ def _measure(procs, tmp_path, policy: str) -> dict:
             "replicas_per_adapter": sum(len(s["lora_by_adapter"]) for s in stats) / len(ADAPTERS)}
 
 
+@pytest.mark.slow  # a comparison run of ~16 s; adapter placement is tested exactly beside it
 def test_adapter_affinity_with_on_demand_loading_against_round_robin(procs, tmp_path):
     kv = _measure(procs, tmp_path, "kv")
     rr = _measure(procs, tmp_path, "round-robin")

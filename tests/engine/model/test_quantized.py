@@ -204,6 +204,7 @@ def test_q8_linear_bad_packing_is_a_clear_error():
         OPS.q8_linear(torch.zeros(1, 64, dtype=torch.bfloat16), qweight, scales.float())
 
 
+@pytest.mark.slow  # ~20 s on 2 cores: the q8 kernel's exact tests beside it stay in the default run
 def test_smollm2_head_runs_8bit_on_the_same_bf16_weights():
     from engine.llm import LLM
 

@@ -6,8 +6,10 @@
                  + c4 * running sequences there (scraped, plus this router's sent since)
 
 The features are read from the replica's view when the request is placed (`features`); the request's first
-streamed token gives the seconds (`observe`). Least squares over the last `window` observations, columns scaled to
-unit norm; a coefficient that comes out negative is fixed at 0 and the rest refitted, so every feature costs time.
+streamed token gives the seconds (`observe`). Least squares of the relative error (each observation weighted by
+1 / max(its seconds, `MIN_WEIGHT_S`): a 40 ms first token missed by 20 ms counts as much as a 4 s one missed by 2 s,
+as the error is judged) over the last `window` observations, columns scaled to unit norm; a coefficient that comes
+out negative is fixed at 0 and the rest refitted, so every feature costs time.
 Until `min_samples` observations are in (and some coefficient is positive) `predict` answers None: no
 prediction, no target refused for want of one. Shared by every replica of a router (the engines of one pool run
 one model on like hardware; a replica's own load is in its features). Pure: no clock, no I/O.
@@ -21,6 +23,8 @@ from typing import NamedTuple
 import numpy as np
 
 from router.routing.policies.base import ReplicaView
+
+MIN_WEIGHT_S = 0.01  # observations faster than this weigh as much as one of 10 ms
 
 
 class TTFTFeatures(NamedTuple):
@@ -67,8 +71,9 @@ class TTFTModel:
 
     def _fit(self) -> None:
         self._new = 0
-        a = np.array([(1.0, *x) for x, _ in self.samples])
-        y = np.array([s for _, s in self.samples])
+        w = 1.0 / np.maximum([s for _, s in self.samples], MIN_WEIGHT_S)  # relative error: rows scaled by 1/seconds
+        a = np.array([(1.0, *x) for x, _ in self.samples]) * w[:, None]
+        y = np.array([s for _, s in self.samples]) * w
         keep = list(range(a.shape[1]))
         coef = np.zeros(a.shape[1])
         while keep:

@@ -24,6 +24,22 @@ def _samples(n: int, seed: int = 0) -> list[TTFTFeatures]:
             for _ in range(n)]
 
 
+def test_the_fit_minimises_the_relative_error():
+    """Two kinds of first token the features cannot tell apart, 0.1 s and 1 s: plain least squares would predict
+    their mean (0.55 s, 450% off the fast ones); the relative fit minimises ((c - 0.1) / 0.1)^2 + ((c - 1) / 1)^2:
+    c = 11 / 101. Observations under MIN_WEIGHT_S weigh as one of 10 ms."""
+    m = TTFTModel(min_samples=16)
+    for _ in range(8):
+        m.observe(TTFTFeatures(0, 0, 0, 0), 0.1)
+        m.observe(TTFTFeatures(0, 0, 0, 0), 1.0)
+    assert m.predict(TTFTFeatures(0, 0, 0, 0)) == pytest.approx(11 / 101)
+    tiny = TTFTModel(min_samples=16)
+    for _ in range(8):
+        tiny.observe(TTFTFeatures(0, 0, 0, 0), 0.0)  # weighs as 10 ms: (c / 0.01)^2 + ((c - 0.02) / 0.02)^2
+        tiny.observe(TTFTFeatures(0, 0, 0, 0), 0.02)
+    assert tiny.predict(TTFTFeatures(0, 0, 0, 0)) == pytest.approx(0.02 / 5)
+
+
 def test_the_fit_recovers_the_coefficients_of_exact_observations():
     m = TTFTModel(min_samples=16)
     for x in _samples(15):

@@ -21,6 +21,25 @@ import sys
 import time
 
 
+def add_batch_args(ap: argparse.ArgumentParser) -> None:
+    """The flags of a decode-step benchmark: --batch-sizes, --steps, --context, --seed (read with batch_sizes)."""
+    ap.add_argument("--batch-sizes", default="1,16,64")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--context", type=int, default=100, help="prompt tokens per sequence: its KV length when timed")
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def batch_sizes(ap: argparse.ArgumentParser, a: argparse.Namespace) -> list[int]:
+    """--batch-sizes as integers, with --steps and --context checked (each >= 1); a clear CLI error otherwise."""
+    try:
+        sizes = [int(x) for x in a.batch_sizes.split(",")]
+    except ValueError:
+        ap.error(f"--batch-sizes must be comma-separated integers, got {a.batch_sizes!r}")
+    if any(b < 1 for b in sizes) or a.steps < 1 or a.context < 1:
+        ap.error("--batch-sizes, --steps and --context must be >= 1")
+    return sizes
+
+
 def until_decoding(engine) -> None:
     """Step `engine` until every request it holds is past its prompt: the next steps decode only."""
     while engine.scheduler.num_waiting or any(s.num_computed_tokens < s.num_tokens - 1
@@ -51,18 +70,10 @@ def measure(batch: int, steps: int, context: int, seed: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch-sizes", default="1,16,64")
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--context", type=int, default=100, help="prompt tokens per sequence: its KV length when timed")
-    ap.add_argument("--seed", type=int, default=0)
+    add_batch_args(ap)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    try:
-        sizes = [int(x) for x in a.batch_sizes.split(",")]
-    except ValueError:
-        ap.error(f"--batch-sizes must be comma-separated integers, got {a.batch_sizes!r}")
-    if any(b < 1 for b in sizes) or a.steps < 1 or a.context < 1:
-        ap.error("--batch-sizes, --steps and --context must be >= 1")
+    sizes = batch_sizes(ap, a)
     if a.child:
         print(json.dumps([measure(b, a.steps, a.context, a.seed) for b in sizes]))
         return 0

@@ -24,6 +24,8 @@ import sys
 import time
 from collections import defaultdict
 
+from loadtest.decode_step import add_batch_args, batch_sizes
+
 # ATen ops that do the arithmetic of a step (the rest of ATen is glue: views, slices, allocation, copies)
 COMPUTE_ATEN = frozenset({
     "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::_weight_int4pack_mm_for_cpu",
@@ -153,18 +155,10 @@ def cpu_name() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch-sizes", default="1,16,64")
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--context", type=int, default=100, help="prompt tokens per sequence")
-    ap.add_argument("--seed", type=int, default=0)
+    add_batch_args(ap)
     ap.add_argument("--json", action="store_true", help="print the figures as JSON too")
     a = ap.parse_args(argv)
-    try:
-        sizes = [int(x) for x in a.batch_sizes.split(",")]
-    except ValueError:
-        ap.error(f"--batch-sizes: comma-separated integers, got {a.batch_sizes!r}")
-    if any(b < 1 for b in sizes) or a.steps < 1 or a.context < 1:
-        ap.error("--batch-sizes, --steps and --context must be >= 1")
+    sizes = batch_sizes(ap, a)
     rows = [measure(b, a.steps, a.context, a.seed) for b in sizes]
     print(report(rows))
     if a.json:

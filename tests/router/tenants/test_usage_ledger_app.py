@@ -148,8 +148,13 @@ def test_a_request_whose_router_dies_mid_stream_is_recorded_once_with_what_its_e
     with httpx.Client(timeout=30) as c, c.stream("POST", doomed.url + "/v1/completions", json=body,
                                                  headers={**auth, "x-fake-chunk-delay-ms": "1000"}) as r:
         lost_id = r.headers["x-request-id"]
-        next(line for line in r.iter_lines() if line.startswith("data: "))  # the engine's stream has begun
+        # the engine's stream has begun; `lines` is kept until the kill: a line iterator dropped before it closes the
+        # connection (httpcore closes it on the generator's GeneratorExit), and the router would settle the request
+        # as disconnected before it dies
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
         doomed.kill()
+        del lines
     ok = [httpx.post(survivor.url + "/v1/completions", json={**body, "stream": False}, headers=auth)
           for _ in range(3)]
     assert all(r.status_code == 200 for r in ok)

@@ -174,7 +174,7 @@ class Scheduler:
         can start now and its whole remaining prompt fits the step beside the decodes."""
         if half_room is None or not self.waiting:
             return None
-        heads = startable if startable is not None else self._startable(budget)
+        heads = startable if startable is not None else self._startable(budget, first_only=True)
         decodes = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
         if not heads or heads[0][1] > budget - decodes:
             return None
@@ -226,7 +226,7 @@ class Scheduler:
         n = max(1, min(seq.num_tokens - seq.num_computed_tokens - num_hit, budget - len(self.running)))
         return self.kv.num_blocks_needed(seq, n, computed) <= self.kv.num_free_blocks
 
-    def _startable(self, budget: int) -> list[tuple[int, int]]:
+    def _startable(self, budget: int, first_only: bool = False) -> list[tuple[int, int]]:
         """(counter, prompt tokens) of the waiting sequences at the head of the fair order that could start now (a
         seat, an adapter slot, no wait for a block being computed), as many as the budget holds: a running prompt
         leaves their tokens to those of ids below its own counter (engine/fair_share.py)."""
@@ -242,6 +242,8 @@ class Scheduler:
                 n = seq.num_tokens - seq.num_computed_tokens - num_hit
                 out.append((self.fair.counters.get(seq.fairness_id, 0), n))
                 total += n
+                if first_only:
+                    break
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, startable: list[tuple[int, int]]) -> None:

@@ -217,7 +217,7 @@ def test_running_prompts_progress_when_the_room_they_left_was_not_taken():
     eng.add("a1", [1] * 60, max_tokens=2, fairness_id="a")
     assert steps(eng) == [{"x1": 4, "a1": 20}]
     eng.add("b1", [9] * 6, max_tokens=2, fairness_id="b")  # no seat for it
-    eng.sched._startable = lambda budget: [(0, 100)]  # as if it could start, but it will not
+    eng.sched._startable = lambda budget, first_only=False: [(0, 100)]  # as if it could start, but it will not
     assert steps(eng, 3) == [{"x1": 1}, {"a1": 23, "x1": 1}, {"x1": 1}]  # a1 left room once, then went on
 
 

@@ -19,6 +19,9 @@ Like the engine's other internal endpoints it needs `Authorization: Bearer <inte
 from __future__ import annotations
 
 PATH = "/v1/kvfleet/usage/lookup"
+# where a request's cached prompt tokens came from: the entries of `cached_tokens_by_tier`, in the engine's usage
+# (`prompt_tokens_details`) and in its lookup answers
+TIERS = ("device", "lower_tier", "peer")
 MAX_IDS = 10_000
 RUNNING = "running"  # the engine is still running it
 UNKNOWN = "unknown"  # never seen there, or forgotten (a restart, or older than the engine keeps)

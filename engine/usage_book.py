@@ -31,11 +31,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from contract.usage_lookup import TIERS
+
 DEFAULT_MAX_ENTRIES = 200_000  # ~150 bytes each: ~30 MB at most
 DEFAULT_TTL_S = 7200.0  # twice the router's default --usage-reconcile-after (3600 s)
 RUNNING = "running"
 UNKNOWN = "unknown"
-TIERS = ("device", "lower_tier", "peer")  # the names of cached_tokens_by_tier's entries (contract/usage_lookup.py)
 
 
 @dataclass(frozen=True, slots=True)

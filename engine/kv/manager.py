@@ -22,13 +22,14 @@ from typing import Protocol
 from contract.cacheable import cacheable_blocks
 from contract.hashing import hash_block
 from contract.kv_events import KVEvent
+from contract.usage_lookup import (
+    TIERS,  # where a prefix hit's blocks came from (KVCacheBlock.origin; None: device)
+)
 from engine.kv.block_pool import BlockPool, KVCacheBlock
 from engine.kv.config import CacheConfig
 from engine.kv.events import KVEventLog
 from engine.kv.pins import PinTable
 from engine.sequence import Sequence
-
-TIERS = ("device", "lower_tier", "peer")  # where a prefix hit's blocks came from (KVCacheBlock.origin; None: device)
 
 
 class LowerTier(Protocol):

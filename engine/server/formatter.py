@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from contract.token_ids import PROMPT_TOKEN_IDS, TOKEN_IDS
+from contract.usage_lookup import TIERS
 from engine.outputs import RequestDelta, TokenLogprob
 from engine.server.errors import APIError, engine_error
 from engine.server.streaming import SSE_DONE, sse, sse_error
@@ -155,7 +156,7 @@ class _Usage:
         details: dict = {"cached_tokens": cached}
         if cached:
             details["cached_tokens_by_tier"] = {
-                tier: sum(self.tiers[k][i] for k in ks) for i, tier in enumerate(("device", "lower_tier", "peer"))}
+                tier: sum(self.tiers[k][i] for k in ks) for i, tier in enumerate(TIERS)}
         out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                "prompt_tokens_details": details}
         if self.cache_control:

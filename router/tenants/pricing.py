@@ -28,6 +28,8 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
+from contract.usage_lookup import TIERS  # where cached tokens came from (`cached_tokens_by_tier`)
+
 PRICE_FIELDS = ("input", "cached_input", "cache_write", "output")
 PER_TOKENS = 1_000_000  # prices are per million tokens
 
@@ -93,7 +95,6 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
-TIERS = ("device", "lower_tier", "peer")  # where cached tokens came from (`cached_tokens_by_tier`)
 
 
 def _count(x) -> int | None:

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.router.conftest import free_port, metric
+from tests.router.conftest import free_port, metric, wait_for
 
 pytestmark = pytest.mark.model
 
@@ -56,6 +56,9 @@ def test_openai_client_and_router_ttft(fleet):
     streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
         model="smollm2", messages=MSGS, max_tokens=3, temperature=0, stream=True) if ch.choices)
     assert streamed == whole.choices[0].message.content and streamed
+    # the stream is observed after its last byte, when the router settles it
+    wait_for(lambda: metric(httpx.get(fleet.url + "/metrics").text, "kvfleet_router_pool_ttft_seconds_count") >= 1,
+             what="the stream's TTFT observed")
     text = httpx.get(fleet.url + "/metrics").text
     # every streamed request's TTFT waited for its prefill step (600 ms), not for the first keep-alive (200 ms)
     assert metric(text, "kvfleet_router_pool_ttft_seconds_count") >= 1

@@ -300,6 +300,9 @@ def test_keep_alive_comments_pass_through_and_are_not_the_first_token(procs):
         lines = [ln for ln in resp.iter_lines() if ln]
     assert lines[:3] == [": keep-alive"] * 3 and lines[-1] == "data: [DONE]"
     assert len([ln for ln in lines if ln.startswith("data: {")]) == 3
+    # the stream is observed after its last byte, when the router settles it
+    wait_for(lambda: metric(httpx.get(r.url + "/metrics").text, "kvfleet_router_pool_ttft_seconds_count") == 1,
+             what="the stream's TTFT observed")
     text = httpx.get(r.url + "/metrics").text
     # the router's TTFT counts from the first token, after the three comments (~0.6 s), not the first byte
     assert metric(text, "kvfleet_router_pool_ttft_seconds_bucket", le="0.5") == 0

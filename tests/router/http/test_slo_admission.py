@@ -42,6 +42,9 @@ def test_a_ttft_target_no_replica_can_meet_is_refused_and_one_it_can_is_served(p
                       headers={"x-llm-d-slo-ttft-ms": "5000"}) as ok:
             assert ok.status_code == 200
             ok.read()
+        # the stream is counted after its last byte, when the router settles it: wait for that, not for the client
+        wait_for(lambda: metric(c.get("/metrics").text, "kvfleet_router_slo_ttft_requests_total",
+                                outcome="met", priority="-") >= 1, what="the 5,000 ms request counted as met")
         text = c.get("/metrics").text
     assert metric(text, "kvfleet_router_slo_refused_requests_total") == 1
     assert metric(text, "kvfleet_router_slo_ttft_requests_total", outcome="met", priority="-") == 1  # the 5,000 ms one

@@ -115,6 +115,7 @@ class FakeEngine:
         elif path == "/metrics":
             await _send(send, 200, self.metrics().encode(), b"text/plain; version=0.0.4")
         elif path == "/v1/models":
+            await asyncio.sleep(self.ns.models_delay_ms / 1000)
             await _json(send, 200, {"object": "list", "data": [{"id": self.ns.model, "object": "model",
                                                                  "created": 0, "owned_by": "fake", "parent": None}]
                                     + [{"id": a, "object": "model", "created": 0, "owned_by": "fake",
@@ -370,6 +371,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--flavor", choices=("kvfleet", "vllm", "sglang"), default="kvfleet",
                    help="vllm / sglang: no /ready (404) and no KV events, like those engines")
     p.add_argument("--delay-ms", type=float, default=0.0, help="delay before every response's first byte")
+    p.add_argument("--models-delay-ms", type=float, default=0.0, help="delay before every /v1/models answer")
     p.add_argument("--max-running", type=int, default=0,
                    help="requests served at once; more wait first come, first served (0: no limit)")
     p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME",

@@ -176,12 +176,17 @@ class Fleet:
                 ready = resp.status_code == 200
             except httpx.HTTPError:
                 ready = False
+            # a replica turning ready lists its models first: readiness and what it serves change together, with
+            # no await between them (else /ready could say 200 while the catalog, and so the tokenizer fetch and
+            # the wait for it, know nothing of the replica's models yet)
+            models_changed = False
+            if ready and (not st.ready or st.models is None or self.clock() - models_at >= MODELS_INTERVAL_S):
+                models_at = self.clock()
+                models_changed = await self._models(st)
             changed = self.placement.on_health(st.url, ready, self.clock())
             if changed:
                 log.info("replica %s is %s", st.url, "ready" if ready else "NOT ready")
-            if ready and (changed or st.models is None or self.clock() - models_at >= MODELS_INTERVAL_S):
-                models_at = self.clock()
-                changed = await self._models(st) or changed
+            changed = changed or models_changed
             if changed:
                 self._notify()
             now = self.clock()

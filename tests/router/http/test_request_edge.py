@@ -91,3 +91,19 @@ def test_bad_bodies_are_the_clients_400_and_never_move_a_pools_health(procs, tmp
     assert httpx.get(e.url + "/fake/stats").json()["requests"] == 0  # none reached the engine
     big = {**CHAT, "max_tokens": 4000}
     assert httpx.post(r.url + "/v1/chat/completions", json=big, timeout=10).status_code == 200
+
+
+def test_ready_is_never_200_before_the_replicas_models_are_known(procs):
+    # a router that learns its models from the replicas (no --model); the replica answers /v1/models slowly:
+    # its readiness and its models change together, so a 200 from /ready is never followed by a 404 for the model
+    e = fake_engine(procs, "slow-models", "--models-delay-ms", "1500").wait_ready()
+    r = router(procs, [e.url], model="").wait_ready(path="/health")
+    started = time.monotonic()
+    while time.monotonic() - started < 30:
+        if httpx.get(r.url + "/ready", timeout=5).status_code == 200:
+            c = httpx.post(r.url + "/v1/chat/completions", json=CHAT, timeout=10)
+            assert c.status_code == 200, f"/ready said 200, then a chat got {c.status_code}: {c.text}"
+            assert [d["id"] for d in httpx.get(r.url + "/v1/models", timeout=5).json()["data"]] == ["smollm2"]
+            return
+        time.sleep(0.02)
+    raise AssertionError("the router never became ready")

@@ -66,7 +66,7 @@ def reference(loaded) -> dict[str, list[int]]:
     return out
 
 
-@pytest.mark.parametrize("every", [2, 3, 5])
+@pytest.mark.parametrize("every", [2, pytest.param(3, marks=pytest.mark.slow), 5])
 def test_a_batch_with_failing_steps_gives_the_tokens_of_a_run_without(loaded, reference, every):
     eng = _engine(loaded, debug_oom_every=every)
     assert _run(eng, PROMPTS) == reference

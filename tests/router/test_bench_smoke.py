@@ -31,6 +31,7 @@ def test_overhead_bench_smoke(tmp_path):
     assert 0 < r["decision_mean_us"] < 1e5
 
 
+@pytest.mark.slow  # benchmark-like (15 s): the router's policies are tested without it
 def test_policies_bench_smoke_with_fake_engines(tmp_path):
     r = run_bench(tmp_path, "policies", "--engine-module", "loadtest.fake_engine", "--api", "tokens",
                   "--policies", "kv,round-robin", "--sessions", "5", "--turns", "3", "--concurrency", "1",
@@ -44,6 +45,7 @@ def test_policies_bench_smoke_with_fake_engines(tmp_path):
     assert 0.5 < r["summary"]["kv_hit_rate_vs_single_whole_cache"] <= 1.0
 
 
+@pytest.mark.slow  # benchmark-like (15 s)
 def test_models_overhead_bench_smoke(tmp_path):
     out = tmp_path / "figures.json"
     proc = subprocess.run([sys.executable, "-m", "loadtest.models_overhead", "--requests", "50", "--duration", "1",

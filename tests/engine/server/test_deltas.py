@@ -87,7 +87,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("path,body", CASES, ids=[f"{p}-{i}" for i, (p, _) in enumerate(CASES)])
+# chat-1 (n=3, seeded) is slow: completions-4 checks the same sampling in make test
+@pytest.mark.parametrize("path,body", [pytest.param(p, b, id=f"{p}-{i}", marks=pytest.mark.slow if i == 1 else ())
+                                       for i, (p, b) in enumerate(CASES)])
 def test_stream_concatenation_equals_the_whole_response(api_server, path, body):
     whole = _same(api_server, "chat/completions" if path == "chat" else path, body)
     prompts = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1

@@ -79,6 +79,7 @@ def converse(router_url: str, engine_urls, salt: str, n_conv: int = 3, turns: in
     return kept, n_conv * (turns - 1), (h1 - h0) / (q1 - q0)
 
 
+@pytest.mark.slow  # a 28 s comparison; the kv policy's placement has exact tests without it
 def test_kv_keeps_conversations_home_round_robin_does_not(procs, fleet):
     urls = [e.url for e in fleet]
     kv = router(procs, urls, *TOKEN, policy="kv", model="smollm2")

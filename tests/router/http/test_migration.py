@@ -135,6 +135,7 @@ def join(runs) -> dict[str, dict]:
     return {k: outcome(r) for k, r in runs.items()}
 
 
+@pytest.mark.slow  # 37 s; test_migration_fake.py and test_deterministic_fleet.py's moved stream stay in make test
 def test_streams_survive_their_replicas_sigkill_exactly(fleet):
     a, b, r = fleet
     # the reference, uninterrupted; the stop string: 24 characters of the stop stream's text, ten words in

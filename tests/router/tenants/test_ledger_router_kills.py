@@ -12,6 +12,7 @@ from loadtest.ledger_kill_bench import check, report, run
 pytestmark = pytest.mark.model
 
 
+@pytest.mark.slow  # 33 s; test_usage_ledger_app.py's router that dies mid-stream stays in make test
 def test_a_router_killed_mid_stream_loses_nothing(tmp_path):
     figures = run(kills=1, clients=6, max_tokens=(8, 32), reconcile_after=2.0, workdir=str(tmp_path))
     assert check(figures) == [], report(figures)

@@ -83,7 +83,8 @@ def test_every_request_leaves_one_record_that_any_router_reads(fleet, tmp_path):
         sent["input_cached_tokens"] += u["prompt_tokens_details"]["cached_tokens"]
         sent["output_tokens"] += u["completion_tokens"]
     assert len(ids) == 12 and all(i.startswith("req_") for i in ids)
-    pages = [usage(rt.url, KEYS[0]).json() for rt in routers]
+    now = int(time.time())  # one window for both reads (a default end_time is each read's own now)
+    pages = [usage(rt.url, KEYS[0], start_time=now - 600, end_time=now + 1).json() for rt in routers]
     assert pages[0] == pages[1]  # one ledger
     assert totals(pages[0]) == {**sent, "num_model_requests": 12}  # what the engine reported, to the token
     assert sent["input_cached_tokens"] > 0

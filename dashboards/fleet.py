@@ -147,20 +147,29 @@ POOLS = [
     Panel("TPOT p99 per pool", "Time per output token p99 as the routers measure it, per pool and version.",
           (q("pool_version_model:kvfleet_router_pool_tpot_seconds:quantile_rate5m", "{{pool}} {{version}} {{model}}"),),
           unit="s", min=0),
-    Panel("TTFT target attainment", "Share of streamed requests with a TTFT target (x-llm-d-slo-ttft-ms, or "
-          "their tenant's or pool's slo_ttft_ms) whose first token came within it, per pool and tenant priority; and "
+    Panel("Latency target attainment", "Share of streamed requests with a TTFT target (x-llm-d-slo-ttft-ms, or "
+          "their tenant's or pool's slo_ttft_ms) whose first token came within it, and with a TPOT target "
+          "(x-llm-d-slo-tpot-ms, slo_tpot_ms) whose later tokens came within it, per pool and tenant priority; and "
           "requests refused 429 slo_unattainable because no replica was predicted to meet theirs.",
           (q(f'sum by (pool, priority) (rate(kvfleet_router_slo_ttft_requests_total{{outcome="met"}}[{RATE}])) / '
              f"sum by (pool, priority) (rate(kvfleet_router_slo_ttft_requests_total[{RATE}]))",
-             "met {{pool}} p{{priority}}"),
+             "TTFT met {{pool}} p{{priority}}"),
+           q(f'sum by (pool, priority) (rate(kvfleet_router_slo_tpot_requests_total{{outcome="met"}}[{RATE}])) / '
+             f"sum by (pool, priority) (rate(kvfleet_router_slo_tpot_requests_total[{RATE}]))",
+             "TPOT met {{pool}} p{{priority}}"),
            q(f"sum by (pool) (rate(kvfleet_router_slo_refused_requests_total[{RATE}]))", "refused/s {{pool}}")),
           min=0),
-    Panel("TTFT prediction error", "Observed minus predicted time to first token (the router's TTFT model, "
-          "fitted online): median and p90 of the error; near 0 when the model is right.",
+    Panel("Latency prediction error", "Observed minus predicted time to first token and time per output token "
+          "(the router's TTFT and TPOT models, fitted online): median and p90 of each error; near 0 when the "
+          "models are right.",
           (q(f"histogram_quantile(0.5, sum by (le) (rate(kvfleet_router_ttft_prediction_error_seconds_bucket[{RATE}])))",
-             "median"),
+             "TTFT median"),
            q(f"histogram_quantile(0.9, sum by (le) (rate(kvfleet_router_ttft_prediction_error_seconds_bucket[{RATE}])))",
-             "p90")), unit="s"),
+             "TTFT p90"),
+           q(f"histogram_quantile(0.5, sum by (le) (rate(kvfleet_router_tpot_prediction_error_seconds_bucket[{RATE}])))",
+             "TPOT median"),
+           q(f"histogram_quantile(0.9, sum by (le) (rate(kvfleet_router_tpot_prediction_error_seconds_bucket[{RATE}])))",
+             "TPOT p90")), unit="s"),
     Panel("Cache hit ratio per pool", "Cached / prompt tokens the engines reported, per pool and version.",
           (q("pool_version_model:kvfleet_router_pool_hit_ratio:rate5m", "{{pool}} {{version}} {{model}}"),),
           unit="percentunit", min=0, max=1),

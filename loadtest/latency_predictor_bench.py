@@ -1,14 +1,15 @@
-"""The router's TTFT model on a live fleet (issue 46): how far its predictions are from the first tokens it sees.
+"""The router's TTFT and TPOT models on a live fleet (issue 46): how far their predictions are from the streams it
+sees.
 
 Two real engines of the bundled model behind one `kv` router at default flags. Streamed chat requests with mixed
 prompt lengths (short questions, and ~300- and ~1,000-word documents, each new, so most of each prompt is computed)
-arrive open-loop at `--rate` requests/s for `--duration` seconds after a warm-up of `--warmup` requests (the model
-needs 16 first tokens before it predicts). Prints the router's own figures: how many requests had a prediction,
-the median and p90 of |observed - predicted| / observed (from kvfleet_router_ttft_prediction_relative_error, by
-linear interpolation inside its buckets), the median signed error, and the fitted coefficients' effect is visible
-in both.
+arrive open-loop at `--rate` requests/s for `--duration` seconds after a warm-up of `--warmup` requests (each model
+needs 16 observations before it predicts). Prints the router's own figures for each model: how many requests had a
+prediction, the median and p90 of |observed - predicted| / observed (from kvfleet_router_{ttft,tpot}_prediction_
+relative_error, by linear interpolation inside its buckets) against the issue's targets (TTFT 0.20, TPOT 0.15),
+and the median signed error.
 
-    python -m loadtest.ttft_predictor_bench --rate 2 --duration 90
+    python -m loadtest.latency_predictor_bench --rate 2 --duration 90
 """
 
 from __future__ import annotations
@@ -51,6 +52,26 @@ def quantile(buckets: list[tuple[float, float]], q: float, low: float = 0.0) -> 
     return prev_le
 
 
+def report(what: str, target: float, low: float, before: str, after: str) -> None:
+    name = f"kvfleet_router_{what}_prediction"
+
+    def delta(suffix: str) -> list[tuple[float, float]]:
+        return [(le, a - b) for (le, a), (_, b) in zip(histogram(after, name + suffix), histogram(before, name + suffix),
+                                                       strict=True)]
+
+    rel, signed = delta("_relative_error"), delta("_error_seconds")
+    predicted = rel[-1][1] if rel else 0
+    med, p90 = quantile(rel, 0.5), quantile(rel, 0.9)
+    if med is None:
+        print(f"{what.upper()}: no predictions")
+        return
+    print(f"{what.upper()}: {predicted:.0f} requests with a prediction; |observed - predicted| / observed: median "
+          f"{med:.3f}, p90 {p90:.3f} (target: median <= {target:.2f}: {'met' if med <= target else 'MISSED'})")
+    s_med = quantile(signed, 0.5, low=low)
+    if s_med is not None:
+        print(f"{what.upper()}: observed - predicted: median {s_med * 1000:+.1f} ms")
+
+
 async def drive(url: str, rate: float, n: int, rng: random.Random) -> int:
     done = 0
 
@@ -82,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     ns = p.parse_args(argv)
     ns.model, ns.engine_module, ns.engine_arg, ns.threads_per_engine, ns.pin_cores = "smollm2", None, [], 1, True
-    log_dir = tempfile.mkdtemp(prefix="ttft_predictor_bench_")
+    log_dir = tempfile.mkdtemp(prefix="latency_predictor_bench_")
     procs: list[Proc] = []
     rng = random.Random(ns.seed)
     try:
@@ -98,21 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         n = asyncio.run(drive(router.url, ns.rate, int(ns.rate * ns.duration), rng))
         after = httpx.get(router.url + "/metrics").text
-        rel = [(le, a - b) for (le, a), (_, b) in zip(histogram(after, "kvfleet_router_ttft_prediction_relative_error"),
-                                                      histogram(before, "kvfleet_router_ttft_prediction_relative_error"),
-                                                      strict=True)]
-        signed = [(le, a - b) for (le, a), (_, b) in zip(histogram(after, "kvfleet_router_ttft_prediction_error_seconds"),
-                                                         histogram(before, "kvfleet_router_ttft_prediction_error_seconds"),
-                                                         strict=True)]
-        predicted = rel[-1][1] if rel else 0
         print(f"{n} streamed requests in {time.monotonic() - t0:.0f} s at {ns.rate}/s (two engines, kv router, "
-              f"default flags); {predicted:.0f} with a TTFT prediction")
-        med, p90 = quantile(rel, 0.5), quantile(rel, 0.9)
-        print(f"|observed - predicted| / observed: median {med:.3f}, p90 {p90:.3f} (target: median <= 0.20)"
-              if med is not None else "no predictions")
-        s_med = quantile(signed, 0.5, low=-5.0)
-        if s_med is not None:
-            print(f"observed - predicted: median {s_med * 1000:+.0f} ms")
+              f"default flags)")
+        for what, target, low in (("ttft", 0.20, -5.0), ("tpot", 0.15, -0.2)):
+            report(what, target, low, before, after)
         return 0
     finally:
         for proc in reversed(procs):

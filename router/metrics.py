@@ -15,6 +15,7 @@ _DECISION_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
 _TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384)
 _RELATIVE_BUCKETS = (0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 _TTFT_ERROR_BUCKETS = (-5.0, -2.0, -1.0, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
+_TPOT_ERROR_BUCKETS = (-0.2, -0.1, -0.05, -0.02, -0.01, -0.005, 0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
@@ -48,7 +49,7 @@ class RouterMetrics:
                                           "reported| cached tokens per request", buckets=_TOKEN_BUCKETS, registry=r)
         self.ttft_error = Histogram("kvfleet_router_ttft_prediction_error_seconds", "Observed minus predicted time "
                                     "to first token per request, from the TTFT model fitted online "
-                                    "(router/routing/ttft_model.py); requests placed before it was ready are left "
+                                    "(router/routing/latency_model.py); requests placed before it was ready are left "
                                     "out", buckets=_TTFT_ERROR_BUCKETS, registry=r)
         self.ttft_relative_error = Histogram("kvfleet_router_ttft_prediction_relative_error", "|observed - "
                                              "predicted| / observed time to first token per request (the TTFT "
@@ -56,13 +57,28 @@ class RouterMetrics:
                                              buckets=_RELATIVE_BUCKETS, registry=r)
         self.ttft_predicted = Counter("kvfleet_router_ttft_predicted_requests", "Requests whose first token came "
                                       "with a TTFT prediction made when they were placed", registry=r)
-        self.slo_refused = Counter("kvfleet_router_slo_refused_requests", "Requests with a TTFT target (the "
-                                   "x-llm-d-slo-ttft-ms header) refused with 429 slo_unattainable: no replica of the "
-                                   "pool was predicted to meet it", ["pool"], registry=r)
+        self.tpot_error = Histogram("kvfleet_router_tpot_prediction_error_seconds", "Observed minus predicted time "
+                                    "per output token per streamed request, from the TPOT model fitted online "
+                                    "(router/routing/latency_model.py); requests placed before it was ready are left "
+                                    "out", buckets=_TPOT_ERROR_BUCKETS, registry=r)
+        self.tpot_relative_error = Histogram("kvfleet_router_tpot_prediction_relative_error", "|observed - "
+                                             "predicted| / observed time per output token per streamed request (the "
+                                             "TPOT model's accuracy; its median is the figure to watch)",
+                                             buckets=_RELATIVE_BUCKETS, registry=r)
+        self.tpot_predicted = Counter("kvfleet_router_tpot_predicted_requests", "Streamed requests that ended with "
+                                      "a TPOT prediction made when they were placed", registry=r)
+        self.slo_refused = Counter("kvfleet_router_slo_refused_requests", "Requests with a TTFT or TPOT target (the "
+                                   "x-llm-d-slo-ttft-ms / x-llm-d-slo-tpot-ms headers, or the tenant's or pool's) "
+                                   "refused with 429 slo_unattainable: no replica of the pool was predicted to meet it",
+                                   ["pool"], registry=r)
         self.slo_ttft = Counter("kvfleet_router_slo_ttft_requests", "Streamed requests with a TTFT target (header, "
                                 "tenant's or pool's) by pool, tenant priority ('-': no tenant) and whether their first "
                                 "token came within it (attainment: met / (met + missed))",
                                 ["pool", "priority", "outcome"], registry=r)
+        self.slo_tpot = Counter("kvfleet_router_slo_tpot_requests", "Streamed requests with a TPOT target (header, "
+                                "tenant's or pool's) by pool, tenant priority ('-': no tenant) and whether their time "
+                                "per output token after the first stayed within it", ["pool", "priority", "outcome"],
+                                registry=r)
         self.pulls = Counter("kvfleet_router_kv_pulls", "Requests sent to a replica with a peer to pull their "
                              "cached prefix from (the pulling replica and the source)", ["replica", "source"],
                              registry=r)

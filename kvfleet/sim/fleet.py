@@ -68,6 +68,7 @@ class SimConfig:
     tier: TierSpec | None = None  # a lower KV tier on every replica (None: evicted blocks are gone)
     disagg: Disagg | None = None  # prefill/decode disaggregation (None: every replica does both)
     ttft_target_s: float | None = None  # every request's TTFT target: placed where the router predicts it met
+    tpot_target_s: float | None = None  # every request's TPOT target, likewise
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -244,7 +245,7 @@ class Simulator:
         session = self.wl.sessions[si]
         turn = session.turns[ti]
         prompt = HashedPrompt(turn.prompt_tokens, session.key, self.bs, SIM_HASH_SEED, turn.block_hashes,
-                              self.cfg.ttft_target_s)
+                              self.cfg.ttft_target_s, self.cfg.tpot_target_s)
         d, ticket = self.router.route(prompt, t)
         engine, router = self.engines[d.url], self.router
         res = TurnResult(si, ti, d.url, t, num_blocks=turn.num_blocks,
@@ -258,7 +259,7 @@ class Simulator:
         disagg = self.cfg.disagg is not None
 
         def done(seq: SimSeq) -> None:
-            router.on_done(d.url, ticket)
+            router.on_done(d.url, ticket, seq)
             res.hit_blocks, res.reloaded_blocks = seq.hit_blocks, seq.reloaded_blocks
             if disagg:  # prefilled: the KV goes on to a decode replica
                 self._hand_over(_times(seq)[1], prompt, turn, res, si, ti)
@@ -289,7 +290,7 @@ class Simulator:
         res.decode_replica = d.url
 
         def done(seq: SimSeq) -> None:
-            router.on_done(d.url, ticket)
+            router.on_done(d.url, ticket, seq)
             self._finished(seq, res, si, ti)
 
         seq = SimSeq(next(self._rid), (), turn.prompt_tokens, turn.output_tokens, res.arrival_s,

@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cost-model", choices=sorted(COST_MODELS), default="smollm2-1core")
     ap.add_argument("--decode-policy", default="least-load")
     ap.add_argument("--slo-placement", action="store_true",
-                    help="every request carries the TTFT target: the router places it where its TTFT model "
-                         "(fitted on the simulated first tokens) predicts the target met")
+                    help="every request carries the TTFT and TPOT targets: the router places it where its latency "
+                         "models (fitted on the simulated streams) predict both met")
     a = ap.parse_args(argv)
     if a.format == "sessions" and a.session_rate is None:
         raise SystemExit("goodput: generated sessions need --session-rate (an open loop has a rate to scale)")
@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             label = "colocated" if disagg is None else f"{split} ({disagg.prefill_replicas}P + " \
                 f"{n - disagg.prefill_replicas}D)"
             cfg = SimConfig(n, a.policy, cost.scaled(s), a.kv_tokens_per_replica, disagg=disagg,
-                            ttft_target_s=target.ttft_s if a.slo_placement else None)
+                            ttft_target_s=target.ttft_s if a.slo_placement else None,
+                            tpot_target_s=target.tpot_s if a.slo_placement else None)
             cells: list[str] = []
             points: list[tuple[float, float]] = []
             short = "-"

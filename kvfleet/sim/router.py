@@ -8,6 +8,7 @@ are routed (no network); the router sees the engines only through these readings
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from contract.kv_events import KVMessage, Snapshot
 from router.config import ScoringConfig
@@ -16,6 +17,9 @@ from router.routing.placement import DEFAULT_POOL, Placement, PlacementConfig, P
 from router.routing.policies import POLICIES, Decision
 from router.routing.replicas import EngineLoad, Ticket
 from router.states import KVEventsState
+
+if TYPE_CHECKING:
+    from kvfleet.sim.engine import SimSeq
 
 SIM_HASH_SEED = 0  # the workloads' block hashes are computed beforehand; the seed only labels them
 
@@ -66,5 +70,9 @@ class SimRouter:
         """With `now`, the router's TTFT model learns from it, as the live router's does."""
         self.placement.on_first_token(url, ticket, now)
 
-    def on_done(self, url: str, ticket: Ticket) -> None:
+    def on_done(self, url: str, ticket: Ticket, seq: SimSeq | None = None) -> None:
+        """With the finished sequence, the router's TPOT model learns from its tokens after the first, as the
+        live router's does from a stream's usage."""
+        if seq is not None and seq.done_s is not None:
+            self.placement.on_decoded(ticket, seq.output, seq.done_s)
         self.placement.on_done(url, ticket)

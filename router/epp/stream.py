@@ -24,6 +24,7 @@ from router.epp import wire
 from router.refusal import Refusal, refuse
 from router.requests.core import RouterCore
 from router.requests.flow import Entry, Flow, Outcome
+from router.requests.usage import output_tokens
 from router.routing.lease import Lease
 from router.routing.prepare import CHAT_PATH, COMPLETIONS_PATH
 
@@ -246,7 +247,7 @@ class PickStream:
             elif status in (502, 504) or status >= 500 and not ended:
                 lease.failed()
             else:
-                lease.succeeded()
+                lease.succeeded(output_tokens(usage) if entry.prep.stream else 0)
             m = self.core.metrics
             m.requests.labels(lease.url, m.policy, str(status)).inc()
             m.observe_usage(lease.url, lease.predicted_cached_tokens, usage)

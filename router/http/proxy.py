@@ -33,7 +33,7 @@ from contract.kv_transfer import PULL_HEADER, pull_header
 from router.http.migrate import Migrator, Resume
 from router.http.responses import send_json
 from router.migration.progress import Progress, replica_failed
-from router.requests.usage import StreamUsage
+from router.requests.usage import StreamUsage, output_tokens
 from router.routing.lease import Lease
 from router.routing.prepare import PreparedRequest
 from router.states import StrEnum
@@ -175,7 +175,7 @@ class Proxy:
                     await attempts.sending(url)
                 result = await self._attempt(send, url, path, body, fwd_headers, prep, ls, extra_headers, attempts)
                 if result.end is End.DONE:
-                    ls.succeeded()
+                    ls.succeeded(output_tokens(attempts.usage) if prep.stream else 0)
                 elif result.end in _REFUSALS:
                     ls.refused()
                 else:

@@ -61,6 +61,7 @@ class PoolSpec:
     # same model (never chosen here); a "decode" pool's requests are prefilled there first; "both": colocated
     role: str = "both"
     slo_ttft_s: float | None = None  # the TTFT target of its requests that carry none, nor their tenant (contract/slo.py)
+    slo_tpot_s: float | None = None  # the TPOT target likewise
 
     def __post_init__(self) -> None:
         for field in ("name", "version"):

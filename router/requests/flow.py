@@ -24,7 +24,7 @@ from functools import partial
 from contract.fairness import FAIRNESS_HEADER
 from contract.request import Endpoint, OpenAIRequest, RequestError, parse_request
 from contract.slo import HEADERS as slo_headers
-from contract.slo import latency_targets
+from contract.slo import TPOT_HEADER, TTFT_HEADER, latency_targets
 from contract.structured import constrained_kind
 from router.admission.gate import Pass
 from router.admission.pipeline import Admitted
@@ -39,6 +39,7 @@ from router.tenants.registry import Tenant, api_key_id
 
 SESSION_HEADERS = (b"x-session-id",)
 SLO_HEADERS = tuple(h.encode() for h in slo_headers)
+_TTFT, _TPOT = TTFT_HEADER.encode(), TPOT_HEADER.encode()
 _FAIRNESS = FAIRNESS_HEADER.encode()
 _REQUEST_ID = b"x-request-id"
 
@@ -89,10 +90,12 @@ class Outcome:
 
 
 def _slo(core: RouterCore, prep: PreparedRequest, pool: PoolSpec) -> Refusal | None:
-    """The request's TTFT target (its header's, else its tenant's, else its pool's) checked against the pool's
-    predicted TTFTs: the 429 when no replica is predicted to meet it."""
+    """The request's TTFT and TPOT targets (its headers', else its tenant's, else its pool's) checked against the
+    pool's predictions: the 429 when no replica is predicted to meet them."""
     if prep.ttft_target_s is None:
         prep.ttft_target_s = pool.slo_ttft_s
+    if prep.tpot_target_s is None:
+        prep.tpot_target_s = pool.slo_tpot_s
     return core.fleet.slo_refusal(prep, pool.name)
 
 
@@ -132,6 +135,8 @@ class Flow:
         prep = prepare_request(path, req.body, hdr, tokenizer, core.need_tokens)
         prep.ttft_target_s = targets.ttft_s if targets.ttft_s is not None else (
             tenant.slo_ttft_s if tenant is not None else None)
+        prep.tpot_target_s = targets.tpot_s if targets.tpot_s is not None else (
+            tenant.slo_tpot_s if tenant is not None else None)
         kind = constrained_kind(req.body)
         if kind is not None:
             core.metrics.constrained.labels(kind).inc()
@@ -176,11 +181,10 @@ class Flow:
             priority = (-tenant.priority if tenant is not None else 0) - (1 if passed is not None and passed.express else 0)
             if priority:
                 req = req.with_fields(priority=priority)
-        if req.stream and (tenant is not None or cfg.pools_file is not None
-                           or (passed is not None and passed.metered)):
+        if req.stream:
             # usage in the stream: every chunk for a tenant (a cancelled stream is charged what it used), the
-            # last one for a pool's hit rate and TPOT and a congested pool's fair queue; what the client did not
-            # ask for is taken out again (StreamUsage.feed)
+            # last one otherwise (the TPOT model, a pool's hit rate and TPOT, a congested pool's fair queue); what
+            # the client did not ask for is taken out again (StreamUsage.feed)
             wanted, options = ask_for_usage(req.get("stream_options"), continuous=tenant is not None)
             req = req.with_fields(stream_options=options)
             entry.follower = StreamUsage(wanted)
@@ -199,6 +203,12 @@ class Flow:
         drop = (_REQUEST_ID,) if entry.tenant is None else (_REQUEST_ID, _FAIRNESS)
         out = [(k, v) for k, v in headers if k.lower() not in drop]
         out.append((_REQUEST_ID, entry.request_id.encode()))
+        # a target the request took from its tenant or pool goes to the engine as if the client had sent it (the
+        # engine sizes its steps for it); a client's own header already went as sent
+        sent = {k.lower() for k, _ in headers}
+        for name, target in ((_TTFT, entry.prep.ttft_target_s), (_TPOT, entry.prep.tpot_target_s)):
+            if target is not None and name not in sent:
+                out.append((name, f"{target * 1000:g}".encode()))
         if entry.tenant is not None:
             out.append((_FAIRNESS, entry.tenant.name.encode("latin-1", "replace")))
         return out
@@ -266,10 +276,13 @@ class Flow:
             if outcome.ended_at is not None and isinstance(completion, int) and completion > 1:
                 tpot = (outcome.ended_at - outcome.first_token_at) / (completion - 1)
                 m.pool_tpot.labels(pool, version, model).observe(tpot)
+        tier = str(entry.tenant.priority) if entry.tenant is not None else "-"
         target = entry.prep.ttft_target_s
         if target is not None and ttft is not None:  # a streamed request with a TTFT target: met or missed
-            tier = str(entry.tenant.priority) if entry.tenant is not None else "-"
             m.slo_ttft.labels(pool, tier, "met" if ttft <= target else "missed").inc()
+        target = entry.prep.tpot_target_s
+        if target is not None and tpot is not None:  # ... with a TPOT target, over its tokens after the first
+            m.slo_tpot.labels(pool, tier, "met" if tpot <= target else "missed").inc()
         failed = status in ("error", "429") or status.startswith("5")
         core.pools.record(pool, failed, ttft, tpot)
 

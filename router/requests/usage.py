@@ -35,6 +35,12 @@ def ask_for_usage(stream_options, continuous: bool = True) -> tuple[UsageWanted,
     return wanted, {**opts, "include_usage": True, "continuous_usage_stats": continuous or wanted.continuous}
 
 
+def output_tokens(usage) -> int:
+    """The completion tokens a usage object reports (0 where it reports none)."""
+    n = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
+
+
 def total_tokens(usage) -> int | None:
     if not isinstance(usage, dict):
         return None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from contract.slo import TTFT_HEADER
+from contract.slo import TPOT_HEADER, TTFT_HEADER
 from router.config import RouterConfig, VllmEventsConfig
 from router.metrics import RouterMetrics
 from router.refusal import Refusal, refuse
@@ -281,19 +281,24 @@ class Fleet:
 
     def slo_refusal(self, prep: PreparedRequest, pool: str) -> Refusal | None:
         """429 `slo_unattainable` (with Retry-After) when no routable replica of `pool` is predicted to send the
-        request's first token within its target; None when one is, when it has no target, or while the TTFT model
-        is not ready (no prediction: no refusal)."""
-        target = prep.ttft_target_s
-        if target is None:
-            return None
-        predicted = self.placement.predict_ttft(prep, self.clock(), pool)
-        if not predicted or (best := min(predicted.values())) <= target:
-            return None
-        self.metrics.slo_refused.labels(pool).inc()
-        return refuse(429, f"no replica of pool {pool!r} is predicted to send the first token within "
-                           f"{target * 1000:.0f} ms (the best predicts {best * 1000:.0f} ms); retry later, or with a "
-                           f"longer {TTFT_HEADER}", "slo_unattainable", TTFT_HEADER, "slo_unattainable",
-                      [(b"retry-after", str(max(1, math.ceil(best - target))).encode())])
+        request's first token within its TTFT target, or its later tokens within its TPOT target; None when one
+        is, when it has no target, or while the model for that target is not ready (no prediction: no refusal)."""
+        now = self.clock()
+        for target, header, what in ((prep.ttft_target_s, TTFT_HEADER, "send the first token"),
+                                     (prep.tpot_target_s, TPOT_HEADER, "send each later token")):
+            if target is None:
+                continue
+            predict = self.placement.predict_ttft if header == TTFT_HEADER else self.placement.predict_tpot
+            predicted = predict(prep, now, pool)
+            if not predicted or (best := min(predicted.values())) <= target:
+                continue
+            self.metrics.slo_refused.labels(pool).inc()
+            # a first token late by d seconds: the fleet needs about d to catch up; a slow token rate: a second
+            wait = max(1, math.ceil(best - target)) if header == TTFT_HEADER else 1
+            return refuse(429, f"no replica of pool {pool!r} is predicted to {what} within {target * 1000:.0f} ms "
+                               f"(the best predicts {best * 1000:.0f} ms); retry later, or with a longer {header}",
+                          "slo_unattainable", header, "slo_unattainable", [(b"retry-after", str(wait).encode())])
+        return None
 
     def lease(self, prep: PreparedRequest, excluded: set[str] | frozenset[str] = frozenset(),
               pool: str = DEFAULT_POOL, candidates: Sequence[str] | None = None) -> Lease | None:
@@ -305,7 +310,8 @@ class Fleet:
         ticket = self.placement.on_routed(decision.url, prep, decision.predicted_cached_tokens, self.clock())
         if ticket is None:  # not a known replica (the policy chooses among them): nothing to lease
             return None
-        return Lease(decision, self.replicas[decision.url], ticket, self.clock, self._first_token_of(decision.url))
+        return Lease(decision, self.replicas[decision.url], ticket, self.clock, self._first_token_of(decision.url),
+                     self._decoded)
 
     def _first_token_of(self, url: str):
         def first_token(ticket: Ticket) -> None:
@@ -317,3 +323,11 @@ class Fleet:
                 self.metrics.ttft_predicted.inc()
 
         return first_token
+
+    def _decoded(self, ticket: Ticket, output_tokens: int) -> None:
+        seconds = self.placement.on_decoded(ticket, output_tokens, self.clock())
+        if seconds is not None and ticket.predicted_tpot_s is not None:
+            self.metrics.tpot_error.observe(seconds - ticket.predicted_tpot_s)
+            if seconds > 0:
+                self.metrics.tpot_relative_error.observe(abs(seconds - ticket.predicted_tpot_s) / seconds)
+            self.metrics.tpot_predicted.inc()

@@ -1,12 +1,21 @@
-"""Predicted time to first token on a replica, fitted online from what the router observes on the streams it proxies.
+"""Predicted time to first token (TTFT) and time per output token (TPOT) on a replica, each fitted online from
+what the router observes on the streams it proxies.
 
-    seconds ~ c0 + c1 * uncached prompt tokens of the request there
-                 + c2 * prefill this router knows is ahead there (its own requests' uncached tokens, no token yet)
-                 + c3 * waiting requests other routers sent there (scraped)
-                 + c4 * running sequences there (scraped, plus this router's sent since)
+    TTFT seconds ~ c0 + c1 * uncached prompt tokens of the request there
+                      + c2 * prefill this router knows is ahead there (its own requests' uncached tokens, no token yet)
+                      + c3 * waiting requests other routers sent there (scraped)
+                      + c4 * running sequences there (scraped, plus this router's sent since)
 
-The features are read from the replica's view when the request is placed (`features`); the request's first
-streamed token gives the seconds (`observe`). Least squares of the relative error (each observation weighted by
+    TPOT seconds ~ c0 + c1 * sequences decoding there once the request joins them (scraped, plus this router's sent
+                             since, plus the request)
+                      + c2 * KV tokens those sequences hold (scraped usage, plus the request's prompt): what each
+                             step reads
+                      + c3 * prefill ahead there (this router's pending uncached tokens), whose chunks share steps
+                      + c4 * waiting requests other routers sent there (scraped)
+
+The features are read from the replica's view when the request is placed (`ttft_features`, `tpot_features`); the
+request's first streamed token gives the TTFT seconds, its last one over its output tokens the TPOT seconds
+(`observe`). One `LatencyModel` per quantity: least squares of the relative error (each observation weighted by
 1 / max(its seconds, `MIN_WEIGHT_S`): a 40 ms first token missed by 20 ms counts as much as a 4 s one missed by 2 s,
 as the error is judged) over the last `window` observations, columns scaled to unit norm; a coefficient that comes
 out negative is fixed at 0 and the rest refitted, so every feature costs time.
@@ -18,7 +27,7 @@ one model on like hardware; a replica's own load is in its features). Pure: no c
 from __future__ import annotations
 
 from collections import deque
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -34,24 +43,47 @@ class TTFTFeatures(NamedTuple):
     running: float  # running sequences there
 
 
-def features(view: ReplicaView, num_prompt_tokens: int, predicted_cached_tokens: int) -> TTFTFeatures:
-    running = max(view.running - view.finished, 0) + view.new_requests
-    waiting = max(view.waiting - view.pending, 0)
+class TPOTFeatures(NamedTuple):
+    running: float  # sequences decoding there once the request joins them
+    kv_tokens: float  # KV tokens they hold: what each decode step reads
+    ahead_tokens: float  # this router's pending prefill there: chunks that share the steps
+    waiting: float  # other routers' waiting requests there
+
+
+Features = TypeVar("Features", TTFTFeatures, TPOTFeatures)
+
+
+def _running(view: ReplicaView) -> int:
+    """Sequences running there: the scrape's, less this router's finished since, plus its sent since."""
+    return max(view.running - view.finished, 0) + view.new_requests
+
+
+def _waiting(view: ReplicaView) -> int:
+    """Requests waiting there that other routers sent (this router's own are in `pending_tokens`)."""
+    return max(view.waiting - view.pending, 0)
+
+
+def ttft_features(view: ReplicaView, num_prompt_tokens: int, predicted_cached_tokens: int) -> TTFTFeatures:
     return TTFTFeatures(float(max(num_prompt_tokens - predicted_cached_tokens, 0)), float(view.pending_tokens),
-                        float(waiting), float(running))
+                        float(_waiting(view)), float(_running(view)))
 
 
-class TTFTModel:
+def tpot_features(view: ReplicaView, num_prompt_tokens: int) -> TPOTFeatures:
+    return TPOTFeatures(float(_running(view) + 1), float(view.kv_tokens + num_prompt_tokens),
+                        float(view.pending_tokens), float(_waiting(view)))
+
+
+class LatencyModel:
     def __init__(self, window: int = 512, min_samples: int = 16, refit_every: int = 8):
         if window < 5 or not 5 <= min_samples <= window or refit_every < 1:
             raise ValueError(f"need window >= min_samples >= 5 and refit_every >= 1, got {window}, {min_samples}, "
                              f"{refit_every}")
         self.min_samples, self.refit_every = min_samples, refit_every
-        self.samples: deque[tuple[TTFTFeatures, float]] = deque(maxlen=window)
+        self.samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
         self.coefficients: tuple[float, ...] | None = None  # c0 (s), then seconds per unit of each feature
         self._new = 0
 
-    def observe(self, x: TTFTFeatures, seconds: float) -> None:
+    def observe(self, x: Features, seconds: float) -> None:
         if not seconds >= 0:
             return
         self.samples.append((x, seconds))
@@ -59,7 +91,7 @@ class TTFTModel:
         if len(self.samples) >= self.min_samples and (self.coefficients is None or self._new >= self.refit_every):
             self._fit()
 
-    def predict(self, x: TTFTFeatures) -> float | None:
+    def predict(self, x: Features) -> float | None:
         c = self.coefficients
         if c is None:
             return None

@@ -4,7 +4,8 @@ circuit breaker.
 
     lease = fleet.lease(prep, tried)        # None: no routable replica left
     try:
-        ... send to lease.url; then one of lease.succeeded() / failed() / refused() ...
+        ... send to lease.url; lease.first_token() when a stream's first token comes back ...
+        ... then one of lease.succeeded(output_tokens) / failed() / refused() ...
     finally:
         lease.release()                     # always; without a verdict the attempt was abandoned
 """
@@ -25,15 +26,17 @@ class Verdict(StrEnum):
 
 
 class Lease:
-    __slots__ = ("decision", "verdict", "_state", "_ticket", "_clock", "_released", "_on_first_token")
+    __slots__ = ("decision", "verdict", "_state", "_ticket", "_clock", "_released", "_on_first_token", "_on_decoded")
 
     def __init__(self, decision: Decision, state: ReplicaState, ticket: Ticket, clock: Callable[[], float],
-                 on_first_token: Callable[[Ticket], None] | None = None):
+                 on_first_token: Callable[[Ticket], None] | None = None,
+                 on_decoded: Callable[[Ticket, int], None] | None = None):
         self.decision = decision
         self.verdict: Verdict | None = None
         self._state, self._ticket, self._clock = state, ticket, clock
         self._released = False
         self._on_first_token = on_first_token  # the placement core's (it learns TTFT from it); else the state's
+        self._on_decoded = on_decoded  # the placement core's: it learns TPOT from a stream that ended
 
     @property
     def url(self) -> str:
@@ -54,8 +57,13 @@ class Lease:
         else:
             self._state.on_first_token(self._ticket)
 
-    def succeeded(self) -> None:
+    def succeeded(self, output_tokens: int = 0) -> None:
+        """The replica answered. `output_tokens`: what a stream that ended here generated (its usage), from which
+        the time per output token is learned (0: unknown, or not a stream)."""
+        first = self.verdict is None
         self._settle(Verdict.SUCCEEDED)
+        if first and output_tokens > 1 and self._on_decoded is not None:
+            self._on_decoded(self._ticket, output_tokens)
 
     def failed(self) -> None:
         self._settle(Verdict.FAILED)

@@ -14,7 +14,8 @@ Pure: no I/O, and no clock of its own (every call that needs the time takes `now
     placement.on_health(url, True, now); placement.on_load(url, load, sent_at, now)
     d = placement.choose(prompt, now)                              # predicted hits, views, policy.choose
     ticket = placement.on_routed(d.url, prompt, d.predicted_cached_tokens, now)
-    placement.on_first_token(d.url, ticket); placement.on_done(d.url, ticket)
+    placement.on_first_token(d.url, ticket, now); placement.on_decoded(ticket, output_tokens, now)
+    placement.on_done(d.url, ticket)
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from contract.hashing import DEFAULT_HASH_SEED
 from router.config import ScoringConfig
 from router.routing.approx_index import ApproxPrefixIndex
 from router.routing.inflight_prefixes import InflightPrefixes
+from router.routing.latency_model import LatencyModel, tpot_features, ttft_features
 from router.routing.policies import Decision, HashRing, IndexKind, Policy, ReplicaView, RouteRequest
 from router.routing.prediction import Prediction
 from router.routing.prefix_index import PrefixIndex
 from router.routing.pull_rates import PullRates
 from router.routing.replicas import CircuitBreaker, EngineLoad, ReplicaState, Ticket
-from router.routing.ttft_model import TTFTModel, features
 from router.states import CircuitState, KVEventsState
 
 DEFAULT_POOL = "default"  # the one pool of a router started without --pools (and of Ray and the simulator)
@@ -67,6 +68,7 @@ class HashedPrompt:
     hash_seed: int = DEFAULT_HASH_SEED
     hashes: tuple[int, ...] | None = None  # None: not tokenized
     ttft_target_s: float | None = None  # the request's TTFT target, if any (placed where it is predicted met)
+    tpot_target_s: float | None = None  # its TPOT target, likewise
 
     def block_hashes(self, block_size: int, hash_seed: int) -> Sequence[int] | None:
         return self.hashes if (block_size, hash_seed) == (self.block_size, self.hash_seed) else None
@@ -119,7 +121,8 @@ class Placement:
         self.rings: dict[str, HashRing] = {}  # pool -> the session ring over its members
         self.turn = 0  # advanced once per decision: rotates ties (and round-robin)
         self.prediction = Prediction(self)  # what each replica holds of a prompt: the views the policy sees
-        self.ttft = TTFTModel()  # time to first token from a replica's load and the request, fitted from first tokens
+        self.ttft = LatencyModel()  # time to first token from a replica's load and the request, fitted from first tokens
+        self.tpot = LatencyModel()  # time per output token likewise, fitted from finished streams
 
     # -- membership ----------------------------------------------------------------------------------------
     def set_members(self, pool: str, replicas: Iterable[str]) -> Membership:
@@ -312,8 +315,8 @@ class Placement:
         if not replicas or ring is None:
             return None
         views = self.views(prompt, replicas, now, excluded)
-        target = getattr(prompt, "ttft_target_s", None)
-        if target is not None and (slow := self.prediction.missing_target(views, prompt, target)):
+        ttft, tpot = getattr(prompt, "ttft_target_s", None), getattr(prompt, "tpot_target_s", None)
+        if (ttft is not None or tpot is not None) and (slow := self.prediction.missing_target(views, prompt, ttft, tpot)):
             views = [replace(v, routable=False) if v.url in slow else v for v in views]
         turn = self.turn
         if not peek:
@@ -338,6 +341,14 @@ class Placement:
             return {}
         return self.prediction.ttft(self.views(prompt, self.members.get(pool, []), now, excluded), prompt)
 
+    def predict_tpot(self, prompt: Prompt, now: float, pool: str = DEFAULT_POOL,
+                     excluded: set[str] | frozenset[str] = frozenset()) -> dict[str, float]:
+        """Per routable replica of `pool`, the predicted seconds per output token there (the batch the request
+        would join); empty while the TPOT model is not ready."""
+        if not self.tpot.ready:
+            return {}
+        return self.prediction.tpot(self.views(prompt, self.members.get(pool, []), now, excluded), prompt)
+
     def on_routed(self, replica: str, prompt: Prompt, predicted_cached_tokens: int, now: float) -> Ticket | None:
         """The request went to `replica` (None: the replica is not known, nothing to book). Its uncached prompt
         tokens are in flight there, pending prefill until on_first_token; the attempt counts for the circuit;
@@ -345,9 +356,12 @@ class Placement:
         st = self.replicas.get(replica)
         if st is None:
             return None
-        x = features(st.view(now, self.cfg.stale_s), prompt.num_prompt_tokens, predicted_cached_tokens)
+        view = st.view(now, self.cfg.stale_s)
+        x = ttft_features(view, prompt.num_prompt_tokens, predicted_cached_tokens)
+        y = tpot_features(view, prompt.num_prompt_tokens)
         ticket = st.on_dispatch(max(prompt.num_prompt_tokens - predicted_cached_tokens, 0), now)
         ticket.ttft_features, ticket.predicted_ttft_s = x, self.ttft.predict(x)
+        ticket.tpot_features, ticket.predicted_tpot_s = y, self.tpot.predict(y)
         st.breaker.on_attempt(now)
         kind = self.policy.needs.index_for(st.kv_events)
         if kind is IndexKind.APPROX:
@@ -371,8 +385,20 @@ class Placement:
         st.on_first_token(ticket)
         if now is None or not first or ticket.ttft_features is None:
             return None
+        ticket.first_token_at = now
         seconds = now - ticket.dispatched_at
         self.ttft.observe(ticket.ttft_features, seconds)
+        return seconds
+
+    def on_decoded(self, ticket: Ticket, output_tokens: int, now: float) -> float | None:
+        """The request's stream ended on the replica with `output_tokens` generated: the TPOT model learns the
+        seconds per token after the first (a stream whose first token was seen at `now` by on_first_token, and
+        that generated at least two). Returns the observed TPOT then."""
+        first = ticket.first_token_at
+        if first is None or output_tokens < 2 or ticket.tpot_features is None or now < first:
+            return None
+        seconds = (now - first) / (output_tokens - 1)
+        self.tpot.observe(ticket.tpot_features, seconds)
         return seconds
 
     def on_done(self, replica: str, ticket: Ticket) -> None:

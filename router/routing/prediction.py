@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from router.routing.latency_model import tpot_features, ttft_features
 from router.routing.policies import Decision, IndexKind, ReplicaView
-from router.routing.ttft_model import features
 
 NO_PULLS = frozenset({"vllm", "sglang"})  # engines that neither serve nor take a peer pull
 
@@ -96,18 +96,28 @@ class Prediction:
 
     def ttft(self, views: Sequence[ReplicaView], prompt: Prompt) -> dict[str, float]:
         """Per routable view, the TTFT model's predicted seconds to the first token (none while it is not ready)."""
-        out = {}
-        for v in views:
-            if v.routable and (s := self.p.ttft.predict(features(v, prompt.num_prompt_tokens, v.cached_tokens))) is not None:
-                out[v.url] = s
-        return out
+        model, n = self.p.ttft, prompt.num_prompt_tokens
+        return {v.url: s for v in views
+                if v.routable and (s := model.predict(ttft_features(v, n, v.cached_tokens))) is not None}
 
-    def missing_target(self, views: Sequence[ReplicaView], prompt: Prompt, target: float) -> set[str]:
-        """The routable replicas predicted to miss the TTFT target, when at least one is predicted to meet it (else
-        none: the request goes where the policy puts it, the admission having let it through)."""
-        predicted = self.ttft(views, prompt)
-        slow = {u for u, s in predicted.items() if s > target}
-        return slow if len(slow) < len(predicted) else set()
+    def tpot(self, views: Sequence[ReplicaView], prompt: Prompt) -> dict[str, float]:
+        """Per routable view, the TPOT model's predicted seconds per output token (none while it is not ready)."""
+        model, n = self.p.tpot, prompt.num_prompt_tokens
+        return {v.url: s for v in views if v.routable and (s := model.predict(tpot_features(v, n))) is not None}
+
+    def missing_target(self, views: Sequence[ReplicaView], prompt: Prompt, ttft: float | None,
+                       tpot: float | None) -> set[str]:
+        """The routable replicas predicted to miss the TTFT or the TPOT target (None: no such target), when at
+        least one is predicted to meet both (else none: the request goes where the policy puts it, the admission
+        having let it through). A replica with no prediction (its model not ready yet) misses nothing."""
+        predicted: dict[str, bool] = {}
+        for target, seconds in ((ttft, self.ttft(views, prompt) if ttft is not None else {}),
+                                (tpot, self.tpot(views, prompt) if tpot is not None else {})):
+            for url, s in seconds.items():
+                predicted[url] = predicted.get(url, False) or s > target
+        slow = {u for u, missed in predicted.items() if missed}
+        routable = sum(v.routable for v in views)
+        return slow if len(slow) < routable else set()
 
     def pull_source(self, decision: Decision, views: Sequence[ReplicaView]) -> str | None:
         """The ready replica other than the chosen one holding the most of the prompt (where it pulls from)."""

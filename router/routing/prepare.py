@@ -26,6 +26,7 @@ class PreparedRequest:
     stream: bool
     adapter: str | None = None  # the LoRA adapter the request names (its model), None for a base model
     ttft_target_s: float | None = None  # the request's time-to-first-token target (contract/slo.py), if any
+    tpot_target_s: float | None = None  # its time-per-output-token target, if any
     _hashes: dict[tuple[int, int], list[int]] = field(default_factory=dict)
 
     @property

@@ -7,8 +7,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from router.routing.latency_model import TPOTFeatures, TTFTFeatures
 from router.routing.policies import ReplicaView
-from router.routing.ttft_model import TTFTFeatures
 from router.states import CircuitState, KVEventsState
 
 
@@ -209,6 +209,9 @@ class Ticket:
     prefilling: bool = True  # no token streamed back yet (a non-streamed request stays so until it ends)
     ttft_features: TTFTFeatures | None = None  # the TTFT model's features when it was dispatched
     predicted_ttft_s: float | None = None  # the TTFT model's prediction then (None: the model was not ready)
+    tpot_features: TPOTFeatures | None = None  # the TPOT model's features then
+    predicted_tpot_s: float | None = None  # the TPOT model's prediction then (None: the model was not ready)
+    first_token_at: float | None = None  # when the placement core saw its first token (the TPOT clock starts)
 
 
 class ReplicaState:

@@ -13,6 +13,7 @@
         models: [smollm2, llama-70b]               # optional: the models it may use (others: 404); default all
         weight: 3                                  # optional (default 1): its share when a pool is full and queues
         slo_ttft_ms: 500                           # optional: TTFT target of its requests without x-llm-d-slo-ttft-ms
+        slo_tpot_ms: 100                           # optional: TPOT target of its requests without x-llm-d-slo-tpot-ms
     anonymous: null                                # or the tenant that requests without a key use
     model_token_weights:                           # optional: budget tokens one token of a model costs
       llama-70b: 8                                 #   (default 1; reserved and charged ceil(tokens x weight))
@@ -51,7 +52,8 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 TOP_FIELDS = ("tenants", "anonymous", "model_token_weights", "model_prices")
 TENANT_FIELDS = ("api_key_sha256", "tokens_per_minute", "dollars_per_minute", "max_concurrent_requests", "max_tokens",
-                 "max_context_tokens", "priority", "isolate_cache", "models", "weight", "prices", "slo_ttft_ms")
+                 "max_context_tokens", "priority", "isolate_cache", "models", "weight", "prices", "slo_ttft_ms",
+                 "slo_tpot_ms")
 
 TenantsFileError = ConfigFileError
 
@@ -191,7 +193,8 @@ def _tenant(p: _KeyReader, name: str, field: str, body: dict[str, tuple[yaml.Nod
                   isolate_cache=get("isolate_cache", p.bool_field, default=False),
                   models=get("models", lambda node, f: frozenset(p.names_field(node, f, "model names"))),
                   weight=get("weight", p.number_field, 0.001, default=1.0),
-                  slo_ttft_s=_ms(get("slo_ttft_ms", p.number_field, 1.0)))
+                  slo_ttft_s=_ms(get("slo_ttft_ms", p.number_field, 1.0)),
+                  slo_tpot_s=_ms(get("slo_tpot_ms", p.number_field, 1.0)))
 
 
 def _ms(value: float | None) -> float | None:

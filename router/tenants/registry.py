@@ -46,6 +46,7 @@ class Tenant:
     models: frozenset[str] | None = None  # the models it may use (others: 404 as if unknown); None: all
     weight: float = 1.0  # its share of a full pool against other tenants' (the fair queue, router/admission/gate.py)
     slo_ttft_s: float | None = None  # the TTFT target of its requests that carry none (contract/slo.py)
+    slo_tpot_s: float | None = None  # the TPOT target of its requests that carry none
     cost_budget: bool = False  # its budget is in money (dollars_per_minute), counted in micro-dollars
 
     def cache_salt(self) -> str | None:

@@ -1,7 +1,8 @@
-"""Latency targets through a real router over fake engines (each sends its first byte 60 ms after a request): once
-the router's TTFT model has 16 first tokens, a request whose `x-llm-d-slo-ttft-ms` no replica is predicted to meet
-gets 429 `slo_unattainable` with Retry-After before anything is sent to an engine; one that can be met is served; a
-bad target is a 400 naming the header."""
+"""Latency targets through a real router over fake engines: once the router's TTFT model has 16 first tokens (each
+60 ms after a request), a request whose `x-llm-d-slo-ttft-ms` no replica is predicted to meet gets 429
+`slo_unattainable` with Retry-After before anything is sent to an engine; likewise for `x-llm-d-slo-tpot-ms` once
+the TPOT model has 16 finished streams (tokens 30 ms apart); one that can be met is served; a bad target is a 400
+naming the header."""
 
 from __future__ import annotations
 
@@ -51,3 +52,45 @@ def test_a_ttft_target_no_replica_can_meet_is_refused_and_one_it_can_is_served(p
     assert metric(text, "kvfleet_router_ttft_predicted_requests_total") >= 1
     assert metric(text, "kvfleet_router_ttft_prediction_error_seconds_count") >= 1
     assert metric(text, "kvfleet_router_ttft_prediction_relative_error_count") >= 1
+
+
+def test_a_tpot_target_no_replica_can_meet_is_refused_and_one_it_can_is_served(procs):
+    # fake engines streaming 8 chunks 30 ms apart: once the TPOT model has 16 finished streams, every replica is
+    # predicted at ~30 ms per token
+    engines = [fake_engine(procs, f"e{i}") for i in range(2)]
+    for e in engines:
+        e.wait_ready()
+    r = router(procs, [e.url for e in engines], policy="least-load").wait_ready()
+    wait_for(lambda: ready_replicas(r) == 2, what="both replicas ready")
+    slow = {"x-fake-chunk-delay-ms": "30"}
+    with httpx.Client(base_url=r.url, timeout=30) as c:
+        bad = c.post("/v1/chat/completions", json=_chat(), headers={"x-llm-d-slo-tpot-ms": "-3"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-llm-d-slo-tpot-ms"
+        for _ in range(20):  # a client that asked for no usage gets none, though the router asked the engine
+            with c.stream("POST", "/v1/chat/completions", json={**_chat(stream=True), "max_tokens": 8},
+                          headers=slow) as s:
+                assert s.status_code == 200
+                assert '"usage"' not in s.read().decode()
+        # a stream is learned from once it has settled, after its last byte: the last ones came with predictions
+        wait_for(lambda: metric(c.get("/metrics").text, "kvfleet_router_tpot_predicted_requests_total") >= 1,
+                 what="the TPOT model fitted")
+        served_before = sum(httpx.get(e.url + "/fake/stats").json()["requests"] for e in engines)
+        late = c.post("/v1/chat/completions", json=_chat(stream=True), headers={**slow, "x-llm-d-slo-tpot-ms": "5"})
+        assert late.status_code == 429, late.text
+        err = late.json()["error"]
+        assert err["code"] == "slo_unattainable" and err["param"] == "x-llm-d-slo-tpot-ms"
+        assert "each later token" in err["message"] and late.headers["retry-after"] == "1"
+        assert sum(httpx.get(e.url + "/fake/stats").json()["requests"] for e in engines) == served_before
+        with c.stream("POST", "/v1/chat/completions", json={**_chat(stream=True), "max_tokens": 8},
+                      headers={**slow, "x-llm-d-slo-tpot-ms": "500"}) as ok:
+            assert ok.status_code == 200
+            ok.read()
+        wait_for(lambda: metric(c.get("/metrics").text, "kvfleet_router_slo_tpot_requests_total",
+                                outcome="met", priority="-") >= 1, what="the 500 ms request counted as met")
+        text = c.get("/metrics").text
+    assert metric(text, "kvfleet_router_slo_refused_requests_total") == 1
+    assert metric(text, "kvfleet_router_slo_tpot_requests_total", outcome="met", priority="-") == 1
+    assert metric(text, "kvfleet_router_tpot_predicted_requests_total") >= 1
+    assert metric(text, "kvfleet_router_tpot_prediction_error_seconds_count") >= 1
+    # ~30 ms per token observed and predicted alike: the model is within half of it
+    assert metric(text, "kvfleet_router_tpot_prediction_relative_error_bucket", le="0.5") >= 1

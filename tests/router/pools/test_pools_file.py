@@ -175,10 +175,15 @@ def test_models_engines_and_tokenizers_per_pool():
     assert large.tokenizer == "/models/llama"
 
 
-def test_a_pools_ttft_target_is_read_in_milliseconds():
-    cfg = parse_pools("pools:\n  p:\n    version: v1\n    weight: 1\n    slo_ttft_ms: 750\n"
+def test_a_pools_latency_targets_are_read_in_milliseconds():
+    cfg = parse_pools("pools:\n  p:\n    version: v1\n    weight: 1\n    slo_ttft_ms: 750\n    slo_tpot_ms: 60\n"
                       "    replicas: [http://127.0.0.1:8001]\n", "pools.yaml")
-    assert cfg.pools[0].spec.slo_ttft_s == 0.75
+    assert (cfg.pools[0].spec.slo_ttft_s, cfg.pools[0].spec.slo_tpot_s) == (0.75, 0.06)
+    assert parse_pools("pools:\n  p:\n    version: v1\n    weight: 1\n    replicas: [http://127.0.0.1:8001]\n",
+                       "pools.yaml").pools[0].spec.slo_tpot_s is None
+    with pytest.raises(Exception, match="slo_tpot_ms: must be a number >= 1"):
+        parse_pools("pools:\n  p:\n    version: v1\n    weight: 1\n    slo_tpot_ms: 0.5\n"
+                    "    replicas: [http://127.0.0.1:8001]\n", "pools.yaml")
     with pytest.raises(Exception, match="slo_ttft_ms: must be a number >= 1"):
         parse_pools("pools:\n  p:\n    version: v1\n    weight: 1\n    slo_ttft_ms: 0\n"
                     "    replicas: [http://127.0.0.1:8001]\n", "pools.yaml")

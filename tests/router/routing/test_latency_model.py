@@ -1,6 +1,6 @@
-"""The router's TTFT model (router/routing/ttft_model.py) and how the placement core feeds it: exact fits on
-synthetic observations, the non-negative refit, no prediction before enough first tokens, and the features a
-request is placed with."""
+"""The router's TTFT and TPOT models (router/routing/latency_model.py) and how the placement core feeds them: exact
+fits on synthetic observations, the non-negative refit, no prediction before enough observations, the features a
+request is placed with, and placement by the targets."""
 
 from __future__ import annotations
 
@@ -8,10 +8,16 @@ import random
 
 import pytest
 
+from router.routing.latency_model import (
+    LatencyModel,
+    TPOTFeatures,
+    TTFTFeatures,
+    tpot_features,
+    ttft_features,
+)
 from router.routing.placement import HashedPrompt, Placement, PlacementConfig
 from router.routing.policies import POLICIES, ReplicaView
 from router.routing.replicas import EngineLoad
-from router.routing.ttft_model import TTFTFeatures, TTFTModel, features
 
 
 def _truth(x: TTFTFeatures) -> float:
@@ -28,12 +34,12 @@ def test_the_fit_minimises_the_relative_error():
     """Two kinds of first token the features cannot tell apart, 0.1 s and 1 s: plain least squares would predict
     their mean (0.55 s, 450% off the fast ones); the relative fit minimises ((c - 0.1) / 0.1)^2 + ((c - 1) / 1)^2:
     c = 11 / 101. Observations under MIN_WEIGHT_S weigh as one of 10 ms."""
-    m = TTFTModel(min_samples=16)
+    m = LatencyModel(min_samples=16)
     for _ in range(8):
         m.observe(TTFTFeatures(0, 0, 0, 0), 0.1)
         m.observe(TTFTFeatures(0, 0, 0, 0), 1.0)
     assert m.predict(TTFTFeatures(0, 0, 0, 0)) == pytest.approx(11 / 101)
-    tiny = TTFTModel(min_samples=16)
+    tiny = LatencyModel(min_samples=16)
     for _ in range(8):
         tiny.observe(TTFTFeatures(0, 0, 0, 0), 0.0)  # weighs as 10 ms: (c / 0.01)^2 + ((c - 0.02) / 0.02)^2
         tiny.observe(TTFTFeatures(0, 0, 0, 0), 0.02)
@@ -41,7 +47,7 @@ def test_the_fit_minimises_the_relative_error():
 
 
 def test_the_fit_recovers_the_coefficients_of_exact_observations():
-    m = TTFTModel(min_samples=16)
+    m = LatencyModel(min_samples=16)
     for x in _samples(15):
         m.observe(x, _truth(x))
     assert not m.ready and m.predict(TTFTFeatures(100, 0, 0, 0)) is None  # 15 < min_samples: no prediction
@@ -54,7 +60,7 @@ def test_the_fit_recovers_the_coefficients_of_exact_observations():
 
 
 def test_a_feature_that_would_come_out_negative_is_fixed_at_zero_and_the_rest_refitted():
-    m = TTFTModel(min_samples=16)
+    m = LatencyModel(min_samples=16)
     rng = random.Random(3)
     for x in _samples(64, seed=1):
         # running does not matter here; noise would give it a small negative coefficient unconstrained
@@ -64,7 +70,7 @@ def test_a_feature_that_would_come_out_negative_is_fixed_at_zero_and_the_rest_re
 
 
 def test_negative_or_nan_seconds_are_not_observations():
-    m = TTFTModel(min_samples=5)
+    m = LatencyModel(min_samples=5)
     for x in _samples(5):
         m.observe(x, float("nan"))
         m.observe(x, -1.0)
@@ -73,7 +79,7 @@ def test_negative_or_nan_seconds_are_not_observations():
 
 def test_features_read_the_view_as_the_kv_cost_does():
     v = ReplicaView("http://a", running=6, waiting=4, finished=2, new_requests=3, pending=1, pending_tokens=900)
-    assert features(v, 1000, 256) == TTFTFeatures(744.0, 900.0, 3.0, 7.0)
+    assert ttft_features(v, 1000, 256) == TTFTFeatures(744.0, 900.0, 3.0, 7.0)
 
 
 def test_the_placement_core_learns_from_first_tokens_and_predicts_at_dispatch():
@@ -116,10 +122,10 @@ def test_a_request_with_a_ttft_target_goes_only_where_it_is_predicted_to_be_met(
     assert predicted == pytest.approx({"http://a": _truth(TTFTFeatures(1000, 0, 0, 10)),
                                        "http://b": _truth(TTFTFeatures(1000, 4000, 0, 1))})
     assert {p.choose(prompt, 1.0).url for _ in range(4)} == {"http://b"}  # no target: the policy's choice
-    targeted = _Targeted(1000, 0.6)  # a: 0.55 s, b: 2.12 s
+    targeted = HashedPrompt(num_prompt_tokens=1000, ttft_target_s=0.6)  # a: 0.55 s, b: 2.12 s
     assert {p.choose(targeted, 1.0).url for _ in range(4)} == {"http://a"}
-    assert {p.choose(_Targeted(1000, 5.0), 1.0).url for _ in range(4)} == {"http://b"}  # both meet it: the policy
-    unmeetable = _Targeted(1000, 0.1)  # neither meets it: the policy decides (the admission refuses it before)
+    assert {p.choose(HashedPrompt(num_prompt_tokens=1000, ttft_target_s=5.0), 1.0).url for _ in range(4)} == {"http://b"}  # both meet it: the policy
+    unmeetable = HashedPrompt(num_prompt_tokens=1000, ttft_target_s=0.1)  # neither meets it: the policy decides (the admission refuses it before)
     assert p.choose(unmeetable, 1.0) is not None
 
 
@@ -130,9 +136,72 @@ def test_no_prediction_before_the_model_is_fitted():
     assert p.predict_ttft(HashedPrompt(num_prompt_tokens=10), 0.0) == {}
 
 
-class _Targeted(HashedPrompt):
-    __slots__ = ("ttft_target_s",)
+def _tpot_truth(x: TPOTFeatures) -> float:
+    return 0.008 + 0.0006 * x.running + 0.0000002 * x.kv_tokens + 0.00003 * x.ahead_tokens + 0.004 * x.waiting
 
-    def __init__(self, n: int, target: float):
-        super().__init__(num_prompt_tokens=n)
-        object.__setattr__(self, "ttft_target_s", target)
+
+def test_tpot_features_count_the_batch_the_request_joins_and_what_it_reads():
+    v = ReplicaView("http://a", running=6, waiting=4, finished=2, new_requests=3, pending=1, pending_tokens=900,
+                    kv_tokens=5000.0)
+    # running: 6 scraped - 2 finished since + 3 sent since + the request itself; KV: held + its prompt
+    assert tpot_features(v, 1000) == TPOTFeatures(8.0, 6000.0, 900.0, 3.0)
+
+
+def test_the_placement_core_learns_tpot_from_streams_that_ended():
+    p = Placement(POLICIES["least-load"], PlacementConfig(block_size=16))
+    p.set_members("default", ["http://a"])
+    p.on_health("http://a", True, 0.0)
+    now = 1.0
+    for i in range(20):
+        p.on_load("http://a", EngineLoad(running=4, waiting=0, kv_usage=0.5, kv_capacity_tokens=8000), now - 1, now)
+        before = tpot_features(p.replicas["http://a"].view(now, p.cfg.stale_s), 100 + 10 * i)
+        ticket = p.on_routed("http://a", HashedPrompt(num_prompt_tokens=100 + 10 * i), 0, now)
+        assert ticket.tpot_features == before == (5.0, 4000.0 + 100 + 10 * i, 0.0, 0.0)
+        assert (ticket.predicted_tpot_s is None) == (i < 16)  # ready after the 16th stream that ended
+        assert p.on_decoded(ticket, 11, now + 1.0) is None  # no first token seen: no TPOT clock
+        p.on_first_token("http://a", ticket, now + 0.1)
+        assert p.on_decoded(ticket, 1, now + 1.0) is None  # one token: nothing after the first
+        seconds = _tpot_truth(ticket.tpot_features)
+        assert p.on_decoded(ticket, 11, now + 0.1 + 10 * seconds) == pytest.approx(seconds)
+        p.on_done("http://a", ticket)
+        now += 10.0
+    assert p.tpot.ready and len(p.tpot.samples) == 20
+    probe = ticket.tpot_features
+    assert p.tpot.predict(probe) == pytest.approx(_tpot_truth(probe), rel=1e-6)
+
+
+def _two_replicas_tpot_fitted() -> Placement:
+    """Replicas a (40 sequences decoding, half its KV held) and b (2 decoding, a 3,000-token prefill of this
+    router's ahead): least-load prefers b, and b's first token is later, but each of its later tokens is sooner."""
+    p = Placement(POLICIES["least-load"], PlacementConfig(block_size=16))
+    p.set_members("default", ["http://a", "http://b"])
+    for u, running, usage in (("http://a", 40, 0.5), ("http://b", 2, 0.05)):
+        p.on_health(u, True, 0.0)
+        p.on_load(u, EngineLoad(running=running, kv_usage=usage, kv_capacity_tokens=100_000), 0.0, 0.0)
+    rng = random.Random(5)
+    for _ in range(16):
+        x = TPOTFeatures(rng.randrange(1, 64), rng.randrange(0, 100_000), rng.randrange(0, 8000), rng.randrange(0, 4))
+        p.tpot.observe(x, _tpot_truth(x))
+    p.on_routed("http://b", HashedPrompt(num_prompt_tokens=3000), 0, 0.5)
+    return p
+
+
+def test_a_request_with_a_tpot_target_goes_only_where_it_is_predicted_to_be_met():
+    p = _two_replicas_tpot_fitted()
+    prompt = HashedPrompt(num_prompt_tokens=1000)
+    predicted = p.predict_tpot(prompt, 1.0)
+    a, b = _tpot_truth(TPOTFeatures(41, 51_000, 0, 0)), _tpot_truth(TPOTFeatures(4, 6_000, 3000, 0))
+    assert predicted == pytest.approx({"http://a": a, "http://b": b})  # a: 0.043 s, b: 0.102 s
+    assert {p.choose(prompt, 1.0).url for _ in range(4)} == {"http://b"}  # no target: the policy's choice
+    fast = HashedPrompt(num_prompt_tokens=1000, tpot_target_s=0.05)
+    assert {p.choose(fast, 1.0).url for _ in range(4)} == {"http://a"}
+    loose = HashedPrompt(num_prompt_tokens=1000, tpot_target_s=0.2)  # both meet it: the policy
+    assert {p.choose(loose, 1.0).url for _ in range(4)} == {"http://b"}
+    assert p.choose(HashedPrompt(num_prompt_tokens=1000, tpot_target_s=0.01), 1.0) is not None  # none: the policy
+
+
+def test_no_tpot_prediction_before_the_model_is_fitted():
+    p = Placement(POLICIES["least-load"], PlacementConfig(block_size=16))
+    p.set_members("default", ["http://a"])
+    p.on_health("http://a", True, 0.0)
+    assert p.predict_tpot(HashedPrompt(num_prompt_tokens=10), 0.0) == {}

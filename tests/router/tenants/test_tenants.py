@@ -94,8 +94,9 @@ BAD = [
      "must be less than max_context_tokens (4096): a request's prompt and max_tokens must fit in it, got 4096"),
     (_tenant("    rpm: 5\n"), 5, "tenants.acme.rpm", "unknown field (a tenant has api_key_sha256, "
      "tokens_per_minute, dollars_per_minute, max_concurrent_requests, max_tokens, max_context_tokens, priority, isolate_cache, models, weight, prices, "
-     "slo_ttft_ms)"),
+     "slo_ttft_ms, slo_tpot_ms)"),
     (_tenant("    slo_ttft_ms: 0\n"), 5, "tenants.acme.slo_ttft_ms", "must be a number >= 1, got 0"),
+    (_tenant("    slo_tpot_ms: fast\n"), 5, "tenants.acme.slo_tpot_ms", 'must be a number >= 1, got "fast"'),
     (_tenant("    priority: 1\n    priority: 2\n"), 6, "tenants.acme.priority", "given twice (first on line 5)"),
     (_tenant("  acme:\n    tokens_per_minute: 1\n"), 5, "tenants.acme", "given twice (first on line 2)"),
     (_tenant("default: x\n"), 5, "default", "unknown field (the file holds tenants, anonymous, model_token_weights, model_prices)"),
@@ -353,7 +354,7 @@ def test_models_and_token_weights_are_read_exactly():
     assert parse_tenants(_tenant("")).get("acme").models is None  # no list: every model
 
 
-def test_a_tenants_ttft_target_is_read_in_milliseconds():
-    reg = parse_tenants("tenants:\n  acme:\n    tokens_per_minute: 10\n    slo_ttft_ms: 500\nanonymous: acme\n",
-                        "t.yaml")
-    assert reg.tenants["acme"].slo_ttft_s == 0.5
+def test_a_tenants_latency_targets_are_read_in_milliseconds():
+    reg = parse_tenants("tenants:\n  acme:\n    tokens_per_minute: 10\n    slo_ttft_ms: 500\n    slo_tpot_ms: 80\n"
+                        "anonymous: acme\n", "t.yaml")
+    assert (reg.tenants["acme"].slo_ttft_s, reg.tenants["acme"].slo_tpot_s) == (0.5, 0.08)

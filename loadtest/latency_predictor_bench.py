@@ -9,7 +9,7 @@ prediction, the median and p90 of |observed - predicted| / observed (from kvflee
 relative_error, by linear interpolation inside its buckets) against the issue's targets (TTFT 0.20, TPOT 0.15),
 and the median signed error.
 
-    python -m loadtest.latency_predictor_bench --rate 2 --duration 90
+    python -m loadtest.latency_predictor_bench --rate 2 --duration 90 [--max-tokens 16,128]
 """
 
 from __future__ import annotations
@@ -72,14 +72,14 @@ def report(what: str, target: float, low: float, before: str, after: str) -> Non
         print(f"{what.upper()}: observed - predicted: median {s_med * 1000:+.1f} ms")
 
 
-async def drive(url: str, rate: float, n: int, rng: random.Random) -> int:
+async def drive(url: str, rate: float, n: int, rng: random.Random, max_tokens: tuple[int, int]) -> int:
     done = 0
 
     async def one(c: httpx.AsyncClient) -> None:
         nonlocal done
         kind = rng.random()
         doc = words(rng, 1000) if kind < 0.2 else words(rng, 300) if kind < 0.5 else ""
-        body = {"model": "smollm2", "max_tokens": 16, "stream": True, "temperature": 0,
+        body = {"model": "smollm2", "max_tokens": rng.randint(*max_tokens), "stream": True, "temperature": 0,
                 "messages": [{"role": "user", "content": f"{doc}\nQuestion: {words(rng, 10)}?"}]}
         async with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
             async for _ in r.aiter_bytes():
@@ -101,7 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=90.0)
     p.add_argument("--warmup", type=int, default=24)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--max-tokens", default="16", help="each request's max_tokens: N, or LO,HI drawn uniformly")
     ns = p.parse_args(argv)
+    bounds = [int(x) for x in ns.max_tokens.split(",")]
+    if not 1 <= len(bounds) <= 2 or min(bounds) < 1:
+        p.error(f"--max-tokens: N or LO,HI (positive integers), got {ns.max_tokens!r}")
+    max_tokens = (bounds[0], bounds[-1])
     ns.model, ns.engine_module, ns.engine_arg, ns.threads_per_engine, ns.pin_cores = "smollm2", None, [], 1, True
     log_dir = tempfile.mkdtemp(prefix="latency_predictor_bench_")
     procs: list[Proc] = []
@@ -114,13 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         router = start_router(ns, log_dir, [e.url for e in engines], "kv", "smollm2")
         procs.append(router)
         router.wait_ready(120)
-        asyncio.run(drive(router.url, ns.rate, ns.warmup, rng))
+        asyncio.run(drive(router.url, ns.rate, ns.warmup, rng, max_tokens))
         before = httpx.get(router.url + "/metrics").text
         t0 = time.monotonic()
-        n = asyncio.run(drive(router.url, ns.rate, int(ns.rate * ns.duration), rng))
+        n = asyncio.run(drive(router.url, ns.rate, int(ns.rate * ns.duration), rng, max_tokens))
         after = httpx.get(router.url + "/metrics").text
         print(f"{n} streamed requests in {time.monotonic() - t0:.0f} s at {ns.rate}/s (two engines, kv router, "
-              f"default flags)")
+              f"default flags, max_tokens {ns.max_tokens})")
         for what, target, low in (("ttft", 0.20, -5.0), ("tpot", 0.15, -0.2)):
             report(what, target, low, before, after)
         return 0

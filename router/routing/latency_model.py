@@ -12,6 +12,8 @@ what the router observes on the streams it proxies.
                              step reads
                       + c3 * prefill ahead there (this router's pending uncached tokens), whose chunks share steps
                       + c4 * waiting requests other routers sent there (scraped)
+                      + c5 * uncached prompt tokens/s this router has lately been sending there: the prefill still
+                             to come, whose chunks will share the steps of the request's decode
 
 The features are read from the replica's view when the request is placed (`ttft_features`, `tpot_features`); the
 request's first streamed token gives the TTFT seconds, its last one over its output tokens the TPOT seconds
@@ -48,6 +50,7 @@ class TPOTFeatures(NamedTuple):
     kv_tokens: float  # KV tokens they hold: what each decode step reads
     ahead_tokens: float  # this router's pending prefill there: chunks that share the steps
     waiting: float  # other routers' waiting requests there
+    prefill_rate: float  # this router's recent uncached prompt tokens/s there: prefill to come during the decode
 
 
 Features = TypeVar("Features", TTFTFeatures, TPOTFeatures)
@@ -70,7 +73,7 @@ def ttft_features(view: ReplicaView, num_prompt_tokens: int, predicted_cached_to
 
 def tpot_features(view: ReplicaView, num_prompt_tokens: int) -> TPOTFeatures:
     return TPOTFeatures(float(_running(view) + 1), float(view.kv_tokens + num_prompt_tokens),
-                        float(view.pending_tokens), float(_waiting(view)))
+                        float(view.pending_tokens), float(_waiting(view)), view.prefill_rate)
 
 
 class LatencyModel:

@@ -200,6 +200,8 @@ def _lora_info(line: str) -> LoRAInfo:
                     int(max_lora) if max_lora.isdigit() else 0)
 
 
+PREFILL_RATE_TAU_S = 10.0  # the window of a replica's prefill rate (ReplicaState.prefill_rate)
+
 @dataclass(slots=True, eq=False)
 class Ticket:
     """One request this router has in flight on a replica."""
@@ -234,6 +236,8 @@ class ReplicaState:
         self.engine: str | None = None  # what its metrics say it is, once scraped
         self.models: frozenset[str] | None = None  # the model ids its /v1/models lists (None: not answered yet)
         self.adapters: frozenset[str] = frozenset()  # of those, the LoRA adapters (listed with a parent model)
+        self._prefill_rate = 0.0  # uncached prompt tokens/s this router sent here, decayed over PREFILL_RATE_TAU_S
+        self._rate_at = -math.inf
 
     @property
     def inflight(self) -> int:
@@ -264,6 +268,7 @@ class ReplicaState:
                            new_requests=len(new), new_tokens=sum(t.tokens for t in new), finished=self.finished,
                            inflight=len(self.tickets), pending=len(pending),
                            pending_tokens=sum(t.tokens for t in pending), cached_tokens=cached_tokens,
+                           prefill_rate=self.prefill_rate(now),
                            adapter_missing=adapter is not None and not self.holds(adapter),
                            adapter_slots_full=adapter is not None and load.lora is not None
                            and load.lora.slots_full_without(adapter))
@@ -277,7 +282,16 @@ class ReplicaState:
     def on_scrape_failed(self) -> None:
         self.load = None
 
+    def prefill_rate(self, now: float) -> float:
+        """Uncached prompt tokens per second this router has been sending here (an exponentially decayed average
+        over PREFILL_RATE_TAU_S): the prefill that will share the steps of a request decoding here."""
+        if now <= self._rate_at:
+            return self._prefill_rate
+        return self._prefill_rate * math.exp(-(now - self._rate_at) / PREFILL_RATE_TAU_S)
+
     def on_dispatch(self, uncached_tokens: int, now: float) -> Ticket:
+        self._prefill_rate = self.prefill_rate(now) + uncached_tokens / PREFILL_RATE_TAU_S
+        self._rate_at = max(self._rate_at, now)
         ticket = Ticket(now, uncached_tokens)
         self.tickets.add(ticket)
         return ticket

@@ -35,6 +35,7 @@ class ReplicaView:
     inflight: int = 0  # all of this router's in-flight requests on the replica
     pending: int = 0  # of those, the ones that have not streamed a token yet (prefill queued or running)
     pending_tokens: int = 0  # their uncached prompt tokens: the prefill this router knows is ahead there
+    prefill_rate: float = 0.0  # uncached prompt tokens/s this router has lately been sending there
     cached_tokens: int = 0  # predicted prefix-cache hit for this request
     adapter_missing: bool = False  # the request names a LoRA adapter this replica does not list (loaded on demand)
     adapter_slots_full: bool = False  # every LoRA slot there runs another adapter (vllm:lora_requests_info)

@@ -4,6 +4,7 @@ request is placed with, and placement by the targets."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -17,7 +18,7 @@ from router.routing.latency_model import (
 )
 from router.routing.placement import HashedPrompt, Placement, PlacementConfig
 from router.routing.policies import POLICIES, ReplicaView
-from router.routing.replicas import EngineLoad
+from router.routing.replicas import PREFILL_RATE_TAU_S, EngineLoad, ReplicaState
 
 
 def _truth(x: TTFTFeatures) -> float:
@@ -137,14 +138,15 @@ def test_no_prediction_before_the_model_is_fitted():
 
 
 def _tpot_truth(x: TPOTFeatures) -> float:
-    return 0.008 + 0.0006 * x.running + 0.0000002 * x.kv_tokens + 0.00003 * x.ahead_tokens + 0.004 * x.waiting
+    return (0.008 + 0.0006 * x.running + 0.0000002 * x.kv_tokens + 0.00003 * x.ahead_tokens + 0.004 * x.waiting
+            + 0.00002 * x.prefill_rate)
 
 
 def test_tpot_features_count_the_batch_the_request_joins_and_what_it_reads():
     v = ReplicaView("http://a", running=6, waiting=4, finished=2, new_requests=3, pending=1, pending_tokens=900,
-                    kv_tokens=5000.0)
+                    kv_tokens=5000.0, prefill_rate=250.0)
     # running: 6 scraped - 2 finished since + 3 sent since + the request itself; KV: held + its prompt
-    assert tpot_features(v, 1000) == TPOTFeatures(8.0, 6000.0, 900.0, 3.0)
+    assert tpot_features(v, 1000) == TPOTFeatures(8.0, 6000.0, 900.0, 3.0, 250.0)
 
 
 def test_the_placement_core_learns_tpot_from_streams_that_ended():
@@ -156,7 +158,8 @@ def test_the_placement_core_learns_tpot_from_streams_that_ended():
         p.on_load("http://a", EngineLoad(running=4, waiting=0, kv_usage=0.5, kv_capacity_tokens=8000), now - 1, now)
         before = tpot_features(p.replicas["http://a"].view(now, p.cfg.stale_s), 100 + 10 * i)
         ticket = p.on_routed("http://a", HashedPrompt(num_prompt_tokens=100 + 10 * i), 0, now)
-        assert ticket.tpot_features == before == (5.0, 4000.0 + 100 + 10 * i, 0.0, 0.0)
+        assert ticket.tpot_features == before
+        assert before[:4] == (5.0, 4000.0 + 100 + 10 * i, 0.0, 0.0)
         assert (ticket.predicted_tpot_s is None) == (i < 16)  # ready after the 16th stream that ended
         assert p.on_decoded(ticket, 11, now + 1.0) is None  # no first token seen: no TPOT clock
         p.on_first_token("http://a", ticket, now + 0.1)
@@ -180,7 +183,8 @@ def _two_replicas_tpot_fitted() -> Placement:
         p.on_load(u, EngineLoad(running=running, kv_usage=usage, kv_capacity_tokens=100_000), 0.0, 0.0)
     rng = random.Random(5)
     for _ in range(16):
-        x = TPOTFeatures(rng.randrange(1, 64), rng.randrange(0, 100_000), rng.randrange(0, 8000), rng.randrange(0, 4))
+        x = TPOTFeatures(rng.randrange(1, 64), rng.randrange(0, 100_000), rng.randrange(0, 8000), rng.randrange(0, 4),
+                         rng.uniform(0, 2000))
         p.tpot.observe(x, _tpot_truth(x))
     p.on_routed("http://b", HashedPrompt(num_prompt_tokens=3000), 0, 0.5)
     return p
@@ -190,8 +194,9 @@ def test_a_request_with_a_tpot_target_goes_only_where_it_is_predicted_to_be_met(
     p = _two_replicas_tpot_fitted()
     prompt = HashedPrompt(num_prompt_tokens=1000)
     predicted = p.predict_tpot(prompt, 1.0)
-    a, b = _tpot_truth(TPOTFeatures(41, 51_000, 0, 0)), _tpot_truth(TPOTFeatures(4, 6_000, 3000, 0))
-    assert predicted == pytest.approx({"http://a": a, "http://b": b})  # a: 0.043 s, b: 0.102 s
+    rate = 3000 / PREFILL_RATE_TAU_S * math.exp(-0.5 / PREFILL_RATE_TAU_S)  # b's 3,000 tokens sent 0.5 s before
+    a, b = _tpot_truth(TPOTFeatures(41, 51_000, 0, 0, 0)), _tpot_truth(TPOTFeatures(4, 6_000, 3000, 0, rate))
+    assert predicted == pytest.approx({"http://a": a, "http://b": b})  # a: 0.043 s, b: 0.107 s
     assert {p.choose(prompt, 1.0).url for _ in range(4)} == {"http://b"}  # no target: the policy's choice
     fast = HashedPrompt(num_prompt_tokens=1000, tpot_target_s=0.05)
     assert {p.choose(fast, 1.0).url for _ in range(4)} == {"http://a"}
@@ -205,3 +210,15 @@ def test_no_tpot_prediction_before_the_model_is_fitted():
     p.set_members("default", ["http://a"])
     p.on_health("http://a", True, 0.0)
     assert p.predict_tpot(HashedPrompt(num_prompt_tokens=10), 0.0) == {}
+
+
+def test_the_prefill_rate_is_the_tokens_sent_lately_decayed_over_its_window():
+    st = ReplicaState("http://a", None)
+    assert st.prefill_rate(0.0) == 0.0
+    st.on_dispatch(1000, 10.0)
+    st.on_dispatch(500, 10.0)
+    assert st.prefill_rate(10.0) == pytest.approx(1500 / PREFILL_RATE_TAU_S)
+    assert st.prefill_rate(10.0 + PREFILL_RATE_TAU_S) == pytest.approx(1500 / PREFILL_RATE_TAU_S / math.e)
+    st.on_dispatch(0, 20.0)  # a fully cached request adds nothing; the rate decays to its time
+    assert st.prefill_rate(20.0) == pytest.approx(1500 / PREFILL_RATE_TAU_S / math.e)
+    assert st.view(20.0, 3.0).prefill_rate == st.prefill_rate(20.0)

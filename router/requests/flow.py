@@ -181,10 +181,12 @@ class Flow:
             priority = (-tenant.priority if tenant is not None else 0) - (1 if passed is not None and passed.express else 0)
             if priority:
                 req = req.with_fields(priority=priority)
-        if req.stream:
+        if req.stream and (tenant is not None or cfg.pools_file is not None or (passed is not None and passed.metered)
+                           or entry.prep.tpot_target_s is not None or self.core.fleet.sample_tpot()):
             # usage in the stream: every chunk for a tenant (a cancelled stream is charged what it used), the
-            # last one otherwise (the TPOT model, a pool's hit rate and TPOT, a congested pool's fair queue); what
-            # the client did not ask for is taken out again (StreamUsage.feed)
+            # last one for a pool's hit rate and TPOT, a congested pool's fair queue, a TPOT target's attainment
+            # and the TPOT model (a sample of the other streams); what the client did not ask for is taken out
+            # again (StreamUsage.feed)
             wanted, options = ask_for_usage(req.get("stream_options"), continuous=tenant is not None)
             req = req.with_fields(stream_options=options)
             entry.follower = StreamUsage(wanted)

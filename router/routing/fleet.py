@@ -45,6 +45,8 @@ class PoolEngine:
     kv_events: VllmEventsConfig | None = None
 
 
+TPOT_SAMPLE_INTERVAL_S = 0.05  # at most 20 streams a second followed for the TPOT model alone
+
 class Fleet:
     def __init__(self, cfg: RouterConfig, metrics: RouterMetrics, clock=time.monotonic):
         self.cfg = cfg
@@ -63,6 +65,17 @@ class Fleet:
         p = self.placement
         self.replicas, self.members, self.pool_of, self.rings = p.replicas, p.members, p.pool_of, p.rings
         self.index, self.approx = p.index, p.approx
+        self._tpot_sampled_at = -math.inf
+
+    def sample_tpot(self) -> bool:
+        """Whether a stream that needs no usage otherwise should be followed for the TPOT model: one stream per
+        TPOT_SAMPLE_INTERVAL_S at most (every stream at a few per second; ~2% of them at 1,000/s, where reading
+        every usage chunk would cost a fifth of the router's streamed throughput)."""
+        now = self.clock()
+        if now - self._tpot_sampled_at < TPOT_SAMPLE_INTERVAL_S:
+            return False
+        self._tpot_sampled_at = now
+        return True
 
     # -- membership ----------------------------------------------------------------------------------------
     async def start(self) -> None:

@@ -329,18 +329,22 @@ class Fleet:
     def _first_token_of(self, url: str):
         def first_token(ticket: Ticket) -> None:
             seconds = self.placement.on_first_token(url, ticket, self.clock())
-            if seconds is not None and ticket.predicted_ttft_s is not None:
-                self.metrics.ttft_error.observe(seconds - ticket.predicted_ttft_s)
-                if seconds > 0:
-                    self.metrics.ttft_relative_error.observe(abs(seconds - ticket.predicted_ttft_s) / seconds)
-                self.metrics.ttft_predicted.inc()
+            m = self.metrics
+            _score(seconds, ticket.predicted_ttft_s, m.ttft_error, m.ttft_relative_error, m.ttft_predicted)
 
         return first_token
 
     def _decoded(self, ticket: Ticket, output_tokens: int) -> None:
         seconds = self.placement.on_decoded(ticket, output_tokens, self.clock())
-        if seconds is not None and ticket.predicted_tpot_s is not None:
-            self.metrics.tpot_error.observe(seconds - ticket.predicted_tpot_s)
-            if seconds > 0:
-                self.metrics.tpot_relative_error.observe(abs(seconds - ticket.predicted_tpot_s) / seconds)
-            self.metrics.tpot_predicted.inc()
+        m = self.metrics
+        _score(seconds, ticket.predicted_tpot_s, m.tpot_error, m.tpot_relative_error, m.tpot_predicted)
+
+
+def _score(observed: float | None, predicted: float | None, error, relative, count) -> None:
+    """A latency model's prediction against what was observed: signed and relative error, and the count."""
+    if observed is None or predicted is None:
+        return
+    error.observe(observed - predicted)
+    if observed > 0:
+        relative.observe(abs(observed - predicted) / observed)
+    count.inc()

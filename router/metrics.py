@@ -71,6 +71,9 @@ class RouterMetrics:
                                    "x-llm-d-slo-ttft-ms / x-llm-d-slo-tpot-ms headers, or the tenant's or pool's) "
                                    "refused with 429 slo_unattainable: no replica of the pool was predicted to meet it",
                                    ["pool"], registry=r)
+        self.slo_best_effort = Counter("kvfleet_router_slo_best_effort_requests", "Requests with a target no replica "
+                                       "of the pool was predicted to meet, served anyway behind the pool's other "
+                                       "requests (the pool's slo_unattainable: best_effort)", ["pool"], registry=r)
         self.slo_ttft = Counter("kvfleet_router_slo_ttft_requests", "Streamed requests with a TTFT target (header, "
                                 "tenant's or pool's) by pool, tenant priority ('-': no tenant) and whether their first "
                                 "token came within it (attainment: met / (met + missed))",

@@ -36,6 +36,7 @@ from contract.errors import ConfigError
 
 _2_64 = float(1 << 64)
 ROLES = ("both", "prefill", "decode")
+SLO_UNATTAINABLE = ("refuse", "best_effort")  # what a pool does with a target no replica is predicted to meet
 
 
 def _optional_positive(field: str, value: int | None) -> None:
@@ -62,6 +63,9 @@ class PoolSpec:
     role: str = "both"
     slo_ttft_s: float | None = None  # the TTFT target of its requests that carry none, nor their tenant (contract/slo.py)
     slo_tpot_s: float | None = None  # the TPOT target likewise
+    # a request no replica is predicted to serve within its targets: "refuse" (429 slo_unattainable) or
+    # "best_effort" (served, at a lower priority than the pool's other requests)
+    slo_unattainable: str = "refuse"
 
     def __post_init__(self) -> None:
         for field in ("name", "version"):
@@ -84,6 +88,9 @@ class PoolSpec:
         _optional_positive("max_context_tokens", self.max_context_tokens)
         if self.role not in ROLES:
             raise ConfigError("role", f"pool {self.name}: role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.slo_unattainable not in SLO_UNATTAINABLE:
+            raise ConfigError("slo_unattainable", f"pool {self.name}: slo_unattainable must be one of "
+                              f"{', '.join(SLO_UNATTAINABLE)}, got {self.slo_unattainable!r}")
         for flag in ("long_context", "canary"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(flag, f"pool {self.name}: {flag} must be a bool")

@@ -22,6 +22,8 @@ update: `helm upgrade` / `helm rollback` change weights without restarting route
         # slo_ttft_ms: 1000           # optional: TTFT target of requests that carry none (x-llm-d-slo-ttft-ms) and
         #                             #   whose tenant sets none: placed where predicted met, else 429 slo_unattainable
         # slo_tpot_ms: 100            # optional: TPOT target likewise (x-llm-d-slo-tpot-ms)
+        # slo_unattainable: refuse    # or best_effort: a target no replica is predicted to meet is served anyway,
+        #                             #   behind the pool's other requests, instead of 429 slo_unattainable
         # adapters:                   # optional: LoRA adapters the router has a replica load on demand
         #   sql-expert: /adapters/sql # (POST /v1/load_lora_adapter, path as the engines see it) when no replica
         #                             #   holds one, or its holders are busier than an adapter load costs
@@ -77,7 +79,8 @@ from router.routing.discovery import DnsSource, K8sSource, Source, StaticSource
 NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # a DNS label: pool names become k8s names and labels
 TOP_FIELDS = ("pools", "degradation")
 POOL_FIELDS = ("version", "weight", "canary", "long_context", "max_tokens_cap", "default_max_tokens",
-               "max_context_tokens", "slo_ttft_ms", "slo_tpot_ms", "model", "models", "adapters", "role", "engine", "kv_events",
+               "max_context_tokens", "slo_ttft_ms", "slo_tpot_ms",
+               "slo_unattainable", "model", "models", "adapters", "role", "engine", "kv_events",
                "tokenizer", "replicas", "dns", "k8s")
 SOURCES = ("replicas", "dns", "k8s")
 DEGRADATION_FIELDS = ("window_s", "min_requests", "interval_s", "dwell_s", "max_tokens_factor", *SIGNALS)
@@ -182,7 +185,8 @@ def _pool(r: NodeReader, name: str, name_node: yaml.Node, body_node: yaml.Node) 
                   long_context=get("long_context", r.bool_field, default=False),
                   canary=get("canary", r.bool_field, default=False), role=get("role", r.str_field, default="both"),
                   slo_ttft_s=None if "slo_ttft_ms" not in body else get("slo_ttft_ms", r.number_field, 1.0) / 1000.0,
-                  slo_tpot_s=None if "slo_tpot_ms" not in body else get("slo_tpot_ms", r.number_field, 1.0) / 1000.0)
+                  slo_tpot_s=None if "slo_tpot_ms" not in body else get("slo_tpot_ms", r.number_field, 1.0) / 1000.0,
+                  slo_unattainable=get("slo_unattainable", r.str_field, default="refuse"))
     try:
         spec = PoolSpec(name=name, version=version, **values)
     except ConfigError as e:  # a rule between two fields (e.g. default above cap)

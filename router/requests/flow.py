@@ -96,7 +96,7 @@ def _slo(core: RouterCore, prep: PreparedRequest, pool: PoolSpec) -> Refusal | N
         prep.ttft_target_s = pool.slo_ttft_s
     if prep.tpot_target_s is None:
         prep.tpot_target_s = pool.slo_tpot_s
-    return core.fleet.slo_refusal(prep, pool.name)
+    return core.fleet.slo_refusal(prep, pool.name, pool.slo_unattainable == "best_effort")
 
 
 class Flow:
@@ -164,8 +164,9 @@ class Flow:
             return None
         t = entry.tenant
         name = t.name if t is not None else (fairness_id or "-")
-        got = await gate.enter(entry.pool.name, name, t.weight if t is not None else 1.0,
-                               _priority(entry.req) if priority is None else priority, sum(entry.counts),
+        if priority is None:
+            priority = _priority(entry.req) + (1 if entry.prep.best_effort else 0)
+        got = await gate.enter(entry.pool.name, name, t.weight if t is not None else 1.0, priority, sum(entry.counts),
                                t.priority if t is not None else 0)
         if isinstance(got, Refusal):
             return got._replace(headers=got.headers + entry.headers)
@@ -181,6 +182,8 @@ class Flow:
             priority = (-tenant.priority if tenant is not None else 0) - (1 if passed is not None and passed.express else 0)
             if priority:
                 req = req.with_fields(priority=priority)
+        if cfg.forward_priority and entry.prep.best_effort:  # a target no replica was predicted to meet: behind
+            req = req.with_fields(priority=_priority(req) + 1)  # the others at the engine (vLLM refuses it in fcfs)
         if req.stream and (tenant is not None or cfg.pools_file is not None or (passed is not None and passed.metered)
                            or entry.prep.tpot_target_s is not None or self.core.fleet.sample_tpot()):
             # usage in the stream: every chunk for a tenant (a cancelled stream is charged what it used), the

@@ -292,10 +292,12 @@ class Fleet:
               pool: str = DEFAULT_POOL, candidates: Sequence[str] | None = None, peek: bool = False) -> Decision | None:
         return self.placement.choose(prep, self.clock(), pool, excluded, candidates, peek)
 
-    def slo_refusal(self, prep: PreparedRequest, pool: str) -> Refusal | None:
+    def slo_refusal(self, prep: PreparedRequest, pool: str, best_effort: bool = False) -> Refusal | None:
         """429 `slo_unattainable` (with Retry-After) when no routable replica of `pool` is predicted to send the
         request's first token within its TTFT target, or its later tokens within its TPOT target; None when one
-        is, when it has no target, or while the model for that target is not ready (no prediction: no refusal)."""
+        is, when it has no target, or while the model for that target is not ready (no prediction: no refusal).
+        `best_effort` (the pool's `slo_unattainable: best_effort`): None instead of the 429, the request marked
+        best effort (served behind the pool's other requests)."""
         now = self.clock()
         for target, header, what in ((prep.ttft_target_s, TTFT_HEADER, "send the first token"),
                                      (prep.tpot_target_s, TPOT_HEADER, "send each later token")):
@@ -305,6 +307,10 @@ class Fleet:
             predicted = predict(prep, now, pool)
             if not predicted or (best := min(predicted.values())) <= target:
                 continue
+            if best_effort:
+                self.metrics.slo_best_effort.labels(pool).inc()
+                prep.best_effort = True
+                return None
             self.metrics.slo_refused.labels(pool).inc()
             # a first token late by d seconds: the fleet needs about d to catch up; a slow token rate: a second
             wait = max(1, math.ceil(best - target)) if header == TTFT_HEADER else 1

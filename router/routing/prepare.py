@@ -27,6 +27,7 @@ class PreparedRequest:
     adapter: str | None = None  # the LoRA adapter the request names (its model), None for a base model
     ttft_target_s: float | None = None  # the request's time-to-first-token target (contract/slo.py), if any
     tpot_target_s: float | None = None  # its time-per-output-token target, if any
+    best_effort: bool = False  # no replica was predicted to meet its targets, and its pool serves it anyway
     _hashes: dict[tuple[int, int], list[int]] = field(default_factory=dict)
 
     @property

@@ -94,3 +94,27 @@ def test_a_tpot_target_no_replica_can_meet_is_refused_and_one_it_can_is_served(p
     assert metric(text, "kvfleet_router_tpot_prediction_error_seconds_count") >= 1
     # ~30 ms per token observed and predicted alike: the model is within half of it
     assert metric(text, "kvfleet_router_tpot_prediction_relative_error_bucket", le="0.5") >= 1
+
+
+def test_a_best_effort_pool_serves_an_unattainable_target_instead_of_refusing_it(procs, tmp_path):
+    engines = [fake_engine(procs, f"e{i}", "--delay-ms", "60") for i in range(2)]
+    for e in engines:
+        e.wait_ready()
+    pools = tmp_path / "pools.yaml"
+    pools.write_text("pools:\n  default:\n    version: v1\n    weight: 1\n    model: smollm2\n"
+                     "    slo_ttft_ms: 1\n    slo_unattainable: best_effort\n"
+                     f"    replicas: [{', '.join(e.url for e in engines)}]\n")
+    r = router(procs, None, "--pools", str(pools), policy="least-load").wait_ready()
+    wait_for(lambda: ready_replicas(r) == 2, what="both replicas ready")
+    with httpx.Client(base_url=r.url, timeout=30) as c:
+        for _ in range(17):  # the TTFT model fits on 16 first tokens; every request carries the pool's 1 ms target
+            with c.stream("POST", "/v1/chat/completions", json=_chat(stream=True)) as s:
+                assert s.status_code == 200
+                s.read()
+        wait_for(lambda: metric(c.get("/metrics").text, "kvfleet_router_ttft_predicted_requests_total") >= 1,
+                 what="the TTFT model fitted")
+        served = [c.post("/v1/chat/completions", json=_chat()).status_code for _ in range(3)]
+        text = c.get("/metrics").text
+    assert served == [200, 200, 200]  # predicted ~60 ms against 1 ms: served anyway, not 429
+    assert metric(text, "kvfleet_router_slo_refused_requests_total") == 0
+    assert metric(text, "kvfleet_router_slo_best_effort_requests_total", pool="default") >= 3

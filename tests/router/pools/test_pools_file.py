@@ -181,6 +181,12 @@ def test_a_pools_latency_targets_are_read_in_milliseconds():
     assert (cfg.pools[0].spec.slo_ttft_s, cfg.pools[0].spec.slo_tpot_s) == (0.75, 0.06)
     assert parse_pools("pools:\n  p:\n    version: v1\n    weight: 1\n    replicas: [http://127.0.0.1:8001]\n",
                        "pools.yaml").pools[0].spec.slo_tpot_s is None
+    assert parse_pools("pools:\n  p:\n    version: v1\n    weight: 1\n    slo_unattainable: best_effort\n"
+                       "    replicas: [http://127.0.0.1:8001]\n", "pools.yaml").pools[0].spec.slo_unattainable == \
+        "best_effort"
+    with pytest.raises(Exception, match="slo_unattainable must be one of refuse, best_effort, got 'later'"):
+        parse_pools("pools:\n  p:\n    version: v1\n    weight: 1\n    slo_unattainable: later\n"
+                    "    replicas: [http://127.0.0.1:8001]\n", "pools.yaml")
     with pytest.raises(Exception, match="slo_tpot_ms: must be a number >= 1"):
         parse_pools("pools:\n  p:\n    version: v1\n    weight: 1\n    slo_tpot_ms: 0.5\n"
                     "    replicas: [http://127.0.0.1:8001]\n", "pools.yaml")

@@ -134,7 +134,7 @@ class PickStream:
         if cfg.internal_token:
             set_headers["authorization"] = f"Bearer {cfg.internal_token}"
         d = lease.decision
-        if d.pull_from is not None and d.pull_tokens:
+        if d.pull_from is not None:
             set_headers[PULL_HEADER] = pull_header(d.pull_from, d.pull_pending)
             self.core.metrics.pulls.labels(lease.url, d.pull_from).inc()
             self.core.metrics.pull_tokens.labels(lease.url).inc(d.pull_tokens)

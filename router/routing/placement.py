@@ -291,7 +291,8 @@ class Placement:
         return self.cfg.inflight_s > 0
 
     def predict_cached(self, prompt: Prompt, replicas: Sequence[str], now: float | None = None,
-                       on_the_way: set[str] | None = None, tiered: dict[str, int] | None = None) -> dict[str, int]:
+                       on_the_way: dict[str, str | None] | None = None, tiered: dict[str, int] | None = None
+                       ) -> dict[str, int]:
         """Per replica, the prompt tokens its prefix cache holds (router/routing/prediction.py)."""
         return self.prediction.predict_cached(prompt, replicas, now, on_the_way, tiered)
 
@@ -331,6 +332,9 @@ class Placement:
             pending = any(v.url == d.url and v.peer_on_the_way for v in views)
             d = replace(d, pull_from=source, pull_pending=pending) if source is not None else replace(
                 d, pull_tokens=0, predicted_cached_tokens=d.predicted_cached_tokens - d.pull_tokens)
+        elif d is not None and (v := next(v for v in views if v.url == d.url)).pulling_from is not None:
+            # its copy there is a pull on its way: this request joins it (the engine starts it if this one is first)
+            d = replace(d, pull_from=v.pulling_from, pull_pending=v.pulling_pending)
         return d
 
     def predict_ttft(self, prompt: Prompt, now: float, pool: str = DEFAULT_POOL,
@@ -349,10 +353,12 @@ class Placement:
             return {}
         return self.prediction.tpot(self.views(prompt, self.members.get(pool, []), now, excluded), prompt)
 
-    def on_routed(self, replica: str, prompt: Prompt, predicted_cached_tokens: int, now: float) -> Ticket | None:
-        """The request went to `replica` (None: the replica is not known, nothing to book). Its uncached prompt
-        tokens are in flight there, pending prefill until on_first_token; the attempt counts for the circuit;
-        the approximate index learns where the prompt went, for replicas the policy predicts from it."""
+    def on_routed(self, replica: str, prompt: Prompt, predicted_cached_tokens: int, now: float,
+                  pull_from: str | None = None) -> Ticket | None:
+        """The request went to `replica` (None: the replica is not known, nothing to book), to pull its prefix
+        from `pull_from` when given. Its uncached prompt tokens are in flight there, pending prefill until
+        on_first_token; the attempt counts for the circuit; the approximate index learns where the prompt went,
+        for replicas the policy predicts from it, the prompts on their way where the exact one predicts."""
         st = self.replicas.get(replica)
         if st is None:
             return None
@@ -371,7 +377,7 @@ class Placement:
         elif kind is IndexKind.EXACT and self.inflight_on and (params := self.index.params.get(replica)) is not None:
             hashes = prompt.block_hashes(*params)
             if hashes:
-                self.inflight.record(replica, hashes, now)
+                self.inflight.record(replica, hashes, now, pull_from)
         return ticket
 
     def on_first_token(self, replica: str, ticket: Ticket, now: float | None = None) -> float | None:

@@ -24,12 +24,13 @@ class Prediction:
         self.p = placement
 
     def predict_cached(self, prompt: Prompt, replicas: Sequence[str], now: float | None = None,
-                       on_the_way: set[str] | None = None, tiered: dict[str, int] | None = None) -> dict[str, int]:
+                       on_the_way: dict[str, str | None] | None = None, tiered: dict[str, int] | None = None
+                       ) -> dict[str, int]:
         """Per replica, the prompt tokens its prefix cache holds: from the exact index where its KV events are
         live (hashed with the block size and seed of its snapshot), from the approximate index where the policy
         falls back to it; no entry where neither predicts. With `now` given, a prompt routed to an
         exact-index replica in the last cfg.inflight_s seconds counts as held there already (on_the_way, if given,
-        collects the replicas predicted so). tiered, if given, gets per replica the tokens past its cached prefix its
+        collects the replicas predicted so, each with the peer it was sent to pull that copy from, or None). tiered, if given, gets per replica the tokens past its cached prefix its
         lower tier holds."""
         p = self.p
         needs = p.policy.needs
@@ -58,7 +59,7 @@ class Prediction:
                             if tiered is not None:
                                 tiered.pop(r, None)
                             if on_the_way is not None:
-                                on_the_way.add(r)
+                                on_the_way[r] = p.inflight.pulling_from(r, hashes[n - 1], now)
         if approx and (hashes := prompt.block_hashes(p.cfg.block_size, p.cfg.hash_seed)) is not None:
             bs = p.cfg.block_size
             out.update((r, n * bs) for r, n in p.approx.matched_blocks(hashes, approx).items())
@@ -68,7 +69,7 @@ class Prediction:
               excluded: set[str] | frozenset[str] = frozenset()) -> list[ReplicaView]:
         """What the policy sees of each replica for this request (an excluded one is not routable)."""
         p = self.p
-        on_the_way: set[str] = set()
+        on_the_way: dict[str, str | None] = {}
         tiered: dict[str, int] = {}
         cached = self.predict_cached(prompt, replicas, now, on_the_way, tiered)
         adapter = getattr(prompt, "adapter", None)
@@ -78,6 +79,10 @@ class Prediction:
             views = [replace(v, tier_tokens=tiered[v.url]) if v.url in tiered else v for v in views]
         if p.cfg.scoring.pull_token_cost <= 0:
             return views
+        # a copy on its way by a pull: the requests that follow it there carry the same pull (and join it)
+        views = [replace(v, pulling_from=src, pulling_pending=src in on_the_way)
+                 if (src := on_the_way.get(v.url)) is not None and src in p.replicas and p.replicas[src].ready else v
+                 for v in views]
         # pulls go between kvfleet engines only: none from or to a replica whose metrics say it is another kind
         sources = sorted(((n, r) for r, n in cached.items() if n > 0 and p.replicas[r].ready
                           and p.replicas[r].engine not in NO_PULLS), reverse=True)[:2]

@@ -43,6 +43,8 @@ class ReplicaView:
     tier_tokens: int = 0  # prompt tokens past cached_tokens its lower tier holds (a reload, not a prefill)
     peer_wait_tokens: int = 0  # the prefill ahead on that replica when its copy is on the way (still computing)
     peer_on_the_way: bool = False  # that replica's copy is on the way: routed there, not yet in its KV events
+    pulling_from: str | None = None  # this replica's copy of the prompt is a pull from that peer, still on its way
+    pulling_pending: bool = False  # and that peer's own copy is on its way too (still computing)
 
 
 @dataclass(frozen=True, slots=True)

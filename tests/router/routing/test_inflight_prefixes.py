@@ -31,3 +31,18 @@ def test_a_newer_route_renews_and_drop_forgets_a_replica():
     assert f.matched_blocks([1, 2], [A], 11.0) == {A: 0}
     with pytest.raises(ValueError):
         InflightPrefixes(0)
+
+
+def test_a_copy_pulled_keeps_its_source_until_it_expires_or_is_computed_there():
+    f = InflightPrefixes(10.0)
+    f.record(B, [1, 2, 3], 0.0, pull_from=A)
+    assert [f.pulling_from(B, h, 1.0) for h in (1, 3, 4)] == [A, A, None]
+    assert f.pulling_from(A, 1, 1.0) is None
+    f.record(B, [1, 2, 3, 4], 2.0)  # a longer prompt: its shared blocks still come by the pull, the new one not
+    assert [f.pulling_from(B, h, 3.0) for h in (3, 4)] == [A, None]
+    assert f.pulling_from(B, 1, 12.5) is None  # expired at 12
+    f.record(B, [1], 13.0)  # routed there again, to compute: no pull to join
+    assert f.pulling_from(B, 1, 13.5) is None
+    f.record(B, [5], 14.0, pull_from=A)
+    f.drop(A)  # the source left: nothing to join
+    assert f.pulling_from(B, 5, 14.5) is None and f.matched_blocks([5], [B], 14.5) == {B: 1}

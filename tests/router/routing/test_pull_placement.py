@@ -87,6 +87,28 @@ def test_a_burst_on_a_new_prompt_pulls_from_the_replica_it_was_first_routed_to()
     assert late.pull_from is None and late.predicted_cached_tokens == 0
 
 
+def test_requests_following_a_pull_on_its_way_carry_the_same_pull():
+    """The burst's next requests on the pulling replica carry its pull too: they may reach the engine before the
+    request that pulls, and one that found neither the blocks nor a pull in flight there would compute them all.
+    A request routed there to compute, not pull, ends that; without pulls nobody joins anything."""
+    p = _empty(CHEAP, 30.0)
+    p.on_routed(A, _request(), 0, 1.0)  # A computes it
+    p.on_load(A, EngineLoad(running=10), 0.0, 1.0)  # and is busy: the next ones go to B
+    second = p.choose(_request(), 1.1)
+    assert (second.url, second.pull_from, second.pull_tokens, second.pull_pending) == (B, A, 16, True)
+    p.on_routed(B, _request(), second.predicted_cached_tokens, 1.1, second.pull_from)
+    third = p.choose(_request(), 1.2)  # B's copy is on its way from A: no new transfer counted, the same pull
+    assert (third.url, third.pull_from, third.pull_tokens, third.pull_pending) == (B, A, 0, True)
+    assert third.predicted_cached_tokens == 16
+    p.index.reset(A, tuple(hash_blocks(TOKENS[:16], BS, None, SEED)), BS, SEED)  # A's KV events: computed
+    assert p.choose(_request(), 1.3).pull_pending is False  # the source holds it: no need to wait for it
+    p.on_routed(B, _request(), 16, 45.0)  # later, expired and routed to B to compute: no pull to join
+    assert p.choose(_request(), 45.1).pull_from is None
+    off = _empty(ScoringConfig(), 30.0)
+    off.on_routed(B, _request(), 0, 1.0, A)
+    assert off.choose(_request(), 1.1).pull_from is None
+
+
 def test_in_flight_prefixes_count_with_or_without_pulls_and_are_off_without_inflight_s():
     """Without pulls a burst on a new prompt stays with the replica computing it while load allows (the second
     request's cost there is its queue, not a recompute); inflight_s 0 turns the prediction off."""

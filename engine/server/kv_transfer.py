@@ -178,11 +178,14 @@ class KVPuller:
         bs = layout.block_size
         hashes = hash_blocks(prompt[:cacheable_blocks(len(prompt), bs) * bs], bs, salt, layout.hash_seed,
                              adapter=adapter)
-        if await self._join(engine, hashes, t0 + self.timeout) and header is None:
+        joined = await self._join(engine, hashes, t0 + self.timeout)
+        if joined and header is None:
             m.kv_pulls.labels(name, Outcome.JOINED.value).inc()
         if header is None:
             return
         url, pending = parse_pull_header(header)
+        # the pull it joined streamed all the source's prefill gave: the rest is asked for once, not waited for
+        pending = pending and not joined
         source = source_url(url)
         if source is None:
             m.kv_pulls.labels(name, Outcome.INVALID.value).inc()

@@ -79,8 +79,11 @@ class Prediction:
             views = [replace(v, tier_tokens=tiered[v.url]) if v.url in tiered else v for v in views]
         if p.cfg.scoring.pull_token_cost <= 0:
             return views
-        # a copy on its way by a pull: the requests that follow it there carry the same pull (and join it)
-        views = [replace(v, pulling_from=src, pulling_pending=src in on_the_way)
+        # a source whose copy is on the way streams it as its prefill computes it: the pull waits for that prefill
+        wait = {r: v.pending_tokens for v in views if (r := v.url) in on_the_way}
+        # a copy on its way by a pull: the requests that follow it there carry the same pull (and join it), and
+        # wait as it does for the source's prefill
+        views = [replace(v, pulling_from=src, pulling_pending=src in on_the_way, peer_wait_tokens=wait.get(src, 0))
                  if (src := on_the_way.get(v.url)) is not None and src in p.replicas and p.replicas[src].ready else v
                  for v in views]
         # pulls go between kvfleet engines only: none from or to a replica whose metrics say it is another kind
@@ -88,14 +91,15 @@ class Prediction:
                           and p.replicas[r].engine not in NO_PULLS), reverse=True)[:2]
         if not sources:
             return views
-        # a source whose copy is on the way streams it as its prefill computes it: the pull waits for that prefill
-        wait = {r: v.pending_tokens for v in views if (r := v.url) in on_the_way}
         out = []
         for v in views:
             if p.replicas[v.url].engine in NO_PULLS:
                 out.append(v)
                 continue
             n, r = next(((n, r) for n, r in sources if r != v.url), (0, ""))
+            if v.pulling_from is not None:
+                r = v.pulling_from
+                n = max(n, cached.get(r, 0))
             out.append(replace(v, peer_cached_tokens=n, peer_wait_tokens=wait.get(r, 0), peer_on_the_way=r in on_the_way))
         return out
 

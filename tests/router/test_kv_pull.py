@@ -157,6 +157,7 @@ class Tamperer:
         self.source = source
         self.mode = "tokens"
         self.primed: dict[tuple[int, ...], bytes] = {}  # the source's answer, fetched before the pull (no timing)
+        self.asked: list[dict] = []  # mode "relay": the pulls asked of it, answered after a second, unaltered
         self.port = free_port()
         self.loop = asyncio.new_event_loop()
         ready = concurrent.futures.Future()
@@ -190,6 +191,14 @@ class Tamperer:
         body = await request.read()
         if self.mode == "stall":
             await asyncio.sleep(20)
+        if self.mode == "relay":
+            self.asked.append(json.loads(body))
+            await asyncio.sleep(1.0)
+            content = self.primed.get(tuple(int(h, 16) for h in json.loads(body)["hashes"]))
+            if content is None:
+                async with httpx.AsyncClient() as client:
+                    content = (await client.post(self.source + PATH, content=body, headers=AUTH, timeout=30)).content
+            return web.Response(body=content, content_type="application/octet-stream")
         if self.mode == "layout":
             d = json.loads(body)
             d["layout"]["dtype"] = "bfloat16"
@@ -263,6 +272,27 @@ def test_a_source_that_dies_mid_stream_or_stalls_leaves_the_request_computed(fle
         assert pulls(b, outcome) == before + 1
         idle_and_whole(b)
     idle_and_whole(a)
+
+
+def test_a_request_that_joined_a_pull_asks_the_source_for_the_rest_without_waiting_for_it(fleet, tamperer):
+    """Two requests on one prefix reach an engine with the same pending pull: the second waits for the first's pull,
+    then asks the source once for its own blocks past the prefix, without the second a pending pull may spend
+    waiting for a prefill that would compute them (the source holds what the first pull took, nothing more)."""
+    a, b, _ = fleet
+    tamperer.mode = "relay"
+    shared = "Joined pull: " + text(13, 300)
+    one, other = shared + " first: " + text(31, 80), shared + " second: " + text(37, 80)  # blocks of their own
+    ref = complete(a.url, other, salt="ref-joined")
+    tamperer.prime(complete(a.url, one)["choices"][0]["prompt_token_ids"])
+    tamperer.asked.clear()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(complete, b.url, one, pull=tamperer.url + "; pending")
+        time.sleep(0.3)  # the first pull is in flight (the source answers after a second)
+        second = complete(b.url, other, pull=tamperer.url + "; pending")
+        first.result()
+    assert [x["expect_s"] for x in tamperer.asked] == [1.0, 0.0]
+    assert tokens(second) == tokens(ref) and cached(second) >= 16 * 18  # the shared prefix came by the first pull
+    idle_and_whole(b)
 
 
 def test_a_puller_that_goes_away_mid_stream_leaves_the_source_whole(fleet):

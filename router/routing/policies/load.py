@@ -108,13 +108,17 @@ def pulled_tokens(view: ReplicaView, req: RouteRequest, cfg: ScoringConfig) -> i
 
 def cost(view: ReplicaView, load: Load, req: RouteRequest, cfg: ScoringConfig) -> float:
     """One score in prefill-token units: the uncached prompt (prefix affinity; a prefix pulled from a peer costs
-    its transfer instead, plus the peer's prefill ahead when its copy is still being computed; one its lower tier
-    holds, its reload), the load ahead, and the load of the request's LoRA adapter where the replica does not
-    hold it (adapter affinity, spread when holders are busy), and a wait for a LoRA slot where every slot runs
-    another adapter."""
+    its transfer instead, or the peer's prefill ahead when its copy is still being computed and that is longer: the
+    source streams the blocks as its prefill computes them, so the two overlap; a copy on its way there by such a
+    pull, that wait too; one its lower tier holds, its reload), the load ahead, and the load of the request's
+    LoRA adapter where the replica does not hold it (adapter affinity, spread when holders are busy), and a wait
+    for a LoRA slot where every slot runs another adapter."""
     pulled = pulled_tokens(view, req, cfg)
     uncached = max(req.num_prompt_tokens - view.cached_tokens - view.tier_tokens - pulled, 0)
-    pull = cfg.pull_fixed_tokens + cfg.pull_token_cost * pulled + view.peer_wait_tokens if pulled else 0.0
+    if pulled:
+        pull = cfg.pull_fixed_tokens + max(cfg.pull_token_cost * pulled, view.peer_wait_tokens)
+    else:  # a copy on its way there by a pull (which this request joins) still waits for the source's prefill
+        pull = view.peer_wait_tokens if view.pulling_from is not None else 0.0
     return (cfg.prefill_weight * uncached + pull + cfg.tier_token_cost * view.tier_tokens + load.pending_tokens + cfg.kv_token_cost * load.kv_tokens
             + cfg.waiting_cost_tokens * max(load.waiting - load.pending, 0) + cfg.running_cost_tokens * load.running
             + (ADAPTER_LOAD_COST_TOKENS if view.adapter_missing else 0)

@@ -87,9 +87,22 @@ def test_a_burst_on_a_new_prompt_pulls_from_the_replica_it_was_first_routed_to()
     assert late.pull_from is None and late.predicted_cached_tokens == 0
 
 
+def test_a_pull_from_a_source_still_computing_costs_the_longer_of_its_prefill_and_the_transfer():
+    """The source streams the blocks as its prefill computes them, so the transfer overlaps that prefill: the pull
+    costs its set-up plus whichever takes longer, not both (which kept bursts on the computing replica)."""
+    p = _empty(CHEAP, 30.0)
+    p.on_routed(A, _request(), 0, 1.0)  # A computes all 17 tokens: 17 pending there, 1 request running
+    d = p.choose(_request(), 1.1)  # B: 3 * 1 uncached + 1.0 + max(0.1 * 16, 17); A: 3 * 1 + 17 pending + 32 * 1
+    assert (d.url, d.pull_from, d.pull_tokens, d.pull_pending, d.cost) == (B, A, 16, True, 3 + 1.0 + 17)
+    slow = _empty(ScoringConfig(pull_token_cost=0.5, pull_fixed_tokens=1.0), 30.0)
+    slow.on_routed(A, PreparedRequest([*TOKENS[:16], 99], None, None, False), 16, 1.0)  # 1 token pending on A
+    assert slow.choose(_request(), 1.1).cost == 3 + 1.0 + 0.5 * 16  # the transfer is the longer
+
+
 def test_requests_following_a_pull_on_its_way_carry_the_same_pull():
-    """The burst's next requests on the pulling replica carry its pull too: they may reach the engine before the
-    request that pulls, and one that found neither the blocks nor a pull in flight there would compute them all.
+    """The burst's next requests on the pulling replica carry its pull too (they may reach the engine before the
+    request that pulls, and one that found neither the blocks nor a pull in flight there would compute them all)
+    and are priced with its wait for the source's prefill (else the pulling replica looked like a free cache hit).
     A request routed there to compute, not pull, ends that; without pulls nobody joins anything."""
     p = _empty(CHEAP, 30.0)
     p.on_routed(A, _request(), 0, 1.0)  # A computes it
@@ -100,6 +113,7 @@ def test_requests_following_a_pull_on_its_way_carry_the_same_pull():
     third = p.choose(_request(), 1.2)  # B's copy is on its way from A: no new transfer counted, the same pull
     assert (third.url, third.pull_from, third.pull_tokens, third.pull_pending) == (B, A, 0, True)
     assert third.predicted_cached_tokens == 16
+    assert third.cost == 3 * 1 + 17 + 1 + 32 * 1  # it waits for A's prefill (17) as the pull does, behind B's own
     p.index.reset(A, tuple(hash_blocks(TOKENS[:16], BS, None, SEED)), BS, SEED)  # A's KV events: computed
     assert p.choose(_request(), 1.3).pull_pending is False  # the source holds it: no need to wait for it
     p.on_routed(B, _request(), 16, 45.0)  # later, expired and routed to B to compute: no pull to join

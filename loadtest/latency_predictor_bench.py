@@ -24,7 +24,7 @@ import time
 import httpx
 
 from kvfleet.workload import words
-from loadtest.router_procs import Proc, start_engine, start_router
+from loadtest.router_procs import Proc, start_kv_fleet
 
 
 def histogram(text: str, name: str) -> list[tuple[float, float]]:
@@ -112,13 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     procs: list[Proc] = []
     rng = random.Random(ns.seed)
     try:
-        engines = [start_engine(ns, log_dir, f"e{i}", 4096, i) for i in range(2)]
-        procs += engines
-        for e in engines:
-            e.wait_ready(300)
-        router = start_router(ns, log_dir, [e.url for e in engines], "kv", "smollm2")
-        procs.append(router)
-        router.wait_ready(120)
+        router = start_kv_fleet(ns, log_dir, procs)
         asyncio.run(drive(router.url, ns.rate, ns.warmup, rng, max_tokens))
         before = httpx.get(router.url + "/metrics").text
         t0 = time.monotonic()

@@ -83,3 +83,16 @@ def start_router(ns, log_dir: str, replicas: list[str], policy: str, model: str 
     return Proc(argv + list(getattr(ns, "router_arg", [])), f"http://127.0.0.1:{port}", log_dir, f"router-{policy}")
 
 
+
+
+def start_kv_fleet(ns, log_dir: str, procs: list[Proc], engines: int = 2) -> Proc:
+    """`engines` real engines of ns.model (4,096 blocks each) behind one `kv` router, all ready; each Proc is
+    appended to `procs` as it starts (the caller stops them). The router."""
+    started = [start_engine(ns, log_dir, f"e{i}", 4096, i) for i in range(engines)]
+    procs += started
+    for e in started:
+        e.wait_ready(300)
+    router = start_router(ns, log_dir, [e.url for e in started], "kv", ns.model)
+    procs.append(router)
+    router.wait_ready(120)
+    return router

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import httpx
 
 from kvfleet.workload import words
-from loadtest.router_procs import Proc, start_engine, start_router
+from loadtest.router_procs import Proc, start_kv_fleet
 
 
 @dataclass
@@ -150,13 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = tempfile.mkdtemp(prefix="slo_goodput_bench_")
     procs: list[Proc] = []
     try:
-        engines = [start_engine(ns, log_dir, f"e{i}", 4096, i) for i in range(2)]
-        procs += engines
-        for e in engines:
-            e.wait_ready(300)
-        router = start_router(ns, log_dir, [e.url for e in engines], "kv", "smollm2")
-        procs.append(router)
-        router.wait_ready(120)
+        router = start_kv_fleet(ns, log_dir, procs)
         # the router's TTFT and TPOT models need observations before they predict (and so before targets route)
         asyncio.run(step(router.url, 1.0, ns.warmup, ns.batch_share, ns.seed, None, "warm-up"))
         print(f"two engines, one kv router, default flags; interactive targets TTFT {ns.ttft_ms:g} ms, TPOT "

@@ -10,7 +10,8 @@ a new ~300-word document, `max_tokens` 32, streamed). Every step runs twice, in 
   replicas predicted to meet both, refuses with 429 what none is predicted to meet, and the engines size their
   steps for them.
 Per step and mode: the interactive attainment (the share of those sent that were served with TTFT and TPOT within
-the targets; a refusal or an error is a miss), their TTFT and TPOT p90, and the batch class's output tokens/s.
+the targets; a refusal or an error is a miss), their TTFT and TPOT p90, and the batch class's output tokens/s;
+for `slo`, how far the router's TTFT and TPOT predictions were from what the streams saw.
 Goodput (DistServe): the highest rate whose attainment is at least `--goal`. The summary gives each mode's goodput,
 their ratio (the issue's target: slo at least 1.5x kv) and the batch throughput ratio per step (target: at least
 0.8x).
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 import httpx
 
 from kvfleet.workload import words
+from loadtest.latency_predictor_bench import report
 from loadtest.router_procs import Proc, start_kv_fleet
 
 
@@ -159,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         for k, rate in enumerate(rates):
             order = ("kv", "slo") if k % 2 == 0 else ("slo", "kv")
             for mode in order:
+                before = httpx.get(router.url + "/metrics").text
                 out, seconds = asyncio.run(step(router.url, rate, ns.duration, ns.batch_share, ns.seed + 1 + k,
                                                 targets if mode == "slo" else None, f"{mode} {rate:g}"))
                 s = summarize(out, seconds, *targets)
@@ -167,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"(refused {s['refused']}), TTFT p90 {s['ttft_p90']:.2f} s, TPOT p90 "
                       f"{s['tpot_p90'] * 1000:.0f} ms; batch {s['batch']} served, {s['batch_tok_s']:.1f} tok/s; "
                       f"errors {s['errors']}", flush=True)
+                if mode == "slo":  # how far the router's predictions were from what this step's streams saw
+                    after = httpx.get(router.url + "/metrics").text
+                    for what, target, low in (("ttft", 0.20, -5.0), ("tpot", 0.15, -0.2)):
+                        report(what, target, low, before, after)
         g = {m: goodput(r, ns.goal) for m, r in rows.items()}
         ratio = f"{g['slo'] / g['kv']:.2f}x" if g["kv"] > 0 else "kv reaches no step"
         print(f"\ngoodput (highest rate with interactive attainment >= {ns.goal:g}): kv {g['kv']:g}/s, slo "

@@ -199,7 +199,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "for a waiting one that cannot get in")
     g.add_argument("--priority-aging", type=float, default=d.priority_aging, metavar="SECONDS",
                    help="with --scheduling-policy priority: a waiting request's priority improves by one per this "
-                        "many seconds, so low priorities are never starved (default %(default)s)")
+                        "many seconds, so low priorities are never starved; under either policy, a request without "
+                        "an x-llm-d-slo-ttft-ms target (or past it) waits at most about this long for those with "
+                        "one (default %(default)s)")
     g.add_argument("--max-step-ms", type=float, default=d.max_step_ms, metavar="MS",
                    help="when more than one request is waiting or running, prompt chunks shrink so that a step is "
                         "predicted to take at most MS milliseconds (a step-time model the engine fits from its own "

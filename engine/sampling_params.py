@@ -41,6 +41,7 @@ class SamplingParams:
     fairness_id: str = ""  # scheduling too: whom the waiting queue is fair across (the router's tenant; contract/fairness.py)
     cache_pin: CachePin | None = None  # caching: the cache_control prefix to pin (engine/kv/pins.py); None: none
     tpot_target_s: float | None = None  # scheduling: the time-per-output-token target (x-llm-d-slo-tpot-ms) its steps keep
+    ttft_target_s: float | None = None  # scheduling: the time-to-first-token target (x-llm-d-slo-ttft-ms): its deadline
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -76,6 +77,8 @@ class SamplingParams:
                f"fairness_id must be a string of at most {MAX_FAIRNESS_ID_CHARS} characters")
         _check(self.tpot_target_s is None or 0 < self.tpot_target_s < float("inf"), "tpot_target_s",
                f"tpot_target_s must be a number of seconds > 0, got {self.tpot_target_s}")
+        _check(self.ttft_target_s is None or 0 < self.ttft_target_s < float("inf"), "ttft_target_s",
+               f"ttft_target_s must be a number of seconds > 0, got {self.ttft_target_s}")
         _check(all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16, "stop",
                "stop must be at most 16 non-empty strings")
         for tok, bias in self.logit_bias:

@@ -19,9 +19,18 @@ The queue order and the victim depend on the policy (`SchedulerConfig.policy`, v
   other in turn: their effective priorities differ by their priorities minus the periods between their arrivals,
   give or take one, and only a strict difference preempts. A sequence preempted in a step is not readmitted in it.
 
+TTFT deadlines (`Scheduler.due`): a request with a time-to-first-token target (x-llm-d-slo-ttft-ms) is due at its
+arrival plus the target; one without, or whose target has already passed, is best effort, due `priority_aging_s`
+after its arrival. Under fcfs the waiting queue goes earliest due first (preempted sequences still ahead of all),
+under priority `due` replaces the arrival in the rank. So a short interactive request is not queued behind batch
+prompts that arrived before it, a request without a target waits at most about `priority_aging_s` for those with
+targets, one that can no longer meet its target does not delay those that still can, and with no targets the order
+is arrival order, as above.
+
 Fair share (engine/fair_share.py): waiting requests carry a fairness id (the tenant the router names); under fcfs
-the queue is served lowest virtual token counter first, preempted sequences still ahead of all; under priority the
-counters order requests of equal effective priority. With one id (or none) the order is exactly the one above.
+the queue is served lowest virtual token counter first (each id's requests in the order above), preempted sequences
+still ahead of all; under priority the counters order requests of equal effective priority. With one id (or none)
+the order is exactly the one above.
 
 Bounded steps (engine/step_time.py): the engine reports each step's time (`observe_step`) and the scheduler fits a
 step-time model. When more than one sequence is waiting or running, a step's prompt tokens are cut so that the
@@ -131,9 +140,8 @@ class Scheduler:
             if self.waiting:
                 self.waiting = self._ranked(now)
                 self._preempt_for_head(out, now, budget)
-        elif len(self.fair.active) > 1 and len(self.waiting) > 1:
-            preempted = [s for s in self.waiting if s.num_preemptions]  # at the head already: they stay there
-            self.waiting = deque(preempted + self.fair.order([s for s in self.waiting if not s.num_preemptions]))
+        elif len(self.waiting) > 1:
+            self._order_waiting()
         made_room = len(out.preempted)
         # a step in which running prompts made room for waiting ones that did not start after all (blocks ran
         # out) is not followed by another: running prompts always progress
@@ -188,11 +196,33 @@ class Scheduler:
 
     # ---- priority --------------------------------------------------------------------------
 
+    def due(self, seq: Sequence, now: float) -> float:
+        """When `seq` should have its first token: its arrival plus its TTFT target, while that is not past; else
+        (no target, or one already missed) its arrival plus priority_aging_s: best effort."""
+        target = seq.params.ttft_target_s
+        if target is not None and now <= seq.arrival_time + target:
+            return seq.arrival_time + target
+        return seq.arrival_time + self.config.priority_aging_s
+
+    def _order_waiting(self) -> None:
+        """fcfs: preempted sequences first (at the head already: they stay there), then the others earliest due
+        first (only when some carries a TTFT target: otherwise that is arrival order), merged across fairness ids
+        lowest counter first."""
+        timed = any(s.params.ttft_target_s is not None for s in self.waiting)
+        if not timed and len(self.fair.active) <= 1:
+            return
+        preempted = [s for s in self.waiting if s.num_preemptions]
+        rest = [s for s in self.waiting if not s.num_preemptions]
+        if timed:
+            now = self.clock()
+            rest.sort(key=lambda s: self.due(s, now))  # stable: equal dues keep queue order
+        self.waiting = deque(preempted + self.fair.order(rest))
+
     def rank(self, seq: Sequence, now: float) -> tuple[int, float, int]:
-        """A sequence's place in the priority order (effective priority, arrival, index): lower goes first; the
-        running one with the largest is preempted first."""
+        """A sequence's place in the priority order (effective priority, due, index): lower goes first; the running
+        one with the largest is preempted first."""
         aged = int(max(0.0, now - seq.arrival_time) // self.config.priority_aging_s)
-        return seq.params.priority - aged, seq.arrival_time, seq.index
+        return seq.params.priority - aged, self.due(seq, now), seq.index
 
     def _preempt_for_head(self, out: SchedulerOutput, now: float, budget: int) -> None:
         head = self.waiting[0]

@@ -20,7 +20,7 @@ from contract.errors import ConfigError
 from contract.fairness import FAIRNESS_HEADER, MAX_FAIRNESS_ID_CHARS
 from contract.kv_transfer import PULL_HEADER
 from contract.request import RequestError
-from contract.slo import latency_targets
+from contract.slo import LatencyTargets, latency_targets
 from engine.client import EngineClient
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.server.errors import APIError, bad_request, engine_error
@@ -140,10 +140,11 @@ def fairness_of(request: Request) -> str:
     return value
 
 
-def tpot_target_of(request: Request) -> float | None:
-    """The request's x-llm-d-slo-tpot-ms (contract/slo.py) in seconds; a bad value is the request's 400."""
+def targets_of(request: Request) -> LatencyTargets:
+    """The request's x-llm-d-slo-ttft-ms and x-llm-d-slo-tpot-ms (contract/slo.py) in seconds; a bad value is the
+    request's 400."""
     try:
-        return latency_targets(request.headers).tpot_s
+        return latency_targets(request.headers)
     except RequestError as e:
         raise bad_request(str(e), e.param) from None
 
@@ -170,9 +171,11 @@ async def respond(state: ServerState, request: Request, req: _SamplingRequest, f
     fairness_id = fairness_of(request)
     if fairness_id:  # the tenant the router named: the scheduler's queue is fair across them (engine/fair_share.py)
         params = [dataclasses.replace(p, fairness_id=fairness_id) for p in params]
-    tpot = tpot_target_of(request)
-    if tpot is not None:  # its steps are kept under it (engine/scheduler.py step_target_s)
-        params = [dataclasses.replace(p, tpot_target_s=tpot) for p in params]
+    targets = targets_of(request)
+    if targets.tpot_s is not None:  # its steps are kept under it (engine/scheduler.py step_target_s)
+        params = [dataclasses.replace(p, tpot_target_s=targets.tpot_s) for p in params]
+    if targets.ttft_s is not None:  # its deadline orders the waiting queue (engine/scheduler.py Scheduler.deadline)
+        params = [dataclasses.replace(p, ttft_target_s=targets.ttft_s) for p in params]
     if state.kv_puller is not None:  # a pull the router asked for, or one in flight for the same prefix
         hint = request.headers.get(PULL_HEADER) if state.kv_puller.allowed(request) else None
         for ids, sp in zip(prompts, params, strict=True):  # before the requests are added: they find the blocks

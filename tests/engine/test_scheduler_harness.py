@@ -40,10 +40,11 @@ class FakeEngine:
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int | None = 8, n: int = 1,
             cache_salt: str | None = None, priority: int = 0, fairness_id: str = "",
-            tpot_target_s: float | None = None) -> Sequence:
+            tpot_target_s: float | None = None, ttft_target_s: float | None = None) -> Sequence:
         """Admit (engine/admission.py, as the engine does) and queue a request, arriving at `self.now`."""
         prompt, params = admit(prompt, SamplingParams(max_tokens=max_tokens, n=n, priority=priority,
-                                                           fairness_id=fairness_id, tpot_target_s=tpot_target_s),
+                                                           fairness_id=fairness_id, tpot_target_s=tpot_target_s,
+                                                           ttft_target_s=ttft_target_s),
                                self.limits)
         seq = Sequence(request_id, prompt, params, cache_salt, arrival_time=self.now)
         self.sched.add(seq)

@@ -42,7 +42,7 @@ def test_aging_lifts_a_waiting_request_one_level_per_period():
     eng.now = 25.0
     eng.add("new", [2] * 4, max_tokens=1, priority=1)  # arrives at 25
     eng.now = 29.9  # old-low has waited 29.9 s: 3 - 2 = 1, ties with new (1) and arrived first
-    assert eng.sched.rank(eng.sched.waiting[0], eng.now) == (1, 0.0, 0)
+    assert eng.sched.rank(eng.sched.waiting[0], eng.now) == (1, 10.0, 0)  # due: arrival + aging
     assert ids(eng.step()) == [("old-low", 4)]
     eng2 = FakeEngine(budget=64, max_num_seqs=1, policy="priority", aging_s=10.0)
     eng2.add("old-low", [1] * 4, max_tokens=1, priority=3)

@@ -30,14 +30,19 @@ def test_an_overlong_id_is_a_400_naming_the_header():
         SamplingParams(fairness_id="x" * 257)
 
 
-def test_the_tpot_target_header_becomes_seconds_and_a_bad_one_is_a_400_naming_it():
-    from contract.slo import TPOT_HEADER
-    from engine.server.serving import tpot_target_of
+def test_the_target_headers_become_seconds_and_a_bad_one_is_a_400_naming_it():
+    from contract.slo import TPOT_HEADER, TTFT_HEADER
+    from engine.server.serving import targets_of
 
-    assert tpot_target_of(request((TPOT_HEADER.encode(), b"50"))) == 0.05
-    assert tpot_target_of(request()) is None
-    with pytest.raises(APIError) as e:
-        tpot_target_of(request((TPOT_HEADER.encode(), b"-1")))
-    assert e.value.status == 400 and e.value.param == TPOT_HEADER
+    both = targets_of(request((TPOT_HEADER.encode(), b"50"), (TTFT_HEADER.encode(), b"1500")))
+    assert (both.ttft_s, both.tpot_s) == (1.5, 0.05)
+    empty = targets_of(request())
+    assert (empty.ttft_s, empty.tpot_s) == (None, None)
+    for header in (TPOT_HEADER, TTFT_HEADER):
+        with pytest.raises(APIError) as e:
+            targets_of(request((header.encode(), b"-1")))
+        assert e.value.status == 400 and e.value.param == header
     with pytest.raises(SamplingParamsError, match="tpot_target_s"):
         SamplingParams(tpot_target_s=0.0)
+    with pytest.raises(SamplingParamsError, match="ttft_target_s"):
+        SamplingParams(ttft_target_s=float("nan"))

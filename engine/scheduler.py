@@ -22,7 +22,8 @@ The queue order and the victim depend on the policy (`SchedulerConfig.policy`, v
 TTFT deadlines (`Scheduler.due`): a request with a time-to-first-token target (x-llm-d-slo-ttft-ms) is due at its
 arrival plus the target; one without, or whose target has already passed, is best effort, due `priority_aging_s`
 after its arrival. Under fcfs the waiting queue goes earliest due first (preempted sequences still ahead of all),
-under priority `due` replaces the arrival in the rank. So a short interactive request is not queued behind batch
+under priority `due` replaces the arrival in the rank. A running prompt's chunk leaves the step's tokens to prompts
+due before it (`_goes_before`: waiting ones that can start now, and running ones later in the list). So a short interactive request is not queued behind batch
 prompts that arrived before it, a request without a target waits at most about `priority_aging_s` for those with
 targets, one that can no longer meet its target does not delay those that still can, and with no targets the order
 is arrival order, as above.
@@ -93,10 +94,14 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+TPOT_MARGIN = 0.9  # steps are sized to this share of a TPOT target: the step-time model's error (~10%) stays within it
+
+
 def step_target_s(max_step_ms: float, running) -> float | None:
-    """The time a step should stay under: max_step_ms, lowered to the strictest TPOT target among the running
-    sequences (a step is one token of each decode); None when neither bounds it."""
-    targets = [s.params.tpot_target_s for s in running if s.params.tpot_target_s is not None]
+    """The time a step should stay under: max_step_ms, lowered to TPOT_MARGIN of the strictest TPOT target among the
+    running sequences (a step is one token of each decode; steps sized at the target itself overrun it about half the
+    time); None when neither bounds it."""
+    targets = [s.params.tpot_target_s * TPOT_MARGIN for s in running if s.params.tpot_target_s is not None]
     bounds = targets + ([max_step_ms / 1000] if max_step_ms else [])
     return min(bounds) if bounds else None
 
@@ -145,10 +150,12 @@ class Scheduler:
         made_room = len(out.preempted)
         # a step in which running prompts made room for waiting ones that did not start after all (blocks ran
         # out) is not followed by another: running prompts always progress
-        fair = not self.by_priority and len(self.fair.active) > 1 and bool(self.waiting) and not self._room_unused
-        startable = self._startable(budget) if fair else []
-        self._chunk_room = self._chunk_room_for(budget, half_room, startable if fair else None)
-        self._schedule_running(out, budget, startable)
+        fair = not self.by_priority and len(self.fair.active) > 1
+        timed = self._some_live_target(now := self.clock())
+        yields = (fair or timed) and bool(self.waiting) and not self._room_unused
+        startable = self._startable(budget) if yields else []
+        self._chunk_room = self._chunk_room_for(budget, half_room, startable if yields else None)
+        self._schedule_running(out, budget, startable, fair, now if timed else None)
         num_running = len(out.scheduled)
         budget -= out.num_batched_tokens
         if len(out.preempted) == made_room:  # no running sequence ran out of blocks
@@ -256,11 +263,11 @@ class Scheduler:
         n = max(1, min(seq.num_tokens - seq.num_computed_tokens - num_hit, budget - len(self.running)))
         return self.kv.num_blocks_needed(seq, n, computed) <= self.kv.num_free_blocks
 
-    def _startable(self, budget: int, first_only: bool = False) -> list[tuple[int, int]]:
-        """(counter, prompt tokens) of the waiting sequences at the head of the fair order that could start now (a
+    def _startable(self, budget: int, first_only: bool = False) -> list[tuple[Sequence, int]]:
+        """(sequence, prompt tokens) of the waiting sequences at the head of the queue that could start now (a
         seat, an adapter slot, no wait for a block being computed), as many as the budget holds: a running prompt
-        leaves their tokens to those of ids below its own counter (engine/fair_share.py)."""
-        out: list[tuple[int, int]] = []
+        leaves their tokens to those that go before it (`_goes_before`)."""
+        out: list[tuple[Sequence, int]] = []
         total, seats = 0, len(self.running) + self._reserved_seats
         computing = self._computing_blocks()
         for seq in self.waiting:
@@ -270,16 +277,40 @@ class Scheduler:
             num_hit = self.kv.get_computed_blocks(seq)[1]
             if not self._next_block_computing(seq, num_hit, computing):
                 n = seq.num_tokens - seq.num_computed_tokens - num_hit
-                out.append((self.fair.counters.get(seq.fairness_id, 0), n))
+                out.append((seq, n))
                 total += n
                 if first_only:
                     break
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, startable: list[tuple[int, int]]) -> None:
+    def _some_live_target(self, now: float) -> bool:
+        """Whether a waiting sequence, or a running one still in its prompt, has a TTFT target not yet past."""
+        return any(self._live_target(s, now) for s in self.waiting) or any(
+            self._live_target(s, now) for s in self.running if s.num_tokens - s.num_computed_tokens > 1)
+
+    @staticmethod
+    def _live_target(seq: Sequence, now: float) -> bool:
+        target = seq.params.ttft_target_s
+        return target is not None and now <= seq.arrival_time + target
+
+    def _goes_before(self, other: Sequence, seq: Sequence, fair: bool, now: float | None) -> bool:
+        """Whether the prompt `other` (waiting and able to start, or running after `seq` in the list) gets a step's
+        tokens before the running prompt chunk of `seq`: under fair share a waiting one of a lower counter, and
+        (`now` given) one with a TTFT target not yet past that is due before seq (under priority, of no worse a
+        priority)."""
+        if fair and other.status is SequenceStatus.WAITING and (
+                self.fair.counters.get(other.fairness_id, 0) < self.fair.counters.get(seq.fairness_id, 0)):
+            return True
+        if now is None or not self._live_target(other, now) or self.due(other, now) >= self.due(seq, now):
+            return False
+        return not self.by_priority or self.rank(other, now)[0] <= self.rank(seq, now)[0]
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, startable: list[tuple[Sequence, int]],
+                          fair: bool, now: float | None) -> None:
         # A prefill chunk never takes the token that a later decode needs: decodes are not
         # starved while a long prompt ahead of them in the running list is prefilled. Nor does it take the tokens
-        # of waiting prompts that could start now and whose fairness ids have a lower counter than its own.
+        # of prompts that go before it (`_goes_before`): waiting ones that could start now, of a lower fairness
+        # counter or due earlier, and running ones later in the list due earlier (`now`: some TTFT target is live).
         owed = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
         i = 0
         while i < len(self.running) and budget > 0:
@@ -288,9 +319,12 @@ class Scheduler:
             if need == 1:
                 owed -= 1
             n = min(need, budget - owed) if need > 1 else need
-            if need > 1 and startable:
-                mine = self.fair.counters.get(seq.fairness_id, 0)
-                n = min(n, budget - owed - sum(t for c, t in startable if c < mine))
+            if need > 1 and (startable or now is not None):
+                ahead = sum(t for other, t in startable if self._goes_before(other, seq, fair, now))
+                if now is not None:
+                    ahead += sum(o.num_tokens - o.num_computed_tokens for o in self.running[i + 1:]
+                                 if o.num_tokens - o.num_computed_tokens > 1 and self._goes_before(o, seq, fair, now))
+                n = min(n, budget - owed - ahead)
             if 1 < need and n < need and self._chunk_room is not None:
                 n = min(n, self._chunk_room)
                 self._chunk_room -= max(0, n)

@@ -119,3 +119,46 @@ def test_the_order_changes_no_token():
         return {s.request_id: s.output_token_ids for s in eng.seqs}
 
     assert run(True) == run(False)
+
+
+def steps(eng: FakeEngine, n: int = 1) -> list[dict[str, int]]:
+    return [{i.seq.request_id: i.num_new_tokens for i in eng.step().scheduled} for _ in range(n)]
+
+
+def test_a_running_batch_prompt_leaves_the_steps_to_a_prompt_due_before_it_until_that_has_its_token():
+    eng = FakeEngine(budget=16, max_num_seqs=4)
+    eng.add("batch", [1] * 60, max_tokens=2)  # due 30
+    assert steps(eng) == [{"batch": 16}]
+    eng.now = 0.1
+    eng.add("chat", [2] * 40, max_tokens=2, ttft_target_s=1.5)  # due 1.6: bigger than a step
+    # waiting, then running after the batch in the list: the batch's chunk leaves it the step until its prompt is done
+    assert steps(eng, 4) == [{"chat": 16}, {"chat": 16}, {"batch": 8, "chat": 8}, {"batch": 15, "chat": 1}]
+
+
+def test_a_running_prompt_yields_to_no_target_already_past_nor_to_one_due_after_it():
+    eng = FakeEngine(budget=16, max_num_seqs=4, aging_s=10.0)
+    eng.add("batch", [1] * 60, max_tokens=2)  # due 10
+    assert steps(eng) == [{"batch": 16}]
+    eng.now = 9.0
+    eng.add("late-chat", [2] * 40, max_tokens=2, ttft_target_s=1.5)  # due 10.5: after the batch
+    assert steps(eng) == [{"batch": 16}]
+    eng2 = FakeEngine(budget=16, max_num_seqs=4)
+    eng2.add("batch", [1] * 60, max_tokens=2)
+    eng2.step()
+    eng2.add("chat", [2] * 40, max_tokens=2, ttft_target_s=0.5)
+    assert steps(eng2) == [{"chat": 16}]
+    eng2.now = 0.6  # the chat's target has passed: best effort (due 30), after the batch (due 30, earlier in queue)
+    assert steps(eng2) == [{"batch": 16}]
+
+
+def test_under_priority_a_running_prompt_yields_only_to_no_worse_a_priority():
+    eng = FakeEngine(budget=16, max_num_seqs=4, policy="priority")
+    eng.add("batch", [1] * 60, max_tokens=2, priority=-1)
+    eng.step()
+    eng.add("chat", [2] * 40, max_tokens=2, ttft_target_s=1.5)  # due earlier, but of a worse priority
+    assert steps(eng) == [{"batch": 16}]
+    eng2 = FakeEngine(budget=16, max_num_seqs=4, policy="priority")
+    eng2.add("batch", [1] * 60, max_tokens=2)
+    eng2.step()
+    eng2.add("chat", [2] * 40, max_tokens=2, ttft_target_s=1.5)  # the same priority: due first
+    assert steps(eng2) == [{"chat": 16}]

@@ -2,7 +2,9 @@
 what the router observes on the streams it proxies.
 
     TTFT seconds ~ c0 + c1 * uncached prompt tokens of the request there
-                      + c2 * prefill this router knows is ahead there (its own requests' uncached tokens, no token yet)
+                      + c2 * prefill this router knows is ahead there (its own requests' uncached tokens, no token yet;
+                             for a request with a TTFT target, only theirs due before it: the engine serves prompts
+                             earliest due first)
                       + c3 * waiting requests other routers sent there (scraped)
                       + c4 * running sequences there (scraped, plus this router's sent since)
 
@@ -67,7 +69,8 @@ def _waiting(view: ReplicaView) -> int:
 
 
 def ttft_features(view: ReplicaView, num_prompt_tokens: int, predicted_cached_tokens: int) -> TTFTFeatures:
-    return TTFTFeatures(float(max(num_prompt_tokens - predicted_cached_tokens, 0)), float(view.pending_tokens),
+    ahead = view.pending_tokens if view.due_ahead_tokens is None else view.due_ahead_tokens
+    return TTFTFeatures(float(max(num_prompt_tokens - predicted_cached_tokens, 0)), float(ahead),
                         float(_waiting(view)), float(_running(view)))
 
 

@@ -30,7 +30,7 @@ from router.routing.approx_index import ApproxPrefixIndex
 from router.routing.inflight_prefixes import InflightPrefixes
 from router.routing.latency_model import LatencyModel, tpot_features, ttft_features
 from router.routing.policies import Decision, HashRing, IndexKind, Policy, ReplicaView, RouteRequest
-from router.routing.prediction import Prediction
+from router.routing.prediction import Prediction, due
 from router.routing.prefix_index import PrefixIndex
 from router.routing.pull_rates import PullRates
 from router.routing.replicas import CircuitBreaker, EngineLoad, ReplicaState, Ticket
@@ -362,10 +362,11 @@ class Placement:
         st = self.replicas.get(replica)
         if st is None:
             return None
-        view = st.view(now, self.cfg.stale_s)
+        view = st.view(now, self.cfg.stale_s, due_at=due(prompt, now))
         x = ttft_features(view, prompt.num_prompt_tokens, predicted_cached_tokens)
         y = tpot_features(view, prompt.num_prompt_tokens)
-        ticket = st.on_dispatch(max(prompt.num_prompt_tokens - predicted_cached_tokens, 0), now)
+        ticket = st.on_dispatch(max(prompt.num_prompt_tokens - predicted_cached_tokens, 0), now,
+                                getattr(prompt, "ttft_target_s", None))
         ticket.ttft_features, ticket.predicted_ttft_s = x, self.ttft.predict(x)
         ticket.tpot_features, ticket.predicted_tpot_s = y, self.tpot.predict(y)
         st.breaker.on_attempt(now)

@@ -19,6 +19,12 @@ if TYPE_CHECKING:
     from router.routing.placement import Placement, Prompt
 
 
+def due(prompt: Prompt, now: float) -> float | None:
+    """When a request placed now is due its first token: now + its TTFT target (None without one)."""
+    target = getattr(prompt, "ttft_target_s", None)
+    return None if target is None else now + target
+
+
 class Prediction:
     def __init__(self, placement: Placement):
         self.p = placement
@@ -73,7 +79,8 @@ class Prediction:
         tiered: dict[str, int] = {}
         cached = self.predict_cached(prompt, replicas, now, on_the_way, tiered)
         adapter = getattr(prompt, "adapter", None)
-        views = [p.replicas[r].view(now, p.cfg.stale_s, cached.get(r, 0), r in excluded, adapter)
+        due_at = due(prompt, now)
+        views = [p.replicas[r].view(now, p.cfg.stale_s, cached.get(r, 0), r in excluded, adapter, due_at)
                  for r in replicas]
         if tiered:
             views = [replace(v, tier_tokens=tiered[v.url]) if v.url in tiered else v for v in views]

@@ -214,6 +214,7 @@ class Ticket:
     tpot_features: TPOTFeatures | None = None  # the TPOT model's features then
     predicted_tpot_s: float | None = None  # the TPOT model's prediction then (None: the model was not ready)
     first_token_at: float | None = None  # when the placement core saw its first token (the TPOT clock starts)
+    due_at: float | None = None  # dispatched_at + its TTFT target, if it has one (the engine serves earliest due first)
 
 
 class ReplicaState:
@@ -256,8 +257,10 @@ class ReplicaState:
         return self.load is not None and self.load.lora is not None and adapter in self.load.lora.held
 
     def view(self, now: float, stale_s: float, cached_tokens: int = 0, excluded: bool = False,
-             adapter: str | None = None) -> ReplicaView:
-        """adapter: the request's LoRA adapter, if any (missing here when the replica's models do not list it)."""
+             adapter: str | None = None, due_at: float | None = None) -> ReplicaView:
+        """adapter: the request's LoRA adapter, if any (missing here when the replica's models do not list it).
+        due_at: when the request is due, if it has a TTFT target (the view's due_ahead_tokens: the pending prefill
+        due before it, with targets not yet past)."""
         known = self.load_known(now, stale_s)
         load = self.load if known and self.load is not None else EngineLoad()
         new = [t for t in self.tickets if t.dispatched_at > self.covered_until]
@@ -268,6 +271,8 @@ class ReplicaState:
                            new_requests=len(new), new_tokens=sum(t.tokens for t in new), finished=self.finished,
                            inflight=len(self.tickets), pending=len(pending),
                            pending_tokens=sum(t.tokens for t in pending), cached_tokens=cached_tokens,
+                           due_ahead_tokens=None if due_at is None else sum(
+                               t.tokens for t in pending if t.due_at is not None and now <= t.due_at <= due_at),
                            prefill_rate=self.prefill_rate(now),
                            adapter_missing=adapter is not None and not self.holds(adapter),
                            adapter_slots_full=adapter is not None and load.lora is not None
@@ -289,10 +294,10 @@ class ReplicaState:
             return self._prefill_rate
         return self._prefill_rate * math.exp(-(now - self._rate_at) / PREFILL_RATE_TAU_S)
 
-    def on_dispatch(self, uncached_tokens: int, now: float) -> Ticket:
+    def on_dispatch(self, uncached_tokens: int, now: float, ttft_target_s: float | None = None) -> Ticket:
         self._prefill_rate = self.prefill_rate(now) + uncached_tokens / PREFILL_RATE_TAU_S
         self._rate_at = max(self._rate_at, now)
-        ticket = Ticket(now, uncached_tokens)
+        ticket = Ticket(now, uncached_tokens, due_at=None if ttft_target_s is None else now + ttft_target_s)
         self.tickets.add(ticket)
         return ticket
 

@@ -35,6 +35,9 @@ class ReplicaView:
     inflight: int = 0  # all of this router's in-flight requests on the replica
     pending: int = 0  # of those, the ones that have not streamed a token yet (prefill queued or running)
     pending_tokens: int = 0  # their uncached prompt tokens: the prefill this router knows is ahead there
+    # for a request with a TTFT target: the part of that prefill due before it (targets not yet past), as the engine
+    # serves prompts earliest due first (engine/scheduler.py); None for a request without one
+    due_ahead_tokens: int | None = None
     prefill_rate: float = 0.0  # uncached prompt tokens/s this router has lately been sending there
     cached_tokens: int = 0  # predicted prefix-cache hit for this request
     adapter_missing: bool = False  # the request names a LoRA adapter this replica does not list (loaded on demand)

@@ -18,7 +18,7 @@ from router.routing.latency_model import (
 )
 from router.routing.placement import HashedPrompt, Placement, PlacementConfig
 from router.routing.policies import POLICIES, ReplicaView
-from router.routing.replicas import PREFILL_RATE_TAU_S, EngineLoad, ReplicaState
+from router.routing.replicas import PREFILL_RATE_TAU_S, CircuitBreaker, EngineLoad, ReplicaState
 
 
 def _truth(x: TTFTFeatures) -> float:
@@ -83,6 +83,23 @@ def test_features_read_the_view_as_the_kv_cost_does():
     assert ttft_features(v, 1000, 256) == TTFTFeatures(744.0, 900.0, 3.0, 7.0)
 
 
+def test_a_request_with_a_ttft_target_counts_ahead_only_the_pending_prefill_due_before_it():
+    from dataclasses import replace
+
+    v = ReplicaView("http://a", running=6, waiting=4, finished=2, new_requests=3, pending=1, pending_tokens=900)
+    assert ttft_features(replace(v, due_ahead_tokens=120), 1000, 256) == TTFTFeatures(744.0, 120.0, 3.0, 7.0)
+    st = ReplicaState("http://a", CircuitBreaker(3, 5.0))
+    st.on_dispatch(1000, 0.0)  # batch: no target
+    st.on_dispatch(100, 0.5, ttft_target_s=1.0)  # due 1.5
+    st.on_dispatch(40, 0.6, ttft_target_s=2.0)  # due 2.6
+    st.on_dispatch(7, 0.0, ttft_target_s=0.5)  # due 0.5: past by 1.0, best effort
+    st.on_first_token(st.on_dispatch(300, 0.9, ttft_target_s=0.1))  # streaming already: not pending
+    assert st.view(1.0, 5.0).due_ahead_tokens is None and st.view(1.0, 5.0).pending_tokens == 1147
+    assert st.view(1.0, 5.0, due_at=2.0).due_ahead_tokens == 100
+    assert st.view(1.0, 5.0, due_at=3.0).due_ahead_tokens == 140
+    assert st.view(1.0, 5.0, due_at=1.2).due_ahead_tokens == 0
+
+
 def test_the_placement_core_learns_from_first_tokens_and_predicts_at_dispatch():
     p = Placement(POLICIES["least-load"], PlacementConfig(block_size=16))
     p.set_members("default", ["http://a"])
@@ -103,8 +120,9 @@ def test_the_placement_core_learns_from_first_tokens_and_predicts_at_dispatch():
 
 
 def _two_replicas_fitted() -> Placement:
-    """Replicas a (10 short sequences running) and b (one 4,000-token prefill of this router's ahead), the model
-    fitted exactly: least-load prefers b (1 request against 10), the model a (b's prefill comes first)."""
+    """Replicas a (10 short sequences running) and b (one 4,000-token prefill of this router's ahead, due at 1.5 s),
+    the model fitted exactly: least-load prefers b (1 request against 10), the model a for a request due after 1.5 s
+    (b's prefill comes first)."""
     p = Placement(POLICIES["least-load"], PlacementConfig(block_size=16))
     p.set_members("default", ["http://a", "http://b"])
     for u, running in (("http://a", 10), ("http://b", 0)):
@@ -112,7 +130,7 @@ def _two_replicas_fitted() -> Placement:
         p.on_load(u, EngineLoad(running=running), 0.0, 0.0)
     for x in _samples(16, seed=2):
         p.ttft.observe(x, _truth(x))
-    p.on_routed("http://b", HashedPrompt(num_prompt_tokens=4000), 0, 0.5)
+    p.on_routed("http://b", HashedPrompt(num_prompt_tokens=4000, ttft_target_s=1.0), 0, 0.5)
     return p
 
 

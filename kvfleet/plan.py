@@ -7,7 +7,9 @@
 The workload (a Mooncake-format trace, or generated multi-turn sessions: the flags `kvfleet sim` takes) is replayed
 at `--rate` requests per second (its arrival times scaled) through the router's own placement core (`--policy`,
 default `kv`) over simulated engines (kvfleet/sim: the cost model of the bundled model on one core, `--engine-
-speedup` times faster for a bigger machine), each replica holding `--kv-tokens-per-replica` tokens of KV cache. A
+speedup` times faster for a bigger machine), each replica holding `--kv-tokens-per-replica` tokens of KV cache,
+every request carrying the targets (as the router sends a pool's or tenant's targets: it places by them, and the
+engines serve prompts earliest TTFT deadline first and keep steps under the TPOT target). A
 size meets the targets when at least `--goal` of the requests have both TTFT and TPOT within them (DistServe's
 attainment, kvfleet/sim/slo.py). Attainment grows with the fleet, so the search doubles the size until one meets
 the targets and then bisects between the last that did not and the first that did; it prints every size it tried,
@@ -80,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     tried: dict[int, float] = {}
 
     def meets(n: int) -> bool:
-        sim = Simulator(SimConfig(n, a.policy, cost, a.kv_tokens_per_replica), wl)
+        sim = Simulator(SimConfig(n, a.policy, cost, a.kv_tokens_per_replica, ttft_target_s=slo.ttft_s,
+                                  tpot_target_s=slo.tpot_s), wl)
         sim.run()
         lat = sim.latencies()
         tried[n] = att = attainment(lat, slo)

@@ -11,6 +11,14 @@ blocks that a step fills enter the prefix cache at its end (as the engine regist
 sequence frees its blocks tail first.
 No preemption: the whole output's blocks are reserved at admission.
 
+Latency targets, as the engine keeps them (engine/scheduler.py): a sequence with a TTFT target is due at its arrival
+plus the target, and the waiting queue and the step's prefill chunks go earliest due first (one past its target is
+best effort: due BEST_EFFORT_TARGETS targets after its arrival, as the engine's 30 s `--priority-aging` is 20 of a
+1.5 s target; one without a target after all that have one). While a sequence with a TPOT target runs beside
+another, a step's prefill is cut to keep the step at TPOT_MARGIN of the strictest such target (at least
+MIN_CHUNK_TOKENS).
+The engine's `--max-step-ms` bound for requests without targets is not modelled.
+
 With a lower tier (tier.py), admission also takes back the run of the prompt's blocks the tier holds right after
 the pool's own hit: they get pool blocks, enter the prefix cache and count as hits, and the step that admits them
 is longer by their reload time (latency + bytes / bandwidth per request). The engine reloads on its core between
@@ -34,17 +42,23 @@ from dataclasses import dataclass
 
 from contract.kv_events import Snapshot
 from engine.kv.block_pool import BlockPool, KVCacheBlock
+from engine.scheduler import TPOT_MARGIN
 from kvfleet.sim.cost import CostModel
 from kvfleet.sim.tier import MEDIUM, KVTier, TierSpec
 
 
+BEST_EFFORT_TARGETS = 20  # a sequence past its TTFT target is due this many targets after its arrival
+MIN_CHUNK_TOKENS = 16  # a step bounded for a TPOT target still prefills this much (one engine block: prompts progress)
+
+
 class SimSeq:
     __slots__ = ("rid", "hashes", "prompt", "output", "arrival", "computed", "generated", "blocks", "registered",
-                 "hit_blocks", "reloaded_blocks", "prefilled", "first_token_s", "done_s", "on_first", "on_done")
+                 "hit_blocks", "reloaded_blocks", "prefilled", "first_token_s", "done_s", "on_first", "on_done",
+                 "ttft_target", "tpot_target")
 
     def __init__(self, rid: int, hashes: tuple[int, ...], prompt: int, output: int, arrival: float,
                  on_first: Callable[[SimSeq], None] | None = None, on_done: Callable[[SimSeq], None] | None = None,
-                 prefilled: bool = False):
+                 prefilled: bool = False, ttft_target: float | None = None, tpot_target: float | None = None):
         self.rid = rid
         self.hashes = hashes  # chained hashes of the prompt's cacheable blocks
         self.prompt = prompt
@@ -61,6 +75,15 @@ class SimSeq:
         self.done_s: float | None = None
         self.on_first = on_first
         self.on_done = on_done
+        self.ttft_target = ttft_target  # seconds (None: none)
+        self.tpot_target = tpot_target
+
+    def due(self, now: float) -> float:
+        """When it should have its first token (engine/scheduler.py Scheduler.due, module docstring)."""
+        t = self.ttft_target
+        if t is None:
+            return math.inf
+        return self.arrival + t if now <= self.arrival + t else self.arrival + BEST_EFFORT_TARGETS * t
 
 
 @dataclass(slots=True)
@@ -118,15 +141,22 @@ class SimEngine:
 
     def start(self, now: float) -> float | None:
         """Plan the next stretch of steps from `now`; its end time, or None when there is nothing to run."""
-        self._admit()
+        self._admit(now)
         if not self.running:
             self.plan = None
             return None
         decode = [s for s in self.running if s.computed >= s.prompt]
         budget = self.max_batched_tokens - len(decode)
+        targets = [s.tpot_target for s in self.running if s.tpot_target is not None]
+        if targets and len(self.running) + len(self.waiting) > 1 and self.cost.prefill_token_s > 0:
+            room = (TPOT_MARGIN * min(targets) - self.cost.step_s(0, len(decode))) / self.cost.prefill_token_s
+            budget = min(budget, max(int(room), MIN_CHUNK_TOKENS))
         chunks: list[tuple[SimSeq, int]] = []
-        for s in self.running:
-            if s.computed < s.prompt and budget > 0:
+        prefilling = [s for s in self.running if s.computed < s.prompt]
+        if any(s.ttft_target is not None for s in prefilling):
+            prefilling.sort(key=lambda s: s.due(now))
+        for s in prefilling:
+            if budget > 0:
                 c = min(s.prompt - s.computed, budget)
                 chunks.append((s, c))
                 budget -= c
@@ -194,8 +224,10 @@ class SimEngine:
         tiers = ((MEDIUM, tuple(self.tier.hashes())),) if self.tier is not None else ()
         return Snapshot(self.pool.events.last_seq, block_size, hash_seed, tuple(self.pool.cached), tiers)
 
-    def _admit(self) -> None:
+    def _admit(self, now: float) -> None:
         pool = self.pool
+        if len(self.waiting) > 1 and any(s.ttft_target is not None for s in self.waiting):
+            self.waiting = deque(sorted(self.waiting, key=lambda s: s.due(now)))
         # blocks running prefills are computing: a waiting sequence whose next block is one of them waits to hit it
         # (those behind it may go first), as the engine's scheduler does (engine/scheduler.py)
         computing = {h for r in self.running if r.computed < r.prompt for h in r.hashes[r.registered:]}

@@ -267,7 +267,8 @@ class Simulator:
                 self._finished(seq, res, si, ti)
 
         seq = SimSeq(next(self._rid), turn.block_hashes, turn.prompt_tokens, 1 if disagg else turn.output_tokens,
-                     t, lambda s: router.on_first_token(d.url, ticket, s.first_token_s), done)
+                     t, lambda s: router.on_first_token(d.url, ticket, s.first_token_s), done,
+                     ttft_target=self.cfg.ttft_target_s, tpot_target=None if disagg else self.cfg.tpot_target_s)
         if not engine.fits(seq):
             self.dropped += 1
             router.on_done(d.url, ticket)
@@ -294,7 +295,8 @@ class Simulator:
             self._finished(seq, res, si, ti)
 
         seq = SimSeq(next(self._rid), (), turn.prompt_tokens, turn.output_tokens, res.arrival_s,
-                     lambda s: router.on_first_token(d.url, ticket, s.first_token_s), done, prefilled=True)
+                     lambda s: router.on_first_token(d.url, ticket, s.first_token_s), done, prefilled=True,
+                     tpot_target=self.cfg.tpot_target_s)
         if not engine.fits(seq):
             self.dropped += 1
             router.on_done(d.url, ticket)

@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-policy", default="least-load")
     ap.add_argument("--slo-placement", action="store_true",
                     help="every request carries the TTFT and TPOT targets: the router places it where its latency "
-                         "models (fitted on the simulated streams) predict both met")
+                         "models (fitted on the simulated streams) predict both met, and the engines serve prompts "
+                         "earliest TTFT deadline first and keep steps under the TPOT target, as kvfleet's do")
     a = ap.parse_args(argv)
     if a.format == "sessions" and a.session_rate is None:
         raise SystemExit("goodput: generated sessions need --session-rate (an open loop has a rate to scale)")

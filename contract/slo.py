@@ -14,6 +14,9 @@ TTFT_HEADER = "x-llm-d-slo-ttft-ms"
 TPOT_HEADER = "x-llm-d-slo-tpot-ms"
 HEADERS = (TTFT_HEADER, TPOT_HEADER)
 MAX_MS = 3_600_000.0  # an hour: anything longer is no latency target
+# kvfleet's engines size each step to this share of the strictest TPOT target running (engine/scheduler.py), a margin
+# for their step-time model's ~10% error; the router predicts with it (router/routing/latency_model.py bounded_tpot)
+TPOT_MARGIN = 0.9
 
 
 @dataclass(frozen=True, slots=True)

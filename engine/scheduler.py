@@ -58,6 +58,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from contract.slo import TPOT_MARGIN  # steps are sized to this share of a TPOT target (the model's ~10% error)
 from engine.config import SchedulerConfig
 from engine.fair_share import FairShare
 from engine.kv.manager import KVCacheManager
@@ -94,7 +95,6 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-TPOT_MARGIN = 0.9  # steps are sized to this share of a TPOT target: the step-time model's error (~10%) stays within it
 
 
 def step_target_s(max_step_ms: float, running) -> float | None:

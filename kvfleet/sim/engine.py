@@ -41,8 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from contract.kv_events import Snapshot
+from contract.slo import TPOT_MARGIN
 from engine.kv.block_pool import BlockPool, KVCacheBlock
-from engine.scheduler import TPOT_MARGIN
 from kvfleet.sim.cost import CostModel
 from kvfleet.sim.tier import MEDIUM, KVTier, TierSpec
 

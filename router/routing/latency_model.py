@@ -23,7 +23,8 @@ request's first streamed token gives the TTFT seconds, its last one over its out
 1 / max(its seconds, `MIN_WEIGHT_S`): a 40 ms first token missed by 20 ms counts as much as a 4 s one missed by 2 s,
 as the error is judged) over the last `window` observations, columns scaled to unit norm; a coefficient that comes
 out negative is fixed at 0 and the rest refitted, so every feature costs time.
-Until `min_samples` observations are in (and some coefficient is positive) `predict` answers None: no
+A request with a TPOT target on a kvfleet engine is predicted at most the step that engine keeps for it
+(`bounded_tpot`). Until `min_samples` observations are in (and some coefficient is positive) `predict` answers None: no
 prediction, no target refused for want of one. Shared by every replica of a router (the engines of one pool run
 one model on like hardware; a replica's own load is in its features). Pure: no clock, no I/O.
 """
@@ -34,6 +35,8 @@ from collections import deque
 from typing import NamedTuple, TypeVar
 
 import numpy as np
+
+from contract.slo import TPOT_MARGIN
 
 from router.routing.policies.base import ReplicaView
 
@@ -77,6 +80,19 @@ def ttft_features(view: ReplicaView, num_prompt_tokens: int, predicted_cached_to
 def tpot_features(view: ReplicaView, num_prompt_tokens: int) -> TPOTFeatures:
     return TPOTFeatures(float(_running(view) + 1), float(view.kv_tokens + num_prompt_tokens),
                         float(view.pending_tokens), float(_waiting(view)), view.prefill_rate)
+
+
+def bounded_tpot(model: LatencyModel, x: TPOTFeatures, target_s: float | None, bounds_steps: bool) -> float | None:
+    """The TPOT model's prediction; for a request with a TPOT target on an engine that keeps its steps under it
+    (kvfleet's: TPOT_MARGIN of the target, engine/scheduler.py), at most that step, when a step without prefill fits
+    in it (the model without its prefill terms: ahead, waiting, prefill rate), as the engine then cuts the prefill
+    that shares the request's steps. The model, fitted on streams without targets, knows no such bound."""
+    s = model.predict(x)
+    if s is None or target_s is None or not bounds_steps:
+        return s
+    bound = TPOT_MARGIN * target_s
+    decode_only = model.predict(x._replace(ahead_tokens=0.0, waiting=0.0, prefill_rate=0.0))
+    return min(s, bound) if decode_only is not None and decode_only <= bound else s
 
 
 class LatencyModel:

@@ -368,7 +368,7 @@ class Placement:
         ticket = st.on_dispatch(max(prompt.num_prompt_tokens - predicted_cached_tokens, 0), now,
                                 getattr(prompt, "ttft_target_s", None))
         ticket.ttft_features, ticket.predicted_ttft_s = x, self.ttft.predict(x)
-        ticket.tpot_features, ticket.predicted_tpot_s = y, self.tpot.predict(y)
+        ticket.tpot_features, ticket.predicted_tpot_s = y, self.prediction.tpot_at(view, prompt)
         st.breaker.on_attempt(now)
         kind = self.policy.needs.index_for(st.kv_events)
         if kind is IndexKind.APPROX:

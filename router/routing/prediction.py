@@ -10,10 +10,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from router.routing.latency_model import tpot_features, ttft_features
+from router.routing.latency_model import bounded_tpot, tpot_features, ttft_features
 from router.routing.policies import Decision, IndexKind, ReplicaView
 
 NO_PULLS = frozenset({"vllm", "sglang"})  # engines that neither serve nor take a peer pull
+BOUNDS_STEPS = frozenset({"kvfleet"})  # engines that keep their steps under a request's TPOT target
 
 if TYPE_CHECKING:
     from router.routing.placement import Placement, Prompt
@@ -117,9 +118,15 @@ class Prediction:
                 if v.routable and (s := model.predict(ttft_features(v, n, v.cached_tokens))) is not None}
 
     def tpot(self, views: Sequence[ReplicaView], prompt: Prompt) -> dict[str, float]:
-        """Per routable view, the TPOT model's predicted seconds per output token (none while it is not ready)."""
-        model, n = self.p.tpot, prompt.num_prompt_tokens
-        return {v.url: s for v in views if v.routable and (s := model.predict(tpot_features(v, n))) is not None}
+        """Per routable view, the TPOT model's predicted seconds per output token (none while it is not ready),
+        bounded where the engine keeps the request's TPOT target (`bounded_tpot`)."""
+        return {v.url: s for v in views if v.routable and (s := self.tpot_at(v, prompt)) is not None}
+
+    def tpot_at(self, view: ReplicaView, prompt: Prompt) -> float | None:
+        """The predicted seconds per output token on the view's replica (router/routing/latency_model.py)."""
+        st = self.p.replicas.get(view.url)
+        return bounded_tpot(self.p.tpot, tpot_features(view, prompt.num_prompt_tokens),
+                            getattr(prompt, "tpot_target_s", None), st is not None and st.engine in BOUNDS_STEPS)
 
     def missing_target(self, views: Sequence[ReplicaView], prompt: Prompt, ttft: float | None,
                        tpot: float | None) -> set[str]:

@@ -100,6 +100,21 @@ def test_a_request_with_a_ttft_target_counts_ahead_only_the_pending_prefill_due_
     assert st.view(1.0, 5.0, due_at=1.2).due_ahead_tokens == 0
 
 
+def test_a_tpot_target_an_engine_keeps_caps_the_prediction_at_the_step_it_keeps():
+    from router.routing.latency_model import bounded_tpot
+
+    m = LatencyModel(min_samples=5)
+    m.coefficients = (0.02, 0.002, 0.0, 0.0001, 0.0, 0.0002)  # c0, running, kv, ahead, waiting, prefill rate
+    busy = TPOTFeatures(running=10, kv_tokens=0, ahead_tokens=600, waiting=0, prefill_rate=300)
+    assert m.predict(busy) == pytest.approx(0.02 + 0.02 + 0.06 + 0.06)  # 160 ms
+    assert bounded_tpot(m, busy, None, True) == pytest.approx(0.16)  # no target
+    assert bounded_tpot(m, busy, 0.1, False) == pytest.approx(0.16)  # an engine that does not keep it
+    assert bounded_tpot(m, busy, 0.1, True) == pytest.approx(0.09)  # kept at 90% of 100 ms: 40 ms without prefill
+    assert bounded_tpot(m, busy, 0.5, True) == pytest.approx(0.16)  # below the bound already
+    crowded = busy._replace(running=40)  # 100 ms a step without any prefill: the engine cannot keep 90 ms
+    assert bounded_tpot(m, crowded, 0.1, True) == pytest.approx(m.predict(crowded))
+
+
 def test_the_placement_core_learns_from_first_tokens_and_predicts_at_dispatch():
     p = Placement(POLICIES["least-load"], PlacementConfig(block_size=16))
     p.set_members("default", ["http://a"])
@@ -221,6 +236,19 @@ def test_a_request_with_a_tpot_target_goes_only_where_it_is_predicted_to_be_met(
     loose = HashedPrompt(num_prompt_tokens=1000, tpot_target_s=0.2)  # both meet it: the policy
     assert {p.choose(loose, 1.0).url for _ in range(4)} == {"http://b"}
     assert p.choose(HashedPrompt(num_prompt_tokens=1000, tpot_target_s=0.01), 1.0) is not None  # none: the policy
+
+
+def test_on_kvfleet_engines_a_tpot_target_b_keeps_by_cutting_its_prefill_goes_to_the_policys_choice():
+    p = _two_replicas_tpot_fitted()
+    for u in ("http://a", "http://b"):
+        p.replicas[u].engine = "kvfleet"
+    # b's step without prefill fits 90% of 100 ms: b keeps it (the engine cuts the prefill), predicted at most 90 ms
+    target = HashedPrompt(num_prompt_tokens=1000, tpot_target_s=0.1)
+    b_free = _tpot_truth(TPOTFeatures(4, 6_000, 0, 0, 0))
+    assert b_free <= 0.09 and p.predict_tpot(target, 1.0)["http://b"] == pytest.approx(0.09)
+    assert {p.choose(target, 1.0).url for _ in range(4)} == {"http://b"}
+    p.replicas["http://b"].engine = "vllm"  # an engine that does not keep it: the model's 107 ms, which misses
+    assert {p.choose(target, 1.0).url for _ in range(4)} == {"http://a"}
 
 
 def test_no_tpot_prediction_before_the_model_is_fitted():

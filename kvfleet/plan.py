@@ -21,32 +21,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 
 from kvfleet.sim.cost import COST_MODELS
 from kvfleet.sim.fleet import SimConfig, Simulator
 from kvfleet.sim.goodput import at_rate, request_rate
 from kvfleet.sim.slo import SLO, attainment, percentile
 from kvfleet.sim.table import add_workload_args, workload
-
-
-def smallest(meets: Callable[[int], bool], max_replicas: int, stalled: Callable[[], bool] = lambda: False
-             ) -> int | None:
-    """The smallest n in [1, max_replicas] with meets(n), for a `meets` that stays true once true (doubling, then
-    bisection); None when even max_replicas does not, or when `stalled()` says more replicas stopped helping."""
-    hi = 1
-    while not meets(hi):
-        if hi >= max_replicas or stalled():
-            return None
-        hi = min(2 * hi, max_replicas)
-    lo = hi // 2  # meets(lo) was false (or lo == 0)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if meets(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
+from router.pools.sizing import smallest
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
@@ -25,6 +25,7 @@ from router.pools.degradation import LEVELS, Level, State, actions, degraded, st
 from router.pools.file import PoolConfig, PoolsConfig, PoolsFile
 from router.pools.models import ModelCatalog, catalog
 from router.pools.signals import SignalWindow
+from router.pools.sizing import DemandWindow, Served, desired
 from router.routing.discovery import flag_source, make_discovery
 from router.routing.fleet import DEFAULT_POOL, Fleet, PoolEngine
 
@@ -39,6 +40,7 @@ class LivePool:
     effective: PoolSpec
     shed: bool = False
     discovery: asyncio.Task | None = None
+    demand: DemandWindow = field(default_factory=DemandWindow)  # what its requests with targets need (sizing.py)
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class PoolStatus:
     level: Level
     replicas: int
     ready: int
+    desired: int | None = None  # the replicas its requests' latency targets need (router/pools/sizing.py)
 
     @property
     def level_index(self) -> int:
@@ -240,12 +243,28 @@ class Pools:
         if live is not None:
             live.window.record(self.clock(), failed, ttft_s, tpot_s)
 
+    def served(self, pool: str, prompt_tokens: int, cached_tokens: int, output_tokens: int | None,
+               ttft_target_s: float | None, tpot_target_s: float | None, met: bool | None) -> None:
+        """A request of `pool` ended (or was refused 429 slo_unattainable: output None, met False): the demand its
+        size is planned for, with this router's share of the requests on the pool's replicas now."""
+        live = self.live.get(pool)
+        if live is None:
+            return
+        now = self.clock()
+        live.demand.record(Served(now, prompt_tokens, cached_tokens, output_tokens, ttft_target_s, tpot_target_s,
+                                  met))
+        loads = self.fleet.fresh_loads(pool)  # the routers split a pool's traffic: this one's part of it
+        live.demand.observe_share(now, sum(self.fleet.replicas[u].inflight for u in loads),
+                                  sum(x.running + x.waiting for x in loads.values()))
+
     def status(self) -> list[PoolStatus]:
         now = self.clock()
         out = []
         for name, p in self.live.items():
             urls = self.fleet.members.get(name, [])
             ready = sum(1 for u in urls if u in self.fleet.replicas and self.fleet.replicas[u].routable(now))
+            placement = self.fleet.placement
+            need = desired(placement.ttft, placement.tpot, p.demand.demand(now), ready, p.demand.goal)
             out.append(PoolStatus(name, p.config.spec.version, p.config.spec.weight, p.effective.weight,
-                                  p.state.level, len(urls), ready))
+                                  p.state.level, len(urls), ready, need))
         return out

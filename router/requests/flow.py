@@ -96,7 +96,10 @@ def _slo(core: RouterCore, prep: PreparedRequest, pool: PoolSpec) -> Refusal | N
         prep.ttft_target_s = pool.slo_ttft_s
     if prep.tpot_target_s is None:
         prep.tpot_target_s = pool.slo_tpot_s
-    return core.fleet.slo_refusal(prep, pool.name, pool.slo_unattainable == "best_effort")
+    refused = core.fleet.slo_refusal(prep, pool.name, pool.slo_unattainable == "best_effort")
+    if refused is not None:  # wanted and not served: demand the pool's size must meet (router/pools/sizing.py)
+        core.pools.served(pool.name, prep.num_prompt_tokens, 0, None, prep.ttft_target_s, prep.tpot_target_s, False)
+    return refused
 
 
 class Flow:
@@ -290,6 +293,23 @@ class Flow:
             m.slo_tpot.labels(pool, tier, "met" if tpot <= target else "missed").inc()
         failed = status in ("error", "429") or status.startswith("5")
         core.pools.record(pool, failed, ttft, tpot)
+        if isinstance(prompt, int):
+            ttft_t, tpot_t = entry.prep.ttft_target_s, entry.prep.tpot_target_s
+            core.pools.served(pool, prompt, cached if isinstance(cached, int) else 0,
+                              completion if isinstance(completion, int) else None, ttft_t, tpot_t,
+                              _met(((ttft, ttft_t), (tpot, tpot_t)), failed))
+
+
+def _met(seen_and_targets: tuple[tuple[float | None, float | None], ...], failed: bool) -> bool | None:
+    """Whether a request met its targets: None without one or with none measured (not streamed), False if it
+    failed, else each measured one within its target."""
+    targets = [(seen, t) for seen, t in seen_and_targets if t is not None]
+    if not targets:
+        return None
+    if failed:
+        return False
+    measured = [seen <= t for seen, t in targets if seen is not None]
+    return all(measured) if measured else None
 
 
 def _priority(req: OpenAIRequest) -> int:

@@ -1,31 +1,11 @@
-"""`kvfleet plan`: the search for the fewest replicas (exact on a hand-made threshold) and a whole run on generated
-sessions, whose answer meets the targets where one replica fewer does not."""
+"""`kvfleet plan`: a whole run on generated sessions, whose answer meets the targets where one replica fewer does
+not (the search itself: tests/router/pools/test_sizing.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvfleet.plan import main, smallest
-
-
-@pytest.mark.parametrize("threshold", [1, 2, 3, 7, 8, 9, 100, 512])
-def test_the_search_finds_the_smallest_size_and_tries_the_one_below(threshold):
-    tried = []
-
-    def meets(n):
-        tried.append(n)
-        return n >= threshold
-
-    assert smallest(meets, 512) == threshold
-    assert threshold - 1 in tried or threshold == 1
-    assert len(tried) <= 2 * 10  # doubling then bisection: logarithmic
-
-
-def test_no_size_when_even_the_largest_misses_or_more_stopped_helping():
-    assert smallest(lambda n: False, 64) is None
-    calls = []
-    assert smallest(lambda n: calls.append(n) or False, 512, stalled=lambda: len(calls) >= 3) is None
-    assert calls == [1, 2, 4]
+from kvfleet.plan import main
 
 
 def test_a_plan_meets_the_targets_and_one_replica_fewer_does_not(capsys):

@@ -16,8 +16,8 @@ fixed point; none where it does not converge (the replica's prefill falls behind
 
 `desired`: the fewest replicas at which both predictions meet the targets (each the `1 - goal` quantile of the
 requests' own: `goal` of the requests have targets at least that loose). The models are fitted on what was seen,
-so the observed attainment corrects them: below `goal`, at least one replica more than the pool has; a smaller
-pool only while attainment holds. None (nothing to export; KV-usage scaling stays) without targets in the window,
+so the observed attainment corrects them: below `goal`, at least 15% more replicas than the pool has (one at least:
+past the HPA's 10% tolerance); a smaller pool only while attainment holds. None (nothing to export; KV-usage scaling stays) without targets in the window,
 and for targets not even a replica with next to no load is predicted to meet: more replicas would not help.
 """
 
@@ -33,6 +33,8 @@ from router.routing.latency_model import LatencyModel, TPOTFeatures, TTFTFeature
 MAX_REPLICAS = 1024  # the largest size `desired` answers
 ITERATIONS = 200  # fixed-point steps of `steady_state`
 TOLERANCE = 1e-4  # relative change below which the fixed point is reached
+STEP_UP = 1.15  # attainment below the goal asks for this many times the replicas at least (one more at least):
+# past the 10% an HPA tolerates before it acts
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,11 +171,10 @@ def desired(ttft: LatencyModel, tpot: LatencyModel, d: Demand | None, current: i
     if d is None:
         return None
     missing = d.attainment is not None and d.attainment < goal
+    more = max(current + 1, math.ceil(current * STEP_UP))
     if not (ttft.ready and tpot.ready):  # no prediction yet: only what attainment says
-        return current + 1 if missing else None
+        return more if missing else None
     n = smallest(lambda k: meets(ttft, tpot, d, k), MAX_REPLICAS)
     if n is None:  # not even an all but idle replica meets them: more replicas do not help
         return None
-    if missing:
-        return max(n, current + 1)
-    return n
+    return max(n, more) if missing else n

@@ -55,6 +55,7 @@ def test_attainment_below_the_goal_asks_for_more_than_the_pool_has():
     ttft, tpot = model(*TTFT), model(*TPOT)
     assert desired(ttft, tpot, demand(12.0, attainment=0.5), current=4) == 5  # the models said 3
     assert desired(ttft, tpot, demand(12.0, attainment=0.5), current=2) == 3
+    assert desired(ttft, tpot, demand(12.0, attainment=0.5), current=10) == 12  # 15% more: past the HPA's tolerance
     assert desired(ttft, tpot, demand(12.0, attainment=0.95), current=4) == 3  # holds: smaller is fine
     # no models yet: only attainment speaks
     assert desired(LatencyModel(), tpot, demand(12.0, attainment=0.5), current=4) == 5

@@ -179,8 +179,10 @@ POOLS = [
     Panel("Degradation level", "0 normal, 1 canary rolled back, 2 max_tokens lowered, 3 shedding.",
           (q("max by (pool, version) (kvfleet_router_pool_degradation_level)", "{{pool}} {{version}}"),),
           min=0, max=3),
-    Panel("Pool replicas", "Engines per pool the routers know and see ready.",
-          (q("max by (pool, version, state) (kvfleet_router_pool_replicas)", "{{pool}} {{version}} {{state}}"),),
+    Panel("Pool replicas", "Engines per pool the routers know and see ready, and the replicas the routers predict "
+          "the pool's latency targets need (the most any router says; none while no request had a target).",
+          (q("max by (pool, version, state) (kvfleet_router_pool_replicas)", "{{pool}} {{version}} {{state}}"),
+           q("max by (pool, version) (kvfleet_router_pool_desired_replicas)", "{{pool}} {{version}} desired")),
           min=0),
     Panel("Degradation changes and max_tokens lowered", "Level changes per pool, and requests whose max_tokens "
           "the router lowered.",

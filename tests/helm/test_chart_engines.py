@@ -190,6 +190,41 @@ def test_with_the_fair_queue_the_hpa_counts_queued_requests_as_waiting_demand():
     assert ext["metric"] == {"name": "kvfleet_router_queued_requests", "selector": {"matchLabels": {"pool": "stable"}}}
     assert _quantity(ext["target"]["averageValue"]) == 2.0
     rules = yaml.safe_load((CHART / "files" / "prometheus-adapter-rules.yaml").read_text())["externalRules"]
-    assert [x["name"]["as"] for x in rules] == ["${1}"] and "kvfleet_router_queued_requests" in rules[0]["seriesQuery"]
+    assert {x["name"]["as"] for x in rules} == {"${1}"} and "kvfleet_router_queued_requests" in rules[0]["seriesQuery"]
     assert not [m for m in render(TOGGLES["hpa"]).one("HorizontalPodAutoscaler", f"{RELEASE}-kvfleet-engine-stable")
                 ["spec"]["metrics"] if m["type"] == "External"]
+
+
+def test_a_pool_with_latency_targets_scales_to_the_replicas_the_routers_say_they_need():
+    pools = {"stable": {"sloTtftMs": 500, "sloTpotMs": 50, "sloUnattainable": "best_effort"}}
+    r = render({**TOGGLES["hpa"], "pools": pools})
+    hpa = r.one("HorizontalPodAutoscaler", f"{RELEASE}-kvfleet-engine-stable")
+    (ext,) = [m["external"] for m in hpa["spec"]["metrics"] if m["type"] == "External"]
+    assert ext["metric"] == {"name": "kvfleet_router_pool_desired_replicas",
+                             "selector": {"matchLabels": {"pool": "stable"}}}
+    assert ext["target"] == {"type": "AverageValue", "averageValue": "1"}  # the metric is the desired count
+    pools_file = yaml.safe_load(r.one("ConfigMap", f"{RELEASE}-kvfleet-router-pools")["data"]["pools.yaml"])
+    assert {k: v for k, v in pools_file["pools"]["stable"].items() if k.startswith("slo")} == {
+        "slo_ttft_ms": 500, "slo_tpot_ms": 50, "slo_unattainable": "best_effort"}
+    rules = yaml.safe_load((CHART / "files" / "prometheus-adapter-rules.yaml").read_text())["externalRules"]
+    (rule,) = [x for x in rules if "kvfleet_router_pool_desired_replicas" in x["seriesQuery"]]
+    assert rule["metricsQuery"].startswith("max by")  # several routers: the most any of them says
+    k = render({**TOGGLES["keda"], "pools": pools}).one("ScaledObject", f"{RELEASE}-kvfleet-engine-stable")
+    (trigger,) = [t for t in k["spec"]["triggers"] if t["name"] == "latency-targets"]
+    assert trigger["metricType"] == "AverageValue" and trigger["metadata"]["threshold"] == "1"
+    assert trigger["metadata"]["query"] == 'max(kvfleet_router_pool_desired_replicas{namespace="llm",pool="stable"})'
+
+
+def test_without_targets_the_desired_replicas_are_left_out_unless_asked_for():
+    r = render(TOGGLES["hpa"])
+    hpa = r.one("HorizontalPodAutoscaler", f"{RELEASE}-kvfleet-engine-stable")
+    assert not [m for m in hpa["spec"]["metrics"] if m["type"] == "External"]
+    pools_file = yaml.safe_load(r.one("ConfigMap", f"{RELEASE}-kvfleet-router-pools")["data"]["pools.yaml"])
+    assert not [k for k in pools_file["pools"]["stable"] if k.startswith("slo")]
+    # targets from tenants or headers: the pool asks for it
+    on = render({**TOGGLES["keda"], "pools": {"stable": {"autoscaling": {"latencyTargets": True}}}})
+    names = [t["name"] for t in on.one("ScaledObject", f"{RELEASE}-kvfleet-engine-stable")["spec"]["triggers"]]
+    assert names == ["kv-cache-usage", "waiting-requests", "latency-targets"]
+    off = render({**TOGGLES["hpa"], "pools": {"stable": {"sloTtftMs": 500, "autoscaling": {"latencyTargets": False}}}})
+    hpa = off.one("HorizontalPodAutoscaler", f"{RELEASE}-kvfleet-engine-stable")
+    assert not [m for m in hpa["spec"]["metrics"] if m["type"] == "External"]

@@ -152,6 +152,15 @@ app.kubernetes.io/component: router
 {{- printf "sum(%s{namespace=%q,service=%q})" .series .root.Release.Namespace .service -}}
 {{- end -}}
 
+{{/* "true" when a pool scales on the replicas the routers say its latency targets need
+     (kvfleet_router_pool_desired_replicas): autoscaling.latencyTargets, or with it null, when the pool sets a target. */}}
+{{- define "kvfleet.latencyScaling" -}}
+{{- $l := .p.autoscaling.latencyTargets -}}
+{{- if kindIs "invalid" $l -}}
+{{- if or (not (kindIs "invalid" .p.sloTtftMs)) (not (kindIs "invalid" .p.sloTpotMs)) }}true{{ end -}}
+{{- else if $l }}true{{ end -}}
+{{- end -}}
+
 {{/* autoscaling/v2 behavior shared by HPA and KEDA: scale up fast, scale down one pod at a time after a long
      stabilization window. */}}
 {{- define "kvfleet.scalingBehavior" -}}

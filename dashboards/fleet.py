@@ -180,7 +180,7 @@ POOLS = [
           (q("max by (pool, version) (kvfleet_router_pool_degradation_level)", "{{pool}} {{version}}"),),
           min=0, max=3),
     Panel("Pool replicas", "Engines per pool the routers know and see ready, and the replicas the routers predict "
-          "the pool's latency targets need (the most any router says; none while no request had a target).",
+          "the pool's latency targets need (the most any router says; 0 while no request had a target).",
           (q("max by (pool, version, state) (kvfleet_router_pool_replicas)", "{{pool}} {{version}} {{state}}"),
            q("max by (pool, version) (kvfleet_router_pool_desired_replicas)", "{{pool}} {{version}} desired")),
           min=0),

@@ -267,16 +267,15 @@ class _PoolsCollector:
                                      "ready", labels=["pool", "version", "state"])
         desired = GaugeMetricFamily("kvfleet_router_pool_desired_replicas", "Replicas the pool needs for its "
                                     "requests' TTFT and TPOT targets at the rate they come, as this router's latency "
-                                    "models predict and its attainment corrects (router/pools/sizing.py); absent "
-                                    "while no request of the last minute had a target", labels=["pool", "version"])
+                                    "models predict and its attainment corrects (router/pools/sizing.py); 0 while "
+                                    "no request of the last minute had one", labels=["pool", "version"])
         for p in self.pools.status():
             weight.add_metric([p.name, p.version, "configured"], p.weight)
             weight.add_metric([p.name, p.version, "effective"], p.effective_weight)
             level.add_metric([p.name, p.version], p.level_index)
             replicas.add_metric([p.name, p.version, "known"], p.replicas)
             replicas.add_metric([p.name, p.version, "ready"], p.ready)
-            if p.desired is not None:
-                desired.add_metric([p.name, p.version], p.desired)
+            desired.add_metric([p.name, p.version], p.desired)
         yield from (weight, level, replicas, desired)
 
     def describe(self):

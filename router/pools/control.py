@@ -52,7 +52,7 @@ class PoolStatus:
     level: Level
     replicas: int
     ready: int
-    desired: int | None = None  # the replicas its requests' latency targets need (router/pools/sizing.py)
+    desired: int = 0  # the replicas its requests' latency targets need (router/pools/sizing.py)
 
     @property
     def level_index(self) -> int:

@@ -17,8 +17,9 @@ fixed point; none where it does not converge (the replica's prefill falls behind
 `desired`: the fewest replicas at which both predictions meet the targets (each the `1 - goal` quantile of the
 requests' own: `goal` of the requests have targets at least that loose). The models are fitted on what was seen,
 so the observed attainment corrects them: below `goal`, at least 15% more replicas than the pool has (one at least:
-past the HPA's 10% tolerance); a smaller pool only while attainment holds. None (nothing to export; KV-usage scaling stays) without targets in the window,
-and for targets not even a replica with next to no load is predicted to meet: more replicas would not help.
+past the HPA's 10% tolerance); a smaller pool only while attainment holds. 0 (the targets ask for nothing; KV usage and waiting requests still scale the
+pool, the largest proposal wins) while no request of the window had a target, or too few came, and for targets
+not even a replica with next to no load is predicted to meet: more replicas would not help.
 """
 
 from __future__ import annotations
@@ -165,16 +166,16 @@ def smallest(ok: Callable[[int], bool], most: int, stalled: Callable[[], bool] =
     return hi
 
 
-def desired(ttft: LatencyModel, tpot: LatencyModel, d: Demand | None, current: int, goal: float = 0.9) -> int | None:
-    """The replicas the pool needs (module docstring); None without targets in the window. `current`: its
+def desired(ttft: LatencyModel, tpot: LatencyModel, d: Demand | None, current: int, goal: float = 0.9) -> int:
+    """The replicas the pool's latency targets need (module docstring); 0 when they ask for none. `current`: its
     routable replicas now."""
     if d is None:
-        return None
+        return 0
     missing = d.attainment is not None and d.attainment < goal
     more = max(current + 1, math.ceil(current * STEP_UP))
     if not (ttft.ready and tpot.ready):  # no prediction yet: only what attainment says
-        return more if missing else None
+        return more if missing else 0
     n = smallest(lambda k: meets(ttft, tpot, d, k), MAX_REPLICAS)
     if n is None:  # not even an all but idle replica meets them: more replicas do not help
-        return None
+        return 0
     return max(n, more) if missing else n

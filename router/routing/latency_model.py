@@ -37,7 +37,6 @@ from typing import NamedTuple, TypeVar
 import numpy as np
 
 from contract.slo import TPOT_MARGIN
-
 from router.routing.policies.base import ReplicaView
 
 MIN_WEIGHT_S = 0.01  # observations faster than this weigh as much as one of 10 ms

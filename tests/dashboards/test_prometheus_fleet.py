@@ -39,7 +39,6 @@ NO_DATA_HERE = {
     "kvfleet_router_retries_total": "only after a retried request",
     "kvfleet_router_pool_degradation_changes_total": "only after a pool changed its degradation level",
     "kvfleet_router_pool_max_tokens_lowered_total": "only when a pool's cap lowered a request (no caps here)",
-    "kvfleet_router_pool_desired_replicas": "only while requests carry latency targets (none in this load)",
 }
 NOT_YET: dict[str, str] = {}  # series that do not exist yet: must parse, data not checked
 RECORDED = Path(__file__).parent / "data" / "recorded_load.json"

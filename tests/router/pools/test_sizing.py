@@ -46,8 +46,8 @@ def test_the_size_is_the_fewest_replicas_predicted_to_meet_both_targets():
     assert desired(ttft, tpot, demand(12.0, tpot_s=0.0219), current=1) == 6
     assert desired(ttft, tpot, demand(12.0, ttft_s=None, tpot_s=0.0219), current=1) == 6
     # a target below the idle replica's time: no size meets it, more replicas do not help, whatever attainment says
-    assert desired(ttft, tpot, demand(12.0, ttft_s=0.1), current=1) is None
-    assert desired(ttft, tpot, demand(12.0, ttft_s=0.1, attainment=0.0), current=1) is None
+    assert desired(ttft, tpot, demand(12.0, ttft_s=0.1), current=1) == 0
+    assert desired(ttft, tpot, demand(12.0, ttft_s=0.1, attainment=0.0), current=1) == 0
     assert desired(ttft, tpot, demand(1191.0), current=1) == 239  # r <= 5: 1191 / 239 = 4.98, 1191 / 238 = 5.004
 
 
@@ -59,8 +59,8 @@ def test_attainment_below_the_goal_asks_for_more_than_the_pool_has():
     assert desired(ttft, tpot, demand(12.0, attainment=0.95), current=4) == 3  # holds: smaller is fine
     # no models yet: only attainment speaks
     assert desired(LatencyModel(), tpot, demand(12.0, attainment=0.5), current=4) == 5
-    assert desired(LatencyModel(), tpot, demand(12.0, attainment=0.95), current=4) is None
-    assert desired(ttft, tpot, None, current=4) is None
+    assert desired(LatencyModel(), tpot, demand(12.0, attainment=0.95), current=4) == 0
+    assert desired(ttft, tpot, None, current=4) == 0  # no targets in the window: they ask for nothing
 
 
 def served(at: float, ttft_s: float | None = 0.5, met: bool | None = True, cached: int = 0,

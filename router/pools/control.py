@@ -176,6 +176,8 @@ class Pools:
                 pool.window.observe_counters(url, now, load.oom_events, load.alloc_failures)
             pool.window.retain(self.fleet.members.get(name, ()))
             kv = sum(x.kv_usage for x in loads.values()) / len(loads) if loads else None
+            if loads:  # everyone's requests there: this router's share of the pool's traffic (sizing.py)
+                pool.demand.observe_occupancy(now, sum(x.running + x.waiting for x in loads.values()))
             signals = pool.window.signals(now, kv)
             before = pool.state.level
             pool.state = step(thresholds, pool.state, signals, now)
@@ -244,18 +246,13 @@ class Pools:
             live.window.record(self.clock(), failed, ttft_s, tpot_s)
 
     def served(self, pool: str, prompt_tokens: int, cached_tokens: int, output_tokens: int | None,
-               ttft_target_s: float | None, tpot_target_s: float | None, met: bool | None) -> None:
+               duration_s: float, ttft_target_s: float | None, tpot_target_s: float | None, met: bool | None) -> None:
         """A request of `pool` ended (or was refused 429 slo_unattainable: output None, met False): the demand its
-        size is planned for, with this router's share of the requests on the pool's replicas now."""
+        size is planned for (router/pools/sizing.py)."""
         live = self.live.get(pool)
-        if live is None:
-            return
-        now = self.clock()
-        live.demand.record(Served(now, prompt_tokens, cached_tokens, output_tokens, ttft_target_s, tpot_target_s,
-                                  met))
-        loads = self.fleet.fresh_loads(pool)  # the routers split a pool's traffic: this one's part of it
-        live.demand.observe_share(now, sum(self.fleet.replicas[u].inflight for u in loads),
-                                  sum(x.running + x.waiting for x in loads.values()))
+        if live is not None:
+            live.demand.record(Served(self.clock(), prompt_tokens, cached_tokens, output_tokens, duration_s,
+                                      ttft_target_s, tpot_target_s, met))
 
     def status(self) -> list[PoolStatus]:
         now = self.clock()

@@ -5,8 +5,10 @@ window and its own latency models (router/routing/latency_model.py): the figure 
 The window (`DemandWindow`) holds each finished request of the pool (its prompt tokens, those the engine had
 cached, its output tokens, its targets and whether it met them) and each one refused 429 `slo_unattainable` (wanted
 and not served: a miss). From them, `Demand`: the fleet's request rate (this router's, over its share of the
-pool's requests: the routers split the traffic, the engines' scraped running and waiting count everyone's), mean
-prompt, uncached and output tokens, the targets and the attainment.
+pool's requests: the routers split the traffic), mean prompt, uncached and output tokens, the targets and the
+attainment. The share is this router's mean requests in flight (by Little's law, the sum of its requests'
+durations over the window's span) over everyone's (the running and waiting requests the pool's engines report,
+sampled every second): both time averages, so neither is biased by when a request happens to end.
 
 `steady_state` answers what a replica predicts at a per-replica rate r: by Little's law a replica holds
 b = r * (TTFT + (output - 1) * TPOT) requests, r * TTFT of them still waiting for their first token with their
@@ -44,6 +46,7 @@ class Served:
     prompt_tokens: int
     cached_tokens: int
     output_tokens: int | None  # None: refused, or its usage unknown
+    duration_s: float  # from admission to its end (0: refused)
     ttft_target_s: float | None
     tpot_target_s: float | None
     met: bool | None  # both targets met (None: no target, or not measurable: not streamed)
@@ -74,23 +77,23 @@ class DemandWindow:
                              f"{goal}")
         self.window_s, self.min_requests, self.goal = window_s, min_requests, goal
         self._served: deque[Served] = deque()
-        self._share: deque[tuple[float, int, int]] = deque()  # (at, this router's requests there, everyone's)
+        self._occupancy: deque[tuple[float, float]] = deque()  # (at, running + waiting on the pool's engines)
         self._since = math.inf  # when the first request was recorded (the rate's span until a window is full)
 
     def record(self, s: Served) -> None:
         self._served.append(s)
         self._since = min(self._since, s.at)
 
-    def observe_share(self, now: float, own: int, everyone: int) -> None:
-        """This router's requests on the pool's replicas against all running and waiting there (scraped)."""
-        self._share.append((now, own, max(everyone, own)))
+    def observe_occupancy(self, now: float, requests: float) -> None:
+        """Everyone's requests running and waiting on the pool's engines (scraped), sampled at a steady pace."""
+        self._occupancy.append((now, requests))
 
     def demand(self, now: float) -> Demand | None:
         start = now - self.window_s
         while self._served and self._served[0].at < start:
             self._served.popleft()
-        while self._share and self._share[0][0] < start:
-            self._share.popleft()
+        while self._occupancy and self._occupancy[0][0] < start:
+            self._occupancy.popleft()
         served = list(self._served)
         if len(served) < self.min_requests:
             return None
@@ -98,9 +101,10 @@ class DemandWindow:
         tpot_targets = [s.tpot_target_s for s in served if s.tpot_target_s is not None]
         if not ttft_targets and not tpot_targets:
             return None
-        own, everyone = sum(o for _, o, _ in self._share), sum(e for _, _, e in self._share)
-        share = own / everyone if everyone > 0 else 1.0
         span = min(self.window_s, max(now - self._since, 1e-9))
+        own = sum(s.duration_s for s in served) / span
+        everyone = sum(n for _, n in self._occupancy) / len(self._occupancy) if self._occupancy else 0.0
+        share = min(own / everyone, 1.0) if everyone > 0 and own > 0 else 1.0
         outputs = [s.output_tokens for s in served if s.output_tokens is not None]
         uncached = [max(s.prompt_tokens - s.cached_tokens, 0) for s in served]
         judged = [s.met for s in served if s.met is not None]

@@ -98,7 +98,8 @@ def _slo(core: RouterCore, prep: PreparedRequest, pool: PoolSpec) -> Refusal | N
         prep.tpot_target_s = pool.slo_tpot_s
     refused = core.fleet.slo_refusal(prep, pool.name, pool.slo_unattainable == "best_effort")
     if refused is not None:  # wanted and not served: demand the pool's size must meet (router/pools/sizing.py)
-        core.pools.served(pool.name, prep.num_prompt_tokens, 0, None, prep.ttft_target_s, prep.tpot_target_s, False)
+        core.pools.served(pool.name, prep.num_prompt_tokens, 0, None, 0.0, prep.ttft_target_s, prep.tpot_target_s,
+                          False)
     return refused
 
 
@@ -296,7 +297,8 @@ class Flow:
         if isinstance(prompt, int):
             ttft_t, tpot_t = entry.prep.ttft_target_s, entry.prep.tpot_target_s
             core.pools.served(pool, prompt, cached if isinstance(cached, int) else 0,
-                              completion if isinstance(completion, int) else None, ttft_t, tpot_t,
+                              completion if isinstance(completion, int) else None,
+                              time.perf_counter() - entry.t0, ttft_t, tpot_t,
                               _met(((ttft, ttft_t), (tpot, tpot_t)), failed))
 
 

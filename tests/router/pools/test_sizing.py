@@ -64,17 +64,17 @@ def test_attainment_below_the_goal_asks_for_more_than_the_pool_has():
 
 
 def served(at: float, ttft_s: float | None = 0.5, met: bool | None = True, cached: int = 0,
-           output: int | None = 20) -> Served:
-    return Served(at, 100, cached, output, ttft_s, None, met)
+           output: int | None = 20, duration_s: float = 0.5) -> Served:
+    return Served(at, 100, cached, output, duration_s, ttft_s, None, met)
 
 
-def test_the_window_counts_the_rate_over_this_routers_share():
+def test_the_window_counts_the_rate_over_this_routers_share_of_the_requests_in_flight():
     w = DemandWindow(window_s=10.0, min_requests=4, goal=0.9)
-    for i in range(20):  # 2 req/s for 10 s
+    for i in range(20):  # 2 req/s for 10 s, 0.5 s each: 1 in flight on average (Little's law)
         w.record(served(i * 0.5, cached=40 if i % 2 else 0, met=i % 4 != 0))
-        w.observe_share(i * 0.5, 1, 2)  # half of what the replicas hold came through this router
+        w.observe_occupancy(i * 0.5, 2.0 if i % 2 else 2.5)  # the engines hold 2.25: 1 / 2.25 came through here
     d = w.demand(10.0)
-    assert d.rate == pytest.approx(2.0 / 0.5)
+    assert d.rate == pytest.approx(2.0 * 2.25)
     assert (d.prompt_tokens, d.uncached_tokens, d.uncached_tail, d.output_tokens) == (100.0, 80.0, 100.0, 20.0)
     assert d.ttft_target_s == 0.5 and d.tpot_target_s is None
     assert d.attainment == 15 / 20
@@ -88,7 +88,7 @@ def test_the_window_needs_requests_with_targets_and_takes_the_strict_end_of_them
     assert w.demand(3.0) is None  # fewer than min_requests
     w.record(served(3.0, ttft_s=None, met=None))
     d = w.demand(4.0)
-    assert d.rate == pytest.approx(4 / 4.0)  # the span so far, not the whole window
+    assert d.rate == pytest.approx(4 / 4.0)  # the span so far, not the whole window; no occupancy seen: share 1
     assert d.attainment == 1.0
     w2 = DemandWindow(window_s=60.0, min_requests=2)
     for i in range(5):
@@ -101,7 +101,7 @@ def test_the_window_needs_requests_with_targets_and_takes_the_strict_end_of_them
     w3.record(served(20.0, ttft_s=0.2))
     w3.record(served(20.0, ttft_s=0.2))  # 3 in 22 strict: more than 10%
     assert w3.demand(20.0).ttft_target_s == 0.2
-    w3.record(served(20.0, ttft_s=0.5, met=False, output=None))  # a refusal: a miss, no output tokens
+    w3.record(served(20.0, ttft_s=0.5, met=False, output=None, duration_s=0.0))  # a refusal: a miss, no output
     assert w3.demand(20.0).output_tokens == 20.0 and w3.demand(20.0).attainment == 22 / 23
 
 
@@ -130,3 +130,11 @@ def test_bad_window_settings_are_refused():
         DemandWindow(window_s=0)
     with pytest.raises(ValueError, match="goal"):
         DemandWindow(goal=1.5)
+
+
+def test_a_router_holding_more_than_the_engines_report_counts_as_all_of_the_traffic():
+    w = DemandWindow(window_s=10.0, min_requests=1)
+    for i in range(10):
+        w.record(served(float(i), duration_s=2.0))  # 2 in flight on average, queued at the router part of it
+        w.observe_occupancy(float(i), 1.0)
+    assert w.demand(10.0).rate == pytest.approx(1.0)  # share capped at 1

@@ -204,9 +204,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "one (default %(default)s)")
     g.add_argument("--max-step-ms", type=float, default=d.max_step_ms, metavar="MS",
                    help="when more than one request is waiting or running, prompt chunks shrink so that a step is "
-                        "predicted to take at most MS milliseconds (a step-time model the engine fits from its own "
-                        "steps), keeping the time to first token of short requests low under a flood of long "
-                        "prompts; a lone request still gets --max-num-batched-tokens. 0: off (default %(default)s)")
+                        "predicted to take at most 90%% of MS milliseconds (a step-time model the engine fits from its "
+                        "own steps), and short waiting prompts get a step of their own, keeping the time to first "
+                        "token of short requests low under a flood of long prompts; a lone request still gets "
+                        "--max-num-batched-tokens. 0: off (default %(default)s)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
                    help="reuse KV blocks of shared prefixes")
     g.add_argument("--kv-tier-gib", type=float, default=d.kv_tier_gib, metavar="GIB",

@@ -35,13 +35,19 @@ the order is exactly the one above.
 
 Bounded steps (engine/step_time.py): the engine reports each step's time (`observe_step`) and the scheduler fits a
 step-time model. When more than one sequence is waiting or running, a step's prompt tokens are cut so that the
-step is predicted to take at most `max_step_ms` (never below one block of prompt tokens, so prompts progress);
+step is predicted to take at most 90% of `max_step_ms` (TPOT_MARGIN: so that it stays under it; never below one
+block of prompt tokens, so prompts progress);
 a lone request, and every step until the model is fitted, gets the whole `max_num_batched_tokens`. A step that
 can give the head of the waiting queue its first token (its whole remaining prompt fits the step) is kept shorter:
 prompt chunks that do not finish in it (running ones, and waiting ones behind the head) share only the tokens that
 keep it under half the target (at least one block), so a short request's own step is not filled up with another
 request's long prompt (Sarathi-Serve's stall-free batching: its first token comes after the step in flight and one
-short step). Whole prompts that finish in the step are not cut by this.
+short step). Whole prompts that finish in the step are not cut by this. Shorter still: when the whole prompts at
+the head of the waiting queue finish in a step of their own predicted at most a quarter of the target
+(`SHORT_HEADS_SHARE`: a chat's prompt beside a batch of long ones), they get that step alone, without the running
+sequences' decodes and chunks, which go on in the next one (never two such steps in a row, and not while a running
+sequence has a TPOT target: its steps are already cut to fit it). So a short request's first token comes after the
+step in flight and a step as short as its own prompt; the decodes wait that long (at most a quarter of a step).
 
 The engine loop: `out = schedule()`; copy `out.blocks_to_copy` in every layer's cache; run the
 model on the scheduled tokens; `on_step_done(out)` (`on_step_failed(out)` if it ran out of memory);
@@ -97,12 +103,15 @@ class SchedulerOutput:
 
 
 
+SHORT_HEADS_SHARE = 0.25  # a step of short waiting prompts alone is predicted at most this share of the step target
+
+
 def step_target_s(max_step_ms: float, running) -> float | None:
-    """The time a step should stay under: max_step_ms, lowered to TPOT_MARGIN of the strictest TPOT target among the
-    running sequences (a step is one token of each decode; steps sized at the target itself overrun it about half the
-    time); None when neither bounds it."""
+    """The time a step is aimed at: TPOT_MARGIN of the strictest of max_step_ms and the TPOT targets of the running
+    sequences (a step is one token of each decode; steps aimed at a bound itself overrun it about half the time);
+    None when neither bounds it."""
     targets = [s.params.tpot_target_s * TPOT_MARGIN for s in running if s.params.tpot_target_s is not None]
-    bounds = targets + ([max_step_ms / 1000] if max_step_ms else [])
+    bounds = targets + ([max_step_ms / 1000 * TPOT_MARGIN] if max_step_ms else [])
     return min(bounds) if bounds else None
 
 
@@ -122,6 +131,7 @@ class Scheduler:
         self.fair = FairShare()
         self._room_unused = False  # the last step's running prompts left room that no waiting prompt took
         self._chunk_room: int | None = None  # this step's tokens for prompt chunks that do not finish in it
+        self._heads_only = False  # the last step was one of short waiting prompts alone (`_short_heads_step`)
         self.step_time = StepTimeModel()
         self.step_stats = StepTimeStats()
         self.proposer: DraftProposer | None = None  # with --speculative-config: drafts for decodes (engine/spec/)
@@ -148,6 +158,8 @@ class Scheduler:
         elif len(self.waiting) > 1:
             self._order_waiting()
         made_room = len(out.preempted)
+        if not made_room and self._short_heads_step(out, budget):
+            return out
         # a step in which running prompts made room for waiting ones that did not start after all (blocks ran
         # out) is not followed by another: running prompts always progress
         fair = not self.by_priority and len(self.fair.active) > 1
@@ -164,6 +176,35 @@ class Scheduler:
         out.shape = step_shape((item.seq, item.num_new_tokens) for item in out.scheduled)
         out.predicted_s = self.step_time.predict(out.shape)
         return out
+
+    def _short_heads_step(self, out: SchedulerOutput, budget: int) -> bool:
+        """A step of its own for the short prompts at the head of the waiting queue (module docstring): scheduled
+        into `out` when they finish in a step predicted at most SHORT_HEADS_SHARE of the step target, while others
+        run, no running sequence has a TPOT target and the last step was not one such; False (nothing scheduled)
+        otherwise."""
+        last, self._heads_only = self._heads_only, False
+        if last or not self.waiting or not self.running or any(s.params.tpot_target_s is not None
+                                                                 for s in self.running):
+            return False
+        target = step_target_s(self.config.max_step_ms, self.running)
+        if target is None or not self.step_time.ready:
+            return False
+        total = context = 0
+        for k, (seq, n) in enumerate(self._startable(budget)):
+            predicted = self.step_time.predict(StepShape(total + n, 0, context + seq.num_tokens))
+            if self.waiting[k] is not seq or predicted is None or predicted > SHORT_HEADS_SHARE * target:
+                break
+            total, context = total + n, context + seq.num_tokens
+        if total <= 0:
+            return False
+        self._chunk_room = 0  # the heads whole, nobody's chunk
+        self._schedule_waiting(out, total)
+        if not out.scheduled:
+            return False
+        self._heads_only = True
+        out.shape = step_shape((item.seq, item.num_new_tokens) for item in out.scheduled)
+        out.predicted_s = self.step_time.predict(out.shape)
+        return True
 
     def _step_budget(self, budget: int) -> tuple[int, int | None]:
         """The step's token budget: all of it for a lone sequence or an unfitted model, else the decodes' tokens

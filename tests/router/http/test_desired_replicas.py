@@ -34,9 +34,8 @@ def test_a_pool_missing_its_targets_asks_for_more_replicas_and_one_meeting_them_
     e.wait_ready()
     r = router(procs, [e.url], policy="least-load").wait_ready()
     wait_for(lambda: ready_replicas(r) == 1, what="the replica ready")
-    for _ in range(12):
+    for _ in range(3):
         assert _stream(r.url, {}) == 200
-        time.sleep(0.2)
     assert metric(httpx.get(r.url + "/metrics").text, "kvfleet_router_pool_desired_replicas", pool="default") == 0
     assert _desired(r.url)  # exported all the same: the targets ask for nothing
     for _ in range(20):
@@ -48,12 +47,12 @@ def test_a_pool_missing_its_targets_asks_for_more_replicas_and_one_meeting_them_
     assert metric(text, "kvfleet_router_slo_ttft_requests_total", outcome="met") >= 18
     assert metric(text, "kvfleet_router_pool_desired_replicas", pool="default") == 1, _desired(r.url)
     with ThreadPoolExecutor(4) as pool:  # four at a time on a one-at-a-time replica: 300 ms queued behind the rest
-        statuses = list(pool.map(lambda _: _stream(r.url, TARGETS), range(40)))
+        statuses = list(pool.map(lambda _: _stream(r.url, TARGETS), range(32)))
     assert set(statuses) <= {200, 429}  # 429 slo_unattainable: predicted to miss (a miss the size counts too)
     served = statuses.count(200)
     wait_for(lambda: metric(httpx.get(r.url + "/metrics").text, "kvfleet_router_slo_ttft_requests_total") >= 20 + served,
              what="the streams settled")
     text = httpx.get(r.url + "/metrics").text
     missed = metric(text, "kvfleet_router_slo_ttft_requests_total", outcome="missed")
-    assert missed + metric(text, "kvfleet_router_slo_refused_requests_total") >= 20
+    assert missed + metric(text, "kvfleet_router_slo_refused_requests_total") >= 16  # half of them at least
     assert metric(text, "kvfleet_router_pool_desired_replicas", pool="default") >= 2, _desired(r.url)

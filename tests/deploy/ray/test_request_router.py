@@ -42,6 +42,15 @@ def streams(held: dict[str, tuple[int, ...]], later: dict[str, tuple[int, ...]] 
     return open_stream
 
 
+async def until(cond, what: str, timeout_s: float = 5.0) -> None:
+    """Poll `cond` until it holds (a loaded 2-core machine may take longer than a fixed sleep)."""
+    for _ in range(int(timeout_s / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(what)
+
+
 async def live(state: RoutingState, keys) -> None:
     for _ in range(200):
         if all(state.replicas[k].kv_events is KVEventsState.LIVE for k in keys):
@@ -66,7 +75,8 @@ def test_kv_policy_sends_a_prompt_to_the_replica_holding_its_prefix():
         for _ in range(3):  # every time, not by rotation
             d = state.choose(["a", "b"], h)
             assert (d.url, d.predicted_cached_tokens, d.reason) == ("b", 4 * BS, "cache")
-        await asyncio.sleep(0.15)  # a's live `stored` event arrives
+        await until(lambda: state.predict_cached(later_prompt, ["a", "b"]).get("a", 0) > 0,
+                    "a's live `stored` event arrived")
         assert state.choose(["a", "b"], later_prompt).url == "a"
         # a prompt nobody holds, with a session key: the session's ring replica, the same one each time
         other = hint(list(range(5000, 5000 + 3 * BS)), session="s1")
@@ -74,11 +84,11 @@ def test_kv_policy_sends_a_prompt_to_the_replica_holding_its_prefix():
         assert first.reason == "session" and state.choose(["a", "b"], other).url == first.url
         # the replica leaves: its subscription stops and its blocks leave the index
         state.set_replicas(["a"], streams({}))
-        await asyncio.sleep(0.05)
-        assert not state.index.has("b") and "b" not in state.subscriptions and state.choose(["a", "b"], h).url == "a"
+        await until(lambda: not state.index.has("b") and "b" not in state.subscriptions, "b's subscription stopped")
+        assert state.choose(["a", "b"], h).url == "a"
         task = state.subscriptions["a"][1]
         close_all()  # what the ingress does when Serve shuts it down
-        await asyncio.sleep(0.05)
+        await until(lambda: task.done(), "a's subscription task ended")
         assert task.cancelled() and not state.subscriptions and not state.index.has("a")
 
     asyncio.run(main())

@@ -83,17 +83,23 @@ class DemandWindow:
     def record(self, s: Served) -> None:
         self._served.append(s)
         self._since = min(self._since, s.at)
+        self._forget(s.at)
 
     def observe_occupancy(self, now: float, requests: float) -> None:
         """Everyone's requests running and waiting on the pool's engines (scraped), sampled at a steady pace."""
         self._occupancy.append((now, requests))
+        self._forget(now)
 
-    def demand(self, now: float) -> Demand | None:
+    def _forget(self, now: float) -> None:
+        """Drop what is older than the window (on every record: memory stays bounded with nobody asking)."""
         start = now - self.window_s
         while self._served and self._served[0].at < start:
             self._served.popleft()
         while self._occupancy and self._occupancy[0][0] < start:
             self._occupancy.popleft()
+
+    def demand(self, now: float) -> Demand | None:
+        self._forget(now)
         served = list(self._served)
         if len(served) < self.min_requests:
             return None

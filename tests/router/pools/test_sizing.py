@@ -138,3 +138,11 @@ def test_a_router_holding_more_than_the_engines_report_counts_as_all_of_the_traf
         w.record(served(float(i), duration_s=2.0))  # 2 in flight on average, queued at the router part of it
         w.observe_occupancy(float(i), 1.0)
     assert w.demand(10.0).rate == pytest.approx(1.0)  # share capped at 1
+
+
+def test_the_window_forgets_as_it_records_with_nobody_asking():
+    w = DemandWindow(window_s=10.0, min_requests=1)
+    for i in range(1000):
+        w.record(served(float(i)))
+        w.observe_occupancy(float(i), 1.0)
+    assert len(w._served) == 11 and len(w._occupancy) == 11  # seconds 989..999

@@ -20,10 +20,14 @@ from collections import deque
 from router.pools.degradation import Signals
 
 
-def p99(values: list[float]) -> float:
-    """Nearest-rank 99th percentile of a non-empty list."""
+def quantile(values: list[float], q: float) -> float:
+    """Nearest-rank q quantile (0 < q <= 1) of a non-empty list."""
     ordered = sorted(values)
-    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def p99(values: list[float]) -> float:
+    return quantile(values, 0.99)
 
 
 class SignalWindow:

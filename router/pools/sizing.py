@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from router.pools.signals import quantile
 from router.routing.latency_model import LatencyModel, TPOTFeatures, TTFTFeatures
 
 MAX_REPLICAS = 1024  # the largest size `desired` answers
@@ -62,12 +63,6 @@ class Demand:
     ttft_target_s: float | None
     tpot_target_s: float | None
     attainment: float | None  # met / (met + missed) of the requests with targets; None before any
-
-
-def quantile(values: list[float], q: float) -> float:
-    """Nearest-rank q quantile of a non-empty list."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 class DemandWindow:

@@ -298,26 +298,22 @@ class Fleet:
         is, when it has no target, or while the model for that target is not ready (no prediction: no refusal).
         `best_effort` (the pool's `slo_unattainable: best_effort`): None instead of the 429, the request marked
         best effort (served behind the pool's other requests)."""
-        now = self.clock()
-        for target, header, what in ((prep.ttft_target_s, TTFT_HEADER, "send the first token"),
-                                     (prep.tpot_target_s, TPOT_HEADER, "send each later token")):
-            if target is None:
-                continue
-            predict = self.placement.predict_ttft if header == TTFT_HEADER else self.placement.predict_tpot
-            predicted = predict(prep, now, pool)
-            if not predicted or (best := min(predicted.values())) <= target:
-                continue
-            if best_effort:
-                self.metrics.slo_best_effort.labels(pool).inc()
-                prep.best_effort = True
-                return None
-            self.metrics.slo_refused.labels(pool).inc()
-            # a first token late by d seconds: the fleet needs about d to catch up; a slow token rate: a second
-            wait = max(1, math.ceil(best - target)) if header == TTFT_HEADER else 1
-            return refuse(429, f"no replica of pool {pool!r} is predicted to {what} within {target * 1000:.0f} ms "
-                               f"(the best predicts {best * 1000:.0f} ms); retry later, or with a longer {header}",
-                          "slo_unattainable", header, "slo_unattainable", [(b"retry-after", str(wait).encode())])
-        return None
+        miss = self.placement.unattainable(prep, self.clock(), pool)
+        if miss is None:
+            return None
+        if best_effort:
+            self.metrics.slo_best_effort.labels(pool).inc()
+            prep.best_effort = True
+            return None
+        self.metrics.slo_refused.labels(pool).inc()
+        ttft = miss.which == "ttft"
+        header, what = (TTFT_HEADER, "send the first token") if ttft else (TPOT_HEADER, "send each later token")
+        # a first token late by d seconds: the fleet needs about d to catch up; a slow token rate: a second
+        wait = max(1, math.ceil(miss.best_s - miss.target_s)) if ttft else 1
+        return refuse(429, f"no replica of pool {pool!r} is predicted to {what} within {miss.target_s * 1000:.0f} "
+                           f"ms (the best predicts {miss.best_s * 1000:.0f} ms); retry later, or with a longer "
+                           f"{header}", "slo_unattainable", header, "slo_unattainable",
+                      [(b"retry-after", str(wait).encode())])
 
     def lease(self, prep: PreparedRequest, excluded: set[str] | frozenset[str] = frozenset(),
               pool: str = DEFAULT_POOL, candidates: Sequence[str] | None = None) -> Lease | None:

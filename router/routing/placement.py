@@ -59,6 +59,16 @@ class Prompt(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class Unattainable:
+    """A latency target no replica is predicted to meet: which one ("ttft" or "tpot"), its seconds, and the best
+    prediction among the replicas."""
+
+    which: str
+    target_s: float
+    best_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class HashedPrompt:
     """A prompt whose block hashes were computed once, with one block size and hash seed."""
 
@@ -344,6 +354,20 @@ class Placement:
         if not self.ttft.ready:
             return {}
         return self.prediction.ttft(self.views(prompt, self.members.get(pool, []), now, excluded), prompt)
+
+    def unattainable(self, prompt: Prompt, now: float, pool: str = DEFAULT_POOL) -> Unattainable | None:
+        """The request's first target (TTFT, then TPOT) that no routable replica of `pool` is predicted to meet,
+        with the best prediction; None when every target it carries is predicted met somewhere, or while the
+        model for it is not ready (no prediction: nothing is unattainable). The admission's one rule: the HTTP
+        router refuses such a request (or serves it best effort), the simulator likewise."""
+        for which, target, predict in (("ttft", getattr(prompt, "ttft_target_s", None), self.predict_ttft),
+                                       ("tpot", getattr(prompt, "tpot_target_s", None), self.predict_tpot)):
+            if target is None:
+                continue
+            predicted = predict(prompt, now, pool)
+            if predicted and (best := min(predicted.values())) > target:
+                return Unattainable(which, target, best)
+        return None
 
     def predict_tpot(self, prompt: Prompt, now: float, pool: str = DEFAULT_POOL,
                      excluded: set[str] | frozenset[str] = frozenset()) -> dict[str, float]:

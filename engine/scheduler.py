@@ -108,9 +108,11 @@ SHORT_HEADS_SHARE = 0.25  # a step of short waiting prompts alone is predicted a
 
 def step_target_s(max_step_ms: float, running) -> float | None:
     """The time a step is aimed at: TPOT_MARGIN of the strictest of max_step_ms and the TPOT targets of the running
-    sequences (a step is one token of each decode; steps aimed at a bound itself overrun it about half the time);
+    sequences that decode (a step is one token of each decode; steps aimed at a bound itself overrun it about half
+    the time; a prompt still computing has no token to pace yet: its target bounds the steps once it decodes);
     None when neither bounds it."""
-    targets = [s.params.tpot_target_s * TPOT_MARGIN for s in running if s.params.tpot_target_s is not None]
+    targets = [s.params.tpot_target_s * TPOT_MARGIN for s in running
+               if s.params.tpot_target_s is not None and s.num_tokens - s.num_computed_tokens == 1]
     bounds = targets + ([max_step_ms / 1000 * TPOT_MARGIN] if max_step_ms else [])
     return min(bounds) if bounds else None
 

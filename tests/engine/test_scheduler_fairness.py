@@ -288,11 +288,15 @@ def test_the_step_target_is_the_strictest_of_max_step_ms_and_the_running_tpot_ta
 
     from engine.scheduler import step_target_s
 
-    def seq(t):
-        return SimpleNamespace(params=SimpleNamespace(tpot_target_s=t))
+    def seq(t, prompt_left=0):  # a decode (one token to compute), or a prompt with `prompt_left` tokens to go
+        return SimpleNamespace(params=SimpleNamespace(tpot_target_s=t), num_tokens=10 + max(prompt_left, 1),
+                               num_computed_tokens=10)
 
     # 90% of each bound (TPOT_MARGIN): a step aimed at the bound itself overruns it about half the time
     assert step_target_s(150.0, []) == pytest.approx(0.135) and step_target_s(0.0, []) is None
     assert step_target_s(150.0, [seq(None), seq(0.08), seq(0.2)]) == pytest.approx(0.072)  # 90% of 80 ms
     assert step_target_s(0.0, [seq(0.3)]) == pytest.approx(0.27)
     assert step_target_s(50.0, [seq(0.3)]) == pytest.approx(0.045)
+    # a prompt still computing has no token to pace: its target bounds the steps only once it decodes
+    assert step_target_s(150.0, [seq(0.05, prompt_left=300), seq(0.2)]) == pytest.approx(0.135)
+    assert step_target_s(0.0, [seq(0.05, prompt_left=2)]) is None

@@ -14,9 +14,11 @@ No preemption: the whole output's blocks are reserved at admission.
 Latency targets, as the engine keeps them (engine/scheduler.py): a sequence with a TTFT target is due at its arrival
 plus the target, and the waiting queue and the step's prefill chunks go earliest due first (one past its target is
 best effort: due BEST_EFFORT_TARGETS targets after its arrival, as the engine's 30 s `--priority-aging` is 20 of a
-1.5 s target; one without a target after all that have one). While a sequence with a TPOT target runs beside
+1.5 s target; one without a target after all that have one). While a sequence with a TPOT target decodes beside
 another, a step's prefill is cut to keep the step at TPOT_MARGIN of the strictest such target (at least
-MIN_CHUNK_TOKENS).
+MIN_CHUNK_TOKENS); a prompt still computing has no token to pace yet, so its TPOT target does not cut steps.
+With targets, a request the router predicts no replica meets is refused as the HTTP router's admission does
+(fleet.py, SimConfig.slo_unattainable).
 The engine's `--max-step-ms` bound for requests without targets is not modelled.
 
 With a lower tier (tier.py), admission also takes back the run of the prompt's blocks the tier holds right after
@@ -147,7 +149,7 @@ class SimEngine:
             return None
         decode = [s for s in self.running if s.computed >= s.prompt]
         budget = self.max_batched_tokens - len(decode)
-        targets = [s.tpot_target for s in self.running if s.tpot_target is not None]
+        targets = [s.tpot_target for s in decode if s.tpot_target is not None]
         if targets and len(self.running) + len(self.waiting) > 1 and self.cost.prefill_token_s > 0:
             room = (TPOT_MARGIN * min(targets) - self.cost.step_s(0, len(decode))) / self.cost.prefill_token_s
             budget = min(budget, max(int(room), MIN_CHUNK_TOKENS))

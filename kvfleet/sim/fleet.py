@@ -25,6 +25,7 @@ from kvfleet.sim.slo import Latency, percentile
 from kvfleet.sim.tier import TierSpec
 from kvfleet.sim.workload import SimWorkload, Turn
 from router.config import ScoringConfig
+from router.pools.choice import SLO_UNATTAINABLE
 from router.routing.placement import HashedPrompt
 from router.routing.policies import POLICIES
 from router.routing.prefix_index import PrefixIndex
@@ -69,12 +70,16 @@ class SimConfig:
     disagg: Disagg | None = None  # prefill/decode disaggregation (None: every replica does both)
     ttft_target_s: float | None = None  # every request's TTFT target: placed where the router predicts it met
     tpot_target_s: float | None = None  # every request's TPOT target, likewise
+    slo_unattainable: str = "refuse"  # a request no replica is predicted to meet: refused (429), or "best_effort"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy: must be one of {sorted(POLICIES)}, got {self.policy!r}")
         if self.replicas < 1:
             raise ValueError(f"replicas: must be >= 1, got {self.replicas}")
+        if self.slo_unattainable not in SLO_UNATTAINABLE:
+            raise ValueError(f"slo_unattainable: must be one of {', '.join(SLO_UNATTAINABLE)}, got "
+                             f"{self.slo_unattainable!r}")
         if self.disagg is not None:
             if self.disagg.prefill_replicas >= self.replicas:
                 raise ValueError(f"disagg: {self.disagg.prefill_replicas} prefill replicas leave none of "
@@ -120,6 +125,7 @@ class Simulator:
         self._rid = itertools.count()
         self.results: list[TurnResult] = []
         self.dropped = 0
+        self.refused = 0  # 429 slo_unattainable at the router (SimConfig.slo_unattainable "refuse")
         self.replicas_over_time: list[tuple[float, int]] = []
         self._last_replica: dict[int, str] = {}
         self.follow_ups = self.follow_ups_home = 0
@@ -246,6 +252,11 @@ class Simulator:
         turn = session.turns[ti]
         prompt = HashedPrompt(turn.prompt_tokens, session.key, self.bs, SIM_HASH_SEED, turn.block_hashes,
                               self.cfg.ttft_target_s, self.cfg.tpot_target_s)
+        if self.cfg.slo_unattainable == "refuse" and self.router.placement.unattainable(prompt, t) is not None:
+            self.refused += 1  # as the HTTP router's admission (router/routing/fleet.py slo_refusal): no latency
+            self.results.append(TurnResult(si, ti, "", t, num_blocks=turn.num_blocks))
+            self._turn_done(t, si, ti)
+            return
         d, ticket = self.router.route(prompt, t)
         engine, router = self.engines[d.url], self.router
         res = TurnResult(si, ti, d.url, t, num_blocks=turn.num_blocks,
@@ -354,13 +365,14 @@ class Simulator:
         tpots = sorted(r.tpot_s for r in done if r.tpot_s is not None)
         per_replica: dict[str, int] = {u: 0 for u, r in self.routers.items() if r is self.router}
         for r in self.results:
-            per_replica[r.replica] += 1
+            if r.replica:  # not refused
+                per_replica[r.replica] += 1
         counts = list(per_replica.values())
         prefill = [e.prefill_tokens for e in self.engines.values()]
         blocks = sum(r.num_blocks for r in self.results)
         out = {
             "policy": self.cfg.policy, "replicas": self.cfg.replicas, "requests": len(self.results),
-            "completed": len(done), "dropped": self.dropped,
+            "completed": len(done), "dropped": self.dropped, "refused": self.refused,
             "block_hit_rate": round(sum(r.hit_blocks for r in done) / blocks, 4) if blocks else 0.0,
             "ttft_p50": round(percentile(ttfts, 0.5), 4), "ttft_p99": round(percentile(ttfts, 0.99), 4),
             "ttft_mean": round(sum(ttfts) / len(ttfts), 4) if ttfts else 0.0,

@@ -59,3 +59,16 @@ def test_a_tpot_target_cuts_the_steps_prefill_to_its_margin():
     # 0.9 x 50 ms = 45 ms; a step with one decode costs 10 + 2 ms: 33 ms left at 1 ms a prompt token
     assert chunks(eng) == [(1, 33)] and eng.plan.dt == pytest.approx(0.045)
     assert chunks(_decoding_beside_a_prompt(0.01)) == [(1, MIN_CHUNK_TOKENS)]  # no room: the prompt still progresses
+
+
+def test_a_prompt_still_computing_has_no_token_to_pace_so_its_tpot_target_cuts_no_step():
+    eng = SimEngine("e", num_blocks=2048, block_size=4, cost=COST, max_batched_tokens=2048)
+    eng.waiting.append(SimSeq(0, (), 1000, 5, 0.0, tpot_target=0.05))
+    eng.waiting.append(SimSeq(1, (), 600, 5, 0.0, tpot_target=0.05))
+    eng.start(0.0)
+    assert chunks(eng) == [(0, 1000), (1, 600)]  # both whole: nobody decodes yet
+    eng.finish(eng.plan.dt)
+    eng.waiting.append(SimSeq(2, (), 1000, 1, 1.7))
+    eng.start(1.7)
+    # now two decode with the 50 ms target: 45 ms - (10 + 2 x 2) ms leaves 31 prompt tokens
+    assert chunks(eng) == [(2, 31)]

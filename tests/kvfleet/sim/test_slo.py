@@ -60,7 +60,32 @@ def test_the_simulated_router_fits_its_ttft_model_and_places_by_the_target():
     wl = multi_turn(24, seed=3, turns=3, mean_user_tokens=80, reply_tokens=20, output_tokens=8,
                     system_tokens=64, concurrency=6, think_s=0.05, block_size=16)
     cost = CostModel(base_s=0.01, prefill_token_s=0.0005, decode_seq_s=0.002)
-    sim = Simulator(SimConfig(3, "kv", cost, 16 * 400, ttft_target_s=0.2), wl)
+    sim = Simulator(SimConfig(3, "kv", cost, 16 * 400, ttft_target_s=0.2, slo_unattainable="best_effort"), wl)
     out = sim.run()
     model = sim.router.placement.ttft
     assert out["completed"] == 72 and model.ready and len(model.samples) == 72  # every first token observed
+
+
+@pytest.mark.parametrize("target_s, refused", [(100.0, False), (0.002, True)])
+def test_the_simulated_router_refuses_what_no_replica_is_predicted_to_meet_as_the_http_router_does(target_s, refused):
+    """A 2 ms TTFT target no replica can meet: once the router's TTFT model is fitted, every request is refused (429
+    slo_unattainable in the HTTP router): no latency, a miss, and its session goes on; a loose one refuses none."""
+    from kvfleet.sim.cost import CostModel
+    from kvfleet.sim.fleet import SimConfig, Simulator
+    from kvfleet.sim.slo import SLO, attainment
+    from kvfleet.sim.workload import multi_turn
+
+    wl = multi_turn(24, seed=3, turns=3, mean_user_tokens=80, reply_tokens=20, output_tokens=8,
+                    system_tokens=64, concurrency=6, think_s=0.05, block_size=16)
+    cost = CostModel(base_s=0.01, prefill_token_s=0.0005, decode_seq_s=0.002)
+    sim = Simulator(SimConfig(3, "kv", cost, 16 * 400, ttft_target_s=target_s), wl)
+    out = sim.run()
+    model = sim.router.placement.ttft
+    assert len(sim.results) == 72 and out["completed"] + out["refused"] == 72  # every turn of every session came
+    no_latency = [r for r in sim.results if r.ttft_s is None]
+    assert len(no_latency) == out["refused"] and all(r.replica == "" for r in no_latency)
+    if refused:  # served until the model was fitted (no prediction: no refusal), refused after
+        assert out["completed"] == len(model.samples) and out["refused"] == 72 - len(model.samples) > 0
+        assert attainment(sim.latencies(), SLO(target_s, 1.0)) == 0.0
+    else:
+        assert out["refused"] == 0

@@ -3,13 +3,17 @@
     kvfleet plan --format sessions --sessions 300 --rate 6 --ttft-ms 8000 --tpot-ms 100
     kvfleet plan --format mooncake --trace conversation_trace.jsonl --rate 2 --ttft-ms 30000 --tpot-ms 200 \
         --engine-speedup 40
+    kvfleet profile my_trace.jsonl --json > profile.json
+    kvfleet plan --profile profile.json --ttft-ms 2000 --tpot-ms 100      # at the profile's own rate
 
-The workload (a Mooncake-format trace, or generated multi-turn sessions: the flags `kvfleet sim` takes) is replayed
-at `--rate` requests per second (its arrival times scaled) through the router's own placement core (`--policy`,
+The workload (a Mooncake-format trace, generated multi-turn sessions: the flags `kvfleet sim` takes, or with
+`--profile` sessions generated to the shape `kvfleet profile --json` measured: kvfleet/sim/workload.py
+from_profile) is replayed at `--rate` requests per second (default with --profile: the profile's own rate) (its arrival times scaled) through the router's own placement core (`--policy`,
 default `kv`) over simulated engines (kvfleet/sim: the cost model of the bundled model on one core, `--engine-
 speedup` times faster for a bigger machine), each replica holding `--kv-tokens-per-replica` tokens of KV cache,
-every request carrying the targets (as the router sends a pool's or tenant's targets: it places by them, and the
-engines serve prompts earliest TTFT deadline first and keep steps under the TPOT target). A
+every request carrying the targets (as the router sends a pool's or tenant's targets: it places by them, refuses
+what no replica is predicted to meet as a pool does by default, a miss, and the engines serve prompts earliest TTFT
+deadline first and keep steps under the TPOT target). A
 size meets the targets when at least `--goal` of the requests have both TTFT and TPOT within them (DistServe's
 attainment, kvfleet/sim/slo.py). Attainment grows with the fleet, so the search doubles the size until one meets
 the targets and then bisects between the last that did not and the first that did; it prints every size it tried,
@@ -20,20 +24,27 @@ raise attainment by less than 0.01, it stops: the engines are too slow for the t
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from kvfleet.sim.cost import COST_MODELS
 from kvfleet.sim.fleet import SimConfig, Simulator
 from kvfleet.sim.goodput import at_rate, request_rate
 from kvfleet.sim.slo import SLO, attainment, percentile
 from kvfleet.sim.table import add_workload_args, workload
+from kvfleet.sim.workload import from_profile
 from router.pools.sizing import smallest
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvfleet plan", description=__doc__.split("\n\n")[0])
     add_workload_args(ap)
-    ap.add_argument("--rate", type=float, required=True, help="requests per second the fleet must serve")
+    ap.add_argument("--profile", default=None,
+                    help="a `kvfleet profile --json` file: sessions generated to its shape (instead of --format)")
+    ap.add_argument("--requests", type=int, default=3000, help="with --profile: requests to generate")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="requests per second the fleet must serve (required, except with a --profile that has one)")
     ap.add_argument("--ttft-ms", type=float, required=True, help="time-to-first-token target, milliseconds")
     ap.add_argument("--tpot-ms", type=float, required=True, help="time-per-output-token target, milliseconds")
     ap.add_argument("--goal", type=float, default=0.9, help="share of requests that must meet both (default 0.9)")
@@ -44,6 +55,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-replicas", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    if a.profile and a.trace:
+        ap.error("give --profile or --trace, not both")
+    profile = _read_profile(ap, a.profile) if a.profile else None
+    if a.rate is None:
+        a.rate = ((profile or {}).get("arrivals") or {}).get("rate_per_s")
+        if a.rate is None:
+            ap.error("--rate is required" + (" (the profile has no arrival rate)" if profile else ""))
+    if a.requests < 1:
+        ap.error(f"--requests must be >= 1, got {a.requests}")
     for name in ("rate", "ttft_ms", "tpot_ms", "engine_speedup"):
         if not getattr(a, name) > 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(a, name)}")
@@ -53,7 +73,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--max-replicas must be >= 1, got {a.max_replicas}")
     if a.format == "sessions" and a.session_rate is None and a.concurrency is None:
         a.session_rate = 1.0  # an open loop: --rate scales it
-    base = workload(a, a.seed)
+    if profile is not None:
+        try:
+            base = from_profile(profile, a.requests, a.rate, a.seed, a.block_size)
+        except ValueError as e:
+            ap.error(f"--profile {a.profile}: {e}")
+    else:
+        base = workload(a, a.seed)
     wl = at_rate(base, a.rate / request_rate(base))
     slo = SLO(a.ttft_ms / 1000, a.tpot_ms / 1000, a.goal)
     cost = COST_MODELS[a.cost_model].scaled(a.engine_speedup)
@@ -68,11 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         sim.run()
         lat = sim.latencies()
         tried[n] = att = attainment(lat, slo)
+        refused = f", refused {sim.refused / len(lat):.1%}" if sim.refused else ""
         ttfts = sorted(x.ttft_s if x.ttft_s is not None else float("inf") for x in lat)
         tpots = sorted(x.tpot_s for x in lat if x.tpot_s is not None)
         tpot90 = f"{percentile(tpots, 0.9) * 1000:.0f} ms" if tpots else "-"
-        print(f"  {n:4d} replicas: attainment {att:.3f}, TTFT p90 {percentile(ttfts, 0.9):.2f} s, TPOT p90 {tpot90}",
-              flush=True)
+        print(f"  {n:4d} replicas: attainment {att:.3f}, TTFT p90 {percentile(ttfts, 0.9):.2f} s, TPOT p90 {tpot90}"
+              f"{refused}", flush=True)
         return att >= slo.goal
 
     def stalled() -> bool:
@@ -91,6 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     below = f"; {n - 1} reach {tried[n - 1]:.3f}" if n - 1 in tried else ""
     print(f"plan: {n} replicas (attainment {tried[n]:.3f} >= {a.goal:g}{below})")
     return 0
+
+
+def _read_profile(ap: argparse.ArgumentParser, path: str) -> dict:
+    try:
+        profile = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        ap.error(f"--profile {path}: {e}")
+    if not isinstance(profile, dict):
+        ap.error(f"--profile {path}: not a `kvfleet profile --json` file")
+    return profile
 
 
 if __name__ == "__main__":

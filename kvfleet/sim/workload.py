@@ -12,6 +12,7 @@ chained hashes of its cacheable prompt blocks.
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -89,15 +90,17 @@ class _Vocab:
 def multi_turn(num_sessions: int, seed: int = 0, *, turns: int = 4, mean_user_tokens: float = 200,
                reply_tokens: int = 80, output_tokens: int = 80, system_prompts: int = 2, system_tokens: int = 200,
                session_rate: float | None = None, concurrency: int | None = None, think_s: float = 0.5,
-               block_size: int = 32) -> SimWorkload:
+               block_size: int = 32, sigma: float = 0.6, max_user_tokens: int = 1024) -> SimWorkload:
     """Seeded multi-turn sessions: each opens with one of `system_prompts` shared system prompts; turn k resends
     the whole conversation. Sessions start as a Poisson process at `session_rate` per second, or closed loop
-    with `concurrency` sessions at a time."""
+    with `concurrency` sessions at a time. User turns are log-normal (`sigma`) around `mean_user_tokens`, at most
+    `max_user_tokens`."""
     if (session_rate is None) == (concurrency is None):
         raise ValueError("give exactly one of session_rate and concurrency")
     trace = generate_trace(num_sessions * turns, seed=seed, mode="multi_turn", turns_per_session=turns,
                            mean_prompt_tokens=mean_user_tokens, min_output_tokens=output_tokens,
-                           max_output_tokens=output_tokens, reply_tokens=reply_tokens)
+                           max_output_tokens=output_tokens, reply_tokens=reply_tokens, sigma=sigma,
+                           max_prompt_tokens=max_user_tokens)
     systems = [words(random.Random(f"{seed}-sys-{k}"), system_tokens) for k in range(system_prompts)]
     vocab = _Vocab()
     rng = random.Random(f"{seed}-arrivals")
@@ -117,3 +120,39 @@ def multi_turn(num_sessions: int, seed: int = 0, *, turns: int = 4, mean_user_to
             t += rng.expovariate(session_rate)
         sessions.append(Session(key, t, tuple(ts)))
     return SimWorkload(tuple(sessions), block_size, think_s, concurrency)
+
+
+PROFILE_MAX_TURNS = 16
+
+
+def from_profile(profile: dict, num_requests: int, request_rate: float, seed: int = 0,
+                 block_size: int = 32) -> SimWorkload:
+    """Generated sessions (multi_turn) shaped like a `kvfleet profile --json` workload: turns per session from the
+    follow-up share f (a session of T turns has T-1 follow-ups: T = 1 / (1 - f), at most PROFILE_MAX_TURNS), the
+    output's mean tokens (the replies later turns resend), user turns sized so the mean prompt matches, and
+    sessions arriving as a Poisson process at request_rate / T; user turns log-normal with the spread of the profile's
+    prompts (mean over median), up to its longest prompt. A shared-prefix share of at least half gives two
+    shared system prompts of a quarter of the median prompt (capped at 2,048 tokens); below it, each session its own
+    (the profile gives the share, not the prefix's length: that quarter is this generator's assumption)."""
+    try:
+        prompt, output = profile["prompt_tokens"], profile["output_tokens"]
+        follow_up, shared = float(profile["follow_up_share"]), float(profile["shared_prefix_share"])
+        mean_prompt, median_prompt, mean_output = float(prompt["mean"]), float(prompt["p50"]), float(output["mean"])
+        max_prompt = int(prompt["max"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"not a `kvfleet profile --json` file (missing or bad {e})") from e
+    if not (median_prompt >= 1 and mean_output >= 1 and 0 <= follow_up <= 1 and 0 <= shared <= 1):
+        raise ValueError("the profile's prompt and output means must be >= 1 and its shares within [0, 1]")
+    turns = max(1, min(PROFILE_MAX_TURNS, round(1 / (1 - follow_up)) if follow_up < 1 else PROFILE_MAX_TURNS))
+    out_tokens = max(1, round(mean_output))
+    sessions = max(1, round(num_requests / turns))
+    system_prompts = 2 if shared >= 0.5 else sessions
+    system_tokens = max(1, min(2048, round(median_prompt / 4))) if shared >= 0.5 else 8
+    # mean prompt over turns k = 1..T: system + k user turns + (k - 1) replies (plus a few role tokens each)
+    user = (mean_prompt - system_tokens - out_tokens * (turns - 1) / 2) / ((turns + 1) / 2)
+    # log-normal: mean / median = exp(sigma^2 / 2), the prompt's spread given to the user turns
+    sigma = min(1.5, max(0.1, math.sqrt(2 * math.log(max(mean_prompt / median_prompt, 1.0)))))
+    return multi_turn(sessions, seed, turns=turns, mean_user_tokens=max(4.0, user), reply_tokens=out_tokens,
+                      output_tokens=out_tokens, system_prompts=system_prompts, system_tokens=system_tokens,
+                      session_rate=request_rate / turns, block_size=block_size, sigma=sigma,
+                      max_user_tokens=max(max_prompt, 4))

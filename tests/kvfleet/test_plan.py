@@ -29,3 +29,43 @@ def test_bad_flags_are_named(capsys):
     with pytest.raises(SystemExit):
         main(["--rate", "0", "--ttft-ms", "1", "--tpot-ms", "1"])
     assert "--rate must be > 0" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory):
+    """`kvfleet profile --json` of the shipped tiny trace (0.5 requests/s)."""
+    import json
+    from pathlib import Path
+
+    from kvfleet.profile import profile, read_requests
+
+    path = tmp_path_factory.mktemp("profile") / "profile.json"
+    trace = Path(__file__).parent / "data" / "tiny_trace.jsonl"
+    path.write_text(json.dumps(profile(read_requests(trace))))
+    return str(path)
+
+
+def test_a_plan_from_a_profile_meets_the_targets_and_one_replica_fewer_does_not(capsys, tiny_profile):
+    args = ["--profile", tiny_profile, "--requests", "300", "--rate", "6", "--ttft-ms", "2000", "--tpot-ms", "100"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("300 requests at 6/s")
+    n = int(out.strip().splitlines()[-1].split("plan: ")[1].split(" replicas")[0])
+    rows = {int(line.split()[0]): float(line.split("attainment ")[1].split(",")[0])
+            for line in out.splitlines() if "replicas: attainment" in line}
+    assert n > 1 and rows[n] >= 0.9 and rows[n - 1] < 0.9
+
+
+def test_a_profile_gives_its_own_rate_and_a_bad_one_is_named(capsys, tiny_profile, tmp_path):
+    assert main(["--profile", tiny_profile, "--requests", "60", "--ttft-ms", "2000", "--tpot-ms", "100"]) == 0
+    assert capsys.readouterr().out.startswith("60 requests at 0.5/s")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"requests": 3}')
+    for args, message in ((["--profile", str(bad), "--rate", "1"], "not a `kvfleet profile --json` file"),
+                          (["--profile", str(bad)], "--rate is required (the profile has no arrival rate)"),
+                          (["--profile", str(tmp_path / "none.json"), "--rate", "1"], "No such file"),
+                          (["--profile", tiny_profile, "--trace", "x.jsonl"], "not both")):
+        with pytest.raises(SystemExit):
+            main([*args, "--ttft-ms", "2000", "--tpot-ms", "100"])
+        err = capsys.readouterr().err
+        assert message in err

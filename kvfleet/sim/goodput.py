@@ -27,6 +27,7 @@ from kvfleet.sim.fleet import SimConfig, Simulator
 from kvfleet.sim.slo import SLO, attainment, goodput, percentile
 from kvfleet.sim.table import _ints, add_link_args, add_workload_args, pull_link, speedup, workload
 from kvfleet.sim.workload import SimWorkload
+from router.pools.choice import SLO_UNATTAINABLE
 
 DEFAULT_SLO = {"mooncake": (100.0, 0.15), "sessions": (10.0, 0.15)}  # (TTFT, TPOT) s at the cost model's speed
 
@@ -60,8 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-policy", default="least-load")
     ap.add_argument("--slo-placement", action="store_true",
                     help="every request carries the TTFT and TPOT targets: the router places it where its latency "
-                         "models (fitted on the simulated streams) predict both met, and the engines serve prompts "
-                         "earliest TTFT deadline first and keep steps under the TPOT target, as kvfleet's do")
+                         "models (fitted on the simulated streams) predict both met, and refuses it (429 "
+                         "slo_unattainable, a miss) where none is, as a pool does by default; the engines serve "
+                         "prompts earliest TTFT deadline first and keep steps under the TPOT target, as kvfleet's do")
+    ap.add_argument("--slo-unattainable", choices=SLO_UNATTAINABLE, default="refuse",
+                    help="with --slo-placement: what the router does with a request no replica is predicted to meet "
+                         "(the pool setting; default refuse)")
     a = ap.parse_args(argv)
     if a.format == "sessions" and a.session_rate is None:
         raise SystemExit("goodput: generated sessions need --session-rate (an open loop has a rate to scale)")
@@ -74,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"<!-- {base.num_requests} requests at {request_rate(base):.3f}/s (x1); SLO at the cost model's speed: "
           f"TTFT {slo.ttft_s:g} s, TPOT {slo.tpot_s:g} s, {slo.goal:.0%} of requests -->")
     print("| replicas | fleet | speedup | TTFT / TPOT target | " + " | ".join(f"x{r:g}" for r in rates)
-          + " | goodput, req/s | vs colocated | TTFT p90 / TPOT p90 where it fell short |")
-    print("|---|---|---|---|" + "---|" * len(rates) + "---|---|---|")
+          + " | goodput, req/s | vs colocated | refused at the goodput | TTFT p90 / TPOT p90 where it fell short |")
+    print("|---|---|---|---|" + "---|" * len(rates) + "---|---|---|---|")
     for n in _ints(a.replicas):
         s = speedup(base, n, a.offered_load, cost.prefill_token_s)
         target = slo.scaled(s)
@@ -86,10 +91,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"{n - disagg.prefill_replicas}D)"
             cfg = SimConfig(n, a.policy, cost.scaled(s), a.kv_tokens_per_replica, disagg=disagg,
                             ttft_target_s=target.ttft_s if a.slo_placement else None,
-                            tpot_target_s=target.tpot_s if a.slo_placement else None)
+                            tpot_target_s=target.tpot_s if a.slo_placement else None,
+                            slo_unattainable=a.slo_unattainable)
             cells: list[str] = []
             points: list[tuple[float, float]] = []
             short = "-"
+            refused: list[float] = []  # the share refused at each rate met
             t0 = time.perf_counter()
             for r in rates:
                 wl = at_rate(base, r)
@@ -99,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
                 att = attainment(lat, target)
                 points.append((r * request_rate(base), att))
                 cells.append(f"{att:.2f}")
-                if att < slo.goal:
+                if att >= slo.goal:
+                    refused.append(sim.refused / len(lat))
+                else:
                     ttfts = sorted(x.ttft_s if x.ttft_s is not None else float("inf") for x in lat)
                     tpots = sorted(x.tpot_s for x in lat if x.tpot_s is not None)
                     short = f"{percentile(ttfts, 0.9):.2f} s / {percentile(tpots, 0.9) * 1e3:.0f} ms"
@@ -110,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                 colocated = good
             ratio = f"{good / colocated:.2f}" if colocated else "-"
             print(f"| {n} | {label} | {s:.2f} | {target.ttft_s:.3g} s / {target.tpot_s * 1e3:.3g} ms | "
-                  + " | ".join(cells) + f" | {good:.3f} | {ratio} | {short} |", flush=True)
+                  + " | ".join(cells) + f" | {good:.3f} | {ratio} | {refused[-1] if refused else 0:.1%} | {short} |",
+                  flush=True)
             print(f"<!-- {n} {split}: {time.perf_counter() - t0:.0f} s -->", file=sys.stderr)
     return 0
 

@@ -28,7 +28,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvfleet.sim.cost import COST_MODELS
+from kvfleet.sim.cost import COST_MODELS, CostModel
 from kvfleet.sim.fleet import SimConfig, Simulator
 from kvfleet.sim.goodput import at_rate, request_rate
 from kvfleet.sim.slo import SLO, attainment, percentile
@@ -86,15 +86,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{wl.num_requests} requests at {a.rate:g}/s; targets TTFT {a.ttft_ms:g} ms, TPOT {a.tpot_ms:g} ms for "
           f"{a.goal:.0%}; engines: {a.cost_model} x{a.engine_speedup:g}, {a.kv_tokens_per_replica:,} KV tokens each; "
           f"policy {a.policy}")
-    tried: dict[int, float] = {}
+    # more misses than this and the goal is out of reach: a size's run stops there (a small fleet under a heavy
+    # load would otherwise simulate every queued request's late first token)
+    limit = int(wl.num_requests * (1 - a.goal) + 1e-9)
+    if sum(1 for s in wl.sessions for t in s.turns if not idle_meets(t.output_tokens, cost, slo)) > limit:
+        print("no fleet meets the targets (a request alone on an idle replica misses them: the targets need faster "
+              "engines, not more of them)")
+        return 1
+    tried: dict[int, float] = {}  # sizes run to the end: their attainment
 
     def meets(n: int) -> bool:
         sim = Simulator(SimConfig(n, a.policy, cost, a.kv_tokens_per_replica, ttft_target_s=slo.ttft_s,
-                                  tpot_target_s=slo.tpot_s), wl)
+                                  tpot_target_s=slo.tpot_s, stop_after_misses=limit), wl)
         sim.run()
         lat = sim.latencies()
-        tried[n] = att = attainment(lat, slo)
+        if sim.stopped:
+            print(f"  {n:4d} replicas: attainment below {a.goal:g}: more than {limit:,} of {wl.num_requests:,} "
+                  f"requests missed ({sim.refused:,} refused) by {sim.now:.0f} s, where the run stopped", flush=True)
+            return False
         refused = f", refused {sim.refused / len(lat):.1%}" if sim.refused else ""
+        tried[n] = att = attainment(lat, slo)
         ttfts = sorted(x.ttft_s if x.ttft_s is not None else float("inf") for x in lat)
         tpots = sorted(x.tpot_s for x in lat if x.tpot_s is not None)
         tpot90 = f"{percentile(tpots, 0.9) * 1000:.0f} ms" if tpots else "-"
@@ -110,14 +121,23 @@ def main(argv: list[str] | None = None) -> int:
 
     n = smallest(meets, a.max_replicas, stalled)
     if n is None:
-        best = max(tried.values())
+        best = max(tried.values(), default=None)
         why = (f"attainment stops growing at about {best:.3f}: the targets need faster engines, not more of them"
-               if stalled() else f"up to {a.max_replicas} replicas reach {best:.3f}")
+               if stalled() else f"up to {a.max_replicas} replicas reach "
+               + (f"{best:.3f}" if best is not None else f"less than {a.goal:g}"))
         print(f"no fleet meets the targets ({why})")
         return 1
-    below = f"; {n - 1} reach {tried[n - 1]:.3f}" if n - 1 in tried else ""
+    below = (f"; {n - 1} reach {tried[n - 1]:.3f}" if n - 1 in tried
+             else f"; {n - 1} stay below {a.goal:g}" if n > 1 else "")
     print(f"plan: {n} replicas (attainment {tried[n]:.3f} >= {a.goal:g}{below})")
     return 0
+
+
+def idle_meets(output_tokens: int, cost: CostModel, slo: SLO) -> bool:
+    """Whether a request could meet the targets at best: alone on an idle replica with all of its prompt but one
+    token cached (first token in one step of one prompt token; later ones in steps of its decode alone)."""
+    return (cost.step_s(1, 0) <= slo.ttft_s
+            and (output_tokens <= 1 or cost.step_s(0, 1) <= slo.tpot_s))
 
 
 def _read_profile(ap: argparse.ArgumentParser, path: str) -> dict:

@@ -114,6 +114,8 @@ class SimEngine:
         self.reload_s = 0.0  # reload time the next planned step carries (sequences it admitted from the tier)
         self.reloaded_blocks = 0
         self.waiting: deque[SimSeq] = deque()
+        self._ordered_len = 0  # the waiting queue's length after _admit last ordered and admitted from it
+        self._order_valid_until = math.inf  # when a live TTFT target in it passes (its order changes)
         self.running: list[SimSeq] = []
         self.plan: _Plan | None = None
         self.version = 0  # bumped whenever the planned end of the step stretch moves
@@ -228,8 +230,8 @@ class SimEngine:
 
     def _admit(self, now: float) -> None:
         pool = self.pool
-        if len(self.waiting) > 1 and any(s.ttft_target is not None for s in self.waiting):
-            self.waiting = deque(sorted(self.waiting, key=lambda s: s.due(now)))
+        if len(self.waiting) > 1 and (len(self.waiting) != self._ordered_len or now > self._order_valid_until):
+            self._order(now)
         # blocks running prefills are computing: a waiting sequence whose next block is one of them waits to hit it
         # (those behind it may go first), as the engine's scheduler does (engine/scheduler.py)
         computing = {h for r in self.running if r.computed < r.prompt for h in r.hashes[r.registered:]}
@@ -247,7 +249,7 @@ class SimEngine:
                 continue
             new = self._blocks_needed(s) - len(hits)
             if new + sum(1 for b in hits if b.ref_cnt == 0) > pool.num_free_blocks:
-                return  # head of line waits for blocks to free
+                break  # head of line waits for blocks to free
             del self.waiting[i]
             pool.touch(hits)
             reload = self._reload(s.hashes[len(hits):])  # before allocating: its evictions may fill the tier
@@ -262,6 +264,16 @@ class SimEngine:
             self.running.append(s)
             if s.computed < s.prompt:
                 computing.update(s.hashes[s.registered:])
+        self._ordered_len = len(self.waiting)
+
+    def _order(self, now: float) -> None:
+        """The waiting queue earliest due first (when some has a TTFT target). The order holds until a sequence
+        joins the queue (only admission, which keeps it, removes one) or a live target passes: `_admit` sorts again
+        only then, so a long queue is not sorted at every step."""
+        timed = [s.arrival + s.ttft_target for s in self.waiting if s.ttft_target is not None]
+        if timed:
+            self.waiting = deque(sorted(self.waiting, key=lambda s: s.due(now)))
+        self._order_valid_until = min((t for t in timed if t >= now), default=math.inf)
 
     def _reload(self, hashes: tuple[int, ...]) -> list[int]:
         """The leading run of `hashes` the tier holds; their reload time goes to the next step."""

@@ -71,6 +71,8 @@ class SimConfig:
     ttft_target_s: float | None = None  # every request's TTFT target: placed where the router predicts it met
     tpot_target_s: float | None = None  # every request's TPOT target, likewise
     slo_unattainable: str = "refuse"  # a request no replica is predicted to meet: refused (429), or "best_effort"
+    stop_after_misses: int | None = None  # with targets: stop once more requests than this missed them (refused,
+    # dropped, or done late): the attainment is then known to be below 1 - that / requests (`Simulator.stopped`)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -126,6 +128,8 @@ class Simulator:
         self.results: list[TurnResult] = []
         self.dropped = 0
         self.refused = 0  # 429 slo_unattainable at the router (SimConfig.slo_unattainable "refuse")
+        self.misses = 0  # requests that missed so far: refused, dropped, or done past a target
+        self.stopped = False  # the run stopped at SimConfig.stop_after_misses, before every request was served
         self.replicas_over_time: list[tuple[float, int]] = []
         self._last_replica: dict[int, str] = {}
         self.follow_ups = self.follow_ups_home = 0
@@ -167,10 +171,14 @@ class Simulator:
         if self.cfg.autoscale is not None:
             self._hpa = HPA(self.cfg.autoscale.spec())
             self.at(self.cfg.autoscale.sync_s, self._autoscale)
+        limit = self.cfg.stop_after_misses
         while self._events:
             t, _, fn = heapq.heappop(self._events)
             self.now = t
             fn(t)
+            if limit is not None and self.misses > limit:
+                self.stopped = True
+                break
         return self.summary()
 
     def _next_session(self, t: float) -> None:
@@ -254,6 +262,7 @@ class Simulator:
                               self.cfg.ttft_target_s, self.cfg.tpot_target_s)
         if self.cfg.slo_unattainable == "refuse" and self.router.placement.unattainable(prompt, t) is not None:
             self.refused += 1  # as the HTTP router's admission (router/routing/fleet.py slo_refusal): no latency
+            self.misses += 1
             self.results.append(TurnResult(si, ti, "", t, num_blocks=turn.num_blocks))
             self._turn_done(t, si, ti)
             return
@@ -282,6 +291,7 @@ class Simulator:
                      ttft_target=self.cfg.ttft_target_s, tpot_target=None if disagg else self.cfg.tpot_target_s)
         if not engine.fits(seq):
             self.dropped += 1
+            self.misses += 1
             router.on_done(d.url, ticket)
             self._turn_done(t, si, ti)
             return
@@ -310,6 +320,7 @@ class Simulator:
                      tpot_target=self.cfg.tpot_target_s)
         if not engine.fits(seq):
             self.dropped += 1
+            self.misses += 1
             router.on_done(d.url, ticket)
             self._turn_done(t, si, ti)
             return
@@ -319,6 +330,9 @@ class Simulator:
         first, end = _times(seq)
         res.ttft_s = first - res.arrival_s
         res.tpot_s = (end - first) / (seq.output - 1) if seq.output > 1 else None
+        ttft, tpot = self.cfg.ttft_target_s, self.cfg.tpot_target_s
+        self.misses += ((ttft is not None and res.ttft_s > ttft)
+                        or (tpot is not None and res.tpot_s is not None and res.tpot_s > tpot))
         self._turn_done(end, si, ti)
 
     def _pulled(self, engine: SimEngine, source: SimEngine, seq: SimSeq, t: float) -> None:

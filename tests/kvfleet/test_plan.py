@@ -14,15 +14,38 @@ def test_a_plan_meets_the_targets_and_one_replica_fewer_does_not(capsys):
     out = capsys.readouterr().out
     plan = out.strip().splitlines()[-1]
     n = int(plan.split("plan: ")[1].split(" replicas")[0])
-    rows = {int(line.split()[0]): float(line.split("attainment ")[1].split(",")[0])
-            for line in out.splitlines() if "replicas: attainment" in line}
+    rows = _attainments(out)
     assert rows[n] >= 0.9 and rows[n - 1] < 0.9
+
+
+def _attainments(out: str) -> dict[int, float]:
+    """Each size's attainment from the plan's lines (0.0 for a run stopped once the goal was out of reach)."""
+    rows = {}
+    for line in out.splitlines():
+        if "replicas: attainment" in line:
+            value = line.split("attainment ")[1].split(",")[0].split(":")[0]
+            rows[int(line.split()[0])] = 0.0 if value.startswith("below") else float(value)
+    return rows
+
+
+def test_a_size_stops_once_the_goal_is_out_of_reach(capsys):
+    """1 replica at 6 requests/s: more than 10% of the 1,200 requests miss long before the last arrives."""
+    args = ["--format", "sessions", "--sessions", "300", "--rate", "6", "--ttft-ms", "8000", "--tpot-ms", "100",
+            "--max-replicas", "1"]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("     1 replicas"))
+    assert "attainment below 0.9: more than 120 of 1,200 requests missed" in line
+    assert float(line.split(" by ")[1].split(" s,")[0]) < 200  # the arrivals span 200 s
+    assert "up to 1 replicas reach less than 0.9" in out
 
 
 def test_targets_no_fleet_can_meet_stop_the_search(capsys):
     args = ["--format", "sessions", "--sessions", "60", "--rate", "2", "--ttft-ms", "1", "--tpot-ms", "1"]
     assert main(args) == 1
-    assert "faster engines, not more of them" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "a request alone on an idle replica misses them" in out and "faster engines, not more of them" in out
+    assert "replicas:" not in out  # known before any size is simulated
 
 
 def test_bad_flags_are_named(capsys):
@@ -51,8 +74,7 @@ def test_a_plan_from_a_profile_meets_the_targets_and_one_replica_fewer_does_not(
     out = capsys.readouterr().out
     assert out.startswith("300 requests at 6/s")
     n = int(out.strip().splitlines()[-1].split("plan: ")[1].split(" replicas")[0])
-    rows = {int(line.split()[0]): float(line.split("attainment ")[1].split(",")[0])
-            for line in out.splitlines() if "replicas: attainment" in line}
+    rows = _attainments(out)
     assert n > 1 and rows[n] >= 0.9 and rows[n - 1] < 0.9
 
 

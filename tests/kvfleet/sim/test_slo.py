@@ -89,3 +89,19 @@ def test_the_simulated_router_refuses_what_no_replica_is_predicted_to_meet_as_th
         assert attainment(sim.latencies(), SLO(target_s, 1.0)) == 0.0
     else:
         assert out["refused"] == 0
+
+
+def test_a_run_stops_once_more_requests_missed_than_allowed():
+    from kvfleet.sim.cost import CostModel
+    from kvfleet.sim.fleet import SimConfig, Simulator
+    from kvfleet.sim.workload import multi_turn
+
+    wl = multi_turn(24, seed=3, turns=3, mean_user_tokens=80, reply_tokens=20, output_tokens=8,
+                    system_tokens=64, concurrency=6, think_s=0.05, block_size=16)
+    cost = CostModel(base_s=0.01, prefill_token_s=0.0005, decode_seq_s=0.002)
+    whole = Simulator(SimConfig(3, "kv", cost, 16 * 400, ttft_target_s=0.002), wl)
+    whole.run()
+    assert not whole.stopped and whole.misses == 72  # every first token takes a step of at least 10 ms
+    cut = Simulator(SimConfig(3, "kv", cost, 16 * 400, ttft_target_s=0.002, stop_after_misses=20), wl)
+    cut.run()
+    assert cut.stopped and cut.misses == 21 and cut.now < whole.now

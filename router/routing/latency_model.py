@@ -25,8 +25,7 @@ as the error is judged) over the last `window` observations, columns scaled to u
 out negative is fixed at 0 and the rest refitted, so every feature costs time.
 A request with a TPOT target on a kvfleet engine is predicted at most the step that engine keeps for it
 (`bounded_tpot`). Until `min_samples` observations are in (and some coefficient is positive) `predict` answers None: no
-prediction, no target refused for want of one. `typical_error`, the fit's median relative error over the window,
-is the benefit of the doubt the admission gives a request (Placement.unattainable). Shared by every replica of a router (the engines of one pool run
+prediction, no target refused for want of one. Shared by every replica of a router (the engines of one pool run
 one model on like hardware; a replica's own load is in its features). Pure: no clock, no I/O.
 """
 
@@ -103,7 +102,6 @@ class LatencyModel:
         self.min_samples, self.refit_every = min_samples, refit_every
         self.samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
         self.coefficients: tuple[float, ...] | None = None  # c0 (s), then seconds per unit of each feature
-        self.typical_error = 0.0  # the fit's median |predicted - observed| / observed over the window
         self._new = 0
 
     def observe(self, x: Features, seconds: float) -> None:
@@ -143,4 +141,3 @@ class LatencyModel:
                 break
             keep = [k for k in keep if k not in negative]
         self.coefficients = tuple(float(v) for v in coef) if coef.any() else None
-        self.typical_error = float(np.median(np.abs(a @ coef - y))) if coef.any() else 0.0

@@ -357,18 +357,15 @@ class Placement:
 
     def unattainable(self, prompt: Prompt, now: float, pool: str = DEFAULT_POOL) -> Unattainable | None:
         """The request's first target (TTFT, then TPOT) that no routable replica of `pool` is predicted to meet,
-        even allowing for the model's typical error (the best prediction over the target times 1 + the fit's median
-        relative error: a model typically 20% off refuses nothing predicted within 1.2x), with the best prediction;
-        None when every target it carries is predicted met somewhere, or while the model for it is not ready (no
-        prediction: nothing is unattainable). The admission's one rule: the HTTP
+        with the best prediction; None when every target it carries is predicted met somewhere, or while the
+        model for it is not ready (no prediction: nothing is unattainable). The admission's one rule: the HTTP
         router refuses such a request (or serves it best effort), the simulator likewise."""
-        for which, target, predict, model in (
-                ("ttft", getattr(prompt, "ttft_target_s", None), self.predict_ttft, self.ttft),
-                ("tpot", getattr(prompt, "tpot_target_s", None), self.predict_tpot, self.tpot)):
+        for which, target, predict in (("ttft", getattr(prompt, "ttft_target_s", None), self.predict_ttft),
+                                       ("tpot", getattr(prompt, "tpot_target_s", None), self.predict_tpot)):
             if target is None:
                 continue
             predicted = predict(prompt, now, pool)
-            if predicted and (best := min(predicted.values())) > target * (1 + model.typical_error):
+            if predicted and (best := min(predicted.values())) > target:
                 return Unattainable(which, target, best)
         return None
 

@@ -15,7 +15,14 @@ import torch
 from torch import nn
 
 from engine.kernels import cpu_ops
-from engine.model.cpu_linear import q4_projections, q8_head, swap_modules, use_quant_kernels
+from engine.model.cpu_linear import (
+    Q4_AVX512_MAX_ROWS,
+    q4_projections,
+    q8_head,
+    swap_modules,
+    use_float32_large_steps,
+    use_quant_kernels,
+)
 from engine.model.invariant_linear import use_invariant_linears
 from engine.model.llama import LlamaForCausalLM, QKRotary, RMSNorm, RotaryEmbedding, SiluAndMul
 
@@ -94,6 +101,9 @@ def use_cpu_kernels(model: LlamaForCausalLM, deterministic: bool = False) -> Non
         logger.info("%d projections%s multiply through the checkpoint's packed 4-bit%s weights (%s kernels, "
                     "the same bf16 values)", q4_projections(model), " and the output head" if q8_head(model)
                     else "", " / 8-bit" if q8_head(model) else "", cpu_ops.ops().quant_path())
+    if use_float32_large_steps(model):
+        logger.info("steps of more than %d rows multiply in float32 (oneDNN's bf16 GEMM is the slower one on this "
+                    "CPU)", Q4_AVX512_MAX_ROWS)
 
 
 def _swap_glue(model: LlamaForCausalLM) -> None:

@@ -7,7 +7,8 @@ scales round some weights differently, is not used: tests/engine/model/test_one_
 groups in the float32 checkpoint values and keeps their packed copies on the modules; once the fused
 kernels are in use, `use_quant_kernels` swaps in `Q4Linear` (on AMX, or AVX-512 BF16 for steps of up to
 Q4_AVX512_MAX_ROWS rows) and, on AMX, `Q8Head`, which multiply through them (engine/kernels/quant_gemm.cpp: a
-third of the bytes, exactly the bf16 weights).
+third of the bytes, exactly the bf16 weights). `use_float32_large_steps` multiplies steps of more than
+Q4_AVX512_MAX_ROWS rows in float32 where oneDNN's bf16 GEMM is the slower one (Intel without AMX).
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ Q8_HEAD_MAX_ROWS = 24  # the 8-bit head: 1.5x oneDNN at 1-16 rows, 1.06x at 24, 
 # step in one engine) q4 wins more, its weights a third of the bytes beside the KV reads: 1.07-1.10x at 129 rows,
 # 1.07-1.08x at 194, 0.99-1.02x at 264, 0.97x at 364. The 8-bit head is 0.8-0.9x oneDNN at every row count there, so it stays on oneDNN.
 Q4_AVX512_MAX_ROWS = 256
+LARGE_STEP_ENV = "KVFLEET_LARGE_STEP_GEMM"  # "auto", "bf16" (oneDNN) or "float32": how steps of more rows multiply
+# Intel Xeon with AVX-512 BF16 and no AMX, one thread, 512 x 576 x 1536: oneDNN's bf16 brgemm ~100 GFLOP/s, MKL's
+# float32 ~190 (its VDPBF16PS issues on one port, float32 FMAs on two); whole prompts 1.3-1.4x faster in float32,
+# the bf16 weights cast per call (as fast as a kept float32 copy, and no memory for one). AMD's Zen 4/5 not measured.
 
 Packed = tuple[torch.Tensor, torch.Tensor]
 
@@ -77,7 +82,12 @@ class OneDnnLinear(nn.Module):
         self.packed = _onednn_pack(linear.weight)
         self.q4_packed = q4_packed
 
+        self.float32_from_rows: int | None = None  # steps of at least this many rows multiply in float32
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float32_from_rows is not None and x.shape[0] >= self.float32_from_rows:
+            bias = None if self.bias is None else self.bias.float()
+            return nn.functional.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
@@ -158,6 +168,32 @@ def use_quant_kernels(model: LlamaForCausalLM) -> None:
     head = model.output_head
     if path == "amx" and isinstance(head, OneDnnHead) and head.q8_packed is not None:
         model.output_head = Q8Head(head.q8_packed, head)
+
+
+def float32_large_steps(path: str, vendor: str, setting: str = "auto") -> bool:
+    """Whether steps of more than Q4_AVX512_MAX_ROWS rows multiply in float32 rather than oneDNN bf16: `setting`
+    (LARGE_STEP_ENV) "float32" or "bf16" says; "auto" chooses float32 on Intel CPUs with AVX-512 BF16 and no AMX
+    (`path` "avx512_bf16", `vendor` "GenuineIntel"), where it is measured faster; elsewhere bf16 (AMX runs every
+    step through the packed kernels, AMD's AVX-512 BF16 is not measured, CPUs without it load float32 models)."""
+    if setting not in ("auto", "bf16", "float32"):
+        raise ValueError(f"{LARGE_STEP_ENV} must be 'auto', 'bf16' or 'float32', got {setting!r}")
+    if setting != "auto":
+        return setting == "float32"
+    return path == "avx512_bf16" and vendor == "GenuineIntel"
+
+
+def use_float32_large_steps(model: nn.Module) -> bool:
+    """Where `float32_large_steps` says so, every oneDNN projection of `model` (those the packed kernels hand
+    their larger steps too) multiplies steps of more than Q4_AVX512_MAX_ROWS rows in float32: the same bf16
+    weights and inputs, float32 sums, rounded to bf16 once, as oneDNN's. Returns whether it did."""
+    vendor = next((line.split(b":", 1)[1].strip().decode() for line in cpu_ops.cpu_identity().splitlines()
+                   if line.startswith(b"vendor_id")), "")
+    if not float32_large_steps(cpu_ops.ops().quant_path(), vendor, os.environ.get(LARGE_STEP_ENV, "auto")):
+        return False
+    linears = [m for m in model.modules() if isinstance(m, OneDnnLinear)]
+    for m in linears:
+        m.float32_from_rows = Q4_AVX512_MAX_ROWS + 1
+    return bool(linears)
 
 
 def q4_projections(model: nn.Module) -> int:

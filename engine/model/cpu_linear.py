@@ -81,7 +81,6 @@ class OneDnnLinear(nn.Module):
         self.weight, self.bias = linear.weight, linear.bias
         self.packed = _onednn_pack(linear.weight)
         self.q4_packed = q4_packed
-
         self.float32_from_rows: int | None = None  # steps of at least this many rows multiply in float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -184,7 +183,7 @@ def float32_large_steps(path: str, vendor: str, setting: str = "auto") -> bool:
 
 def use_float32_large_steps(model: nn.Module) -> bool:
     """Where `float32_large_steps` says so, every oneDNN projection of `model` (those the packed kernels hand
-    their larger steps too) multiplies steps of more than Q4_AVX512_MAX_ROWS rows in float32: the same bf16
+    their larger steps to) multiplies steps of more than Q4_AVX512_MAX_ROWS rows in float32: the same bf16
     weights and inputs, float32 sums, rounded to bf16 once, as oneDNN's. Returns whether it did."""
     vendor = next((line.split(b":", 1)[1].strip().decode() for line in cpu_ops.cpu_identity().splitlines()
                    if line.startswith(b"vendor_id")), "")

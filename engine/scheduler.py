@@ -64,7 +64,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from contract.slo import TPOT_MARGIN  # steps are sized to this share of a TPOT target (the model's ~10% error)
+# TPOT_MARGIN: steps are sized to this share of a TPOT target (the model's ~10% error)
+from contract.slo import TPOT_MARGIN
 from engine.config import SchedulerConfig
 from engine.fair_share import FairShare
 from engine.kv.manager import KVCacheManager

@@ -48,7 +48,6 @@ from engine.kv.block_pool import BlockPool, KVCacheBlock
 from kvfleet.sim.cost import CostModel
 from kvfleet.sim.tier import MEDIUM, KVTier, TierSpec
 
-
 BEST_EFFORT_TARGETS = 20  # a sequence past its TTFT target is due this many targets after its arrival
 MIN_CHUNK_TOKENS = 16  # a step bounded for a TPOT target still prefills this much (one engine block: prompts progress)
 

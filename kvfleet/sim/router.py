@@ -62,7 +62,7 @@ class SimRouter:
         d = self.placement.choose(prompt, t)
         if d is None:
             raise RuntimeError("no routable replica")  # the simulator always has one
-        ticket = self.placement.on_routed(d.url, prompt, d.predicted_cached_tokens, t)
+        ticket = self.placement.on_routed(d.url, prompt, d.predicted_cached_tokens, t, prefill=d.prefill)
         assert ticket is not None  # the chosen replica is a member
         return d, ticket
 

@@ -323,7 +323,7 @@ class Fleet:
         if decision is None:
             return None
         ticket = self.placement.on_routed(decision.url, prep, decision.predicted_cached_tokens, self.clock(),
-                                          decision.pull_from)
+                                          decision.pull_from, decision.prefill)
         if ticket is None:  # not a known replica (the policy chooses among them): nothing to lease
             return None
         return Lease(decision, self.replicas[decision.url], ticket, self.clock, self._first_token_of(decision.url),

@@ -1,7 +1,9 @@
 """Predicted time to first token (TTFT) and time per output token (TPOT) on a replica, each fitted online from
 what the router observes on the streams it proxies.
 
-    TTFT seconds ~ c0 + c1 * uncached prompt tokens of the request there
+    TTFT seconds ~ c0 + c1 * the request's prompt work there, in prefill tokens: its uncached prompt tokens, and in
+                             place of a prefix a peer hands over, the pull's measured cost (or the wait for the
+                             peer's own prefill), of one a lower tier holds, its reload (policies/load.py)
                       + c2 * prefill this router knows is ahead there (its own requests' uncached tokens, no token yet;
                              for a request with a TTFT target, only theirs due before it: the engine serves prompts
                              earliest due first)
@@ -43,7 +45,7 @@ MIN_WEIGHT_S = 0.01  # observations faster than this weigh as much as one of 10 
 
 
 class TTFTFeatures(NamedTuple):
-    prompt_tokens: float  # uncached prompt tokens of this request on the replica
+    prompt_tokens: float  # this request's prompt work on the replica, in prefill tokens (uncached, pulled, reloaded)
     ahead_tokens: float  # this router's pending prefill there
     waiting: float  # other routers' waiting requests there
     running: float  # running sequences there
@@ -70,10 +72,11 @@ def _waiting(view: ReplicaView) -> int:
     return max(view.waiting - view.pending, 0)
 
 
-def ttft_features(view: ReplicaView, num_prompt_tokens: int, predicted_cached_tokens: int) -> TTFTFeatures:
+def ttft_features(view: ReplicaView, prompt_tokens: float) -> TTFTFeatures:
+    """prompt_tokens: the request's prompt work on the replica in prefill tokens (policies/load.py prefill_tokens:
+    its uncached tokens, and a peer pull's transfer or a tier's reload in their place)."""
     ahead = view.pending_tokens if view.due_ahead_tokens is None else view.due_ahead_tokens
-    return TTFTFeatures(float(max(num_prompt_tokens - predicted_cached_tokens, 0)), float(ahead),
-                        float(_waiting(view)), float(_running(view)))
+    return TTFTFeatures(float(max(prompt_tokens, 0)), float(ahead), float(_waiting(view)), float(_running(view)))
 
 
 def tpot_features(view: ReplicaView, num_prompt_tokens: int) -> TPOTFeatures:

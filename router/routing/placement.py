@@ -13,7 +13,7 @@ Pure: no I/O, and no clock of its own (every call that needs the time takes `now
     placement.set_members(DEFAULT_POOL, urls)                      # -> Membership(joined, left, elsewhere)
     placement.on_health(url, True, now); placement.on_load(url, load, sent_at, now)
     d = placement.choose(prompt, now)                              # predicted hits, views, policy.choose
-    ticket = placement.on_routed(d.url, prompt, d.predicted_cached_tokens, now)
+    ticket = placement.on_routed(d.url, prompt, d.predicted_cached_tokens, now, d.pull_from, d.prefill)
     placement.on_first_token(d.url, ticket, now); placement.on_decoded(ticket, output_tokens, now)
     placement.on_done(d.url, ticket)
 """
@@ -30,6 +30,7 @@ from router.routing.approx_index import ApproxPrefixIndex
 from router.routing.inflight_prefixes import InflightPrefixes
 from router.routing.latency_model import LatencyModel, tpot_features, ttft_features
 from router.routing.policies import Decision, HashRing, IndexKind, Policy, ReplicaView, RouteRequest
+from router.routing.policies.load import prefill_tokens
 from router.routing.prediction import Prediction, due
 from router.routing.prefix_index import PrefixIndex
 from router.routing.pull_rates import PullRates
@@ -332,20 +333,27 @@ class Placement:
         turn = self.turn
         if not peek:
             self.turn += 1
-        scoring = self.cfg.scoring
-        if scoring.pull_cost_measured:
-            scoring = replace(scoring, pull_token_cost=self.pull_rates.cost(scoring.pull_token_cost))
-        d = self.policy.choose(views, RouteRequest(prompt.num_prompt_tokens, prompt.session_key), scoring, ring,
-                               turn)
+        scoring = self.scoring()
+        req = RouteRequest(prompt.num_prompt_tokens, prompt.session_key)
+        d = self.policy.choose(views, req, scoring, ring, turn)
         if d is not None and d.pull_tokens:
             source = self.prediction.pull_source(d, views)
             pending = any(v.url == d.url and v.peer_on_the_way for v in views)
+            chosen = next(v for v in views if v.url == d.url)
             d = replace(d, pull_from=source, pull_pending=pending) if source is not None else replace(
-                d, pull_tokens=0, predicted_cached_tokens=d.predicted_cached_tokens - d.pull_tokens)
+                d, pull_tokens=0, predicted_cached_tokens=d.predicted_cached_tokens - d.pull_tokens,
+                prefill=prefill_tokens(chosen, req, replace(scoring, pull_token_cost=0.0)))
         elif d is not None and (v := next(v for v in views if v.url == d.url)).pulling_from is not None:
             # its copy there is a pull on its way: this request joins it (the engine starts it if this one is first)
             d = replace(d, pull_from=v.pulling_from, pull_pending=v.pulling_pending)
         return d
+
+    def scoring(self) -> ScoringConfig:
+        """The scoring the policy uses now: with `--pull-token-cost auto`, the pulls' cost the engines measure."""
+        scoring = self.cfg.scoring
+        if scoring.pull_cost_measured:
+            scoring = replace(scoring, pull_token_cost=self.pull_rates.cost(scoring.pull_token_cost))
+        return scoring
 
     def predict_ttft(self, prompt: Prompt, now: float, pool: str = DEFAULT_POOL,
                      excluded: set[str] | frozenset[str] = frozenset()) -> dict[str, float]:
@@ -378,19 +386,21 @@ class Placement:
         return self.prediction.tpot(self.views(prompt, self.members.get(pool, []), now, excluded), prompt)
 
     def on_routed(self, replica: str, prompt: Prompt, predicted_cached_tokens: int, now: float,
-                  pull_from: str | None = None) -> Ticket | None:
+                  pull_from: str | None = None, prefill: float | None = None) -> Ticket | None:
         """The request went to `replica` (None: the replica is not known, nothing to book), to pull its prefix
-        from `pull_from` when given. Its uncached prompt tokens are in flight there, pending prefill until
+        from `pull_from` when given; `prefill`: its prompt work there in prefill tokens as the decision costed it
+        (Decision.prefill; None: its uncached tokens), what the TTFT model learns from. Its uncached prompt tokens
+        are in flight there, pending prefill until
         on_first_token; the attempt counts for the circuit; the approximate index learns where the prompt went,
         for replicas the policy predicts from it, the prompts on their way where the exact one predicts."""
         st = self.replicas.get(replica)
         if st is None:
             return None
         view = st.view(now, self.cfg.stale_s, due_at=due(prompt, now))
-        x = ttft_features(view, prompt.num_prompt_tokens, predicted_cached_tokens)
+        uncached = max(prompt.num_prompt_tokens - predicted_cached_tokens, 0)
+        x = ttft_features(view, uncached if prefill is None else prefill)
         y = tpot_features(view, prompt.num_prompt_tokens)
-        ticket = st.on_dispatch(max(prompt.num_prompt_tokens - predicted_cached_tokens, 0), now,
-                                getattr(prompt, "ttft_target_s", None))
+        ticket = st.on_dispatch(uncached, now, getattr(prompt, "ttft_target_s", None))
         ticket.ttft_features, ticket.predicted_ttft_s = x, self.ttft.predict(x)
         ticket.tpot_features, ticket.predicted_tpot_s = y, self.prediction.tpot_at(view, prompt)
         st.breaker.on_attempt(now)

@@ -11,7 +11,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from router.routing.latency_model import bounded_tpot, tpot_features, ttft_features
-from router.routing.policies import Decision, IndexKind, ReplicaView
+from router.routing.policies import Decision, IndexKind, ReplicaView, RouteRequest
+from router.routing.policies.load import prefill_tokens
 
 NO_PULLS = frozenset({"vllm", "sglang"})  # engines that neither serve nor take a peer pull
 BOUNDS_STEPS = frozenset({"kvfleet"})  # engines that keep their steps under a request's TPOT target
@@ -112,10 +113,13 @@ class Prediction:
         return out
 
     def ttft(self, views: Sequence[ReplicaView], prompt: Prompt) -> dict[str, float]:
-        """Per routable view, the TTFT model's predicted seconds to the first token (none while it is not ready)."""
-        model, n = self.p.ttft, prompt.num_prompt_tokens
+        """Per routable view, the TTFT model's predicted seconds to the first token (none while it is not ready):
+        a cached prefix lowers it, and so does one a peer hands over faster than it is computed (the same prompt
+        work the policy costs, policies/load.py prefill_tokens)."""
+        model, scoring = self.p.ttft, self.p.scoring()
+        req = RouteRequest(prompt.num_prompt_tokens, prompt.session_key)
         return {v.url: s for v in views
-                if v.routable and (s := model.predict(ttft_features(v, n, v.cached_tokens))) is not None}
+                if v.routable and (s := model.predict(ttft_features(v, prefill_tokens(v, req, scoring)))) is not None}
 
     def tpot(self, views: Sequence[ReplicaView], prompt: Prompt) -> dict[str, float]:
         """Per routable view, the TPOT model's predicted seconds per output token (none while it is not ready),

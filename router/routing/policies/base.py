@@ -76,6 +76,7 @@ class Decision:
     pull_tokens: int = 0  # prompt tokens past its own cached prefix to pull from a peer (0: none)
     pull_from: str | None = None  # that peer (Placement.choose names it)
     pull_pending: bool = False  # the peer is still computing it (its copy is on the way): the pull may wait for it
+    prefill: float | None = None  # the prompt's work there in prefill tokens (load.prefill_tokens): what the TTFT model takes
 
 
 class IndexKind(StrEnum):

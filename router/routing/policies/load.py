@@ -106,20 +106,35 @@ def pulled_tokens(view: ReplicaView, req: RouteRequest, cfg: ScoringConfig) -> i
     return extra
 
 
-def cost(view: ReplicaView, load: Load, req: RouteRequest, cfg: ScoringConfig) -> float:
-    """One score in prefill-token units: the uncached prompt (prefix affinity; a prefix pulled from a peer costs
-    its transfer instead, or the peer's prefill ahead when its copy is still being computed and that is longer: the
-    source streams the blocks as its prefill computes them, so the two overlap; a copy on its way there by such a
-    pull, that wait too; one its lower tier holds, its reload), the load ahead, and the load of the request's
-    LoRA adapter where the replica does not hold it (adapter affinity, spread when holders are busy), and a wait
-    for a LoRA slot where every slot runs another adapter."""
+def prompt_work(view: ReplicaView, req: RouteRequest, cfg: ScoringConfig) -> tuple[int, float]:
+    """The request's prompt on the replica: (the tokens it computes there, the rest of its wait for them in
+    prefill-token units). Past its cached prefix, a prefix pulled from a peer costs its transfer, or the peer's
+    prefill ahead when its copy is still being computed and that is longer (the source streams the blocks as its
+    prefill computes them, so the two overlap); a copy on its way there by such a pull, that wait too; one its
+    lower tier holds, its reload. The `kv` cost weighs the first by prefill_weight; the TTFT model takes their
+    sum (router/routing/latency_model.py), so a cache hit and a pull lower the predicted TTFT alike."""
     pulled = pulled_tokens(view, req, cfg)
     uncached = max(req.num_prompt_tokens - view.cached_tokens - view.tier_tokens - pulled, 0)
     if pulled:
         pull = cfg.pull_fixed_tokens + max(cfg.pull_token_cost * pulled, view.peer_wait_tokens)
     else:  # a copy on its way there by a pull (which this request joins) still waits for the source's prefill
         pull = view.peer_wait_tokens if view.pulling_from is not None else 0.0
-    return (cfg.prefill_weight * uncached + pull + cfg.tier_token_cost * view.tier_tokens + load.pending_tokens + cfg.kv_token_cost * load.kv_tokens
+    return uncached, pull + cfg.tier_token_cost * view.tier_tokens
+
+
+def prefill_tokens(view: ReplicaView, req: RouteRequest, cfg: ScoringConfig) -> float:
+    """The request's prompt work on the replica in prefill tokens (prompt_work's two parts together)."""
+    uncached, rest = prompt_work(view, req, cfg)
+    return uncached + rest
+
+
+def cost(view: ReplicaView, load: Load, req: RouteRequest, cfg: ScoringConfig) -> float:
+    """One score in prefill-token units: the prompt's work there (prompt_work: the uncached prompt weighed by
+    prefill_weight for prefix affinity, a pull's transfer, a tier's reload), the load ahead, and the load of the
+    request's LoRA adapter where the replica does not hold it (adapter affinity, spread when holders are busy),
+    and a wait for a LoRA slot where every slot runs another adapter."""
+    uncached, rest = prompt_work(view, req, cfg)
+    return (cfg.prefill_weight * uncached + rest + load.pending_tokens + cfg.kv_token_cost * load.kv_tokens
             + cfg.waiting_cost_tokens * max(load.waiting - load.pending, 0) + cfg.running_cost_tokens * load.running
             + (ADAPTER_LOAD_COST_TOKENS if view.adapter_missing else 0)
             + (ADAPTER_SLOT_WAIT_COST_TOKENS if view.adapter_slots_full else 0))
@@ -153,4 +168,4 @@ def decision(views: Sequence[ReplicaView], loads: list[Load], req: RouteRequest,
     v = views[i]
     pulled = pulled_tokens(v, req, cfg)
     predicted = min(v.cached_tokens + v.tier_tokens + pulled, cacheable_tokens(req.num_prompt_tokens))
-    return Decision(v.url, reason, predicted, cost(v, loads[i], req, cfg), pulled)
+    return Decision(v.url, reason, predicted, cost(v, loads[i], req, cfg), pulled, prefill=prefill_tokens(v, req, cfg))

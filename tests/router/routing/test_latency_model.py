@@ -80,14 +80,14 @@ def test_negative_or_nan_seconds_are_not_observations():
 
 def test_features_read_the_view_as_the_kv_cost_does():
     v = ReplicaView("http://a", running=6, waiting=4, finished=2, new_requests=3, pending=1, pending_tokens=900)
-    assert ttft_features(v, 1000, 256) == TTFTFeatures(744.0, 900.0, 3.0, 7.0)
+    assert ttft_features(v, 744) == TTFTFeatures(744.0, 900.0, 3.0, 7.0)
 
 
 def test_a_request_with_a_ttft_target_counts_ahead_only_the_pending_prefill_due_before_it():
     from dataclasses import replace
 
     v = ReplicaView("http://a", running=6, waiting=4, finished=2, new_requests=3, pending=1, pending_tokens=900)
-    assert ttft_features(replace(v, due_ahead_tokens=120), 1000, 256) == TTFTFeatures(744.0, 120.0, 3.0, 7.0)
+    assert ttft_features(replace(v, due_ahead_tokens=120), 744) == TTFTFeatures(744.0, 120.0, 3.0, 7.0)
     st = ReplicaState("http://a", CircuitBreaker(3, 5.0))
     st.on_dispatch(1000, 0.0)  # batch: no target
     st.on_dispatch(100, 0.5, ttft_target_s=1.0)  # due 1.5

@@ -281,15 +281,15 @@ def test_which_index_predicts_a_replica_by_policy_and_kv_event_state():
 def test_approx_prefix_chooses_exactly_as_kv_on_the_same_predicted_hits():
     cases = [
         ([ReplicaView(A, cached_tokens=512), ReplicaView(B), ReplicaView(C)], RouteRequest(600), 0,
-         Decision(A, "cache", 512, 88)),
+         Decision(A, "cache", 512, 88, prefill=88)),
         ([ReplicaView(A, cached_tokens=512, waiting=8), ReplicaView(B, cached_tokens=256), ReplicaView(C)],
-         RouteRequest(600), 0, Decision(B, "cache", 256, 344)),  # the hot replica is overloaded: it yields
+         RouteRequest(600), 0, Decision(B, "cache", 256, 344, prefill=344)),  # the hot replica is overloaded: it yields
         ([ReplicaView(A), ReplicaView(B), ReplicaView(C)], RouteRequest(600, "user-42"), 0,
-         Decision(B, "session", 0, 600)),
+         Decision(B, "session", 0, 600, prefill=600)),
         ([ReplicaView(A), ReplicaView(B), ReplicaView(C, running=1)], RouteRequest(100), 1,
-         Decision(B, "least-load", 0, 100)),  # A and B tie: turn 1 takes the second
+         Decision(B, "least-load", 0, 100, prefill=100)),  # A and B tie: turn 1 takes the second
         ([ReplicaView(A, waiting=9), ReplicaView(B, waiting=8, cached_tokens=100)], RouteRequest(600), 0,
-         Decision(B, "all-overloaded", 100, 2548)),
+         Decision(B, "all-overloaded", 100, 2548, prefill=500)),
     ]
     for views, req, turn, expected in cases:
         assert APPROX.choose(views, req, CFG, RING, turn) == expected
@@ -298,7 +298,7 @@ def test_approx_prefix_chooses_exactly_as_kv_on_the_same_predicted_hits():
 
 def test_session_policy_exact_choices():
     views = [ReplicaView(A), ReplicaView(B), ReplicaView(C)]
-    assert SESSION.choose(views, RouteRequest(600, "user-42"), CFG, RING, 0) == Decision(B, "session", 0, 600)
+    assert SESSION.choose(views, RouteRequest(600, "user-42"), CFG, RING, 0) == Decision(B, "session", 0, 600, prefill=600)
     assert SESSION.choose(views, RouteRequest(600, "user-7"), CFG, RING, 5).url == C  # turn does not matter
     # the home replica is overloaded: the key walks on to the next one on its ring (user-42: B → C)
     views = [ReplicaView(A), ReplicaView(B, waiting=8), ReplicaView(C)]
@@ -308,7 +308,7 @@ def test_session_policy_exact_choices():
     assert SESSION.choose(views, RouteRequest(600, "user-42"), CFG, RING, 0).url == C
     # cached tokens mean nothing to it: the ring decides (s2 → A), yet the prediction is reported
     views = [ReplicaView(A), ReplicaView(B, cached_tokens=512), ReplicaView(C)]
-    assert SESSION.choose(views, RouteRequest(600, "s2"), CFG, RING, 0) == Decision(A, "session", 0, 600)
+    assert SESSION.choose(views, RouteRequest(600, "s2"), CFG, RING, 0) == Decision(A, "session", 0, 600, prefill=600)
     # no key: least load, ties rotating with the turn
     views = [ReplicaView(A, running=1), ReplicaView(B), ReplicaView(C)]
     assert [SESSION.choose(views, RouteRequest(600), CFG, RING, k).url for k in range(3)] == [B, C, B]
@@ -318,7 +318,7 @@ def test_session_policy_exact_choices():
 def test_least_load_policy_exact_choices():
     # queued, then KV usage, then this router's in-flight count; ties rotate with the turn
     views = [ReplicaView(A, running=2), ReplicaView(B, running=1, kv_usage=0.4), ReplicaView(C, running=1)]
-    assert LEAST_LOAD.choose(views, RouteRequest(10), CFG, NO_RING, 0) == Decision(C, "least-load", 0, 42)
+    assert LEAST_LOAD.choose(views, RouteRequest(10), CFG, NO_RING, 0) == Decision(C, "least-load", 0, 42, prefill=10)
     views = [ReplicaView(A, inflight=1), ReplicaView(B), ReplicaView(C)]
     assert [LEAST_LOAD.choose(views, RouteRequest(10), CFG, NO_RING, k).url for k in range(3)] == [B, C, B]
     # cache-blind, and it does not leave out overloaded replicas: the emptiest queue wins

@@ -4,6 +4,8 @@ cache alone; the decision names the peer and the tokens to pull. Exact."""
 
 from __future__ import annotations
 
+import pytest
+
 from contract.hashing import hash_blocks
 from router.config import ScoringConfig
 from router.routing.placement import DEFAULT_POOL, Placement, PlacementConfig
@@ -178,3 +180,34 @@ def test_a_replica_whose_metrics_say_vllm_neither_serves_nor_takes_a_pull():
     p = _placement(CHEAP)
     p.replicas[A].engine = p.replicas[B].engine = "kvfleet"
     assert p.choose(_request(), 0.0).pull_from == A
+
+
+def _fitted(scoring: ScoringConfig) -> Placement:
+    """_placement with the TTFT model set by hand: 10 ms + 1 ms per prompt token of work + 2 ms per running sequence."""
+    p = _placement(scoring)
+    p.ttft.coefficients = (0.01, 0.001, 0.0, 0.0, 0.002)
+    return p
+
+
+def test_a_pull_lowers_the_predicted_ttft_as_a_cached_prefix_does():
+    """The TTFT model takes the prompt work the policy costs: on B, 1 token computed and 16 pulled at 0.1 token
+    each plus 1 token's set-up, 3.6 tokens of work, not 17; A's cache hit leaves 1 token but 10 running."""
+    pulls = _fitted(CHEAP).predict_ttft(_request(), 0.0)
+    assert pulls == pytest.approx({A: 0.01 + 0.001 * 1 + 0.002 * 10, B: 0.01 + 0.001 * (1 + 1.0 + 0.1 * 16)})
+    without = _fitted(ScoringConfig()).predict_ttft(_request(), 0.0)
+    assert without == pytest.approx({A: 0.031, B: 0.01 + 0.001 * 17})  # B computes all 17
+    dear = _fitted(ScoringConfig(pull_token_cost=0.9, pull_fixed_tokens=2.0)).predict_ttft(_request(), 0.0)
+    assert dear == without  # a pull dearer than the prefill is not taken, nor counted
+
+
+def test_a_ttft_target_only_a_pull_can_meet_is_met_and_the_ticket_learns_the_work_it_was_predicted_with():
+    targeted = PreparedRequest(list(TOKENS), None, None, False, ttft_target_s=0.02)  # B: 13.6 ms pulling, 27 ms computing
+    assert _fitted(ScoringConfig()).unattainable(targeted, 0.0) is not None  # without pulls: refused
+    p = _fitted(CHEAP)
+    assert p.unattainable(targeted, 0.0) is None
+    d = p.choose(targeted, 0.0)
+    assert (d.url, d.pull_from, d.prefill) == (B, A, pytest.approx(3.6))
+    ticket = p.on_routed(d.url, targeted, d.predicted_cached_tokens, 0.0, d.pull_from, d.prefill)
+    assert ticket.ttft_features.prompt_tokens == pytest.approx(3.6)
+    assert ticket.predicted_ttft_s == pytest.approx(0.0136)
+    assert ticket.tokens == 1  # only the uncached token is prefill ahead on B

@@ -5,6 +5,7 @@
         --engine-speedup 40
     kvfleet profile my_trace.jsonl --json > profile.json
     kvfleet plan --profile profile.json --ttft-ms 2000 --tpot-ms 100      # at the profile's own rate
+    kvfleet plan --format sessions --sessions 300 --rate 6 --ttft-ms 8000 --tpot-ms 100 --disagg
 
 The workload (a Mooncake-format trace, generated multi-turn sessions: the flags `kvfleet sim` takes, or with
 `--profile` sessions generated to the shape `kvfleet profile --json` measured: kvfleet/sim/workload.py
@@ -19,21 +20,30 @@ attainment, kvfleet/sim/slo.py). Attainment grows with the fleet, so the search 
 the targets and then bisects between the last that did not and the first that did; it prints every size it tried,
 and the answer: the smallest size that meets the targets, the one below it not. When two doublings in a row
 raise attainment by less than 0.01, it stops: the engines are too slow for the targets however many there are.
+
+With `--disagg` it also plans the pool disaggregated (kvfleet/sim/disagg.py: prefill replicas hand each prompt's KV
+over a `--link-gbps` link to a decode replica): the fewest prefill and decode replicas that meet the targets
+(kvfleet/split_search.py: each side sized on its own target with the colocated size on the other, grown where it
+helps, shrunk while it meets), every pair it simulated printed with the shares meeting TTFT, TPOT and both.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 from kvfleet.sim.cost import COST_MODELS, CostModel
+from kvfleet.sim.disagg import Disagg
 from kvfleet.sim.fleet import SimConfig, Simulator
 from kvfleet.sim.goodput import at_rate, request_rate
+from kvfleet.sim.link import PullLink
 from kvfleet.sim.slo import SLO, attainment, percentile
 from kvfleet.sim.table import add_workload_args, workload
-from kvfleet.sim.workload import from_profile
+from kvfleet.sim.workload import SimWorkload, from_profile
+from kvfleet.split_search import Shares, Split, fewest_split
 from router.pools.sizing import smallest
 
 
@@ -54,6 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-tokens-per-replica", type=int, default=819_200)
     ap.add_argument("--max-replicas", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--disagg", action="store_true",
+                    help="also plan the pool disaggregated: the fewest prefill and decode replicas that meet the targets")
+    ap.add_argument("--link-gbps", type=float, default=1.0,
+                    help="with --disagg: the prefill-to-decode KV link's bandwidth, GB/s (default 1)")
+    ap.add_argument("--link-latency-ms", type=float, default=2.0,
+                    help="with --disagg: its set-up time per hand-over, ms (default 2)")
+    ap.add_argument("--kv-bytes-per-token", type=int, default=23_040,
+                    help="with --disagg: KV bytes per prompt token (default SmolLM2-135M's)")
     a = ap.parse_args(argv)
     if a.profile and a.trace:
         ap.error("give --profile or --trace, not both")
@@ -64,9 +82,11 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--rate is required" + (" (the profile has no arrival rate)" if profile else ""))
     if a.requests < 1:
         ap.error(f"--requests must be >= 1, got {a.requests}")
-    for name in ("rate", "ttft_ms", "tpot_ms", "engine_speedup"):
+    for name in ("rate", "ttft_ms", "tpot_ms", "engine_speedup", "link_gbps", "kv_bytes_per_token"):
         if not getattr(a, name) > 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(a, name)}")
+    if not a.link_latency_ms >= 0:
+        ap.error(f"--link-latency-ms must be >= 0, got {a.link_latency_ms}")
     if not 0 < a.goal <= 1:
         ap.error(f"--goal must be in (0, 1], got {a.goal}")
     if a.max_replicas < 1:
@@ -126,11 +146,44 @@ def main(argv: list[str] | None = None) -> int:
                if stalled() else f"up to {a.max_replicas} replicas reach "
                + (f"{best:.3f}" if best is not None else f"less than {a.goal:g}"))
         print(f"no fleet meets the targets ({why})")
-        return 1
-    below = (f"; {n - 1} reach {tried[n - 1]:.3f}" if n - 1 in tried
-             else f"; {n - 1} stay below {a.goal:g}" if n > 1 else "")
-    print(f"plan: {n} replicas (attainment {tried[n]:.3f} >= {a.goal:g}{below})")
-    return 0
+        if not a.disagg:
+            return 1
+    else:
+        below = (f"; {n - 1} reach {tried[n - 1]:.3f}" if n - 1 in tried
+                 else f"; {n - 1} stay below {a.goal:g}" if n > 1 else "")
+        print(f"plan: {n} replicas (attainment {tried[n]:.3f} >= {a.goal:g}{below})")
+    if not a.disagg:
+        return 0
+    link = PullLink(a.link_gbps * 1e9, a.link_latency_ms / 1000, a.kv_bytes_per_token)
+    split = plan_split(wl, a, cost, slo, link, n if n is not None else max(tried, default=a.max_replicas))
+    return 0 if split is not None or n is not None else 1
+
+
+def plan_split(wl: SimWorkload, a: argparse.Namespace, cost: CostModel, slo: SLO, link: PullLink,
+               ample: int) -> Split | None:
+    """`--disagg`: the fewest prefill and decode replicas (kvfleet/split_search.py), each side sized with
+    `ample` replicas on the other (the colocated plan's size), every pair simulated whole and printed."""
+    print(f"disaggregated: prompts' KV handed over at {a.link_gbps:g} GB/s + {a.link_latency_ms:g} ms, decode "
+          f"replicas chosen least-load; each side sized with {ample} on the other")
+
+    def run(p: int, d: int) -> Shares:
+        sim = Simulator(SimConfig(p + d, a.policy, cost, a.kv_tokens_per_replica, ttft_target_s=slo.ttft_s,
+                                  tpot_target_s=slo.tpot_s, disagg=Disagg(p, link)), wl)
+        sim.run()
+        lat = sim.latencies()
+        s = Shares(attainment(lat, SLO(slo.ttft_s, math.inf)), attainment(lat, SLO(math.inf, slo.tpot_s)),
+                   attainment(lat, slo))
+        print(f"  {p:4d} prefill + {d:4d} decode: attainment {s.both:.3f} (TTFT met {s.ttft:.3f}, TPOT met "
+              f"{s.tpot:.3f})", flush=True)
+        return s
+
+    split = fewest_split(run, slo.goal, ample, a.max_replicas)
+    if split is None:
+        print(f"no disaggregated split of up to {a.max_replicas} replicas meets the targets")
+        return None
+    print(f"plan (disaggregated): {split.prefill} prefill + {split.decode} decode = {split.prefill + split.decode} "
+          f"replicas (attainment {split.shares.both:.3f} >= {slo.goal:g}; one fewer on either side stays below)")
+    return split
 
 
 def idle_meets(output_tokens: int, cost: CostModel, slo: SLO) -> bool:

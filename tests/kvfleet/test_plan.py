@@ -28,6 +28,26 @@ def _attainments(out: str) -> dict[int, float]:
     return rows
 
 
+def test_a_disaggregated_plan_meets_the_targets_and_a_replica_fewer_on_either_side_does_not(capsys):
+    """A tight TPOT target at 4 requests/s: colocated, prefill chunks share the decodes' steps; split, one decode
+    replica keeps every stream's pace and four prefill replicas the first tokens."""
+    args = ["--format", "sessions", "--sessions", "60", "--rate", "4", "--ttft-ms", "4000", "--tpot-ms", "60",
+            "--disagg"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    colocated = int(out.split("\nplan: ")[1].split(" replicas")[0])
+    plan = out.strip().splitlines()[-1]
+    p, d = (int(x) for x in plan.split("plan (disaggregated): ")[1].split(" = ")[0].replace(" prefill + ", " ")
+            .replace(" decode", "").split())
+    rows = {}
+    for line in out.splitlines():
+        if " prefill + " in line and "attainment" in line and "plan" not in line:
+            words = line.split()
+            rows[(int(words[0]), int(words[3]))] = float(words[6])
+    assert rows[(p, d)] >= 0.9 and rows[(p - 1, d)] < 0.9 and (d == 1 or rows[(p, d - 1)] < 0.9)
+    assert p + d < colocated  # the split needs fewer replicas here
+
+
 def test_a_size_stops_once_the_goal_is_out_of_reach(capsys):
     """1 replica at 6 requests/s: more than 10% of the 1,200 requests miss long before the last arrives."""
     args = ["--format", "sessions", "--sessions", "300", "--rate", "6", "--ttft-ms", "8000", "--tpot-ms", "100",

@@ -11,7 +11,9 @@ a new ~300-word document, `max_tokens` 32, streamed). Every step runs twice, in 
   steps for them.
 Per step and mode: the interactive attainment (the share of those sent that were served with TTFT and TPOT within
 the targets; a refusal or an error is a miss), their TTFT and TPOT p90, and the batch class's output tokens/s;
-for `slo`, how far the router's TTFT and TPOT predictions were from what the streams saw.
+for `slo`, how far the router's TTFT and TPOT predictions were from what the streams saw, and the replicas the
+router says the pool needs for the targets (kvfleet_router_pool_desired_replicas: its last minute, that step and
+the one before it; two engines serve).
 Goodput (DistServe): the highest rate whose attainment is at least `--goal`. The summary gives each mode's goodput,
 their ratio (the issue's target: slo at least 1.5x kv) and the batch throughput ratio per step (target: at least
 0.8x).
@@ -125,6 +127,13 @@ def goodput(rows: list[tuple[float, dict]], goal: float) -> float:
     return max((rate for rate, s in rows if s["attainment"] >= goal), default=0.0)
 
 
+def desired_replicas(metrics: str) -> float:
+    """The router's kvfleet_router_pool_desired_replicas for the default pool (the largest over versions)."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith("kvfleet_router_pool_desired_replicas{") and 'pool="default"' in line]
+    return max(values, default=float("nan"))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rates", default="1.5,2,2.5,3", help="requests/s of each step (both classes together)")
@@ -172,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"errors {s['errors']}", flush=True)
                 if mode == "slo":  # how far the router's predictions were from what this step's streams saw
                     after = httpx.get(router.url + "/metrics").text
+                    print(f"  desired replicas for the targets (two serve): {desired_replicas(after):g}", flush=True)
                     for what, target, low in (("ttft", 0.20, -5.0), ("tpot", 0.15, -0.2)):
                         report(what, target, low, before, after)
         g = {m: goodput(r, ns.goal) for m, r in rows.items()}

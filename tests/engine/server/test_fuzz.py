@@ -3,6 +3,7 @@
 Two generators: schemathesis over the server's own OpenAPI schema (valid and invalid bodies for
 every operation), and hypothesis mutating one field of a valid request into arbitrary JSON. A
 request that would run long is cut by the client timeout, which also exercises abort-on-disconnect.
+Each run draws 30 fresh examples per generator (KVFLEET_FUZZ_EXAMPLES for more).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def call(url: str, method: str, path: str, **kw) -> int | None:
 def test_mutated_bodies_never_5xx(api_server):
     statuses: list[int | None] = []
 
-    @settings(max_examples=int(os.environ.get("KVFLEET_FUZZ_EXAMPLES", "60")), deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=int(os.environ.get("KVFLEET_FUZZ_EXAMPLES", "30")), deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(chat=st.booleans(), field=st.sampled_from(FIELDS), value=json_values, drop=st.booleans())
     def check(chat, field, value, drop):
         body = dict(VALID_CHAT if chat else VALID_COMPLETION)
@@ -67,7 +68,7 @@ def test_schemathesis_openapi_never_5xx(api_server):
     strategy = st.one_of([op.as_strategy() for op in ops if op.path != "/v1/kv/events"])  # endless stream
     seen: list[int | None] = []
 
-    @settings(max_examples=int(os.environ.get("KVFLEET_FUZZ_EXAMPLES", "60")), deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=int(os.environ.get("KVFLEET_FUZZ_EXAMPLES", "30")), deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(case=strategy)
     def check(case):
         try:

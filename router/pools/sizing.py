@@ -13,7 +13,7 @@ sampled every second): both time averages, so neither is biased by when a reques
 `steady_state` answers what a replica predicts at a per-replica rate r: by Little's law a replica holds
 b = r * (TTFT + (output - 1) * TPOT) requests, r * TTFT of them still waiting for their first token with their
 uncached prompts ahead of a new one; TTFT and TPOT are the models' predictions for that load (a request's
-uncached prompt at the `goal` quantile for TTFT: long prompts miss first), iterated from an idle replica up to the
+uncached prompt at the `goal` quantile of the requests with a TTFT target: long prompts miss first), iterated from an idle replica up to the
 fixed point; none where it does not converge (the replica's prefill falls behind: its queue grows without end).
 
 `desired`: the fewest replicas at which both predictions meet the targets (each the `1 - goal` quantile of the
@@ -58,7 +58,7 @@ class Demand:
     rate: float  # requests/s the pool is asked for, all routers
     prompt_tokens: float  # mean
     uncached_tokens: float  # mean
-    uncached_tail: float  # at the goal quantile: the prompt the TTFT target is checked with
+    uncached_tail: float  # at the goal quantile, of the requests with a TTFT target: the prompt it is checked with
     output_tokens: float  # mean
     ttft_target_s: float | None
     tpot_target_s: float | None
@@ -108,12 +108,16 @@ class DemandWindow:
         share = min(own / everyone, 1.0) if everyone > 0 and own > 0 else 1.0
         outputs = [s.output_tokens for s in served if s.output_tokens is not None]
         uncached = [max(s.prompt_tokens - s.cached_tokens, 0) for s in served]
+        # the TTFT target is checked with the prompts of the requests that carry one: a batch class's long prompts
+        # load the replicas (the mean) but owe no first token by a deadline (a tail of theirs would make the target
+        # look unattainable at any size, and the pool ask for nothing)
+        timed = [max(s.prompt_tokens - s.cached_tokens, 0) for s in served if s.ttft_target_s is not None]
         judged = [s.met for s in served if s.met is not None]
         loose = 1.0 - self.goal
         return Demand(rate=len(served) / span / max(share, 1e-3),
                       prompt_tokens=sum(s.prompt_tokens for s in served) / len(served),
                       uncached_tokens=sum(uncached) / len(uncached),
-                      uncached_tail=quantile(uncached, self.goal),
+                      uncached_tail=quantile(timed or uncached, self.goal),
                       output_tokens=sum(outputs) / len(outputs) if outputs else 1.0,
                       ttft_target_s=quantile(ttft_targets, loose) if ttft_targets else None,
                       tpot_target_s=quantile(tpot_targets, loose) if tpot_targets else None,

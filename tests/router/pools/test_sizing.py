@@ -105,6 +105,25 @@ def test_the_window_needs_requests_with_targets_and_takes_the_strict_end_of_them
     assert w3.demand(20.0).output_tokens == 20.0 and w3.demand(20.0).attainment == 22 / 23
 
 
+def test_the_ttft_target_is_checked_with_the_prompts_of_the_requests_that_carry_it():
+    """A batch class without targets sends long prompts beside short targeted ones (the live goodput bench: the
+    tail was a batch prompt, the target unattainable at any size, and the pool asked for nothing at 0.6
+    attainment). Its prompts count in the load (the mean), not in the tail the TTFT target is checked with."""
+    w = DemandWindow(window_s=60.0, min_requests=4, goal=0.9)
+    for i in range(12):
+        w.record(Served(float(i), 100, 0, 20, 0.5, 0.3, None, i % 2 == 0))  # targeted: 100-token prompts
+    for i in range(4):
+        w.record(Served(float(i), 1300, 0, 64, 4.0, None, None, None))  # batch: 1,300 tokens, no target
+    d = w.demand(12.0)
+    assert d.uncached_tail == 100.0 and d.uncached_tokens == (12 * 100 + 4 * 1300) / 16 and d.attainment == 0.5
+    ttft, tpot = model(*TTFT), model(*TPOT)
+    assert desired(ttft, tpot, d, current=2) >= 3  # more replicas: the targets are attainable at some size
+    untimed = DemandWindow(window_s=60.0, min_requests=4, goal=0.9)
+    for i in range(6):
+        untimed.record(Served(float(i), 1300 if i % 3 == 0 else 100, 0, 20, 0.5, None, 1.0, True))  # TPOT only
+    assert untimed.demand(6.0).uncached_tail == 1300.0  # no TTFT target: all prompts, as before
+
+
 @pytest.mark.parametrize("threshold", [1, 2, 3, 7, 8, 9, 100, 512])
 def test_the_search_finds_the_smallest_size_and_tries_the_one_below(threshold):
     tried = []

@@ -77,6 +77,7 @@ def test_report_rejects_non_results(tmp_path):
 
 
 @pytest.mark.model
+@pytest.mark.slow  # the bench against a real engine (~20 s loaded); the same flow runs above against fake engines
 def test_real_engine_multi_turn_resends_history(procs, tmp_path):  # noqa: F811
     port = free_port()
     engine = procs(["-m", "kvfleet", "engine", "--model", "smollm2", "--port", str(port), "--num-threads", "2",

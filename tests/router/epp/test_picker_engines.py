@@ -197,6 +197,7 @@ def _engine_pulls(urls) -> float:
                for t in text)
 
 
+@pytest.mark.slow  # a hit-rate comparison over many turns (~30 s loaded): benchmark-like
 def test_multi_turn_hit_rate_through_the_picker_matches_the_router(procs, engines):
     """Both at their default flags, peer pulls included: each pull the picker decides reaches its engine (the pull
     header is set, never also removed), and the hit rates match within what pulls' timing varies."""

@@ -55,6 +55,8 @@ def requests_until_refused(url: str, key: str, limit: int = 400) -> tuple[int, l
     return limit, usages
 
 
+@pytest.mark.slow  # a capacity comparison (~15 s loaded): benchmark-like; the pricing itself is tested below and in
+# tests/router/tenants/test_pricing.py
 def test_a_mostly_cached_tenant_fits_five_times_the_requests(fleet):
     engine, rt = fleet
     assert httpx.post(rt.url + "/v1/chat/completions", **ask(KEYS["warm"], "Warm up."), timeout=60).status_code == 200

@@ -72,8 +72,8 @@ def plain(url: str, b: dict) -> None:
 def beside(url: str, b: dict, others: int, seed: int) -> tuple:
     """The request sent together with `others` requests of mixed lengths to the same engine."""
     rng = random.Random(seed)
-    side = [{"model": "smollm2", "prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randrange(2, 120))),
-             "max_tokens": rng.randrange(1, 40), "temperature": 0.8, "ignore_eos": True} for _ in range(others)]
+    side = [{"model": "smollm2", "prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randrange(2, 60))),
+             "max_tokens": rng.randrange(1, 30), "temperature": 0.8, "ignore_eos": True} for _ in range(others)]
     with concurrent.futures.ThreadPoolExecutor(others + 1) as pool:
         futs = [pool.submit(plain, url, s) for s in side[: others // 2]]
         mine = pool.submit(complete, url, b)

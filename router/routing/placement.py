@@ -390,9 +390,9 @@ class Placement:
         """The request went to `replica` (None: the replica is not known, nothing to book), to pull its prefix
         from `pull_from` when given; `prefill`: its prompt work there in prefill tokens as the decision costed it
         (Decision.prefill; None: its uncached tokens), what the TTFT model learns from. Its uncached prompt tokens
-        are in flight there, pending prefill until
-        on_first_token; the attempt counts for the circuit; the approximate index learns where the prompt went,
-        for replicas the policy predicts from it, the prompts on their way where the exact one predicts."""
+        are in flight there, pending prefill until on_first_token; the attempt counts for the circuit; the
+        approximate index learns where the prompt went, for replicas the policy predicts from it, the prompts on
+        their way where the exact one predicts."""
         st = self.replicas.get(replica)
         if st is None:
             return None

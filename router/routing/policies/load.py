@@ -128,12 +128,13 @@ def prefill_tokens(view: ReplicaView, req: RouteRequest, cfg: ScoringConfig) -> 
     return uncached + rest
 
 
-def cost(view: ReplicaView, load: Load, req: RouteRequest, cfg: ScoringConfig) -> float:
+def cost(view: ReplicaView, load: Load, req: RouteRequest, cfg: ScoringConfig,
+         work: tuple[int, float] | None = None) -> float:
     """One score in prefill-token units: the prompt's work there (prompt_work: the uncached prompt weighed by
-    prefill_weight for prefix affinity, a pull's transfer, a tier's reload), the load ahead, and the load of the
-    request's LoRA adapter where the replica does not hold it (adapter affinity, spread when holders are busy),
-    and a wait for a LoRA slot where every slot runs another adapter."""
-    uncached, rest = prompt_work(view, req, cfg)
+    prefill_weight for prefix affinity, a pull's transfer, a tier's reload; `work` where the caller has it), the
+    load ahead, and the load of the request's LoRA adapter where the replica does not hold it (adapter affinity,
+    spread when holders are busy), and a wait for a LoRA slot where every slot runs another adapter."""
+    uncached, rest = work if work is not None else prompt_work(view, req, cfg)
     return (cfg.prefill_weight * uncached + rest + load.pending_tokens + cfg.kv_token_cost * load.kv_tokens
             + cfg.waiting_cost_tokens * max(load.waiting - load.pending, 0) + cfg.running_cost_tokens * load.running
             + (ADAPTER_LOAD_COST_TOKENS if view.adapter_missing else 0)
@@ -168,4 +169,5 @@ def decision(views: Sequence[ReplicaView], loads: list[Load], req: RouteRequest,
     v = views[i]
     pulled = pulled_tokens(v, req, cfg)
     predicted = min(v.cached_tokens + v.tier_tokens + pulled, cacheable_tokens(req.num_prompt_tokens))
-    return Decision(v.url, reason, predicted, cost(v, loads[i], req, cfg), pulled, prefill=prefill_tokens(v, req, cfg))
+    work = prompt_work(v, req, cfg)
+    return Decision(v.url, reason, predicted, cost(v, loads[i], req, cfg, work), pulled, prefill=work[0] + work[1])

@@ -126,6 +126,19 @@ class CpuAttentionBackend(TorchAttentionBackend):
             out[e.start:e.start + e.q_len] = o[0].transpose(0, 1)
         return out
 
+    def decode_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """For a caller that runs a decode step's layers itself (engine/model/cpu_decode_stack.py): the block
+        tables, key counts and split that every layer's paged_decode_ takes, as forward() would pass them,
+        validated once; None where forward() would attend some row otherwise (an extend, --deterministic)."""
+        if self.deterministic or dtype not in KERNEL_DTYPES or meta.num_seqs == 0:
+            return None
+        q = torch.empty((meta.num_seqs, num_heads, k_cache.shape[3]), dtype=dtype)
+        plan = self._plan_for(q, k_cache, v_cache, meta)
+        if not isinstance(plan.decode_rows, slice) or plan.decode_rows != slice(0, meta.num_seqs) or plan.extends:
+            return None
+        return plan.decode_tables, plan.decode_lens, plan.split_blocks
+
     def _own_kernel(self, q: torch.Tensor, head_dim: int) -> bool:
         return self._prefill_kernel and q.dtype == torch.bfloat16 and head_dim in PREFILL_HEAD_DIMS \
             and q.stride(1) == head_dim

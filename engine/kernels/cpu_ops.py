@@ -1,7 +1,7 @@
 """The fused CPU kernels, one library `kvfleet_cpu_ops` built from SOURCES: the layer glue
 (`layer_ops.cpp`), paged attention (`attention_ops.cpp`, `prefill_attention.cpp`), the 4/8-bit and tile-order
-bf16 matmuls (`quant_gemm.cpp`), the batch-invariant float32 matmul (`f32_gemm.cpp`) and the LoRA products of
-decode steps (`lora_ops.cpp`).
+bf16 matmuls (`quant_gemm.cpp`), the batch-invariant float32 matmul (`f32_gemm.cpp`), the LoRA products of
+decode steps (`lora_ops.cpp`) and a decode step's decoder layers in one call (`decode_stack.cpp`).
 
 Everyone reaches them through `ops()`, which loads them first (their ops register as torch.ops.kvfleet_cpu).
 The C++ sources are compiled once per machine with the system's C++ compiler (through torch's extension
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 # one library: layer_ops.cpp defines it (TORCH_LIBRARY), the others add to it (TORCH_LIBRARY_FRAGMENT)
 SOURCES = tuple(_HERE / name for name in ("layer_ops.cpp", "attention_ops.cpp", "prefill_attention.cpp", "quant_gemm.cpp",
-                                           "f32_gemm.cpp", "lora_ops.cpp"))
+                                           "f32_gemm.cpp", "lora_ops.cpp", "decode_stack.cpp"))
 HEADERS = tuple(_HERE / name for name in ("cpu_common.h", "paged_scores.h", "amx.h", "quant_formats.h"))
 ENV = "KVFLEET_CPU_KERNELS"  # "auto" (default) or "torch" (off)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17"]  # -fopenmp: ATen's parallel_for
@@ -85,6 +85,12 @@ def ops():
     if not _state.get("ok") and not load():
         raise RuntimeError(f"the fused CPU kernels are unavailable: {_state['why']}")
     return torch.ops.kvfleet_cpu
+
+
+def decode_stack_class():
+    """The DecodeStack class (decode_stack.cpp: a decode step's decoder layers in one call), loaded like ops()."""
+    ops()
+    return torch.classes.kvfleet_cpu.DecodeStack
 
 
 def loaded() -> bool:

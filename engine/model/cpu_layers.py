@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from engine.kernels import cpu_ops
+from engine.model.cpu_decode_stack import use_decode_stack
 from engine.model.cpu_linear import (
     Q4_AVX512_MAX_ROWS,
     q4_projections,
@@ -92,6 +93,7 @@ def use_cpu_kernels(model: LlamaForCausalLM, deterministic: bool = False) -> Non
         if not uses_cpu_kernels(model):
             _swap_glue(model)
         use_invariant_linears(model)
+        model.decode_stack = None  # a view's copy of the shared model's: its projections are not these
         return
     if uses_cpu_kernels(model):
         return
@@ -104,6 +106,8 @@ def use_cpu_kernels(model: LlamaForCausalLM, deterministic: bool = False) -> Non
     if use_float32_large_steps(model):
         logger.info("steps of more than %d rows multiply in float32 (oneDNN's bf16 GEMM is the slower one on this "
                     "CPU)", Q4_AVX512_MAX_ROWS)
+    if use_decode_stack(model):
+        logger.info("decode steps of up to %s sequences run the decoder layers in one native call", model.decode_stack.max_rows)
 
 
 def _swap_glue(model: LlamaForCausalLM) -> None:

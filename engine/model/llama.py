@@ -225,6 +225,9 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.output_head = OutputHead()
+        # (h, rope, kv_caches, meta, backend) -> (h, residual) after every layer, or None: the layers below run.
+        # Set at load where a faster runner of whole decode steps applies (engine/model/cpu_decode_stack.py).
+        self.decode_stack: Callable | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -235,9 +238,13 @@ class LlamaForCausalLM(nn.Module):
         """Float32 logits [len(logits_indices), vocab] for the selected rows of the flattened batch."""
         h = self.embed_tokens(input_ids)
         rope = self.rope(positions, h.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer(h, residual, rope, kv_cache, meta, backend)
+        stacked = None if self.decode_stack is None else self.decode_stack(h, rope, kv_caches, meta, backend)
+        if stacked is not None:
+            h, residual = stacked
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                h, residual = layer(h, residual, rope, kv_cache, meta, backend)
         if logits_indices is not None:
             h, residual = h[logits_indices], residual[logits_indices]
         h, _ = self.norm(h, residual)

@@ -1,0 +1,124 @@
+"""A decode step's layers in one native call (engine/model/cpu_decode_stack.py): the same bits as the Python
+layers, with the packed 4-bit projections (the bundled GGUF) and with oneDNN's (a checkpoint without exact 4-bit
+groups); and the steps it leaves to the layers."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from engine.kernels import cpu_ops
+
+if os.environ.get(cpu_ops.ENV) == "torch":
+    pytest.skip("fused CPU kernels turned off", allow_module_level=True)
+
+from engine.args import EngineArgs  # noqa: E402
+from engine.attention.metadata import AttentionMetadata  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.model.cpu_decode_stack import STACK_ENV, CpuDecodeStack, use_decode_stack  # noqa: E402
+from engine.model.cpu_linear import OneDnnLinear, Q4Linear  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    from tests.engine._tiny_llama import make_tiny_llama
+
+    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny") / "m"))
+
+
+def _engine(model: str, **kw) -> LLMEngine:
+    return LLMEngine(EngineArgs(model=model, dtype="bfloat16", attention_backend="cpu", **kw))
+
+
+class Compare:
+    """Runs each decode step twice from the same caches, through the Python layers and through the stack, and
+    records whether the logits and every cache came out the same bits; other steps run once, as they are."""
+
+    def __init__(self, eng: LLMEngine):
+        self.model, self.stack, self.forward = eng.model, eng.model.decode_stack, eng.model.forward
+        self.results: list[tuple[bool, bool]] = []
+        self.served = 0
+        self.model.forward = self
+
+    def __call__(self, input_ids, positions, kv_caches, meta, backend, logits_indices=None):
+        if not meta.is_decode_only:
+            return self.forward(input_ids, positions, kv_caches, meta, backend, logits_indices)
+        copies = [(k.clone(), v.clone()) for k, v in kv_caches]
+        self.model.decode_stack = None
+        layers = self.forward(input_ids, positions, copies, meta, backend, logits_indices)
+        self.model.decode_stack = self.stack
+        self.served += self.stack(self.model.embed_tokens(input_ids), self.model.rope(positions, torch.bfloat16),
+                                  [(k.clone(), v.clone()) for k, v in kv_caches], meta, backend) is not None
+        stacked = self.forward(input_ids, positions, kv_caches, meta, backend, logits_indices)
+        same_caches = all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(copies, kv_caches, strict=True))
+        self.results.append((torch.equal(layers, stacked), same_caches))
+        return stacked
+
+
+def _run(eng: LLMEngine, prompts: list[list[int]], new_tokens: int) -> None:
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"r{i}", prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0))
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
+@pytest.mark.parametrize("which", ["bundled", "tiny"])
+def test_decode_steps_through_the_stack_are_the_same_bits_as_the_layers(which, tiny_path):
+    eng = _engine("smollm2" if which == "bundled" else tiny_path, num_blocks=64)
+    kind = Q4Linear if which == "bundled" else OneDnnLinear  # the tiny model's random weights: no 4-bit groups
+    assert type(eng.model.layers[0].self_attn.qkv_proj) is kind
+    compare = Compare(eng)
+    rng = random.Random(0)
+    # one stream, then five of different lengths (one crossing a block boundary while decoding)
+    _run(eng, [[rng.randrange(100, 40000) for _ in range(21)]], 6)
+    _run(eng, [[rng.randrange(100, 40000) for _ in range(n)] for n in (3, 14, 16, 30, 47)], 5)
+    assert len(compare.results) == 5 + 4 and compare.served == len(compare.results)
+    assert all(same_logits and same_caches for same_logits, same_caches in compare.results)
+
+
+def test_prefill_steps_and_deterministic_engines_keep_the_layers(tiny_path):
+    eng = _engine(tiny_path, num_blocks=64)
+    stack = eng.model.decode_stack
+    calls: list[tuple[bool, bool]] = []
+
+    def watched(h, rope, kv_caches, meta, backend):
+        out = stack(h, rope, kv_caches, meta, backend)
+        calls.append((meta.is_decode_only, out is not None))
+        return out
+
+    eng.model.decode_stack = watched
+    _run(eng, [[5, 6, 7, 8, 9], [10, 11]], 3)
+    assert (False, False) in calls and (True, True) in calls
+    assert all(decode == served for decode, served in calls)
+    det = LLMEngine(EngineArgs(model=tiny_path, dtype="bfloat16", attention_backend="cpu", num_blocks=64,
+                               deterministic=True), model=(eng.model, eng.hf_config))
+    assert det.model.decode_stack is None and eng.model.decode_stack is watched  # the view's only
+
+
+def test_steps_past_a_projections_row_limit_keep_the_layers(tiny_path):
+    eng = _engine(tiny_path, num_blocks=64)
+    model = eng.model
+    for proj in (m for m in model.modules() if isinstance(m, OneDnnLinear)):
+        proj.float32_from_rows = 9  # as on Intel without AMX, at 257
+    assert use_decode_stack(model) and model.decode_stack.max_rows == 8
+    n = 9
+    meta = AttentionMetadata(slot_mapping=torch.arange(n), query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+                             seq_lens=torch.ones(n, dtype=torch.int32), block_tables=torch.zeros((n, 1), dtype=torch.int32),
+                             max_query_len=1, max_seq_len=1)
+    h = torch.zeros(n, model.config.hidden_size, dtype=torch.bfloat16)
+    assert model.decode_stack(h, model.rope(torch.zeros(n, dtype=torch.long), h.dtype), eng.runner.kv_caches, meta,
+                              eng.runner.backend) is None
+
+
+def test_the_stack_can_be_turned_off_and_a_bad_setting_names_the_variable(tiny_path, monkeypatch):
+    eng = _engine(tiny_path, num_blocks=64)
+    assert isinstance(eng.model.decode_stack, CpuDecodeStack)
+    monkeypatch.setenv(STACK_ENV, "off")
+    assert not use_decode_stack(eng.model) and eng.model.decode_stack is None
+    monkeypatch.setenv(STACK_ENV, "fast")
+    with pytest.raises(ValueError, match=STACK_ENV):
+        use_decode_stack(eng.model)

@@ -227,7 +227,7 @@ class Scheduler:
         return min(budget, len(decodes) + max(room, self.kv.block_size)), half
 
     def _chunk_room_for(self, budget: int, half_room: int | None,
-                        startable: list[tuple[int, int]] | None) -> int | None:
+                        startable: list[tuple[Sequence, int]] | None) -> int | None:
         """The prompt tokens that chunks not finishing this step may take in all (None: no limit beyond the budget):
         at least one block, at most what keeps the step under half its target, when the head of the waiting queue
         can start now and its whole remaining prompt fits the step beside the decodes."""

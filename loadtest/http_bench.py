@@ -3,12 +3,13 @@
     python -m loadtest.http_bench --target kvfleet=http://127.0.0.1:8001 --concurrency 1 16 64
     python -m loadtest.http_bench --with-kvfleet --with-vllm --concurrency 1 16 64 --num-requests 64
     python -m loadtest.http_bench --with-kvfleet --with-vllm --rounds 2   # alternate A B A B on a noisy machine
+    python -m loadtest.http_bench --with-kvfleet --with-llamacpp --concurrency 1 --rounds 2
 
 Every target gets the same seeded chat trace (`kvfleet.workload`) at every concurrency level
 (closed loop: C workers, each sends its next request when the previous one ends). EOS is banned
 (`logit_bias {2: -100}` plus `ignore_eos`) so each request produces exactly its `max_tokens`,
 whichever server answers. Targets run one after the other; `--start NAME=CMD` (or --with-kvfleet /
---with-vllm) launches a server for its turn only and stops it afterwards, so two servers never
+--with-vllm / --with-llamacpp) launches a server for its turn only and stops it afterwards, so two servers never
 share the CPUs. With two or more targets the first is compared against the others as ratios.
 """
 
@@ -28,7 +29,7 @@ import aiohttp
 
 from kvfleet.bench.metrics import percentile as bench_percentile
 from kvfleet.bench.records import record_from_sse
-from kvfleet.bench.targets import Turn, vllm_cmd
+from kvfleet.bench.targets import Turn, llamacpp_cmd, vllm_cmd
 from kvfleet.peers import peers_dir
 from kvfleet.workload import MODES, ChatRequest, generate_trace
 
@@ -167,6 +168,11 @@ def add_target_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--vllm-dtype", choices=VLLM_DTYPES, default="bfloat16")
     ap.add_argument("--vllm-threads-bind", default="0-1",
                     help="VLLM_CPU_OMP_THREADS_BIND for the started vLLM ('' = its default: one core)")
+    ap.add_argument("--with-llamacpp", action="store_true",
+                    help="start llama.cpp's llama-server (../shared/peers/setup_llamacpp.sh) on :8300 for its turn, "
+                         "serving the bundled GGUF")
+    ap.add_argument("--llamacpp-bin", default=None,
+                    help="the llama-server binary (default: <peers-dir>/llamacpp/llama-server)")
     ap.add_argument("--peers-dir", default=str(peers_dir()),
                     help="where vLLM's venv and the converted model are (env KVFLEET_PEERS_DIR; default: .peers/)")
     ap.add_argument("--model", default="smollm2")
@@ -191,8 +197,15 @@ def resolve_targets(a: argparse.Namespace, max_model_len: int = 2048) -> tuple[d
     if a.with_vllm:
         targets.setdefault("vllm", "http://127.0.0.1:8200")
         starts.setdefault("vllm", vllm_cmd(a.vllm_dtype, a.vllm_threads_bind or None, Path(a.peers_dir), max_model_len))
+    if a.with_llamacpp:
+        binary = Path(a.llamacpp_bin) if a.llamacpp_bin else Path(a.peers_dir) / "llamacpp" / "llama-server"
+        if not binary.exists():
+            raise SystemExit(f"--with-llamacpp: no llama-server at {binary}; build it with DIR={binary.parent} bash "
+                             "../shared/peers/setup_llamacpp.sh, or name it with --llamacpp-bin")
+        targets.setdefault("llamacpp", "http://127.0.0.1:8300")
+        starts.setdefault("llamacpp", llamacpp_cmd(binary))
     if not targets:
-        raise SystemExit("give at least one --target NAME=URL (or --with-kvfleet / --with-vllm)")
+        raise SystemExit("give at least one --target NAME=URL (or --with-kvfleet / --with-vllm / --with-llamacpp)")
     return targets, starts
 
 

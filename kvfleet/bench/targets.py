@@ -1,5 +1,5 @@
 """A target server's turn: start it (if it has a start command), wait until it is ready, stop it afterwards; and
-the command that starts vLLM-CPU from the peers folder (kvfleet/peers.py). Used by the stress matrix
+the commands that start vLLM-CPU and llama.cpp's server from the peers folder (kvfleet/peers.py). Used by the stress matrix
 (matrix.py) and the HTTP benchmarks (loadtest/http_bench.py, loadtest/long_stream.py), so two servers never share
 the CPUs.
 """
@@ -28,6 +28,18 @@ def vllm_cmd(dtype: str = "bfloat16", threads_bind: str | None = "0-1", peers: P
     return (f"HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=4 {bind}{shlex.quote(str(vllm_python(peers)))} -m "
             f"vllm.entrypoints.openai.api_server --model {shlex.quote(str(vllm_model_dir(peers, dtype)))} "
             f"--served-model-name smollm2 --host 127.0.0.1 --port 8200 --dtype {dtype} --max-model-len {max_model_len}")
+
+
+def llamacpp_cmd(binary: Path | None = None, threads: int = 2, parallel: int = 64) -> str:
+    """llama.cpp's `llama-server` as ../shared/peers/setup_llamacpp.sh says to serve the bundled GGUF (the same
+    Q4_1 file kvfleet loads): both cores, `parallel` slots over one shared KV pool, flash attention; `binary`
+    defaults to what that script builds with DIR=<peers>/llamacpp."""
+    from engine.model.registry import resolve_model
+
+    binary = binary or peers_dir() / "llamacpp" / "llama-server"
+    gguf = resolve_model("smollm2").path
+    return (f"{shlex.quote(str(binary))} -m {shlex.quote(gguf)} --host 127.0.0.1 --port 8300 -t {threads} "
+            f"-tb {threads} -np {parallel} -kvu -c {1024 * parallel} -fa on --metrics --no-webui -a smollm2")
 
 
 async def wait_ready(url: str, timeout: float, proc: subprocess.Popen | None) -> None:

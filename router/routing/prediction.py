@@ -140,6 +140,8 @@ class Prediction:
         predicted: dict[str, bool] = {}
         for target, seconds in ((ttft, self.ttft(views, prompt) if ttft is not None else {}),
                                 (tpot, self.tpot(views, prompt) if tpot is not None else {})):
+            if target is None:
+                continue
             for url, s in seconds.items():
                 predicted[url] = predicted.get(url, False) or s > target
         slow = {u for u, missed in predicted.items() if missed}

@@ -126,16 +126,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
             out[e.start:e.start + e.q_len] = o[0].transpose(0, 1)
         return out
 
-    def decode_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """For a caller that runs a decode step's layers itself (engine/model/cpu_decode_stack.py): the block
-        tables, key counts and split that every layer's paged_decode_ takes, as forward() would pass them,
-        validated once; None where forward() would attend some row otherwise (an extend, --deterministic)."""
-        if self.deterministic or dtype not in KERNEL_DTYPES or meta.num_seqs == 0:
+    def decode_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor, num_tokens: int,
+                    num_heads: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """For a caller that runs a step's layers itself (engine/model/cpu_decode_stack.py): where forward() would
+        attend every one of the step's rows as a decode row of paged_decode_ (decodes, speculative verification,
+        short extends), the block tables, key counts and split it would pass, validated once; else None."""
+        if self.deterministic or dtype not in KERNEL_DTYPES or num_tokens == 0:
             return None
-        q = torch.empty((meta.num_seqs, num_heads, k_cache.shape[3]), dtype=dtype)
+        hkv, d = k_cache.shape[2], k_cache.shape[3]
+        # strided like the layers' q (a view of the fused qkv rows), so their forward() finds this plan kept
+        q = torch.empty((num_tokens, num_heads + 2 * hkv, d), dtype=dtype)[:, :num_heads]
         plan = self._plan_for(q, k_cache, v_cache, meta)
-        if not isinstance(plan.decode_rows, slice) or plan.decode_rows != slice(0, meta.num_seqs) or plan.extends:
+        if not isinstance(plan.decode_rows, slice) or plan.decode_rows != slice(0, num_tokens) or plan.extends:
             return None
         return plan.decode_tables, plan.decode_lens, plan.split_blocks
 

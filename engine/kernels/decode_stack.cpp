@@ -1,4 +1,4 @@
-// kvfleet CPU kernels: every decoder layer of a decode step in one call from Python (issue 45).
+// kvfleet CPU kernels: every decoder layer of a step in one call from Python (issue 45).
 //
 // A decode step of a 30-layer model makes ~300 kernel calls (norms, projections, rotary, KV write, attention,
 // SiLU x up); made one by one from Python, each pays the interpreter, nn.Module and the dispatcher's Python
@@ -13,7 +13,7 @@
 //                  kind 0, q4_linear: qweight, scales, bias; kind 1, oneDNN's _linear_pointwise: packed weight, an
 //                  unused empty tensor, bias. A bias with no elements is no bias.
 //   run(h, positions, cos_sin, k_caches, v_caches, slots, tables, lens, split_blocks) -> [h, residual]
-//     h            the embedded tokens [n, hidden], one decode token per sequence (consumed: becomes the residual)
+//     h            the embedded tokens [n, hidden], every row one paged_decode_ attends (consumed: becomes the residual)
 //     the rest     what the layers' rotary_, write_kv and paged_decode_ calls take
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>

@@ -1,14 +1,13 @@
-"""A decode step's decoder layers in one native call on CPUs (engine/kernels/decode_stack.cpp), built at load.
+"""A step's decoder layers in one native call on CPUs (engine/kernels/decode_stack.cpp), built at load.
 
 A single stream's decode step on a 2-core Xeon spent ~5.5 of its ~15 ms between the kernels: ~300 calls
 from Python (nn.Module, argument parsing, the dispatcher's Python binding), ten per layer. `use_decode_stack(model)`
 (use_cpu_kernels calls it last) collects every layer's weights as the fused kernels left them into one
 `kvfleet_cpu.DecodeStack`; `LlamaForCausalLM.forward` offers it each step, and it runs all the layers in a C++
 loop when the step is one it serves, else returns None and the Python layers run:
-- decode only: one new token per sequence (the runner's decode path; speculative verification and prefills
-  are not);
-- the `cpu` attention backend would attend every row as a decode (`CpuAttentionBackend.decode_plan`), so not
-  under --deterministic;
+- the `cpu` attention backend would attend every row of the step as a decode row of its paged kernel
+  (`CpuAttentionBackend.decode_plan`): decodes, speculative verification, short prompts and extends; not longer
+  prompts (its prefill kernel or SDPA), nor any step under --deterministic;
 - no row under a LoRA adapter (an idle LoRA wrapper calls the projection it wraps, as here);
 - every projection takes the path it was built with at this many rows (a packed 4-bit projection hands steps
   of more than its max_rows to oneDNN; oneDNN's hands steps from float32_from_rows rows to float32).
@@ -35,7 +34,7 @@ _NO_BIAS = torch.empty(0)
 
 
 class CpuDecodeStack:
-    """The model's layers for decode steps of up to max_rows sequences; see the module docstring."""
+    """The model's layers for steps of up to max_rows rows, each a decode row; see the module docstring."""
 
     def __init__(self, model: LlamaForCausalLM, projections: list, max_rows: int | float):
         cfg = model.config
@@ -62,11 +61,10 @@ class CpuDecodeStack:
     def __call__(self, h: torch.Tensor, rope, kv_caches, meta, backend) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(h, residual) after every layer, or None where this step is not one the stack serves."""
         n = h.shape[0]
-        if (not meta.is_decode_only or n > self.max_rows or meta.num_seqs != n or type(backend) is not CpuAttentionBackend
-                or not self._projections_unchanged()):
+        if n > self.max_rows or type(backend) is not CpuAttentionBackend or not self._projections_unchanged():
             return None
         k0, v0 = kv_caches[0]
-        plan = backend.decode_plan(meta, k0, v0, self.num_heads, h.dtype)
+        plan = backend.decode_plan(meta, k0, v0, n, self.num_heads, h.dtype)
         if plan is None:
             return None
         tables, lens, split = plan

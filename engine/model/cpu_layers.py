@@ -107,7 +107,7 @@ def use_cpu_kernels(model: LlamaForCausalLM, deterministic: bool = False) -> Non
         logger.info("steps of more than %d rows multiply in float32 (oneDNN's bf16 GEMM is the slower one on this "
                     "CPU)", Q4_AVX512_MAX_ROWS)
     if use_decode_stack(model):
-        logger.info("decode steps of up to %s sequences run the decoder layers in one native call", model.decode_stack.max_rows)
+        logger.info("steps of up to %s decode rows run the decoder layers in one native call", model.decode_stack.max_rows)
 
 
 def _swap_glue(model: LlamaForCausalLM) -> None:

@@ -226,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.output_head = OutputHead()
         # (h, rope, kv_caches, meta, backend) -> (h, residual) after every layer, or None: the layers below run.
-        # Set at load where a faster runner of whole decode steps applies (engine/model/cpu_decode_stack.py).
+        # Set at load where a faster runner of whole steps applies (engine/model/cpu_decode_stack.py).
         self.decode_stack: Callable | None = None
 
     @property

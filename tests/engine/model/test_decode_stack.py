@@ -24,38 +24,52 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 
 
 @pytest.fixture(scope="module")
+def bundled():
+    from engine.model.loader import load_model
+    from engine.model.registry import resolve_model
+
+    return load_model(resolve_model("smollm2"), torch.bfloat16, "cpu", 2048)
+
+
+@pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     from tests.engine._tiny_llama import make_tiny_llama
 
     return make_tiny_llama(str(tmp_path_factory.mktemp("tiny") / "m"))
 
 
-def _engine(model: str, **kw) -> LLMEngine:
-    return LLMEngine(EngineArgs(model=model, dtype="bfloat16", attention_backend="cpu", **kw))
+def _engine(model: str, loaded=None, **kw) -> LLMEngine:
+    return LLMEngine(EngineArgs(model=model, dtype="bfloat16", attention_backend="cpu", **kw), model=loaded)
 
 
 class Compare:
-    """Runs each decode step twice from the same caches, through the Python layers and through the stack, and
-    records whether the logits and every cache came out the same bits; other steps run once, as they are."""
+    """Runs each step twice from the same caches, through the Python layers and then as the model runs it (the
+    stack where it serves the step), and records (served, same logits, same caches)."""
 
     def __init__(self, eng: LLMEngine):
         self.model, self.stack, self.forward = eng.model, eng.model.decode_stack, eng.model.forward
-        self.results: list[tuple[bool, bool]] = []
-        self.served = 0
+        self.results: list[tuple[bool, bool, bool]] = []
+        self.rows: list[int] = []  # the largest number of rows of one sequence in each step
+
+    def __enter__(self) -> Compare:
         self.model.forward = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.model.forward  # the module's own again (the loaded model is shared by the tests)
 
     def __call__(self, input_ids, positions, kv_caches, meta, backend, logits_indices=None):
-        if not meta.is_decode_only:
-            return self.forward(input_ids, positions, kv_caches, meta, backend, logits_indices)
+        self.rows.append(int(meta.max_query_len))
         copies = [(k.clone(), v.clone()) for k, v in kv_caches]
         self.model.decode_stack = None
         layers = self.forward(input_ids, positions, copies, meta, backend, logits_indices)
+        served = self.stack(self.model.embed_tokens(input_ids), self.model.rope(positions, torch.bfloat16),
+                            [(k.clone(), v.clone()) for k, v in kv_caches], meta, backend) is not None
         self.model.decode_stack = self.stack
-        self.served += self.stack(self.model.embed_tokens(input_ids), self.model.rope(positions, torch.bfloat16),
-                                  [(k.clone(), v.clone()) for k, v in kv_caches], meta, backend) is not None
         stacked = self.forward(input_ids, positions, kv_caches, meta, backend, logits_indices)
-        same_caches = all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(copies, kv_caches, strict=True))
-        self.results.append((torch.equal(layers, stacked), same_caches))
+        same_caches = all(torch.equal(a, c) and torch.equal(b, d)
+                          for (a, b), (c, d) in zip(copies, kv_caches, strict=True))
+        self.results.append((served, torch.equal(layers, stacked), same_caches))
         return stacked
 
 
@@ -67,36 +81,36 @@ def _run(eng: LLMEngine, prompts: list[list[int]], new_tokens: int) -> None:
 
 
 @pytest.mark.parametrize("which", ["bundled", "tiny"])
-def test_decode_steps_through_the_stack_are_the_same_bits_as_the_layers(which, tiny_path):
-    eng = _engine("smollm2" if which == "bundled" else tiny_path, num_blocks=64)
+def test_steps_through_the_stack_are_the_same_bits_as_the_layers(which, tiny_path, bundled):
+    eng = _engine("smollm2", bundled, num_blocks=64) if which == "bundled" else _engine(tiny_path, num_blocks=64)
     kind = Q4Linear if which == "bundled" else OneDnnLinear  # the tiny model's random weights: no 4-bit groups
     assert type(eng.model.layers[0].self_attn.qkv_proj) is kind
-    compare = Compare(eng)
     rng = random.Random(0)
-    # one stream, then five of different lengths (one crossing a block boundary while decoding)
-    _run(eng, [[rng.randrange(100, 40000) for _ in range(21)]], 6)
-    _run(eng, [[rng.randrange(100, 40000) for _ in range(n)] for n in (3, 14, 16, 30, 47)], 5)
-    assert len(compare.results) == 5 + 4 and compare.served == len(compare.results)
-    assert all(same_logits and same_caches for same_logits, same_caches in compare.results)
+    with Compare(eng) as compare:
+        # one stream; then five of different lengths (one crossing a block boundary while decoding), their short
+        # prompts decode rows too; then a prompt the backend attends with its prefill kernel (or SDPA)
+        _run(eng, [[rng.randrange(100, 40000) for _ in range(5)]], 6)
+        _run(eng, [[rng.randrange(100, 40000) for _ in range(n)] for n in (3, 6, 9, 12, 14)], 5)
+        _run(eng, [[rng.randrange(100, 40000) for _ in range(300)]], 2)
+    assert [served for served, _, _ in compare.results] == [True] * 6 + [True] * 5 + [False, True]
+    assert all(same_logits and same_caches for _, same_logits, same_caches in compare.results)
 
 
-def test_prefill_steps_and_deterministic_engines_keep_the_layers(tiny_path):
+def test_speculative_verification_steps_run_through_the_stack_with_the_same_bits(bundled):
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    eng = _engine("smollm2", bundled, num_blocks=64, speculative_config=spec)
+    with Compare(eng) as compare:
+        _run(eng, [eng.tokenizer.encode("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,")], 12)
+    assert eng.stats().spec_num_drafts > 0 and any(r > 1 for r in compare.rows)
+    assert all(served for served, _, _ in compare.results)
+    assert all(same_logits and same_caches for _, same_logits, same_caches in compare.results)
+
+
+def test_deterministic_engines_keep_the_layers(tiny_path):
     eng = _engine(tiny_path, num_blocks=64)
-    stack = eng.model.decode_stack
-    calls: list[tuple[bool, bool]] = []
-
-    def watched(h, rope, kv_caches, meta, backend):
-        out = stack(h, rope, kv_caches, meta, backend)
-        calls.append((meta.is_decode_only, out is not None))
-        return out
-
-    eng.model.decode_stack = watched
-    _run(eng, [[5, 6, 7, 8, 9], [10, 11]], 3)
-    assert (False, False) in calls and (True, True) in calls
-    assert all(decode == served for decode, served in calls)
     det = LLMEngine(EngineArgs(model=tiny_path, dtype="bfloat16", attention_backend="cpu", num_blocks=64,
                                deterministic=True), model=(eng.model, eng.hf_config))
-    assert det.model.decode_stack is None and eng.model.decode_stack is watched  # the view's only
+    assert det.model.decode_stack is None and isinstance(eng.model.decode_stack, CpuDecodeStack)  # the view's only
 
 
 def test_steps_past_a_projections_row_limit_keep_the_layers(tiny_path):
@@ -110,8 +124,16 @@ def test_steps_past_a_projections_row_limit_keep_the_layers(tiny_path):
                              seq_lens=torch.ones(n, dtype=torch.int32), block_tables=torch.zeros((n, 1), dtype=torch.int32),
                              max_query_len=1, max_seq_len=1)
     h = torch.zeros(n, model.config.hidden_size, dtype=torch.bfloat16)
-    assert model.decode_stack(h, model.rope(torch.zeros(n, dtype=torch.long), h.dtype), eng.runner.kv_caches, meta,
-                              eng.runner.backend) is None
+    rope = model.rope(torch.zeros(n, dtype=torch.long), h.dtype)
+    assert model.decode_stack(h, rope, eng.runner.kv_caches, meta, eng.runner.backend) is None
+    rope8 = model.rope(torch.zeros(8, dtype=torch.long), h.dtype)
+    assert model.decode_stack(h[:8], rope8, eng.runner.kv_caches, _first(meta, 8), eng.runner.backend) is not None
+
+
+def _first(meta: AttentionMetadata, n: int) -> AttentionMetadata:
+    return AttentionMetadata(slot_mapping=meta.slot_mapping[:n], query_start_loc=meta.query_start_loc[:n + 1],
+                             seq_lens=meta.seq_lens[:n], block_tables=meta.block_tables[:n], max_query_len=1,
+                             max_seq_len=1)
 
 
 def test_the_stack_can_be_turned_off_and_a_bad_setting_names_the_variable(tiny_path, monkeypatch):

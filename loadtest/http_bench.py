@@ -94,7 +94,9 @@ async def run_level(url: str, model: str | list[str], trace: list[ChatRequest], 
     models = [model] * len(trace) if isinstance(model, str) else model
     extra = {"stream": True, "stream_options": {"include_usage": True}, "temperature": temperature,
              "logit_bias": {"2": -100}, "ignore_eos": True}
-    connector = aiohttp.TCPConnector(limit=concurrency + 4)
+    # a connection per request, as every server gets it: llama.cpp's server drops a kept-alive connection that the
+    # client then writes its next request to (half of a run's requests failed that way)
+    connector = aiohttp.TCPConnector(limit=concurrency + 4, force_close=True)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
         await one_request(session, url, trace[0].body(models[0], **{**extra, "max_tokens": 4}))  # warm-up
         queue = list(reversed(list(zip(trace, models, strict=True))))

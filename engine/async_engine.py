@@ -117,7 +117,7 @@ class AsyncLLMEngine:
                 self._core.kill()
                 raise
             info = self._core.wait_ready()
-            self.grammars = GrammarCache(self.tokenizer.hf, info.vocab_size, self.tokenizer.eos_token_ids)
+            self.grammars = GrammarCache(lambda: self.tokenizer.hf, info.vocab_size, self.tokenizer.eos_token_ids)
         else:
             from engine.core.thread import ThreadCore
             from engine.llm_engine import LLMEngine

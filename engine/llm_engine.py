@@ -55,7 +55,7 @@ from engine.spec.decoder import SpecDecoder
 from engine.stats import EngineStats
 from engine.stop import StopChecker
 from engine.structured.grammars import GrammarCache
-from engine.tokenizer import load_tokenizer
+from engine.tokenizer import Tokenizer, load_tokenizer, tokenizer_facts
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +111,9 @@ class LLMEngine:
         self.model, self.hf_config = model or load_model(self.source, self.dtype, self.device, self.max_model_len,
                                                          hf_config=hf_config)
         self.config = self.model.config
-        self.tokenizer = load_tokenizer(self.source)
-        self.eos_token_ids = self.tokenizer.eos_token_ids
+        self._tokenizer: Tokenizer | None = None  # loaded on first use (`tokenizer`): a core process may never need it
+        facts = tokenizer_facts(self.source)
+        self.eos_token_ids = facts.eos_token_ids
         self.block_size = args.block_size
         self.hash_seed = args.hash_seed
         try:
@@ -143,7 +144,7 @@ class LLMEngine:
                                                    args.scheduling_policy, args.priority_aging, args.max_loras,
                                                    args.max_step_ms),
                                    self.kv)
-        self.limits = EngineLimits(min(self.config.vocab_size, self.tokenizer.vocab_size), self.max_model_len,
+        self.limits = EngineLimits(min(self.config.vocab_size, facts.vocab_size), self.max_model_len,
                                    args.max_num_seqs, args.block_size, num_blocks, pinned)
         self.runner = ModelRunner(self.model, backend, num_blocks, args.block_size, self.device,
                                   args.debug_oom_every, max_num_seqs=args.max_num_seqs,
@@ -157,13 +158,20 @@ class LLMEngine:
         self.spec = None  # engine/spec/: draft tokens verified in one step (--speculative-config)
         if args.speculative_config is not None:
             self.spec = self.scheduler.proposer = SpecDecoder(args.speculative_config, self.max_model_len)
-        self.grammars = GrammarCache(self.tokenizer.hf, self.config.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCache(lambda: self.tokenizer.hf, self.config.vocab_size, self.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.oom_events = 0
         logger.info("engine ready: %s (%s, %s), max_model_len %d, %d KV blocks of %d tokens, %d threads",
                     self.source.path, self.dtype, self.device, self.max_model_len, num_blocks, args.block_size, threads)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer, loaded on first use (per process, engine/tokenizer.py)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.source)
+        return self._tokenizer
 
     def _size_kv_cache(self, backend, free_at_start: int) -> int:
         """KV blocks from the memory left for them (engine/kv/sizing.py); the arithmetic goes to the log."""

@@ -1,6 +1,6 @@
 """Grammars compiled once per guide and cached, on a worker thread, never on the engine loop.
 
-    cache = GrammarCache(hf_tokenizer, vocab_size, stop_token_ids)
+    cache = GrammarCache(load_hf, vocab_size, stop_token_ids)   # load_hf() -> the Hugging Face tokenizer
     await cache.compile_async(guide)      # the HTTP edge: the request waits here ("compiling"), the batch runs on
     matcher = cache.matcher(guide)        # a fresh matcher (a cache hit after compile_async; else compiles now)
 
@@ -17,6 +17,7 @@ import asyncio
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from engine.errors import InvalidRequestError
@@ -27,9 +28,12 @@ _LIB_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # xgrammar's "[time] file.c
 
 
 class GrammarCache:
-    def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...], max_workers: int = 2):
-        """max_workers: schemas compiled at once (a slow one then holds up new schemas on one worker only)."""
-        self._hf = hf_tokenizer
+    def __init__(self, load_hf: Callable[[], object], vocab_size: int, stop_token_ids: tuple[int, ...],
+                 max_workers: int = 2):
+        """load_hf: returns the Hugging Face tokenizer; called once, by the first compile (an engine core loads its
+        tokenizer only when a guided request comes). max_workers: schemas compiled at once (a slow one then holds
+        up new schemas on one worker only)."""
+        self._load_hf = load_hf
         self._vocab_size = vocab_size
         self._stop_ids = list(stop_token_ids)
         self._compiler = None
@@ -92,7 +96,7 @@ class GrammarCache:
 
         with self._compiler_lock:
             if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(self._hf, vocab_size=self._vocab_size,
+                info = xgr.TokenizerInfo.from_huggingface(self._load_hf(), vocab_size=self._vocab_size,
                                                           stop_token_ids=self._stop_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         if guide.kind is GuideKind.JSON_SCHEMA:

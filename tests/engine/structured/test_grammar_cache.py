@@ -27,7 +27,7 @@ def tok():
 
 @pytest.fixture()
 def cache(tok):
-    c = GrammarCache(tok.hf, tok.vocab_size, tok.eos_token_ids)
+    c = GrammarCache(lambda: tok.hf, tok.vocab_size, tok.eos_token_ids)
     yield c
     c.close()
 

@@ -24,7 +24,6 @@ import torch
 
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.kernels import cpu_ops
-from engine.lora.layers import LoRALinear
 from engine.model.cpu_linear import OneDnnLinear, Q4Linear
 from engine.model.llama import Attention, LlamaForCausalLM
 
@@ -73,10 +72,13 @@ class CpuDecodeStack:
         return h, residual
 
     def _projections_unchanged(self) -> bool:
+        """Layer 0's qkv projection is the one the stack was built from, or a LoRA wrapper of it (engine/lora/layers.py:
+        `base`, the projection it wraps; `batch.active`, some row of this step runs under an adapter) with no adapter
+        row in this step (engine.model does not import engine.lora, which builds on it)."""
         qkv = self._model.layers[0].self_attn.qkv_proj
         if qkv is self.first:
             return True
-        return isinstance(qkv, LoRALinear) and qkv.base is self.first and not qkv.batch.active
+        return getattr(qkv, "base", None) is self.first and not qkv.batch.active
 
     def _split(self, kv_caches) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The K and the V caches as two lists, kept while the same cache list comes back (each runner keeps its own)."""

@@ -144,3 +144,22 @@ def test_the_stack_can_be_turned_off_and_a_bad_setting_names_the_variable(tiny_p
     monkeypatch.setenv(STACK_ENV, "fast")
     with pytest.raises(ValueError, match=STACK_ENV):
         use_decode_stack(eng.model)
+
+
+def test_steps_with_an_adapter_row_keep_the_layers_and_the_others_take_the_stack(tmp_path):
+    from engine.lora.request import LoRARequest
+    from tests.engine.lora._adapters import write_adapter
+
+    eng = _engine("smollm2", num_blocks=64, enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=256)
+    adapter = LoRARequest("a", 1, write_adapter(str(tmp_path / "a"), targets=("q_proj", "v_proj", "down_proj")))
+    prompt = eng.tokenizer.encode("The capital of France is")
+    with Compare(eng) as compare:
+        eng.add_request("base", prompt, SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
+        while eng.has_unfinished_requests():
+            eng.step()
+        base_steps = len(compare.results)
+        eng.add_request("lora", prompt, SamplingParams(max_tokens=4, ignore_eos=True, temperature=0, lora=adapter))
+        while eng.has_unfinished_requests():
+            eng.step()
+    assert [served for served, _, _ in compare.results] == [True] * base_steps + [False] * (len(compare.results) - base_steps)
+    assert all(same_logits and same_caches for _, same_logits, same_caches in compare.results)

@@ -48,12 +48,11 @@ class CpuDecodeStack:
                 else:
                     kinds.append(1)
                     tensors += [proj.packed, _NO_BIAS, bias]
-        attn = model.layers[0].self_attn
         self.num_heads, self.max_rows = cfg.num_heads, max_rows
-        self.first = projections[0]  # what layer 0's qkv_proj is (or wraps) while the stack's weights are the model's
+        self.first = projections[0]  # layer 0's qkv projection (or what its LoRA wrapper wraps) while these weights serve
+        eps, scale = model.layers[0].input_layernorm.eps, model.layers[0].self_attn.scale
         self._stack = cpu_ops.decode_stack_class()(norms, tensors, kinds, cfg.num_heads, cfg.num_kv_heads,
-                                                            cfg.head_dim, model.layers[0].input_layernorm.eps,
-                                                            attn.scale)
+                                                   cfg.head_dim, eps, scale)
         self._model = model
         self._caches: tuple[list, list[torch.Tensor], list[torch.Tensor]] | None = None
 

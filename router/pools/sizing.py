@@ -133,7 +133,7 @@ def steady_state(ttft: LatencyModel, tpot: LatencyModel, rate: float, d: Demand)
         waiting = rate * t_first  # requests there without a first token yet
         held = rate * (t_first + (out - 1.0) * t_token)  # all its requests (Little's law)
         ahead = waiting * d.uncached_tokens
-        a = ttft.predict(TTFTFeatures(d.uncached_tail, ahead, 0.0, held))
+        a = ttft.predict(TTFTFeatures.of(d.uncached_tail, ahead, 0.0, held))
         b = tpot.predict(TPOTFeatures(held + 1.0, held * (d.prompt_tokens + out / 2.0) + d.prompt_tokens, ahead,
                                       0.0, rate * d.uncached_tokens))
         if a is None or b is None:

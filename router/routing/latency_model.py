@@ -9,6 +9,14 @@ what the router observes on the streams it proxies.
                              earliest due first)
                       + c3 * waiting requests other routers sent there (scraped)
                       + c4 * running sequences there (scraped, plus this router's sent since)
+                      + c5 * the prompt work times the running sequences
+                      + c6 * the prefill ahead times the running sequences
+
+The products: prompts compute slower the more sequences decode beside them. A step carries each running decode
+besides its prompt chunk and is cut to a time (the strictest TPOT target there, or the engine's step bound), so each
+decode leaves fewer prompt tokens in each step (seconds per prompt token ~ c1 + c5 * running). Without them the
+model, fitted mostly on light load, predicted a 320-token prompt behind 320 more with 3-4 streams decoding at
+0.9-1.2 s, where the streams saw 2.7-3.5 s (twenty-eighth and thirty-first sessions, docs/results.md).
 
     TPOT seconds ~ c0 + c1 * sequences decoding there once the request joins them (scraped, plus this router's sent
                              since, plus the request)
@@ -49,6 +57,12 @@ class TTFTFeatures(NamedTuple):
     ahead_tokens: float  # this router's pending prefill there
     waiting: float  # other routers' waiting requests there
     running: float  # running sequences there
+    prompt_x_running: float  # prompt_tokens * running: decodes beside the prompt slow it
+    ahead_x_running: float  # ahead_tokens * running: and the prefill ahead of it
+
+    @classmethod
+    def of(cls, prompt_tokens: float, ahead_tokens: float, waiting: float, running: float) -> TTFTFeatures:
+        return cls(prompt_tokens, ahead_tokens, waiting, running, prompt_tokens * running, ahead_tokens * running)
 
 
 class TPOTFeatures(NamedTuple):
@@ -76,7 +90,7 @@ def ttft_features(view: ReplicaView, prompt_tokens: float) -> TTFTFeatures:
     """prompt_tokens: the request's prompt work on the replica in prefill tokens (policies/load.py prefill_tokens:
     its uncached tokens, and a peer pull's transfer or a tier's reload in their place)."""
     ahead = view.pending_tokens if view.due_ahead_tokens is None else view.due_ahead_tokens
-    return TTFTFeatures(float(max(prompt_tokens, 0)), float(ahead), float(_waiting(view)), float(_running(view)))
+    return TTFTFeatures.of(float(max(prompt_tokens, 0)), float(ahead), float(_waiting(view)), float(_running(view)))
 
 
 def tpot_features(view: ReplicaView, num_prompt_tokens: int) -> TPOTFeatures:

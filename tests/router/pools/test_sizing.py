@@ -17,7 +17,7 @@ def model(*coefficients: float) -> LatencyModel:
 
 # TTFT = 0.05 s + 1 ms per uncached prompt token + 1 ms per prefill token ahead: with 100-token prompts at r
 # requests/s a replica's TTFT is t = 0.15 + 0.1 r t, i.e. 0.15 / (1 - 0.1 r), unbounded at r >= 10.
-TTFT = (0.05, 0.001, 0.001, 0.0, 0.0)
+TTFT = (0.05, 0.001, 0.001, 0.0, 0.0, 0.0, 0.0)
 # TPOT = 20 ms + 1 ms per sequence decoding.
 TPOT = (0.02, 0.001, 0.0, 0.0, 0.0, 0.0)
 

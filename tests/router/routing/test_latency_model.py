@@ -22,12 +22,13 @@ from router.routing.replicas import PREFILL_RATE_TAU_S, CircuitBreaker, EngineLo
 
 
 def _truth(x: TTFTFeatures) -> float:
-    return 0.02 + 0.0005 * x.prompt_tokens + 0.0004 * x.ahead_tokens + 0.1 * x.waiting + 0.003 * x.running
+    return (0.02 + 0.0005 * x.prompt_tokens + 0.0004 * x.ahead_tokens + 0.1 * x.waiting + 0.003 * x.running
+            + 2e-5 * x.prompt_x_running + 1e-5 * x.ahead_x_running)
 
 
 def _samples(n: int, seed: int = 0) -> list[TTFTFeatures]:
     rng = random.Random(seed)
-    return [TTFTFeatures(rng.randrange(1, 4000), rng.randrange(0, 8000), rng.randrange(0, 5), rng.randrange(0, 64))
+    return [TTFTFeatures.of(rng.randrange(1, 4000), rng.randrange(0, 8000), rng.randrange(0, 5), rng.randrange(0, 64))
             for _ in range(n)]
 
 
@@ -37,26 +38,26 @@ def test_the_fit_minimises_the_relative_error():
     c = 11 / 101. Observations under MIN_WEIGHT_S weigh as one of 10 ms."""
     m = LatencyModel(min_samples=16)
     for _ in range(8):
-        m.observe(TTFTFeatures(0, 0, 0, 0), 0.1)
-        m.observe(TTFTFeatures(0, 0, 0, 0), 1.0)
-    assert m.predict(TTFTFeatures(0, 0, 0, 0)) == pytest.approx(11 / 101)
+        m.observe(TTFTFeatures.of(0, 0, 0, 0), 0.1)
+        m.observe(TTFTFeatures.of(0, 0, 0, 0), 1.0)
+    assert m.predict(TTFTFeatures.of(0, 0, 0, 0)) == pytest.approx(11 / 101)
     tiny = LatencyModel(min_samples=16)
     for _ in range(8):
-        tiny.observe(TTFTFeatures(0, 0, 0, 0), 0.0)  # weighs as 10 ms: (c / 0.01)^2 + ((c - 0.02) / 0.02)^2
-        tiny.observe(TTFTFeatures(0, 0, 0, 0), 0.02)
-    assert tiny.predict(TTFTFeatures(0, 0, 0, 0)) == pytest.approx(0.02 / 5)
+        tiny.observe(TTFTFeatures.of(0, 0, 0, 0), 0.0)  # weighs as 10 ms: (c / 0.01)^2 + ((c - 0.02) / 0.02)^2
+        tiny.observe(TTFTFeatures.of(0, 0, 0, 0), 0.02)
+    assert tiny.predict(TTFTFeatures.of(0, 0, 0, 0)) == pytest.approx(0.02 / 5)
 
 
 def test_the_fit_recovers_the_coefficients_of_exact_observations():
     m = LatencyModel(min_samples=16)
     for x in _samples(15):
         m.observe(x, _truth(x))
-    assert not m.ready and m.predict(TTFTFeatures(100, 0, 0, 0)) is None  # 15 < min_samples: no prediction
+    assert not m.ready and m.predict(TTFTFeatures.of(100, 0, 0, 0)) is None  # 15 < min_samples: no prediction
     x = _samples(1, seed=9)[0]
     m.observe(x, _truth(x))
     assert m.ready
-    assert m.coefficients == pytest.approx((0.02, 0.0005, 0.0004, 0.1, 0.003), rel=1e-6)
-    probe = TTFTFeatures(2048, 512, 1, 8)
+    assert m.coefficients == pytest.approx((0.02, 0.0005, 0.0004, 0.1, 0.003, 2e-5, 1e-5), rel=1e-6)
+    probe = TTFTFeatures.of(2048, 512, 1, 8)
     assert m.predict(probe) == pytest.approx(_truth(probe), rel=1e-9)
 
 
@@ -80,14 +81,14 @@ def test_negative_or_nan_seconds_are_not_observations():
 
 def test_features_read_the_view_as_the_kv_cost_does():
     v = ReplicaView("http://a", running=6, waiting=4, finished=2, new_requests=3, pending=1, pending_tokens=900)
-    assert ttft_features(v, 744) == TTFTFeatures(744.0, 900.0, 3.0, 7.0)
+    assert ttft_features(v, 744) == TTFTFeatures.of(744.0, 900.0, 3.0, 7.0)
 
 
 def test_a_request_with_a_ttft_target_counts_ahead_only_the_pending_prefill_due_before_it():
     from dataclasses import replace
 
     v = ReplicaView("http://a", running=6, waiting=4, finished=2, new_requests=3, pending=1, pending_tokens=900)
-    assert ttft_features(replace(v, due_ahead_tokens=120), 744) == TTFTFeatures(744.0, 120.0, 3.0, 7.0)
+    assert ttft_features(replace(v, due_ahead_tokens=120), 744) == TTFTFeatures.of(744.0, 120.0, 3.0, 7.0)
     st = ReplicaState("http://a", CircuitBreaker(3, 5.0))
     st.on_dispatch(1000, 0.0)  # batch: no target
     st.on_dispatch(100, 0.5, ttft_target_s=1.0)  # due 1.5
@@ -153,10 +154,10 @@ def test_a_request_with_a_ttft_target_goes_only_where_it_is_predicted_to_be_met(
     p = _two_replicas_fitted()
     prompt = HashedPrompt(num_prompt_tokens=1000)
     predicted = p.predict_ttft(prompt, 1.0)
-    assert predicted == pytest.approx({"http://a": _truth(TTFTFeatures(1000, 0, 0, 10)),
-                                       "http://b": _truth(TTFTFeatures(1000, 4000, 0, 1))})
+    assert predicted == pytest.approx({"http://a": _truth(TTFTFeatures.of(1000, 0, 0, 10)),
+                                       "http://b": _truth(TTFTFeatures.of(1000, 4000, 0, 1))})
     assert {p.choose(prompt, 1.0).url for _ in range(4)} == {"http://b"}  # no target: the policy's choice
-    targeted = HashedPrompt(num_prompt_tokens=1000, ttft_target_s=0.6)  # a: 0.55 s, b: 2.12 s
+    targeted = HashedPrompt(num_prompt_tokens=1000, ttft_target_s=0.8)  # a: 0.75 s, b: 2.18 s
     assert {p.choose(targeted, 1.0).url for _ in range(4)} == {"http://a"}
     assert {p.choose(HashedPrompt(num_prompt_tokens=1000, ttft_target_s=5.0), 1.0).url for _ in range(4)} == {"http://b"}  # both meet it: the policy
     unmeetable = HashedPrompt(num_prompt_tokens=1000, ttft_target_s=0.1)  # neither meets it: the policy decides (the admission refuses it before)

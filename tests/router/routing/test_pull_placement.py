@@ -185,7 +185,7 @@ def test_a_replica_whose_metrics_say_vllm_neither_serves_nor_takes_a_pull():
 def _fitted(scoring: ScoringConfig) -> Placement:
     """_placement with the TTFT model set by hand: 10 ms + 1 ms per prompt token of work + 2 ms per running sequence."""
     p = _placement(scoring)
-    p.ttft.coefficients = (0.01, 0.001, 0.0, 0.0, 0.002)
+    p.ttft.coefficients = (0.01, 0.001, 0.0, 0.0, 0.002, 0.0, 0.0)
     return p
 
 

@@ -36,7 +36,8 @@ the order is exactly the one above.
 Bounded steps (engine/step_time.py): the engine reports each step's time (`observe_step`) and the scheduler fits a
 step-time model. When more than one sequence is waiting or running, a step's prompt tokens are cut so that the
 step is predicted to take at most 90% of `max_step_ms` (TPOT_MARGIN: so that it stays under it; never below one
-block of prompt tokens, so prompts progress);
+block of prompt tokens, so prompts progress), over what such cut steps have lately taken over their prediction (the
+model's `overrun`: a step predicted at the aim then takes it);
 a lone request, and every step until the model is fitted, gets the whole `max_num_batched_tokens`. A step that
 can give the head of the waiting queue its first token (its whole remaining prompt fits the step) is kept shorter:
 prompt chunks that do not finish in it (running ones, and waiting ones behind the head) share only the tokens that
@@ -96,6 +97,7 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     shape: StepShape = StepShape(0, 0, 0)  # what the step-time model reads (engine/step_time.py)
     predicted_s: float | None = None  # the model's time for this step, when fitted
+    cut: bool = False  # its prompt tokens were cut to the step's target (the step-time model's overrun learns)
 
     @property
     def is_empty(self) -> bool:
@@ -178,6 +180,7 @@ class Scheduler:
         self._room_unused = bool(startable) and len(out.scheduled) == num_running
         out.shape = step_shape((item.seq, item.num_new_tokens) for item in out.scheduled)
         out.predicted_s = self.step_time.predict(out.shape)
+        out.cut = half_room is not None and out.shape.prefill_tokens > 0
         return out
 
     def _short_heads_step(self, out: SchedulerOutput, budget: int) -> bool:
@@ -220,10 +223,11 @@ class Scheduler:
         decodes = [s.num_tokens for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         chunked = [s.num_computed_tokens for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         context = sum(decodes) + sum(chunked)  # what the decodes and the prompts already started read
-        room = self.step_time.max_prefill_tokens(target, len(decodes), context)
+        aim = self.step_time.aim(target)  # what the model predicts for steps that take the target
+        room = self.step_time.max_prefill_tokens(aim, len(decodes), context)
         if room is None:
             return budget, None
-        half = self.step_time.max_prefill_tokens(target / 2, len(decodes), context)
+        half = self.step_time.max_prefill_tokens(aim / 2, len(decodes), context)
         return min(budget, len(decodes) + max(room, self.kv.block_size)), half
 
     def _chunk_room_for(self, budget: int, half_room: int | None,
@@ -244,6 +248,8 @@ class Scheduler:
         if out.scheduled:
             self.step_stats.record(out.predicted_s, seconds)
             self.step_time.observe(out.shape, seconds)
+            if out.cut:
+                self.step_time.observe_cut(out.predicted_s, seconds)
 
     # ---- priority --------------------------------------------------------------------------
 

@@ -118,6 +118,21 @@ def test_prompt_tokens_are_cut_to_keep_the_predicted_step_under_the_target():
     assert out.predicted_s <= 0.090
 
 
+def test_cut_steps_that_took_longer_than_predicted_are_cut_shorter():
+    eng = two_decoding()
+    eng.sched.step_time.coefficients = COEF
+    eng.add("c", [3] * 100, max_tokens=1)
+    out = eng.step()  # as above: 32 prompt tokens, predicted 0.0894 s, cut to the target
+    assert out.cut and out.shape.prefill_tokens == 32
+    eng.sched.step_time.overrun = 1.5  # cut steps have taken 1.5x their prediction
+    eng.sched.step_time.coefficients = COEF  # (the step just observed refits nothing: 3 samples)
+    out = eng.step()
+    # aim 0.090 / 1.5 = 0.060 s; decodes 0.010 + 2 * 0.005 + (6 + 6 + 32) * 0.0001 = 0.0244 s; room 0.0356 s at
+    # 0.0021 per prompt token: 16
+    assert {i.seq.request_id: i.num_new_tokens for i in out.scheduled} == {"a": 1, "b": 1, "c": 16}
+    assert out.cut
+
+
 def test_prompts_always_progress_by_at_least_one_block():
     eng = two_decoding()
     eng.sched.step_time.coefficients = (0.2, *COEF[1:])  # the decodes alone are over the target

@@ -100,3 +100,20 @@ def test_bad_samples_are_ignored_and_bad_settings_refused():
     assert len(m.samples) == 0
     with pytest.raises(ValueError):
         StepTimeModel(window=16, min_samples=32)
+
+
+def test_cut_steps_that_overrun_their_prediction_lower_the_aim():
+    m = StepTimeModel()
+    assert m.aim(0.090) == pytest.approx(0.090)
+    for _ in range(200):
+        m.observe_cut(0.080, 0.100)  # cut steps take 1.25x their prediction
+    assert m.overrun == pytest.approx(1.25, rel=1e-3)
+    assert m.aim(0.090) == pytest.approx(0.072, rel=1e-3)  # predicted 72 ms: they take 90 ms
+    m.observe_cut(0.080, 10.0)  # one stalled step moves it by at most OVERRUN_WEIGHT of the clamp
+    assert m.overrun == pytest.approx(1.25 + 0.05 * (2.0 - 1.25), rel=1e-3)
+    for bad in ((None, 0.1), (0.0, 0.1), (0.08, float("nan")), (0.08, -1.0)):
+        m.observe_cut(*bad)
+    assert m.overrun == pytest.approx(1.2875, rel=1e-3)
+    for _ in range(400):
+        m.observe_cut(0.080, 0.010)  # far faster than predicted: the aim rises, at most to twice the target
+    assert m.overrun == pytest.approx(0.5, rel=1e-3) and m.aim(0.090) == pytest.approx(0.180, rel=1e-3)

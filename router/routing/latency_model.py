@@ -34,7 +34,11 @@ request's first streamed token gives the TTFT seconds, its last one over its out
 as the error is judged) over the last `window` observations, columns scaled to unit norm; a coefficient that comes
 out negative is fixed at 0 and the rest refitted, so every feature costs time.
 A request with a TPOT target on a kvfleet engine is predicted at most the step that engine keeps for it
-(`bounded_tpot`). Until `min_samples` observations are in (and some coefficient is positive) `predict` answers None: no
+(`bounded_tpot`): the engine fills each such step with prefill up to that bound while prompts are there, so those
+streams go at the bound under load and at the decodes' own pace without it (2/s on two engines, 100 ms targets:
+85-100 ms with prefill ahead, 20-25 ms without, where the model fitted on all streams said 35-65 ms). Their
+seconds per token as a share of the bound are fitted by a model of their own (the paced model, the same features),
+and the TPOT model learns only from streams without a bound. Until `min_samples` observations are in (and some coefficient is positive) `predict` answers None: no
 prediction, no target refused for want of one. Shared by every replica of a router (the engines of one pool run
 one model on like hardware; a replica's own load is in its features). Pure: no clock, no I/O.
 """
@@ -98,17 +102,27 @@ def tpot_features(view: ReplicaView, num_prompt_tokens: int) -> TPOTFeatures:
                         float(view.pending_tokens), float(_waiting(view)), view.prefill_rate)
 
 
-def bounded_tpot(model: LatencyModel, x: TPOTFeatures, target_s: float | None, bounds_steps: bool) -> float | None:
+def bounded_tpot(model: LatencyModel, x: TPOTFeatures, target_s: float | None, bounds_steps: bool,
+                 paced: LatencyModel | None = None) -> float | None:
     """The TPOT model's prediction; for a request with a TPOT target on an engine that keeps its steps under it
-    (kvfleet's: TPOT_MARGIN of the target, engine/scheduler.py), at most that step, when a step without prefill fits
-    in it (the model without its prefill terms: ahead, waiting, prefill rate), as the engine then cuts the prefill
-    that shares the request's steps. The model, fitted on streams without targets, knows no such bound."""
+    (kvfleet's: `step_bound` of the target, engine/scheduler.py), when a step without prefill fits in it (the model
+    without its prefill terms: ahead, waiting, prefill rate), the paced model's share of that bound (once `paced`
+    is ready; else the model's prediction), at most the bound: the engine fills each of the request's steps with
+    prefill up to the bound while prompts are there, and cuts the rest."""
     s = model.predict(x)
     if s is None or target_s is None or not bounds_steps:
         return s
-    bound = TPOT_MARGIN * target_s
+    bound = step_bound(target_s)
     decode_only = model.predict(x._replace(ahead_tokens=0.0, waiting=0.0, prefill_rate=0.0))
-    return min(s, bound) if decode_only is not None and decode_only <= bound else s
+    if decode_only is None or decode_only > bound:
+        return s
+    share = paced.predict(x) if paced is not None else None
+    return min(s if share is None else share * bound, bound)
+
+
+def step_bound(tpot_target_s: float) -> float:
+    """The step a kvfleet engine aims at for a TPOT target (engine/scheduler.py step_target_s)."""
+    return TPOT_MARGIN * tpot_target_s
 
 
 class LatencyModel:

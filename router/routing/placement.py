@@ -28,10 +28,10 @@ from contract.hashing import DEFAULT_HASH_SEED
 from router.config import ScoringConfig
 from router.routing.approx_index import ApproxPrefixIndex
 from router.routing.inflight_prefixes import InflightPrefixes
-from router.routing.latency_model import LatencyModel, tpot_features, ttft_features
+from router.routing.latency_model import LatencyModel, step_bound, tpot_features, ttft_features
 from router.routing.policies import Decision, HashRing, IndexKind, Policy, ReplicaView, RouteRequest
 from router.routing.policies.load import prefill_tokens
-from router.routing.prediction import Prediction, due
+from router.routing.prediction import BOUNDS_STEPS, Prediction, due
 from router.routing.prefix_index import PrefixIndex
 from router.routing.pull_rates import PullRates
 from router.routing.replicas import CircuitBreaker, EngineLoad, ReplicaState, Ticket
@@ -133,7 +133,8 @@ class Placement:
         self.turn = 0  # advanced once per decision: rotates ties (and round-robin)
         self.prediction = Prediction(self)  # what each replica holds of a prompt: the views the policy sees
         self.ttft = LatencyModel()  # time to first token from a replica's load and the request, fitted from first tokens
-        self.tpot = LatencyModel()  # time per output token likewise, fitted from finished streams
+        self.tpot = LatencyModel()  # time per output token likewise, fitted from finished streams without a step bound
+        self.tpot_paced = LatencyModel()  # the share of its step bound a stream with one went at (latency_model.py)
 
     # -- membership ----------------------------------------------------------------------------------------
     def set_members(self, pool: str, replicas: Iterable[str]) -> Membership:
@@ -403,6 +404,8 @@ class Placement:
         ticket = st.on_dispatch(uncached, now, getattr(prompt, "ttft_target_s", None))
         ticket.ttft_features, ticket.predicted_ttft_s = x, self.ttft.predict(x)
         ticket.tpot_features, ticket.predicted_tpot_s = y, self.prediction.tpot_at(view, prompt)
+        if (tpot_target := getattr(prompt, "tpot_target_s", None)) is not None and st.engine in BOUNDS_STEPS:
+            ticket.tpot_bound_s = step_bound(tpot_target)
         st.breaker.on_attempt(now)
         kind = self.policy.needs.index_for(st.kv_events)
         if kind is IndexKind.APPROX:
@@ -439,7 +442,10 @@ class Placement:
         if first is None or output_tokens < 2 or ticket.tpot_features is None or now < first:
             return None
         seconds = (now - first) / (output_tokens - 1)
-        self.tpot.observe(ticket.tpot_features, seconds)
+        if ticket.tpot_bound_s is None:
+            self.tpot.observe(ticket.tpot_features, seconds)
+        else:
+            self.tpot_paced.observe(ticket.tpot_features, seconds / ticket.tpot_bound_s)
         return seconds
 
     def on_done(self, replica: str, ticket: Ticket) -> None:

@@ -130,7 +130,8 @@ class Prediction:
         """The predicted seconds per output token on the view's replica (router/routing/latency_model.py)."""
         st = self.p.replicas.get(view.url)
         return bounded_tpot(self.p.tpot, tpot_features(view, prompt.num_prompt_tokens),
-                            getattr(prompt, "tpot_target_s", None), st is not None and st.engine in BOUNDS_STEPS)
+                            getattr(prompt, "tpot_target_s", None), st is not None and st.engine in BOUNDS_STEPS,
+                            self.p.tpot_paced)
 
     def missing_target(self, views: Sequence[ReplicaView], prompt: Prompt, ttft: float | None,
                        tpot: float | None) -> set[str]:

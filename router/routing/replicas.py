@@ -215,6 +215,7 @@ class Ticket:
     predicted_tpot_s: float | None = None  # the TPOT model's prediction then (None: the model was not ready)
     first_token_at: float | None = None  # when the placement core saw its first token (the TPOT clock starts)
     due_at: float | None = None  # dispatched_at + its TTFT target, if it has one (the engine serves earliest due first)
+    tpot_bound_s: float | None = None  # the step the engine keeps for its TPOT target (None: no such bound)
 
 
 class ReplicaState:

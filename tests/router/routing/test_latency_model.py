@@ -114,6 +114,33 @@ def test_a_tpot_target_an_engine_keeps_caps_the_prediction_at_the_step_it_keeps(
     assert bounded_tpot(m, busy, 0.5, True) == pytest.approx(0.16)  # below the bound already
     crowded = busy._replace(running=40)  # 100 ms a step without any prefill: the engine cannot keep 90 ms
     assert bounded_tpot(m, crowded, 0.1, True) == pytest.approx(m.predict(crowded))
+    # the paced model (streams' seconds per token over their bound) speaks once ready: 0.3 + 0.001 per token ahead
+    paced = LatencyModel(min_samples=5)
+    assert bounded_tpot(m, busy, 0.1, True, paced) == pytest.approx(0.09)  # not ready: as without it
+    paced.coefficients = (0.3, 0.0, 0.0, 0.001, 0.0, 0.0)
+    assert bounded_tpot(m, busy._replace(ahead_tokens=200), 0.1, True, paced) == pytest.approx(0.5 * 0.09)
+    assert bounded_tpot(m, busy, 0.1, True, paced) == pytest.approx(0.9 * 0.09)
+    assert bounded_tpot(m, busy._replace(ahead_tokens=1000), 0.1, True, paced) == pytest.approx(0.09)  # at most it
+    assert bounded_tpot(m, crowded, 0.1, True, paced) == pytest.approx(m.predict(crowded))  # not kept: the model
+    assert bounded_tpot(m, busy, None, True, paced) == pytest.approx(0.16)  # no target: the model
+
+
+def test_streams_with_a_step_bound_teach_the_paced_model_the_others_the_tpot_model():
+    p = Placement(POLICIES["least-load"], PlacementConfig(block_size=16))
+    p.set_members("default", ["http://a"])
+    p.on_health("http://a", True, 0.0)
+    p.replicas["http://a"].engine = "kvfleet"
+    for target, seconds in ((0.1, 0.081), (None, 0.03)):
+        ticket = p.on_routed("http://a", HashedPrompt(num_prompt_tokens=100, tpot_target_s=target), 0, 1.0)
+        assert ticket.tpot_bound_s == (None if target is None else pytest.approx(0.09))
+        p.on_first_token("http://a", ticket, 1.5)
+        assert p.on_decoded(ticket, 11, 1.5 + 10 * seconds) == pytest.approx(seconds)
+        p.on_done("http://a", ticket)
+    assert [y for _, y in p.tpot_paced.samples] == [pytest.approx(0.9)]  # 81 ms of a 90 ms bound
+    assert [y for _, y in p.tpot.samples] == [pytest.approx(0.03)]
+    p.replicas["http://a"].engine = "vllm"  # an engine that keeps no bound: its streams teach the TPOT model
+    ticket = p.on_routed("http://a", HashedPrompt(num_prompt_tokens=100, tpot_target_s=0.1), 0, 2.0)
+    assert ticket.tpot_bound_s is None
 
 
 def test_the_placement_core_learns_from_first_tokens_and_predicts_at_dispatch():

@@ -37,8 +37,8 @@ A request with a TPOT target on a kvfleet engine is predicted at most the step t
 (`bounded_tpot`): the engine fills each such step with prefill up to that bound while prompts are there, so those
 streams go at the bound under load and at the decodes' own pace without it (2/s on two engines, 100 ms targets:
 85-100 ms with prefill ahead, 20-25 ms without, where the model fitted on all streams said 35-65 ms). Their
-seconds per token as a share of the bound are fitted by a model of their own (the paced model, the same features),
-and the TPOT model learns only from streams without a bound. Until `min_samples` observations are in (and some coefficient is positive) `predict` answers None: no
+seconds per token as a share of the bound are fitted by a model of their own (the paced model, the same features;
+they teach the TPOT model too, so that it is fitted where every stream has a target). Until `min_samples` observations are in (and some coefficient is positive) `predict` answers None: no
 prediction, no target refused for want of one. Shared by every replica of a router (the engines of one pool run
 one model on like hardware; a replica's own load is in its features). Pure: no clock, no I/O.
 """

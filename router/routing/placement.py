@@ -133,7 +133,7 @@ class Placement:
         self.turn = 0  # advanced once per decision: rotates ties (and round-robin)
         self.prediction = Prediction(self)  # what each replica holds of a prompt: the views the policy sees
         self.ttft = LatencyModel()  # time to first token from a replica's load and the request, fitted from first tokens
-        self.tpot = LatencyModel()  # time per output token likewise, fitted from finished streams without a step bound
+        self.tpot = LatencyModel()  # time per output token likewise, fitted from finished streams
         self.tpot_paced = LatencyModel()  # the share of its step bound a stream with one went at (latency_model.py)
 
     # -- membership ----------------------------------------------------------------------------------------
@@ -442,9 +442,8 @@ class Placement:
         if first is None or output_tokens < 2 or ticket.tpot_features is None or now < first:
             return None
         seconds = (now - first) / (output_tokens - 1)
-        if ticket.tpot_bound_s is None:
-            self.tpot.observe(ticket.tpot_features, seconds)
-        else:
+        self.tpot.observe(ticket.tpot_features, seconds)
+        if ticket.tpot_bound_s is not None:
             self.tpot_paced.observe(ticket.tpot_features, seconds / ticket.tpot_bound_s)
         return seconds
 

@@ -125,7 +125,7 @@ def test_a_tpot_target_an_engine_keeps_caps_the_prediction_at_the_step_it_keeps(
     assert bounded_tpot(m, busy, None, True, paced) == pytest.approx(0.16)  # no target: the model
 
 
-def test_streams_with_a_step_bound_teach_the_paced_model_the_others_the_tpot_model():
+def test_streams_with_a_step_bound_also_teach_the_paced_model():
     p = Placement(POLICIES["least-load"], PlacementConfig(block_size=16))
     p.set_members("default", ["http://a"])
     p.on_health("http://a", True, 0.0)
@@ -137,7 +137,7 @@ def test_streams_with_a_step_bound_teach_the_paced_model_the_others_the_tpot_mod
         assert p.on_decoded(ticket, 11, 1.5 + 10 * seconds) == pytest.approx(seconds)
         p.on_done("http://a", ticket)
     assert [y for _, y in p.tpot_paced.samples] == [pytest.approx(0.9)]  # 81 ms of a 90 ms bound
-    assert [y for _, y in p.tpot.samples] == [pytest.approx(0.03)]
+    assert [y for _, y in p.tpot.samples] == [pytest.approx(0.081), pytest.approx(0.03)]  # every stream
     p.replicas["http://a"].engine = "vllm"  # an engine that keeps no bound: its streams teach the TPOT model
     ticket = p.on_routed("http://a", HashedPrompt(num_prompt_tokens=100, tpot_target_s=0.1), 0, 2.0)
     assert ticket.tpot_bound_s is None

@@ -26,8 +26,7 @@ The scheduler prices a draft row (`row_cost`: the tokens the step's other sequen
 adds, from the step-time model: sequences in the step x seconds per row / the step's seconds); the sequence's
 acceptance (each draft kept given the ones before it were, counted over its own verifications, starting from the
 engine's so far) makes the i-th draft worth acceptance^i tokens, and drafts are kept while that is more than the row
-costs (at least one until the sequence has been verified once: a prompt to copy from is the sequence's, not the
-engine's). One stream's step reads the weights for a handful of rows as for one, so its drafts stay; sixteen streams
+costs. One stream's step reads the weights for a handful of rows as for one, so its drafts stay; sixteen streams
 whose drafts seldom hold keep none of them (on this project's 2-core CPUs, drafts for short chats at 16 streams cost
 more than they saved: 0.96-0.97x without the pricing).
 """
@@ -93,10 +92,8 @@ class SpecDecoder:
         k = min(cfg.num_speculative_tokens, self.max_model_len - seq.num_tokens)
         if seq.params.max_tokens is not None:
             k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
-        if row_cost > 0 and back is not None:
-            k = min(k, worth(back.acceptance, row_cost, k))
-        elif row_cost > 0:  # no verification of its own yet: at least one draft, to learn its acceptance
-            k = min(k, max(1, worth(self.acceptance, row_cost, k)))
+        if row_cost > 0:
+            k = min(k, worth(back.acceptance if back is not None else self.acceptance, row_cost, k))
         return ngram.propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max) if k > 0 else []
 
     @property

@@ -78,7 +78,7 @@ from engine.step_time import StepShape, StepTimeModel, StepTimeStats, step_shape
 class DraftProposer(Protocol):
     """Draft tokens for a running sequence that decodes this step (engine/spec/decoder.py's SpecDecoder)."""
 
-    def propose(self, seq: Sequence, num_running: int, row_cost: float = 0.0) -> list[int]: ...
+    def propose(self, seq: Sequence, num_running: int) -> list[int]: ...
 
 
 @dataclass
@@ -407,7 +407,7 @@ class Scheduler:
         holds. Drafts are never worth a preemption or a delayed admission: they take new blocks only while no request
         waits for a free seat, and leave one free block for each of the `later` running sequences still to schedule."""
         assert self.proposer is not None
-        drafts = self.proposer.propose(seq, len(self.running), self._draft_row_cost())[:max(0, room)]
+        drafts = self.proposer.propose(seq, len(self.running))[:max(0, room)]
         if drafts:
             base = self.kv.num_blocks_needed(seq, 1)
             admitting = self.waiting and len(self.running) + self._reserved_seats < self.config.max_num_seqs
@@ -415,18 +415,6 @@ class Scheduler:
             while drafts and self.kv.num_blocks_needed(seq, 1 + len(drafts)) - base > spare:
                 drafts = drafts[:-1]
         return drafts
-
-    def _draft_row_cost(self) -> float:
-        """What one more row in this step costs, in tokens: the running sequences (each waits for the step) times
-        the step-time model's seconds for a row (a decoding sequence's: a draft row goes through the same kernels and
-        the sampler) over the predicted step of their decodes alone; 0 (no price) until the model is fitted
-        (engine/spec/decoder.py)."""
-        c = self.step_time.coefficients
-        if c is None:
-            return 0.0
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        step = self.step_time.predict(StepShape(0, len(decodes), sum(s.num_tokens for s in decodes)))
-        return len(self.running) * (c[2] + c[3]) / step if step else 0.0
 
     def _pop_victim(self, i: int) -> Sequence:
         """Take the running sequence to preempt, among those not scheduled yet this step (from index i on)."""

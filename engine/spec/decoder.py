@@ -19,16 +19,9 @@ Not proposed for (they decode one token at a time): requests with a grammar (str
 matcher would have to advance over drafts and roll back), LoRA requests (verification under adapters is not
 tested yet), a sequence still in its prompt.
 
-Back-off: a step with more running sequences than `disable_by_batch_size` proposes nothing; a sequence whose
-drafts were all rejected skips its next 1, 2, 4, 8, then 16 decode steps (doubling while verifications keep
-rejecting everything, back to 0 at the first accepted draft); and a sequence keeps only the drafts worth their rows.
-The scheduler prices a draft row (`row_cost`: the tokens the step's other sequences lose to the time one more row
-adds, from the step-time model: sequences in the step x seconds per row / the step's seconds); the sequence's
-acceptance (each draft kept given the ones before it were, counted over its own verifications, starting from the
-engine's so far) makes the i-th draft worth acceptance^i tokens, and drafts are kept while that is more than the row
-costs. One stream's step reads the weights for a handful of rows as for one, so its drafts stay; sixteen streams
-whose drafts seldom hold keep none of them (on this project's 2-core CPUs, drafts for short chats at 16 streams cost
-more than they saved: 0.96-0.97x without the pricing).
+Back-off (a simple rule): a step with more running sequences than `disable_by_batch_size` proposes nothing; and a
+sequence whose drafts were all rejected skips its next 1, 2, 4, 8, then 16 decode steps (doubling while
+verifications keep rejecting everything, back to 0 at the first accepted draft).
 """
 
 from __future__ import annotations
@@ -55,16 +48,11 @@ class SpecStats:
 
 
 class _Backoff:
-    __slots__ = ("skip", "wait", "kept", "tried")
+    __slots__ = ("skip", "wait")
 
-    def __init__(self, kept: float, tried: float) -> None:
+    def __init__(self) -> None:
         self.skip = 0  # decode steps the last all-rejected verification made it skip (doubling, up to MAX_SKIP)
         self.wait = 0  # decode steps still to skip
-        self.kept, self.tried = kept, tried  # its drafts kept, and the drafts judged (a run ends at the first miss)
-
-    @property
-    def acceptance(self) -> float:
-        return self.kept / self.tried if self.tried > 0 else 1.0
 
 
 class SpecDecoder:
@@ -73,13 +61,11 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._backoff: weakref.WeakKeyDictionary[Sequence, _Backoff] = weakref.WeakKeyDictionary()
-        self._all_kept = 0  # verifications that kept every draft (no miss judged)
 
     # ---- proposing (the scheduler) -----------------------------------------------------------
 
-    def propose(self, seq: Sequence, num_running: int, row_cost: float = 0.0) -> list[int]:
-        """Drafts for a running sequence that decodes this step (its last token is its only uncomputed one), as many
-        as are worth their rows at `row_cost` tokens a row (module docstring; 0: every draft)."""
+    def propose(self, seq: Sequence, num_running: int) -> list[int]:
+        """Drafts for a running sequence that decodes this step (its last token is its only uncomputed one)."""
         cfg = self.config
         if num_running > cfg.disable_by_batch_size or seq.matcher is not None or seq.lora is not None:
             return []
@@ -92,16 +78,7 @@ class SpecDecoder:
         k = min(cfg.num_speculative_tokens, self.max_model_len - seq.num_tokens)
         if seq.params.max_tokens is not None:
             k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
-        if row_cost > 0:
-            k = min(k, worth(back.acceptance if back is not None else self.acceptance, row_cost, k))
-        return ngram.propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max) if k > 0 else []
-
-    @property
-    def acceptance(self) -> float:
-        """The engine's drafts kept so far over the drafts judged (1 before any)."""
-        st = self.stats
-        judged = st.num_accepted_tokens + st.num_drafts - self._all_kept
-        return st.num_accepted_tokens / judged if judged > 0 else 1.0
+        return ngram.propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
 
     # ---- verifying (the engine, after the forward pass) ---------------------------------------
 
@@ -143,31 +120,15 @@ class SpecDecoder:
         st.num_accepted_tokens += accepted
         for pos in range(accepted):
             st.accepted_per_pos[pos] += 1
-        missed = accepted < k
-        self._all_kept += not missed
         back = self._backoff.get(seq)
-        if back is None:
-            prior = self.acceptance  # the engine's, as one draft's worth of evidence
-            back = self._backoff[seq] = _Backoff(prior, 1.0)
-        back.kept += accepted
-        back.tried += accepted + missed
         if accepted:
-            back.skip = back.wait = 0
+            if back is not None:
+                back.skip = back.wait = 0
             return
+        if back is None:
+            back = self._backoff[seq] = _Backoff()
         back.skip = min(MAX_SKIP, max(1, back.skip * 2))
         back.wait = back.skip
-
-
-def worth(acceptance: float, row_cost: float, k: int) -> int:
-    """How many of k drafts to verify: the i-th is kept with probability acceptance^i (all before it kept) and
-    costs row_cost tokens: those with acceptance^i > row_cost."""
-    n, p = 0, 1.0
-    while n < k:
-        p *= acceptance
-        if p <= row_cost:
-            break
-        n += 1
-    return n
 
 
 class DraftView:

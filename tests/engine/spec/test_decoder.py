@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.spec.config import SpeculativeConfig
-from engine.spec.decoder import DraftView, SpecDecoder, worth
+from engine.spec.decoder import DraftView, SpecDecoder
 
 CFG = SpeculativeConfig("ngram", 3, 1, 2, disable_by_batch_size=4)
 
@@ -80,20 +80,3 @@ def test_rows_and_the_longest_agreeing_run():
     assert (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, st.accepted_per_pos) == (2, 4, 2, [1, 1, 0])
     spec.accept([a] * 4, [1, 2, 3, 4], [None] * 4, {a.seq_id: [1, 2, 3]})  # all kept, plus the bonus token
     assert spec.stats.accepted_per_pos == [2, 2, 1] and spec.stats.num_accepted_tokens == 5
-
-
-def test_drafts_are_kept_while_the_chance_they_hold_is_worth_their_rows():
-    assert worth(0.5, 0.2, 4) == 2  # 0.5 and 0.25 are more than 0.2; 0.125 is not
-    assert worth(0.9, 0.0, 3) == 3
-    assert worth(0.3, 0.3, 4) == 0  # not more than the row costs
-    spec = SpecDecoder(CFG, max_model_len=1024)
-    seq = decoding()
-    assert spec.acceptance == 1.0 and spec.propose(seq, 1, row_cost=0.4) == [1, 2, 3]  # nothing judged yet
-    spec.accept([seq] * 4, [1, 9, 9, 9], [None] * 4, {seq.seq_id: [1, 2, 3]})  # the first kept, the second missed
-    # the engine: 1 kept of 2 judged; the sequence: the engine's 0.5 as one draft, plus 1 kept of 2: 1.5 / 3
-    assert spec.acceptance == 0.5
-    assert spec.propose(seq, 1, row_cost=0.4) == [1]  # 0.5 > 0.4 >= 0.25
-    assert spec.propose(seq, 1, row_cost=0.5) == []
-    assert spec.propose(seq, 1) == [1, 2, 3]  # no price: every draft
-    fresh = decoding(prompt=(1, 2, 3, 1, 2, 3))
-    assert len(spec.propose(fresh, 1, row_cost=0.3)) == 1  # a new sequence starts from the engine's 0.5

@@ -3,8 +3,6 @@ only full blocks of kept tokens in the prefix cache, and drafts never worth a pr
 
 from __future__ import annotations
 
-import pytest
-
 from engine.config import SchedulerConfig
 from engine.kv.config import CacheConfig
 from engine.kv.manager import KVCacheManager
@@ -17,11 +15,9 @@ class FixedProposer:
     def __init__(self, drafts):
         self.drafts = list(drafts)
         self.asked = []
-        self.row_costs = []
 
-    def propose(self, seq, num_running, row_cost=0.0):
+    def propose(self, seq, num_running):
         self.asked.append((seq.request_id, num_running))
-        self.row_costs.append(row_cost)
         return list(self.drafts)
 
 
@@ -133,20 +129,3 @@ def test_a_step_that_ran_out_of_memory_gives_the_drafts_slots_back():
     assert (seq.num_computed_tokens, seq.block_table, kv.num_free_blocks) == (6, [0, 1], 14)
     out = sched.schedule()  # the retry, in half the failed step's tokens: one draft
     assert list(out.scheduled[0].spec_token_ids) == [8] and seq.block_table == [0, 1]
-
-
-def test_the_proposer_is_told_what_a_draft_row_costs_once_the_step_time_model_is_fitted():
-    kv, sched, seq = setup()
-    other = Sequence("b", [9, 9, 9], SamplingParams(max_tokens=20, ignore_eos=True))
-    sched.add(other)
-    sched.proposer.drafts = []
-    out = sched.schedule()  # a decodes, b's prompt
-    assert sched.proposer.row_costs == [0.0]  # no model yet: no price
-    sched.on_step_done(out)
-    seq.append_token(8)
-    other.append_token(4)
-    sched.step_time.coefficients = (0.010, 0.002, 0.005, 0.0001)
-    sched.schedule()
-    # two running, both decoding: a decode step of 2 sequences reading 8 + 4 tokens is 0.010 + 2 * 0.005 + 12 * 0.0001
-    # = 0.0212 s; a row costs what a decoding sequence does, 0.005 + 0.0001 s: 2 * 0.0051 / 0.0212 tokens
-    assert sched.proposer.row_costs[1:] == [pytest.approx(2 * 0.0051 / 0.0212)] * 2

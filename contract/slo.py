@@ -19,6 +19,11 @@ MAX_MS = 3_600_000.0  # an hour: anything longer is no latency target
 TPOT_MARGIN = 0.9
 
 
+def step_bound(bound_s: float) -> float:
+    """The step time a kvfleet engine aims at to keep a bound (a TPOT target, or --max-step-ms): TPOT_MARGIN of it."""
+    return TPOT_MARGIN * bound_s
+
+
 @dataclass(frozen=True, slots=True)
 class LatencyTargets:
     ttft_s: float | None = None

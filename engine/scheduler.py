@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 # TPOT_MARGIN: steps are sized to this share of a TPOT target (the model's ~10% error)
-from contract.slo import TPOT_MARGIN
+from contract.slo import step_bound
 from engine.config import SchedulerConfig
 from engine.fair_share import FairShare
 from engine.kv.manager import KVCacheManager
@@ -114,9 +114,9 @@ def step_target_s(max_step_ms: float, running) -> float | None:
     sequences that decode (a step is one token of each decode; steps aimed at a bound itself overrun it about half
     the time; a prompt still computing has no token to pace yet: its target bounds the steps once it decodes);
     None when neither bounds it."""
-    targets = [s.params.tpot_target_s * TPOT_MARGIN for s in running
+    targets = [step_bound(s.params.tpot_target_s) for s in running
                if s.params.tpot_target_s is not None and s.num_tokens - s.num_computed_tokens == 1]
-    bounds = targets + ([max_step_ms / 1000 * TPOT_MARGIN] if max_step_ms else [])
+    bounds = targets + ([step_bound(max_step_ms / 1000)] if max_step_ms else [])
     return min(bounds) if bounds else None
 
 

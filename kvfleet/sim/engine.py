@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from contract.kv_events import Snapshot
-from contract.slo import TPOT_MARGIN
+from contract.slo import step_bound
 from engine.kv.block_pool import BlockPool, KVCacheBlock
 from kvfleet.sim.cost import CostModel
 from kvfleet.sim.tier import MEDIUM, KVTier, TierSpec
@@ -152,7 +152,7 @@ class SimEngine:
         budget = self.max_batched_tokens - len(decode)
         targets = [s.tpot_target for s in decode if s.tpot_target is not None]
         if targets and len(self.running) + len(self.waiting) > 1 and self.cost.prefill_token_s > 0:
-            room = (TPOT_MARGIN * min(targets) - self.cost.step_s(0, len(decode))) / self.cost.prefill_token_s
+            room = (step_bound(min(targets)) - self.cost.step_s(0, len(decode))) / self.cost.prefill_token_s
             budget = min(budget, max(int(room), MIN_CHUNK_TOKENS))
         chunks: list[tuple[SimSeq, int]] = []
         prefilling = [s for s in self.running if s.computed < s.prompt]

@@ -50,7 +50,7 @@ from typing import NamedTuple, TypeVar
 
 import numpy as np
 
-from contract.slo import TPOT_MARGIN
+from contract.slo import step_bound
 from router.routing.policies.base import ReplicaView
 
 MIN_WEIGHT_S = 0.01  # observations faster than this weigh as much as one of 10 ms
@@ -105,7 +105,7 @@ def tpot_features(view: ReplicaView, num_prompt_tokens: int) -> TPOTFeatures:
 def bounded_tpot(model: LatencyModel, x: TPOTFeatures, target_s: float | None, bounds_steps: bool,
                  paced: LatencyModel | None = None) -> float | None:
     """The TPOT model's prediction; for a request with a TPOT target on an engine that keeps its steps under it
-    (kvfleet's: `step_bound` of the target, engine/scheduler.py), when a step without prefill fits in it (the model
+    (kvfleet's: `step_bound` of the target, contract/slo.py), when a step without prefill fits in it (the model
     without its prefill terms: ahead, waiting, prefill rate), the paced model's share of that bound (once `paced`
     is ready; else the model's prediction), at most the bound: the engine fills each of the request's steps with
     prefill up to the bound while prompts are there, and cuts the rest."""
@@ -118,11 +118,6 @@ def bounded_tpot(model: LatencyModel, x: TPOTFeatures, target_s: float | None, b
         return s
     share = paced.predict(x) if paced is not None else None
     return min(s if share is None else share * bound, bound)
-
-
-def step_bound(tpot_target_s: float) -> float:
-    """The step a kvfleet engine aims at for a TPOT target (engine/scheduler.py step_target_s)."""
-    return TPOT_MARGIN * tpot_target_s
 
 
 class LatencyModel:

@@ -25,10 +25,11 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from contract.hashing import DEFAULT_HASH_SEED
+from contract.slo import step_bound
 from router.config import ScoringConfig
 from router.routing.approx_index import ApproxPrefixIndex
 from router.routing.inflight_prefixes import InflightPrefixes
-from router.routing.latency_model import LatencyModel, step_bound, tpot_features, ttft_features
+from router.routing.latency_model import LatencyModel, tpot_features, ttft_features
 from router.routing.policies import Decision, HashRing, IndexKind, Policy, ReplicaView, RouteRequest
 from router.routing.policies.load import prefill_tokens
 from router.routing.prediction import BOUNDS_STEPS, Prediction, due

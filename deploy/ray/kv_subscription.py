@@ -81,11 +81,15 @@ class ReplicaKVSubscription:
         live, buf = False, b""
         try:
             while True:
+                # asyncio.timeout, not wait_for: wait_for runs __anext__ as a task of its own and, on
+                # Python 3.11, returns its result when a cancellation lands as it completes, so the
+                # subscription swallowed close() and resubscribed forever.
                 try:
-                    chunk = await asyncio.wait_for(stream.__anext__(), self.heartbeat_timeout_s)
+                    async with asyncio.timeout(self.heartbeat_timeout_s):
+                        chunk = await stream.__anext__()
                 except StopAsyncIteration:
                     return live, "closed"
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     return live, "heartbeat-timeout"
                 buf += chunk
                 *lines, buf = buf.split(b"\n")

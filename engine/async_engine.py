@@ -169,7 +169,7 @@ class AsyncLLMEngine:
             self._core.send(Stop())
             try:
                 await asyncio.wait_for(asyncio.shield(self._stopped), 30)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 logger.warning("the engine core did not stop within 30 s")
         await asyncio.to_thread(self._core.join, 10)
         if self.dead is None:

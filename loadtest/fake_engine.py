@@ -198,7 +198,7 @@ class FakeEngine:
             while not disconnected.done():
                 try:
                     ev = await asyncio.wait_for(q.get(), self.ns.heartbeat_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     ev = Heartbeat(self.seq)
                 await send({"type": "http.response.body", "body": encode_line(iid, ev), "more_body": True})
         except OSError:

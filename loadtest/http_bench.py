@@ -80,7 +80,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> R
                 return RequestResult(False, error=f"HTTP {resp.status}: {text}")
             async for raw in resp.content:  # one SSE line per iteration
                 lines.append((time.perf_counter() - t0, raw.decode("utf-8", "replace")))
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (TimeoutError, aiohttp.ClientError) as e:
         return RequestResult(False, error=f"{type(e).__name__}: {e}"[:200])
     rec = record_from_sse(lines, scenario="", start_s=0.0, end_s=time.perf_counter() - t0)
     if not rec.ok:

@@ -79,7 +79,7 @@ def _client_proc(url: str, concurrency: int, duration: float, q, extra_headers: 
                             async for _ in r.content.iter_any():
                                 pass
                             ok = r.status == 200
-                    except (aiohttp.ClientError, asyncio.TimeoutError):
+                    except (TimeoutError, aiohttp.ClientError):
                         ok = False
                     done += ok
                     errors += not ok

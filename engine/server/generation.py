@@ -48,7 +48,7 @@ class Inflight:
             self.changed.clear()
             try:
                 await asyncio.wait_for(self.changed.wait(), timeout=min(left, 0.5))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return True
 

@@ -77,7 +77,7 @@ async def request(client: httpx.AsyncClient, url: str, body: dict, key: str | No
     limit = rng.uniform(0.0, 0.03) if cut == "before_headers" else timeout
     try:
         await asyncio.wait_for(work, limit)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         if cut == "before_headers":
             res.dropped = cut
         else:

@@ -46,7 +46,7 @@ async def _closed_by_server(conns, wait: float) -> int:
     async def eof(reader):
         try:
             return await asyncio.wait_for(reader.read(1), wait) == b""
-        except (asyncio.TimeoutError, ConnectionError):
+        except (TimeoutError, ConnectionError):
             return False
     got = await asyncio.gather(*(eof(r) for r, _ in conns))
     for _, w in conns:
@@ -87,7 +87,7 @@ async def _big_body(port: int, headers: dict[str, str], size: int, chunked: bool
             await writer.drain()
             sent += len(chunk)
         line = await asyncio.wait_for(status, 30)
-    except (ConnectionError, asyncio.TimeoutError) as e:
+    except (TimeoutError, ConnectionError) as e:
         line = (status.result() if status.done() and not status.exception() else f"{type(e).__name__}".encode())
     finally:
         writer.close()

@@ -69,7 +69,7 @@ class RouterApp:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             log.info("drained")
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("drain timeout: %d requests still running are cut", self.inflight)
 
     async def shutdown(self) -> None:

@@ -11,7 +11,6 @@ decode replica computes the prompt itself.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import replace
@@ -51,7 +50,7 @@ async def prefill(session: aiohttp.ClientSession, fleet, metrics, path: str, req
                                 timeout=aiohttp.ClientTimeout(total=PREFILL_TIMEOUT_S)) as resp:
             await resp.read()
             status = resp.status
-    except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+    except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
         ls.failed()
         ls.release()
         log.warning("prefill on %s failed: %s", ls.url, e)

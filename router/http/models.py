@@ -18,7 +18,7 @@ async def _models_of(session: aiohttp.ClientSession, url: str, headers: Mapping[
             if resp.status == 200:
                 data = (await resp.json(content_type=None)).get("data")
                 return data if isinstance(data, list) else []
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+    except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
         pass
     return []
 

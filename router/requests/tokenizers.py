@@ -109,14 +109,14 @@ async def tokenizer_from_engines(session: aiohttp.ClientSession, ready_urls: Cal
                 try:  # bounded: a load stuck in its thread must not keep the model without a tokenizer
                     tok = await asyncio.wait_for(asyncio.to_thread(load_tokenizer_archive, data), LOAD_TIMEOUT_S)
                     prompt_tokenizer = await asyncio.wait_for(asyncio.to_thread(PromptTokenizer, tok), LOAD_TIMEOUT_S)
-                except asyncio.TimeoutError:  # the thread stays stuck; another load is tried in a second
+                except TimeoutError:  # the thread stays stuck; another load is tried in a second
                     log.error("loading the tokenizer%s from %s took over %g s; retrying",
                               f" of {model}" if model else "", url, LOAD_TIMEOUT_S)
                     continue
                 log.info("tokenizer%s from %s: vocab %d, %d bytes", f" of {model}" if model else "", url,
                          tok.vocab_size, len(data))
                 return prompt_tokenizer
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TokenizerError) as e:
+            except (TimeoutError, aiohttp.ClientError, ValueError, TokenizerError) as e:
                 if url not in logged:  # once per replica
                     logged.add(url)
                     log.warning("no tokenizer from %s yet: %s", url, e)

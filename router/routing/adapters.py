@@ -85,7 +85,7 @@ class AdapterLoader:
                                               timeout=aiohttp.ClientTimeout(total=LOAD_TIMEOUT_S)) as resp:
                 text = await resp.text()
                 ok = resp.status == 200 or (resp.status == 400 and "already been loaded" in text)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             ok, text = False, f"{type(e).__name__}: {e}"
         if ok:
             self.loads += 1

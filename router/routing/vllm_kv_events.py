@@ -297,7 +297,7 @@ class VllmKVSubscriber:
                 if msg[2] == END_SEQ:
                     return out
                 out.append(decode_batch(msg[2], msg[3]))
-        except (asyncio.TimeoutError, VllmEventError) as e:
+        except (TimeoutError, VllmEventError) as e:
             log.warning("KV events of %s: replay from seq %d failed (%s)", self.replica_url, start,
                         type(e).__name__ if isinstance(e, asyncio.TimeoutError) else e)
             return None

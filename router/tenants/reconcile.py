@@ -52,7 +52,7 @@ async def lookup(session: aiohttp.ClientSession, replica: str, ids: list[str], t
                     log.warning("usage lookup on %s: HTTP %d", replica, r.status)
                     return None
                 out.update(parse_answer(await r.json(content_type=None)))
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+    except (TimeoutError, aiohttp.ClientError, ValueError) as e:
         log.warning("usage lookup on %s failed: %r", replica, e)
         return None
     return out

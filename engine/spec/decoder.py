@@ -15,9 +15,11 @@ token the output without speculation whenever the verifying rows' logits equal a
 --deterministic); seeded rows draw the same numbers as they would one token at a time, so seeded output is the
 same too.
 
-Not proposed for (they decode one token at a time): requests with a grammar (structured outputs, tool calls: the
-matcher would have to advance over drafts and roll back), LoRA requests (verification under adapters is not
-tested yet), a sequence still in its prompt.
+Grammars (structured outputs, tool calls): a constrained sequence's drafts are cut before the first one its grammar
+refuses, or after which the grammar would be done, and each verifying row j gets a fork of its matcher advanced
+over d_1..d_j, so the sampler masks every position with the grammar's state there; the sequence's own matcher
+advances only over the tokens kept (the engine loop). LoRA requests are proposed for like any other: each row of a
+run carries its sequence's adapter (engine/lora/). Not proposed for: a sequence still in its prompt.
 
 Back-off (a simple rule): a step with more running sequences than `disable_by_batch_size` proposes nothing; and a
 sequence whose drafts were all rejected skips its next 1, 2, 4, 8, then 16 decode steps (doubling while
@@ -67,7 +69,7 @@ class SpecDecoder:
     def propose(self, seq: Sequence, num_running: int) -> list[int]:
         """Drafts for a running sequence that decodes this step (its last token is its only uncomputed one)."""
         cfg = self.config
-        if num_running > cfg.disable_by_batch_size or seq.matcher is not None or seq.lora is not None:
+        if num_running > cfg.disable_by_batch_size:
             return []
         if seq.num_output_tokens == 0:
             return []  # its prompt's last token: the step that forks n > 1 and reports the first token
@@ -78,7 +80,8 @@ class SpecDecoder:
         k = min(cfg.num_speculative_tokens, self.max_model_len - seq.num_tokens)
         if seq.params.max_tokens is not None:
             k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
-        return ngram.propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        drafts = ngram.propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        return drafts if seq.matcher is None or not drafts else grammar_prefix(seq.matcher, drafts)
 
     # ---- verifying (the engine, after the forward pass) ---------------------------------------
 
@@ -91,7 +94,12 @@ class SpecDecoder:
             seq = seqs[i]
             d = drafts.get(seq.seq_id, ())
             rows.append(seq)
-            rows.extend(DraftView(seq, d[:j]) for j in range(1, len(d) + 1))
+            matcher = seq.matcher
+            for j in range(1, len(d) + 1):
+                if matcher is not None:  # the grammar's state after d_1..d_j (propose kept only drafts it accepts)
+                    matcher = matcher.fork()
+                    matcher.accept_token(d[j - 1])
+                rows.append(DraftView(seq, d[:j], matcher))
             i += len(d) + 1
         return rows
 
@@ -134,12 +142,12 @@ class SpecDecoder:
 class DraftView:
     """A sequence as it would stand after some of its drafts: what the sampler reads of a row."""
 
-    __slots__ = ("seq", "drafts")
-    matcher = None  # requests with a grammar get no drafts
+    __slots__ = ("seq", "drafts", "matcher")
 
-    def __init__(self, seq: Sequence, drafts: Seq[int]):
+    def __init__(self, seq: Sequence, drafts: Seq[int], matcher=None):
         self.seq = seq
         self.drafts = list(drafts)
+        self.matcher = matcher  # a constrained sequence's grammar state after the drafts (a fork of its matcher)
 
     @property
     def params(self):
@@ -172,3 +180,16 @@ class DraftView:
     @property
     def output_token_ids(self) -> list[int]:
         return self.seq.output_token_ids + self.drafts
+
+
+def grammar_prefix(matcher, drafts: list[int]) -> list[int]:
+    """The drafts up to the first the grammar refuses or after which it is done (a stop token, or a completed
+    grammar that ends without one): every kept draft leaves a position the grammar still has a mask for. The
+    sequence's matcher is not advanced (the drafts run on a fork)."""
+    if matcher.is_terminated():
+        return []
+    fork = matcher.fork()
+    n = 0
+    while n < len(drafts) and fork.accept_token(drafts[n]) and not fork.is_terminated():
+        n += 1
+    return drafts[:n]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.spec.config import SpeculativeConfig
-from engine.spec.decoder import DraftView, SpecDecoder
+from engine.spec.decoder import DraftView, SpecDecoder, grammar_prefix
 
 CFG = SpeculativeConfig("ngram", 3, 1, 2, disable_by_batch_size=4)
 
@@ -25,16 +25,59 @@ def test_drafts_for_a_decoding_sequence_capped_by_max_tokens_and_max_model_len()
     assert SpecDecoder(CFG, max_model_len=8).propose(decoding(), 1) == [1, 2]  # positions 5..7
 
 
-def test_no_drafts_for_grammars_lora_first_tokens_or_large_batches():
+def test_no_drafts_for_first_tokens_or_large_batches_and_lora_gets_them():
     spec = SpecDecoder(CFG, max_model_len=64)
     seq = decoding()
     assert spec.propose(seq, 4) == [1, 2, 3] and spec.propose(seq, 5) == []  # disable_by_batch_size 4
-    seq.matcher = object()
-    assert spec.propose(seq, 1) == []
     lora = decoding()
     lora.lora = object()
-    assert spec.propose(lora, 1) == []
+    assert spec.propose(lora, 1) == [1, 2, 3]  # each verifying row carries its sequence's adapter
     assert spec.propose(decoding(output=()), 1) == []  # the prompt's last token: the first output comes next
+
+
+# A toy vocabulary for a real grammar matcher: tokens a, b, c and the stop token </s>.
+A, B, C, STOP = 0, 1, 2, 3
+
+
+def matcher(grammar: str = 'root ::= "abab" "c"'):
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo(["a", "b", "c", "</s>"], stop_token_ids=[STOP])
+    return xgr.GrammarMatcher(xgr.GrammarCompiler(info, max_threads=1).compile_grammar(grammar))
+
+
+def allowed(m) -> list[int]:
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, 4)
+    m.fill_next_token_bitmask(bitmask, 0)
+    return [t for t in range(4) if int(bitmask[0, 0]) >> t & 1]
+
+
+def test_grammar_drafts_stop_before_a_refused_token_or_the_grammars_end():
+    m = matcher()
+    assert grammar_prefix(m, [A, B, A, B, C, STOP]) == [A, B, A, B, C]  # the stop token would end the grammar
+    assert grammar_prefix(m, [A, B, B, A]) == [A, B]  # "abb" is refused: nothing from there on
+    assert grammar_prefix(m, [C]) == []
+    assert allowed(m) == [A]  # the sequence's own matcher did not move
+    done = matcher('root ::= "a"')
+    done.accept_token(A)
+    done.accept_token(STOP)
+    assert grammar_prefix(done, [A]) == []
+
+
+def test_a_constrained_sequence_gets_drafts_its_grammar_accepts_and_rows_masked_at_each_position():
+    spec = SpecDecoder(CFG, max_model_len=64)
+    seq = decoding(prompt=(A, B, A, B), output=(A,))
+    seq.matcher = matcher('root ::= "a" "bab"*')
+    seq.matcher.accept_token(A)
+    assert spec.propose(seq, 1) == [B, A, B]  # "a" occurred at 0 and 2: b a b followed (a repeating tail)
+    seq.matcher = matcher('root ::= "ab" "c"')
+    seq.matcher.accept_token(A)
+    assert spec.propose(seq, 1) == [B]  # the grammar refuses the second draft (a after "ab")
+    rows = spec.sampling_rows([seq, seq], {seq.seq_id: [B]})
+    assert rows[0] is seq and allowed(rows[0].matcher) == [B] and allowed(rows[1].matcher) == [C]
+    assert allowed(seq.matcher) == [B]  # rows read forks: the engine advances the matcher by the kept tokens
 
 
 def test_a_sequence_whose_drafts_all_fail_backs_off_doubling():

@@ -187,3 +187,71 @@ def test_acceptance_on_a_copy_heavy_prompt(model):
           f"{per_step:.2f} tokens per verifying step, by position {st.accepted_per_pos}; "
           f"{len(out[0].outputs[0].token_ids)} tokens: {out[0].outputs[0].text[:80]!r}...")
     assert rate > 0.3
+
+
+def test_structured_outputs_keep_their_grammar_and_their_greedy_tokens(model):
+    """Requests with a grammar get drafts too (those the grammar accepts), each verifying row masked with the
+    grammar's state at its position: --deterministic greedy tokens and logprobs equal without speculation, every
+    answer matches its grammar, and drafts were kept."""
+    from engine.structured.spec import Guide
+
+    tok = engine(model, False).engine.tokenizer
+    toks = [tok.encode(LIST), tok.encode(REPEATING[1]), tok.encode('Copy this JSON: {"fruit": ["apple", "banana", '
+                                                                    '"cherry", "date"], "count": 4}\nJSON: ')]
+    pattern = r"( ?(apple|banana|cherry|date|fig|grape)[,.]){12}"
+    schema = {"type": "object", "properties": {"fruit": {"type": "array", "items": {"type": "string"}},
+                                               "count": {"type": "integer"}}, "required": ["fruit", "count"]}
+
+    def params():
+        return [SamplingParams(temperature=0, max_tokens=40, logprobs=2, guide=Guide.regex(pattern)),
+                SamplingParams(temperature=0, max_tokens=40, logprobs=2, guide=Guide.regex(pattern)),
+                SamplingParams(temperature=0, max_tokens=60, logprobs=2, guide=Guide.json_schema(schema))]
+
+    base = run(engine(model, False, deterministic=True), toks, params())
+    llm = engine(model, True, deterministic=True)
+    spec = run(llm, toks, params())
+    assert spec == base
+    import json
+    import re
+
+    for (tokens, _, text, finish), p in zip([o[0] for o in spec], params(), strict=True):
+        assert finish == "stop" and len(tokens) < p.max_tokens
+        if p.guide.kind.value == "regex":
+            assert re.fullmatch(pattern, text), text
+        else:
+            assert set(json.loads(text)) == {"fruit", "count"}
+    st = llm.engine.spec.stats
+    assert st.num_accepted_tokens > 5, st
+    assert_nothing_held(llm)
+
+
+def test_lora_requests_get_drafts_and_keep_their_greedy_tokens(tmp_path):
+    """Verifying rows carry their sequence's adapter: greedy tokens under two adapters and the base model, in one
+    batch, equal without speculation (float32, every prompt in one step), with drafts kept."""
+    from engine.lora.request import LoRARequest
+    from tests.engine.lora._adapters import write_adapters
+
+    paths = write_adapters(str(tmp_path))
+
+    def llm(spec: bool) -> LLM:
+        return LLM("smollm2", dtype="float32", max_model_len=MAX_LEN, num_blocks=400, num_threads=2, max_num_seqs=8,
+                   max_num_batched_tokens=2048, enable_lora=True, max_loras=2, max_lora_rank=64,
+                   speculative_config=SPEC if spec else None)
+
+    names = [None, "attn-r8", "mlp-r16"]
+
+    def params():
+        return [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                               lora=None if n is None else LoRARequest(n, 1 + list(paths).index(n), paths[n]))
+                for n in names]
+
+    base_llm = llm(False)
+    toks = [base_llm.engine.tokenizer.encode(p) for p in REPEATING[:3]]
+    base = run(base_llm, toks, params())
+    spec_llm = llm(True)
+    spec = run(spec_llm, toks, params())
+    assert [o[0][0] for o in spec] == [o[0][0] for o in base]
+    assert [o[0][0] for o in base][1] != run(base_llm, toks[1:2], [SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True)])[0][0][0]  # the adapter changes the answer
+    assert spec_llm.engine.spec.stats.num_accepted_tokens > 5
+    assert_nothing_held(spec_llm)

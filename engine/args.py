@@ -262,7 +262,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding, vLLM's JSON object: '{\"method\": \"ngram\", \"num_speculative_tokens\": "
                         "4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' (prompt lookup: drafts copied from "
-                        "the prompt and output, verified in one step, greedy output unchanged); optional "
+                        "the prompt and output, verified in one step, greedy output unchanged) or "
+                        "'{\"method\": \"suffix\", \"num_speculative_tokens\": 8}' (suffix decoding: the most "
+                        "frequent continuation in the request's own tokens and recent requests' outputs; "
+                        "suffix_decoding_* fields as vLLM's); optional "
                         "\"disable_by_batch_size\" (default 16): no drafts in steps with more running sequences. "
                         "Default: off; see docs/engine.md#speculative-decoding")
     t = parser.add_argument_group("fault injection (for tests and chaos drills only; off by default)")

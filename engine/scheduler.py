@@ -80,6 +80,8 @@ class DraftProposer(Protocol):
 
     def propose(self, seq: Sequence, num_running: int) -> list[int]: ...
 
+    def finished(self, seq: Sequence, aborted: bool) -> None: ...
+
 
 @dataclass
 class ScheduledSeq:
@@ -564,6 +566,8 @@ class Scheduler:
             self.waiting.remove(seq)
         self.kv.free(seq)
         seq.status = status
+        if self.proposer is not None:
+            self.proposer.finished(seq, status is SequenceStatus.FINISHED_ABORTED)
         self.fair.leave(seq.fairness_id)
         group = self._by_request.get(seq.request_id)
         if group is not None:

@@ -1,4 +1,4 @@
-"""Speculative decoding (`ngram`) against none, served over HTTP (issue 45): one real engine of the bundled model
+"""Speculative decoding (`ngram`, `suffix`) against none, served over HTTP (issue 45): one real engine of the bundled model
 at its default flags (4,096 KV blocks), started without and then with `--speculative-config`, alternating for `--rounds` rounds.
 
 - copy, c=1: prompts whose answers copy spans of the prompt (code to repeat with one change, a list to reformat,
@@ -10,7 +10,7 @@ at its default flags (4,096 KV blocks), started without and then with `--specula
 Prints per round and pooled: tokens/s without and with, their ratio, identical answers, and the engine's own
 acceptance (vllm:spec_decode_num_accepted_tokens / num_draft_tokens) and tokens per verifying step.
 
-    python -m loadtest.spec_bench --rounds 2
+    python -m loadtest.spec_bench --rounds 2 --methods ngram,suffix
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import httpx
 from kvfleet.workload import words
 from loadtest.router_procs import Proc, start_engine
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+SPECS = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+         "suffix": {"method": "suffix", "num_speculative_tokens": 8}}  # suffix_decoding_*: vLLM's defaults
 
 CODE = '''def moving_average(values, window):
     if window <= 0:
@@ -104,9 +105,9 @@ async def chat(url: str, n: int, concurrency: int, max_tokens: int) -> float:
         return tokens / (time.perf_counter() - t)
 
 
-def run(ns, log_dir: str, spec: bool) -> dict:
-    ns.engine_arg = ["--speculative-config", json.dumps(SPEC)] if spec else []
-    e: Proc = start_engine(ns, log_dir, "spec" if spec else "plain", 4096)
+def run(ns, log_dir: str, method: str | None) -> dict:
+    ns.engine_arg = ["--speculative-config", json.dumps(SPECS[method])] if method else []
+    e: Proc = start_engine(ns, log_dir, method or "plain", 4096)
     try:
         e.wait_ready(300)
         asyncio.run(copy_set(e.url, copy_prompts()[:1], 16))  # warm-up
@@ -129,26 +130,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--copy-max-tokens", type=int, default=200)
     ap.add_argument("--chat-requests", type=int, default=64)
     ap.add_argument("--chat-max-tokens", type=int, default=64)
+    ap.add_argument("--methods", default="ngram", help="comma-separated: ngram, suffix (each against none, per round)")
     ns = ap.parse_args(argv)
+    methods = [m for m in ns.methods.split(",") if m]
+    for m in methods:
+        if m not in SPECS:
+            ap.error(f"--methods: unknown method {m!r} (one of {', '.join(SPECS)})")
     ns.model, ns.engine_module, ns.threads_per_engine, ns.pin_cores = "smollm2", None, None, False
     log_dir = tempfile.mkdtemp(prefix="spec_bench_")
-    pooled: dict[str, list[float]] = {"copy": [], "chat": []}
+    pooled: dict[tuple[str, str], list[float]] = {(m, k): [] for m in methods for k in ("copy", "chat")}
     same_all = True
     for rnd in range(1, ns.rounds + 1):
-        plain, spec = run(ns, log_dir, False), run(ns, log_dir, True)
-        same = plain["texts"] == spec["texts"]
-        same_all &= same
-        rc, rt = spec["copy_tps"] / plain["copy_tps"], spec["chat_tps"] / plain["chat_tps"]
-        pooled["copy"].append(rc)
-        pooled["chat"].append(rt)
-        acc = spec["acceptance"]
-        print(f"round {rnd}: copy c=1 {plain['copy_tps']:.1f} -> {spec['copy_tps']:.1f} tok/s = x{rc:.2f} "
-              f"(answers identical: {same}); chat c=16 {plain['chat_tps']:.1f} -> {spec['chat_tps']:.1f} tok/s = "
-              f"x{rt:.2f}; drafts kept {acc if acc is None else f'{acc:.2f}'}, tokens per verifying step "
-              f"{spec['tokens_per_verify'] and round(spec['tokens_per_verify'], 2)}", flush=True)
-    gm = {k: math.prod(v) ** (1 / len(v)) for k, v in pooled.items()}
-    print(f"pooled (geometric mean of rounds): copy c=1 x{gm['copy']:.2f} (target >= 1.8), chat c=16 "
-          f"x{gm['chat']:.2f} (target >= 1.0); greedy answers identical in every round: {same_all}; logs {log_dir}")
+        plain = run(ns, log_dir, None)
+        for method in methods:
+            spec = run(ns, log_dir, method)
+            same = plain["texts"] == spec["texts"]
+            same_all &= same
+            rc, rt = spec["copy_tps"] / plain["copy_tps"], spec["chat_tps"] / plain["chat_tps"]
+            pooled[method, "copy"].append(rc)
+            pooled[method, "chat"].append(rt)
+            acc = spec["acceptance"]
+            print(f"round {rnd}, {method}: copy c=1 {plain['copy_tps']:.1f} -> {spec['copy_tps']:.1f} tok/s = x{rc:.2f} "
+                  f"(answers identical: {same}); chat c=16 {plain['chat_tps']:.1f} -> {spec['chat_tps']:.1f} tok/s = "
+                  f"x{rt:.2f}; drafts kept {acc if acc is None else f'{acc:.2f}'}, tokens per verifying step "
+                  f"{spec['tokens_per_verify'] and round(spec['tokens_per_verify'], 2)}", flush=True)
+    for method in methods:
+        gm = {k: math.prod(pooled[method, k]) ** (1 / ns.rounds) for k in ("copy", "chat")}
+        print(f"pooled {method} (geometric mean of rounds): copy c=1 x{gm['copy']:.2f} (target >= 1.8), chat c=16 "
+              f"x{gm['chat']:.2f} (target >= 1.0)")
+    print(f"greedy answers identical in every round: {same_all}; logs {log_dir}")
     return 0 if same_all else 1
 
 

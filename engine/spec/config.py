@@ -3,8 +3,14 @@
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5,
      "disable_by_batch_size": 16}
 
-As in vLLM: `num_speculative_tokens` is required; `prompt_lookup_min` / `prompt_lookup_max` default to 5 when both
-are absent and to each other when one is; `disable_by_batch_size` (vLLM's name) is kvfleet's back-off: a step with
+    {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 24,
+     "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1,
+     "suffix_decoding_max_cached_requests": 64}
+
+As in vLLM: `num_speculative_tokens` is required; `prompt_lookup_min` / `prompt_lookup_max` (ngram) default to 5
+when both are absent and to each other when one is; the `suffix_decoding_*` fields (suffix, engine/spec/suffix.py)
+take vLLM's defaults except `suffix_decoding_max_cached_requests`: 64 finished requests here (vLLM: 10,000), since
+each proposal scans the cached outputs. `disable_by_batch_size` (vLLM's name) is kvfleet's back-off: a step with
 more running sequences than this proposes nothing (engine/spec/decoder.py). Every error is a ConfigError naming
 `--speculative-config` and the field.
 """
@@ -17,11 +23,19 @@ from dataclasses import dataclass
 from contract.errors import ConfigError
 
 FLAG = "--speculative-config"
-METHODS = ("ngram",)
-MAX_SPECULATIVE_TOKENS = 16
+METHODS = ("ngram", "suffix")
+MAX_SPECULATIVE_TOKENS = 32
 DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min / _max when neither is given
 DEFAULT_DISABLE_BY_BATCH_SIZE = 16  # not measured yet (issue 45): verifying k drafts costs k rows per sequence
-_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size")
+DEFAULT_TREE_DEPTH = 24  # vLLM's suffix_decoding_* defaults, but the cached requests
+DEFAULT_SPEC_FACTOR = 1.0
+DEFAULT_MIN_TOKEN_PROB = 0.1
+DEFAULT_CACHED_REQUESTS = 64
+MAX_TREE_DEPTH = 256
+_SUFFIX = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
+           "suffix_decoding_max_cached_requests")
+_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
+           *_SUFFIX)
 
 
 @dataclass(frozen=True)
@@ -31,6 +45,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int = DEFAULT_LOOKUP
     prompt_lookup_max: int = DEFAULT_LOOKUP
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    suffix_decoding_max_tree_depth: int = DEFAULT_TREE_DEPTH
+    suffix_decoding_max_spec_factor: float = DEFAULT_SPEC_FACTOR
+    suffix_decoding_min_token_prob: float = DEFAULT_MIN_TOKEN_PROB
+    suffix_decoding_max_cached_requests: int = DEFAULT_CACHED_REQUESTS
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS, "method", f"must be one of {', '.join(METHODS)}, got {self.method!r}")
@@ -40,6 +58,10 @@ class SpeculativeConfig:
         _check(self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
                f"must be <= prompt_lookup_max ({self.prompt_lookup_max}), got {self.prompt_lookup_min}")
         _int("disable_by_batch_size", self.disable_by_batch_size, 1)
+        _int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 2, MAX_TREE_DEPTH)
+        _number("suffix_decoding_max_spec_factor", self.suffix_decoding_max_spec_factor, 0.0, None)
+        _number("suffix_decoding_min_token_prob", self.suffix_decoding_min_token_prob, 0.0, 1.0)
+        _int("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, 0)
 
     @classmethod
     def parse(cls, value: object) -> SpeculativeConfig | None:
@@ -59,7 +81,7 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - set(_FIELDS))
         _check(not unknown, None,
                f"unknown field(s) {', '.join(map(repr, unknown))}; kvfleet takes {', '.join(_FIELDS)}")
-        _check("method" in value, "method", "is required (\"ngram\")")
+        _check("method" in value, "method", "is required (\"ngram\" or \"suffix\")")
         _check("num_speculative_tokens" in value, "num_speculative_tokens", "is required (the drafts per step, k)")
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         if lo is None:  # vLLM's defaults: 5 and 5 when neither is given, else each the other's
@@ -70,8 +92,9 @@ class SpeculativeConfig:
         if method == "[ngram]":  # vLLM's legacy spelling
             method = "ngram"
         disable = value.get("disable_by_batch_size")
+        suffix = {f: value[f] for f in _SUFFIX if value.get(f) is not None}
         return cls(method, value["num_speculative_tokens"], lo, hi,
-                   DEFAULT_DISABLE_BY_BATCH_SIZE if disable is None else disable)
+                   DEFAULT_DISABLE_BY_BATCH_SIZE if disable is None else disable, **suffix)
 
     def to_json(self) -> str:
         return json.dumps({f: getattr(self, f) for f in _FIELDS})
@@ -82,6 +105,13 @@ def _int(name: str, value: object, minimum: int, maximum: int | None = None) -> 
           and (maximum is None or value <= maximum))
     bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
     _check(ok, name, f"must be an integer {bound}, got {value!r}")
+
+
+def _number(name: str, value: object, minimum: float, maximum: float | None) -> None:
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and value >= minimum
+          and (value <= maximum if maximum is not None else value != float("inf")))
+    bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+    _check(ok, name, f"must be a number {bound}, got {value!r}")
 
 
 def _check(ok: bool, name: str | None, message: str) -> None:

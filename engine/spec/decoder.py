@@ -32,8 +32,10 @@ import weakref
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.sequence import Sequence
-from engine.spec import ngram
+from engine.spec import ngram, suffix
 from engine.spec.config import SpeculativeConfig
 
 MAX_SKIP = 16
@@ -63,6 +65,9 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._backoff: weakref.WeakKeyDictionary[Sequence, _Backoff] = weakref.WeakKeyDictionary()
+        # suffix decoding across requests: the outputs of the last finished ones (engine/spec/suffix.py)
+        self.cache = (suffix.SuffixCache(config.suffix_decoding_max_cached_requests)
+                      if config.method == "suffix" and config.suffix_decoding_max_cached_requests > 0 else None)
 
     # ---- proposing (the scheduler) -----------------------------------------------------------
 
@@ -80,8 +85,28 @@ class SpecDecoder:
         k = min(cfg.num_speculative_tokens, self.max_model_len - seq.num_tokens)
         if seq.params.max_tokens is not None:
             k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
-        drafts = ngram.propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        if cfg.method == "suffix":
+            drafts = self._suffix(seq.token_ids, k)
+        else:
+            drafts = ngram.propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         return drafts if seq.matcher is None or not drafts else grammar_prefix(seq.matcher, drafts)
+
+    def _suffix(self, tokens: list[int], k: int) -> list[int]:
+        """The sequence's own prompt and output, or the outputs of the last finished requests: the higher score."""
+        cfg = self.config
+        args = (k, cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_spec_factor,
+                cfg.suffix_decoding_min_token_prob)
+        own = suffix.propose(np.asarray(tokens, dtype=np.int64), tokens, *args)
+        if self.cache is not None and self.cache.num_requests:
+            shared = suffix.propose(self.cache.array(), tokens, *args)
+            if shared.score > own.score:
+                return shared.tokens
+        return own.tokens
+
+    def finished(self, seq: Sequence, aborted: bool) -> None:
+        """A sequence ended: with suffix decoding its output joins the shared index (not an aborted one's)."""
+        if self.cache is not None and not aborted:
+            self.cache.add(seq.output_token_ids)
 
     # ---- verifying (the engine, after the forward pass) ---------------------------------------
 

@@ -73,19 +73,31 @@ def test_config_defaults_are_vllms():
     assert (cfg.method, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == ("ngram", 2, 2)
     assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
     assert SpeculativeConfig.parse(cfg.to_json()) == cfg
+    cfg = SpeculativeConfig.parse({"method": "suffix", "num_speculative_tokens": 32})
+    assert (cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_spec_factor,
+            cfg.suffix_decoding_min_token_prob, cfg.suffix_decoding_max_cached_requests) == (24, 1.0, 0.1, 64)
+    assert SpeculativeConfig.parse(cfg.to_json()) == cfg
 
 
 @pytest.mark.parametrize("text, words", [
     ('{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of ngram"),
     ('{"method": "ngram"}', "num_speculative_tokens is required"),
     ('{"num_speculative_tokens": 2}', "method is required"),
-    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be an integer in [1, 16]"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be an integer in [1, 32]"),
     ('{"method": "ngram", "num_speculative_tokens": true}', "num_speculative_tokens must be an integer"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}', "prompt_lookup_min must be"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3}',
      "prompt_lookup_min must be <= prompt_lookup_max (3)"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}', "disable_by_batch_size must"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "unknown field(s) 'model'"),
+    ('{"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_tree_depth": 1}',
+     "suffix_decoding_max_tree_depth must be an integer in [2, 256]"),
+    ('{"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 1.5}',
+     "suffix_decoding_min_token_prob must be a number in [0.0, 1.0]"),
+    ('{"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_spec_factor": "2"}',
+     "suffix_decoding_max_spec_factor must be a number >= 0.0"),
+    ('{"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_cached_requests": -1}',
+     "suffix_decoding_max_cached_requests must be an integer >= 0"),
     ('[2]', "must be a JSON object, got list"),
     ('{method: ngram}', "must be a JSON object, e.g."),
 ])

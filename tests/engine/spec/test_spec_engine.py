@@ -105,6 +105,25 @@ def test_greedy_tokens_equal_in_default_mode(model):
     compare_greedy(model, False, 8, 40, max_num_batched_tokens=2048)
 
 
+def test_suffix_decoding_keeps_the_greedy_tokens_and_learns_from_finished_requests(model):
+    """`suffix`: --deterministic greedy tokens and logprobs equal without speculation; a second round of the same
+    prompts keeps more drafts than the first, from the outputs the first round left in the shared index."""
+    suffix = {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_spec_factor": 2.0}
+    base_llm = engine(model, False, deterministic=True)
+    toks = prompts(base_llm)[:4]
+    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2) for _ in toks]
+    base = run(base_llm, toks, params)
+    llm = LLM("smollm2", loaded_model=model, speculative_config=suffix, dtype="bfloat16", max_model_len=MAX_LEN,
+              num_blocks=400, num_threads=2, max_num_seqs=8, max_num_batched_tokens=64, deterministic=True)
+    assert run(llm, toks, params) == base
+    st = llm.engine.spec.stats
+    first = st.num_accepted_tokens
+    assert first > 5 and llm.engine.spec.cache.num_requests == len(toks)
+    assert run(llm, toks, params) == base
+    assert st.num_accepted_tokens - first > first  # the same answers again: drafted from the cache
+    assert_nothing_held(llm)
+
+
 def test_seeded_samples_are_the_same_and_unseeded_ones_complete(model):
     toks = prompts(engine(model, False))[:4]
     seeded = [SamplingParams(temperature=0.8, top_p=0.95, seed=11 + i, max_tokens=32, ignore_eos=True, logprobs=0)

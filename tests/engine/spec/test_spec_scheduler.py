@@ -20,6 +20,9 @@ class FixedProposer:
         self.asked.append((seq.request_id, num_running))
         return list(self.drafts)
 
+    def finished(self, seq, aborted):
+        self.ended = (seq.request_id, aborted)
+
 
 def setup(num_blocks=16, drafts=(8, 9, 10, 11)):
     kv = KVCacheManager(CacheConfig(block_size=4, num_blocks=num_blocks, hash_seed=0))

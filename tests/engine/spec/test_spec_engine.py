@@ -274,3 +274,62 @@ def test_lora_requests_get_drafts_and_keep_their_greedy_tokens(tmp_path):
         temperature=0, max_tokens=24, ignore_eos=True)])[0][0][0]  # the adapter changes the answer
     assert spec_llm.engine.spec.stats.num_accepted_tokens > 5
     assert_nothing_held(spec_llm)
+
+
+def chi_square_p(a: list[int], b: list[int]) -> float:
+    """p-value of the chi-square test that samples a and b come from one distribution (categories with fewer than 5
+    expected in either arm pooled into one)."""
+    from collections import Counter
+
+    ca, cb = Counter(a), Counter(b)
+    na, nb = len(a), len(b)
+    cats, other = [], (0, 0)
+    for t in set(ca) | set(cb):
+        tot = ca[t] + cb[t]
+        if min(tot * na, tot * nb) / (na + nb) >= 5:
+            cats.append((ca[t], cb[t]))
+        else:
+            other = (other[0] + ca[t], other[1] + cb[t])
+    if sum(other):
+        cats.append(other)
+    stat = 0.0
+    for x, y in cats:
+        tot = x + y
+        for obs, n in ((x, na), (y, nb)):
+            exp = tot * n / (na + nb)
+            stat += (obs - exp) ** 2 / exp
+    df = len(cats) - 1
+    return 1.0 if df <= 0 else float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                                              torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_sampled_tokens_keep_their_distribution_with_speculation(model):
+    """Independent draws (different seeds in the two arms, temperature 1, top-k 8) of the 2nd, 3rd and 4th output
+    tokens of a prompt whose answer copies it, with and without drafts: a chi-square test of homogeneity at each
+    position must not reject at p < 0.001; the same test tells apart a sample with a quarter of its draws moved."""
+    n = 300
+    tok = engine(model, False).engine.tokenizer
+    prompt = tok.encode(LIST)
+
+    def draws(spec: bool, seed0: int) -> tuple[list[list[int]], LLM]:
+        llm = engine(model, spec, max_num_seqs=16, max_num_batched_tokens=256)
+        params = [SamplingParams(temperature=1.0, top_k=8, seed=seed0 + i, max_tokens=4, ignore_eos=True)
+                  for i in range(n)]
+        return [o[0][0] for o in run(llm, [prompt] * n, params)], llm
+
+    plain, _ = draws(False, 0)
+    spec, llm = draws(True, 10_000)
+    st = llm.engine.spec.stats
+    assert st.num_accepted_tokens > 50, st
+    from collections import Counter
+
+    for pos in (1, 2, 3):
+        p = chi_square_p([t[pos] for t in plain], [t[pos] for t in spec])
+        print(f"\noutput position {pos}: chi-square p {p:.3f}; drafts kept {st.num_accepted_tokens} of "
+              f"{st.num_draft_tokens}")
+        assert p > 0.001, (pos, p)
+        # its power: a quarter of the draws moved to the second most frequent token is told apart
+        common = [t for t, _ in Counter(t[pos] for t in plain).most_common(2)]
+        biased = [t[pos] for t in spec[:n - n // 4]] + [common[-1]] * (n // 4)
+        assert chi_square_p([t[pos] for t in plain], biased) < 0.001, pos
+    assert_nothing_held(llm)

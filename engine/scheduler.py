@@ -109,6 +109,11 @@ class SchedulerOutput:
 
 
 SHORT_HEADS_SHARE = 0.25  # a step of short waiting prompts alone is predicted at most this share of the step target
+# A lone prompt without a TTFT target, while requests with one came in the last RECENT_TTFT_S seconds, is computed in
+# steps of at most LONE_SHARE of the strictest of those targets: a request with a target that arrives meanwhile waits
+# for at most that much of the step in flight (whole, a 1,000-token prompt is one ~2 s step on a 2-core CPU).
+LONE_SHARE = 1 / 3
+RECENT_TTFT_S = 60.0
 
 
 def step_target_s(max_step_ms: float, running) -> float | None:
@@ -137,6 +142,7 @@ class Scheduler:
         self.oom = OomBackoff(config.max_num_batched_tokens)
         self.fair = FairShare()
         self._room_unused = False  # the last step's running prompts left room that no waiting prompt took
+        self._recent_ttft: tuple[float, float] | None = None  # the strictest TTFT target lately, when last seen
         self._chunk_room: int | None = None  # this step's tokens for prompt chunks that do not finish in it
         self._heads_only = False  # the last step was one of short waiting prompts alone (`_short_heads_step`)
         self.step_time = StepTimeModel()
@@ -150,6 +156,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.fair.enter(seq.fairness_id)
         self.waiting.append(seq)
+        if seq.params.ttft_target_s is not None:
+            now = self.clock()
+            fresh = self._recent_ttft is not None and now - self._recent_ttft[1] <= RECENT_TTFT_S
+            target = min(seq.params.ttft_target_s, self._recent_ttft[0]) if fresh else seq.params.ttft_target_s
+            self._recent_ttft = (target, now)
         self._by_request.setdefault(seq.request_id, []).append(seq)
 
     # ---- one step --------------------------------------------------------------------------
@@ -215,12 +226,14 @@ class Scheduler:
         return True
 
     def _step_budget(self, budget: int) -> tuple[int, int | None]:
-        """The step's token budget: all of it for a lone sequence or an unfitted model, else the decodes' tokens
+        """The step's token budget: all of it for an unfitted model or a lone sequence (but a prompt without a TTFT
+        target while targets came lately: _lone_target), else the decodes' tokens
         and the prompt tokens that keep the step's predicted time at or under its target: max_step_ms, or the
         strictest TPOT target of a running sequence when that is lower (at least one block). And the prompt tokens
         that keep it under half the target (None when the step is not bounded)."""
-        target = step_target_s(self.config.max_step_ms, self.running)
-        if target is None or len(self.running) + len(self.waiting) <= 1:
+        lone = len(self.running) + len(self.waiting) <= 1
+        target = self._lone_target() if lone else step_target_s(self.config.max_step_ms, self.running)
+        if target is None:
             return budget, None
         decodes = [s.num_tokens for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         chunked = [s.num_computed_tokens for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
@@ -229,8 +242,19 @@ class Scheduler:
         room = self.step_time.max_prefill_tokens(aim, len(decodes), context)
         if room is None:
             return budget, None
-        half = self.step_time.max_prefill_tokens(aim / 2, len(decodes), context)
+        half = None if lone else self.step_time.max_prefill_tokens(aim / 2, len(decodes), context)
         return min(budget, len(decodes) + max(room, self.kv.block_size)), half
+
+    def _lone_target(self) -> float | None:
+        """The step target of a lone sequence: none, unless it is a prompt without a TTFT target while requests
+        with one came lately (LONE_SHARE of the strictest of them)."""
+        seqs = self.running or self.waiting
+        if not seqs or self._recent_ttft is None or self.clock() - self._recent_ttft[1] > RECENT_TTFT_S:
+            return None
+        seq = seqs[0]
+        if seq.params.ttft_target_s is not None or seq.num_tokens - seq.num_computed_tokens <= 1:
+            return None
+        return step_bound(self._recent_ttft[0] * LONE_SHARE)
 
     def _chunk_room_for(self, budget: int, half_room: int | None,
                         startable: list[tuple[Sequence, int]] | None) -> int | None:

@@ -217,6 +217,23 @@ def test_a_lone_prompt_gets_the_whole_budget():
     assert steps(eng, 3) == [{"c": 64}, {"c": 64}, {"c": 22}]
 
 
+def test_a_lone_prompt_without_a_target_while_targets_come_is_cut_to_a_third_of_the_strictest():
+    eng = FakeEngine(budget=64)
+    eng.sched.step_time.coefficients = COEF
+    eng.add("i", [5] * 80, max_tokens=1, ttft_target_s=0.6)
+    eng.add("j", [6] * 4, max_tokens=1, ttft_target_s=0.3)
+    eng.run()
+    eng.now = 30.0
+    eng.add("c", [3] * 150, max_tokens=1)
+    # steps of 0.3 / 3 x TPOT_MARGIN = 0.09 s: 0.010 + 0.0021 x p + 0.0001 x context read before <= 0.09
+    assert steps(eng, 5) == [{"c": 38}, {"c": 36}, {"c": 34}, {"c": 32}, {"c": 10}]
+    eng.now = 30.0 + 61  # no target for a minute: whole again
+    eng.add("d", [4] * 150, max_tokens=1)
+    assert steps(eng, 3) == [{"d": 64}, {"d": 64}, {"d": 22}]
+    eng.add("e", [7] * 150, max_tokens=1, ttft_target_s=0.3)  # a lone prompt with its own target: whole
+    assert steps(eng, 3) == [{"e": 64}, {"e": 64}, {"e": 22}]
+
+
 @pytest.mark.parametrize("fitted, max_step_ms", [(False, 100.0), (True, 0.0)])
 def test_unbounded_until_fitted_and_when_off(fitted, max_step_ms):
     eng = two_decoding(max_step_ms)

@@ -157,9 +157,9 @@ class Scheduler:
         self.fair.enter(seq.fairness_id)
         self.waiting.append(seq)
         if seq.params.ttft_target_s is not None:
-            now = self.clock()
-            fresh = self._recent_ttft is not None and now - self._recent_ttft[1] <= RECENT_TTFT_S
-            target = min(seq.params.ttft_target_s, self._recent_ttft[0]) if fresh else seq.params.ttft_target_s
+            now, target, last = self.clock(), seq.params.ttft_target_s, self._recent_ttft
+            if last is not None and now - last[1] <= RECENT_TTFT_S:
+                target = min(target, last[0])
             self._recent_ttft = (target, now)
         self._by_request.setdefault(seq.request_id, []).append(seq)
 

@@ -42,13 +42,10 @@ NONE = Draft([], 0.0, 0)
 def propose(streams: np.ndarray, tail: Sequence[int], k: int, depth: int, spec_factor: float,
             min_prob: float) -> Draft:
     """Drafts for what follows `tail`, from the runs of `streams` (see the module's doc)."""
-    n = len(streams)
-    if k <= 0 or n < 2 or not len(tail):
+    if k <= 0 or depth < 2 or len(streams) < 2 or not len(tail):
         return NONE
     arr = streams
-    tail_arr = np.asarray(tail[-(depth - 1):], dtype=np.int64) if depth > 1 else np.zeros(0, dtype=np.int64)
-    if not tail_arr.size:
-        return NONE
+    tail_arr = np.asarray(tail[-(depth - 1):], dtype=np.int64)
     # ends: positions where an occurrence of the tail's last m tokens ends, for the m matched so far
     ends = np.flatnonzero(arr == tail_arr[-1])
     m = 1

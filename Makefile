@@ -58,9 +58,11 @@ test-portable: $(STAMP)
 
 # every Triton variant the engine compiles on CUDA, compiled for sm_90 and sm_100 on this CPU machine with cold
 # caches (Triton ships ptxas and cuobjdump): registers, spills, shared memory, occupancy, tensor-core use
-# (loadtest/gpu_compile.py; its full run is `slow`, so make test leaves it to this target, which .ci/run calls)
+# (loadtest/gpu_compile.py; its full run is `slow`, so make test leaves it to this target, which .ci/run calls),
+# with the bad-variant check and the sm_80/sm_90 probe of tests/engine/kernels/test_triton_compile.py
 gpu-compile: $(STAMP)
-	$(BIN)/python -m pytest -m slow -p no:cacheprovider tests/loadtest/test_gpu_compile.py
+	$(BIN)/python -m pytest -m slow -p no:cacheprovider tests/loadtest/test_gpu_compile.py \
+		tests/engine/kernels/test_triton_compile.py
 
 # the reliability and security campaign (loadtest/chaos/, not part of `make test`): a loopback fleet (Redis,
 # 2 engines, 2 routers) through soak, cancellation storm, replica and router deaths, Redis outage, KV

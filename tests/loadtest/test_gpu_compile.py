@@ -99,6 +99,7 @@ def test_decode_and_prefill_carry_an_expected_time_per_call(table):
     assert llama["expected_us"]["H100"] == pytest.approx(160.6, abs=0.5)
 
 
+@pytest.mark.slow  # two cold compiles (~20 s): make gpu-compile (.ci/run) runs it beside make test
 def test_a_variant_that_spills_or_overflows_shared_memory_fails_by_name():
     res = _run(["tests.loadtest._bad_variants"], timeout=300)
     assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]

@@ -33,6 +33,7 @@ def probe() -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a cold compile of every case (~13 s): make gpu-compile (.ci/run) runs it beside make test
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernel_compiles(probe, case):
     kind, dtype, arch, _, _ = CASES[case]

@@ -50,22 +50,32 @@ struct Q4 {
       }
   }
 #ifdef KVFLEET_DPBF16
-  static void dequant(const uint8_t* q, const c10::Half* sm, uint16_t* dst) {
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + 16)));
-    const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
-    const __m512 sa = _mm512_permutexvar_ps(lo_cols, s), sb = _mm512_permutexvar_ps(hi_cols, s);
-    const __m512 ma = _mm512_permutexvar_ps(lo_cols, m), mb = _mm512_permutexvar_ps(hi_cols, m);
-    // float(0..15), looked up by each lane's low 4 bits (a permute instead of mask + convert)
-    const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    for (int r = 0; r < 16; ++r) {
+  // One chunk's rows as bf16 registers (a row: one input pair for the 16 columns, vdpbf16ps' operand order).
+  struct Rows {
+    const uint8_t* q;
+    __m512 sa, sb, ma, mb, levels;
+    Rows() = default;
+    Rows(const uint8_t* q_, const c10::Half* sm) : q(q_) {
+      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + 16)));
+      const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+      const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
+      sa = _mm512_permutexvar_ps(lo_cols, s), sb = _mm512_permutexvar_ps(hi_cols, s);
+      ma = _mm512_permutexvar_ps(lo_cols, m), mb = _mm512_permutexvar_ps(hi_cols, m);
+      // float(0..15), looked up by each lane's low 4 bits (a permute instead of mask + convert)
+      levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    }
+    __m512bh row(int r) const {
       const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * 16)));
       // s * q is exact in float32 (11-bit s times 4-bit q), so the fma rounds once, like s * q + m does
       const __m512 wa = _mm512_fmadd_ps(_mm512_permutexvar_ps(b, levels), sa, ma);
       const __m512 wb = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), levels), sb, mb);
-      _mm512_store_si512(reinterpret_cast<__m512i*>(dst + r * 32), (__m512i)_mm512_cvtne2ps_pbh(wb, wa));
+      return _mm512_cvtne2ps_pbh(wb, wa);
     }
+  };
+  static void dequant(const uint8_t* q, const c10::Half* sm, uint16_t* dst) {
+    const Rows rows(q, sm);
+    for (int r = 0; r < 16; ++r) _mm512_store_si512(reinterpret_cast<__m512i*>(dst + r * 32), (__m512i)rows.row(r));
   }
 #endif
 };
@@ -78,18 +88,27 @@ struct Q8 {
     for (int64_t e = 0; e < 512; ++e) dst[e] = round_bf16(float(q[e]) * float(d[(e % 32) / 2]));
   }
 #ifdef KVFLEET_DPBF16
-  static void dequant(const int8_t* q, const c10::Half* d, uint16_t* dst) {
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
-    const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512 sa = _mm512_permutexvar_ps(lo_cols, s);
-    const __m512 sb = _mm512_permutexvar_ps(_mm512_add_epi32(lo_cols, _mm512_set1_epi32(8)), s);
-    for (int r = 0; r < 16; ++r) {
+  struct Rows {  // as Q4::Rows
+    const int8_t* q;
+    __m512 sa, sb;
+    Rows() = default;
+    Rows(const int8_t* q_, const c10::Half* d) : q(q_) {
+      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
+      const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+      sa = _mm512_permutexvar_ps(lo_cols, s);
+      sb = _mm512_permutexvar_ps(_mm512_add_epi32(lo_cols, _mm512_set1_epi32(8)), s);
+    }
+    __m512bh row(int r) const {
       const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * 32));
       // d * q is exact in float32 (11-bit d times 8-bit q): one rounding, to bf16
       const __m512 wa = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b))), sa);
       const __m512 wb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1))), sb);
-      _mm512_store_si512(reinterpret_cast<__m512i*>(dst + r * 32), (__m512i)_mm512_cvtne2ps_pbh(wb, wa));
+      return _mm512_cvtne2ps_pbh(wb, wa);
     }
+  };
+  static void dequant(const int8_t* q, const c10::Half* d, uint16_t* dst) {
+    const Rows rows(q, d);
+    for (int r = 0; r < 16; ++r) _mm512_store_si512(reinterpret_cast<__m512i*>(dst + r * 32), (__m512i)rows.row(r));
   }
 #endif
 };
@@ -100,6 +119,12 @@ struct B16 {
   static constexpr const char* kName = "bf16";
   static void dequant_portable(const uint8_t* q, const c10::Half*, uint16_t* dst) { std::memcpy(dst, q, kChunkBytes); }
 #ifdef KVFLEET_DPBF16
+  struct Rows {
+    const uint8_t* q;
+    Rows() = default;
+    Rows(const uint8_t* q_, const c10::Half*) : q(q_) {}
+    __m512bh row(int r) const { return (__m512bh)_mm512_loadu_si512(q + r * 64); }
+  };
   static void dequant(const uint8_t* q, const c10::Half*, uint16_t* dst) { std::memcpy(dst, q, kChunkBytes); }
 #endif
 };

@@ -180,6 +180,71 @@ void rows_dpbf16_any(int r, const uint16_t* x, int64_t k, int64_t kcs, const uin
   }
 }
 
+// Steps of a few rows (one or a few streams decoding): each chunk row is dequantized in registers and goes
+// straight into the rows' dot products, NB n-blocks at a time (NB x R independent sums, so the dot products'
+// latency hides behind the next rows' dequantization), with no pass through a buffer. The products and their
+// order are nblocks_dpbf16's, so are the bits. c: [NB][R x 16] float32, n-block b at c + b * c_stride.
+constexpr int kFusedMaxRows = 8;
+
+template <typename F, int R, int NB>
+void fused_dpbf16(const uint16_t* x, int64_t k, int64_t kcs, const typename F::Q* qd, const c10::Half* sd,
+                  int64_t nb, float* c, int64_t c_stride) {
+  __m512 acc[NB][R];
+  for (int b = 0; b < NB; ++b)
+    for (int i = 0; i < R; ++i) acc[b][i] = _mm512_setzero_ps();
+  for (int64_t kc = 0; kc < kcs; ++kc) {
+    typename F::Rows rows[NB];
+    for (int b = 0; b < NB; ++b) {
+      const int64_t chunk = (nb + b) * kcs + kc;
+      const char* ahead = reinterpret_cast<const char*>(qd + (chunk + kAhead) * F::kChunkBytes);
+      for (int64_t l = 0; l < F::kChunkBytes; l += 64) kvfleet_cpu::prefetch_line<2>(ahead + l);
+      if constexpr (F::kScales > 0) kvfleet_cpu::prefetch_line<2>(sd + (chunk + kAhead) * F::kScales);
+      rows[b] = typename F::Rows(qd + chunk * F::kChunkBytes, sd + chunk * F::kScales);
+    }
+    const uint16_t* xk = x + kc * kGroup;
+    for (int p = 0; p < 16; ++p) {
+      __m512bh wv[NB];
+      for (int b = 0; b < NB; ++b) wv[b] = rows[b].row(p);
+      for (int i = 0; i < R; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, xk + i * k + 2 * p, 4);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+        for (int b = 0; b < NB; ++b) acc[b][i] = _mm512_dpbf16_ps(acc[b][i], xb, wv[b]);
+      }
+    }
+  }
+  for (int b = 0; b < NB; ++b)
+    for (int i = 0; i < R; ++i) _mm512_storeu_ps(c + b * c_stride + i * kCols, acc[b][i]);
+}
+
+template <typename F, int NB, int R = kFusedMaxRows>
+void fused_dpbf16_any(int r, const uint16_t* x, int64_t k, int64_t kcs, const typename F::Q* qd, const c10::Half* sd,
+                      int64_t nb, float* c, int64_t cs) {
+  if constexpr (R > 0) {
+    if (r == R) return fused_dpbf16<F, R, NB>(x, k, kcs, qd, sd, nb, c, cs);
+    return fused_dpbf16_any<F, NB, R - 1>(r, x, k, kcs, qd, sd, nb, c, cs);
+  }
+}
+
+// The n-blocks [nb0, nb1) of one thread for m <= kFusedMaxRows rows, four at a time up to 4 rows (two above:
+// the sums must stay in registers); c: [4][m x 16] float32.
+template <typename F, typename Store>
+void nblocks_fused(const uint16_t* x, int64_t m, int64_t k, int64_t kcs, const typename F::Q* qd,
+                   const c10::Half* sd, int64_t nb0, int64_t nb1, float* c, Store&& store) {
+  const int r = int(m);
+  for (int64_t nb = nb0; nb < nb1;) {
+    const int64_t left = nb1 - nb, nbs = left >= 4 && r <= 4 ? 4 : left >= 2 ? 2 : 1;
+    if (nbs == 4)
+      fused_dpbf16_any<F, 4, 4>(r, x, k, kcs, qd, sd, nb, c, m * kCols);
+    else if (nbs == 2)
+      fused_dpbf16_any<F, 2>(r, x, k, kcs, qd, sd, nb, c, m * kCols);
+    else
+      fused_dpbf16_any<F, 1>(r, x, k, kcs, qd, sd, nb, c, m * kCols);
+    for (int64_t b = 0; b < nbs; ++b) store(nb + b, c + b * m * kCols);
+    nb += nbs;
+  }
+}
+
 // The n-blocks [nb0, nb1) of one thread; wbuf: 2 * kcs chunks, c: [2][m x 16] float32.
 template <typename F, typename Store>
 void nblocks_dpbf16(const uint16_t* x, int64_t m, int64_t k, int64_t kcs, const typename F::Q* qd,
@@ -290,6 +355,15 @@ Tensor run_linear(const Tensor& x, const typename F::Q* qd, const c10::Half* sd,
   }
 #endif
 #ifdef KVFLEET_DPBF16
+  if (fast && m <= kFusedMaxRows) {
+    at::parallel_for(0, nbs, 1, [&](int64_t nb0, int64_t nb1) {
+      Scratch<float> c(4 * m * kCols);
+      nblocks_fused<F>(xd, m, k, kcs, qd, sd, nb0, nb1, c.data, [&](int64_t nb, const float* cb) {
+        store_block_avx512(cb, m, bd ? bd + nb * kCols : nullptr, od + nb * kCols * osize, n, float_out);
+      });
+    });
+    return out;
+  }
   if (fast) {
     const int64_t pairs = (nbs + 1) / 2;  // whole pairs of n-blocks per thread, as above
     at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {

@@ -12,6 +12,7 @@ import torch
 from engine.kernels import cpu_ops
 from engine.model import cpu_linear
 from engine.model.cpu_linear import OneDnnHead, OneDnnLinear, Q4Linear, Q8Head
+from engine.model.invariant_linear import pack_tiles_bf16
 from engine.model.quantized import dequant_reference, dequant_reference_q8, find_q4, find_q8, pack_q4, pack_q8
 
 if os.environ.get(cpu_ops.ENV) == "torch":
@@ -93,6 +94,31 @@ def test_q4_linear_matches_a_float64_reference(fast, rows, n, k, bias):
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     # float32 sums, one bf16 rounding of the result
     assert torch.allclose(got.double(), want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8", "bf16"])
+def test_a_rows_result_is_the_same_bits_in_any_batch(kind):
+    """Each row's result depends on its own row alone, bit for bit: steps of 1-8 rows (on AVX-512 BF16, the fused
+    path that dequantizes in registers) give the bits of the same rows inside 9- and 40-row steps (dequantized
+    once into a buffer), across the n-blocks' groupings (4, 2 and a lone last one: 23 n-blocks of 16)."""
+    n, k = 16 * 23, 96
+    if kind == "q4":
+        weights: tuple = pack_q4(*find_q4(q4_1_tensor(n, k, seed=3)))
+        op = OPS.q4_linear
+    elif kind == "q8":
+        weights = pack_q8(*find_q8(q8_0_tensor(n, k, seed=3)))
+        op = OPS.q8_linear
+    else:
+        weights = (pack_tiles_bf16(torch.randn(n, k, generator=torch.Generator().manual_seed(3)).bfloat16()),)
+        op = OPS.bf16_linear
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(4)).bfloat16()
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(5)).bfloat16()
+    for float_out in (False, True):
+        whole = op(x, *weights, bias, True, float_out)
+        assert torch.equal(op(x[:9], *weights, bias, True, float_out), whole[:9])
+        for m in range(1, 9):
+            for i in range(0, 17 - m, 3):
+                assert torch.equal(op(x[i:i + m], *weights, bias, True, float_out), whole[i:i + m]), (m, i)
 
 
 def test_q4_linear_reads_strided_rows_and_empty_batches():

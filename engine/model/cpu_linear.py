@@ -6,7 +6,8 @@ with `OneDnnLinear` (the weight pre-packed for oneDNN: no repacking per call) an
 scales round some weights differently, is not used: tests/engine/model/test_one_set_of_weights.py). `QuantCapture` watches `load_weights` for exact 4/8-bit
 groups in the float32 checkpoint values and keeps their packed copies on the modules; once the fused
 kernels are in use, `use_quant_kernels` swaps in `Q4Linear` (on AMX, or AVX-512 BF16 for steps of up to
-Q4_AVX512_MAX_ROWS rows) and, on AMX, `Q8Head`, which multiply through them (engine/kernels/quant_gemm.cpp: a
+Q4_AVX512_MAX_ROWS rows) and `Q8Head` (on AMX, or AVX-512 BF16 for steps of up to Q8_AVX512_HEAD_MAX_ROWS
+rows), which multiply through them (engine/kernels/quant_gemm.cpp: a
 third of the bytes, exactly the bf16 weights). `use_float32_large_steps` multiplies steps of more than
 Q4_AVX512_MAX_ROWS rows in float32 where oneDNN's bf16 GEMM is the slower one (Intel without AMX).
 """
@@ -29,7 +30,11 @@ Q8_HEAD_MAX_ROWS = 24  # the 8-bit head: 1.5x oneDNN at 1-16 rows, 1.06x at 24, 
 # 1.5-1.7x oneDNN bf16 at 1-8 rows, 1.14-1.21x at 16-64, 1.05x at 128, parity at 192-256, 0.94-0.96x at 512.
 # Inside whole engine steps (loadtest.mixed_step: 64 decodes and a prompt, the two paths alternating step by
 # step in one engine) q4 wins more, its weights a third of the bytes beside the KV reads: 1.07-1.10x at 129 rows,
-# 1.07-1.08x at 194, 0.99-1.02x at 264, 0.97x at 364. The 8-bit head is 0.8-0.9x oneDNN at every row count there, so it stays on oneDNN.
+# 1.07-1.08x at 194, 0.99-1.02x at 264, 0.97x at 364. The 8-bit head is 0.8-0.9x oneDNN at every row count there,
+# so larger steps stay on oneDNN; steps of up to 8 rows run the kernel's fused path (each chunk row dequantized in
+# registers), on cold weights (AMD EPYC Zen 4, 2 threads, 49152 x 576): 1.7-2.0x oneDNN at 1-2 rows, 1.25x at 4,
+# 1.17x at 8, 1.03x at 16.
+Q8_AVX512_HEAD_MAX_ROWS = 8
 Q4_AVX512_MAX_ROWS = 256
 LARGE_STEP_ENV = "KVFLEET_LARGE_STEP_GEMM"  # "auto", "bf16" (oneDNN) or "float32": how steps of more rows multiply
 # Intel Xeon with AVX-512 BF16 and no AMX, one thread, 512 x 576 x 1536: oneDNN's bf16 brgemm ~100 GFLOP/s, MKL's
@@ -119,16 +124,16 @@ class OneDnnHead(nn.Module):
 
 
 class Q8Head(nn.Module):
-    """Steps of up to Q8_HEAD_MAX_ROWS rows through the packed 8-bit output weights, float32 logits straight
-    from the float32 sums (bf16 logits, spacing 0.125 at 16-32, tie close tokens); larger ones through `large`."""
+    """Steps of up to `max_rows` rows through the packed 8-bit output weights, float32 logits straight from the
+    float32 sums (bf16 logits, spacing 0.125 at 16-32, tie close tokens); larger ones through `large`."""
 
-    def __init__(self, q8_packed: Packed, large: nn.Module):
+    def __init__(self, q8_packed: Packed, large: nn.Module, max_rows: int = Q8_HEAD_MAX_ROWS):
         super().__init__()
-        self.q8_packed, self.large = q8_packed, large
+        self.q8_packed, self.large, self.max_rows = q8_packed, large, max_rows
         self._q8_linear = cpu_ops.ops().q8_linear
 
     def forward(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if h.shape[0] > Q8_HEAD_MAX_ROWS:
+        if h.shape[0] > self.max_rows:
             return self.large(h, weight)
         return self._q8_linear(h, self.q8_packed[0], self.q8_packed[1], None, True, True)
 
@@ -157,7 +162,8 @@ def prepack(model: LlamaForCausalLM, capture: QuantCapture) -> None:
 def use_quant_kernels(model: LlamaForCausalLM) -> None:
     """Where the CPU runs the packed kernels fast (and KVFLEET_QUANT_KERNELS is not "off"), projections with
     exact 4-bit copies multiply through them: every step on AMX, steps of up to Q4_AVX512_MAX_ROWS rows with
-    AVX-512 BF16; on AMX the head with an exact 8-bit copy too."""
+    AVX-512 BF16; the head with an exact 8-bit copy too (every step up to Q8_HEAD_MAX_ROWS rows on AMX, up to
+    Q8_AVX512_HEAD_MAX_ROWS with AVX-512 BF16)."""
     path = cpu_ops.ops().quant_path()
     if path == "portable" or os.environ.get(QUANT_ENV, "auto") == "off":
         return
@@ -165,8 +171,8 @@ def use_quant_kernels(model: LlamaForCausalLM) -> None:
     swap_modules(model, OneDnnLinear,
                  lambda _, linear: linear if linear.q4_packed is None else Q4Linear(linear, linear.q4_packed, max_rows))
     head = model.output_head
-    if path == "amx" and isinstance(head, OneDnnHead) and head.q8_packed is not None:
-        model.output_head = Q8Head(head.q8_packed, head)
+    if isinstance(head, OneDnnHead) and head.q8_packed is not None:
+        model.output_head = Q8Head(head.q8_packed, head, Q8_HEAD_MAX_ROWS if path == "amx" else Q8_AVX512_HEAD_MAX_ROWS)
 
 
 def float32_large_steps(path: str, vendor: str, setting: str = "auto") -> bool:

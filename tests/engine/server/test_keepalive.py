@@ -1,5 +1,5 @@
-"""--sse-keepalive on real `kvfleet engine` processes whose every step takes over a second
-(--debug-step-delay-ms 1200, so the prefill alone does): `: keep-alive` comments come while the prefill runs
+"""--sse-keepalive on real `kvfleet engine` processes whose every step takes several keep-alive intervals
+(--debug-step-delay-ms 700 against --sse-keepalive 0.2, so the prefill alone does): `: keep-alive` comments come while the prefill runs
 and between tokens, the status line with the first of them; the official `openai` client and httpx-sse parse
 such streams into the text of the non-streamed answer. With --sse-keepalive 0 no comment is sent and the
 status line waits for the first token; a client that leaves before then still aborts its request."""
@@ -19,8 +19,8 @@ from contract.errors import ConfigError
 from engine.server.serving import ServerConfig
 from tests.engine.server.conftest import API_FLAGS, start_engine
 
-STEP_MS = 1200
-KEEPALIVE = 0.3
+STEP_MS = 700
+KEEPALIVE = 0.2
 MSGS = [{"role": "user", "content": "Name a harbour in France."}]
 CHAT = {"model": "smollm2", "messages": MSGS, "max_tokens": 3, "temperature": 0}
 COMP = {"model": "smollm2", "prompt": "The harbour of Marseille is", "max_tokens": 3, "temperature": 0}

@@ -143,68 +143,27 @@ void store_block_avx512(const float* c, int64_t m, const uint16_t* bias, void* o
   }
 }
 
-// The AVX-512 BF16 path (CPUs without AMX): out rows [0, m) for two n-blocks at a time (NB = 2, or 1 for a
-// lone last block). Each n-block's chunks are dequantized once into w (AMX B order is vdpbf16ps' operand
-// order: a 64-byte row holds one input pair for 16 columns); then each weight row feeds the dot products of
-// R <= 12 activation rows, their input pair broadcast from x, float32 sums in 2 x 12 registers.
+// The AVX-512 BF16 path (CPUs without AMX): out rows [0, m) for NB n-blocks at a time. Each weight row (AMX B
+// order is vdpbf16ps' operand order: a 64-byte row holds one input pair for 16 columns) feeds the dot products of
+// R activation rows, their input pair broadcast from x, float32 sums in NB x R registers. The weight rows come
+// from `Src`: BufferedRows (chunks dequantized once into a buffer, for any number of rows, R <= 12 at a time) or
+// FusedRows (steps of up to kFusedMaxRows rows: each chunk row dequantized in registers, no pass through a
+// buffer). Both give the same products in the same order, so the same bits. c: [NB][R x 16], n-block b at
+// c + b * c_stride.
 constexpr int kRowsPerPass = 12;
-
-template <int R, int NB>
-void rows_dpbf16(const uint16_t* x, int64_t k, int64_t kcs, const uint16_t* w, float* c, int64_t c_stride) {
-  __m512 acc[NB][R];
-  for (int b = 0; b < NB; ++b)
-    for (int i = 0; i < R; ++i) acc[b][i] = _mm512_setzero_ps();
-  for (int64_t kc = 0; kc < kcs; ++kc) {
-    const uint16_t* xk = x + kc * kGroup;
-    const uint16_t* wk = w + kc * 512;
-    for (int p = 0; p < 16; ++p) {
-      __m512bh wv[NB];
-      for (int b = 0; b < NB; ++b) wv[b] = (__m512bh)_mm512_load_si512(wk + b * kcs * 512 + p * 32);
-      for (int i = 0; i < R; ++i) {
-        int32_t pair;
-        std::memcpy(&pair, xk + i * k + 2 * p, 4);
-        const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-        for (int b = 0; b < NB; ++b) acc[b][i] = _mm512_dpbf16_ps(acc[b][i], xb, wv[b]);
-      }
-    }
-  }
-  for (int b = 0; b < NB; ++b)
-    for (int i = 0; i < R; ++i) _mm512_storeu_ps(c + b * c_stride + i * kCols, acc[b][i]);
-}
-
-template <int NB, int R = kRowsPerPass>
-void rows_dpbf16_any(int r, const uint16_t* x, int64_t k, int64_t kcs, const uint16_t* w, float* c, int64_t cs) {
-  if constexpr (R > 0) {
-    if (r == R) return rows_dpbf16<R, NB>(x, k, kcs, w, c, cs);
-    return rows_dpbf16_any<NB, R - 1>(r, x, k, kcs, w, c, cs);
-  }
-}
-
-// Steps of a few rows (one or a few streams decoding): each chunk row is dequantized in registers and goes
-// straight into the rows' dot products, NB n-blocks at a time (NB x R independent sums, so the dot products'
-// latency hides behind the next rows' dequantization), with no pass through a buffer. The products and their
-// order are nblocks_dpbf16's, so are the bits. c: [NB][R x 16] float32, n-block b at c + b * c_stride.
 constexpr int kFusedMaxRows = 8;
 
-template <typename F, int R, int NB>
-void fused_dpbf16(const uint16_t* x, int64_t k, int64_t kcs, const typename F::Q* qd, const c10::Half* sd,
-                  int64_t nb, float* c, int64_t c_stride) {
+template <int R, int NB, typename Src>
+void dot_rows(const uint16_t* x, int64_t k, int64_t kcs, Src src, float* c, int64_t c_stride) {
   __m512 acc[NB][R];
   for (int b = 0; b < NB; ++b)
     for (int i = 0; i < R; ++i) acc[b][i] = _mm512_setzero_ps();
   for (int64_t kc = 0; kc < kcs; ++kc) {
-    typename F::Rows rows[NB];
-    for (int b = 0; b < NB; ++b) {
-      const int64_t chunk = (nb + b) * kcs + kc;
-      const char* ahead = reinterpret_cast<const char*>(qd + (chunk + kAhead) * F::kChunkBytes);
-      for (int64_t l = 0; l < F::kChunkBytes; l += 64) kvfleet_cpu::prefetch_line<2>(ahead + l);
-      if constexpr (F::kScales > 0) kvfleet_cpu::prefetch_line<2>(sd + (chunk + kAhead) * F::kScales);
-      rows[b] = typename F::Rows(qd + chunk * F::kChunkBytes, sd + chunk * F::kScales);
-    }
+    src.chunk(kc);
     const uint16_t* xk = x + kc * kGroup;
     for (int p = 0; p < 16; ++p) {
       __m512bh wv[NB];
-      for (int b = 0; b < NB; ++b) wv[b] = rows[b].row(p);
+      for (int b = 0; b < NB; ++b) wv[b] = src.row(b, p);
       for (int i = 0; i < R; ++i) {
         int32_t pair;
         std::memcpy(&pair, xk + i * k + 2 * p, 4);
@@ -217,14 +176,41 @@ void fused_dpbf16(const uint16_t* x, int64_t k, int64_t kcs, const typename F::Q
     for (int i = 0; i < R; ++i) _mm512_storeu_ps(c + b * c_stride + i * kCols, acc[b][i]);
 }
 
-template <typename F, int NB, int R = kFusedMaxRows>
-void fused_dpbf16_any(int r, const uint16_t* x, int64_t k, int64_t kcs, const typename F::Q* qd, const c10::Half* sd,
-                      int64_t nb, float* c, int64_t cs) {
+template <int NB, int R, typename Src>
+void dot_rows_any(int r, const uint16_t* x, int64_t k, int64_t kcs, const Src& src, float* c, int64_t cs) {
   if constexpr (R > 0) {
-    if (r == R) return fused_dpbf16<F, R, NB>(x, k, kcs, qd, sd, nb, c, cs);
-    return fused_dpbf16_any<F, NB, R - 1>(r, x, k, kcs, qd, sd, nb, c, cs);
+    if (r == R) return dot_rows<R, NB>(x, k, kcs, src, c, cs);
+    return dot_rows_any<NB, R - 1>(r, x, k, kcs, src, c, cs);
   }
 }
+
+// Weight rows of NB n-blocks whose kcs chunks each lie dequantized, one after the other, at w.
+struct BufferedRows {
+  const uint16_t* w;
+  int64_t kcs;
+  const uint16_t* wk = nullptr;
+  void chunk(int64_t kc) { wk = w + kc * 512; }
+  __m512bh row(int b, int p) const { return (__m512bh)_mm512_load_si512(wk + b * kcs * 512 + p * 32); }
+};
+
+// Weight rows of the NB n-blocks from nb on, dequantized in registers chunk by chunk (prefetching kAhead ahead).
+template <typename F, int NB>
+struct FusedRows {
+  const typename F::Q* qd;
+  const c10::Half* sd;
+  int64_t nb, kcs;
+  typename F::Rows rows[NB];
+  void chunk(int64_t kc) {
+    for (int b = 0; b < NB; ++b) {
+      const int64_t at = (nb + b) * kcs + kc;
+      const char* ahead = reinterpret_cast<const char*>(qd + (at + kAhead) * F::kChunkBytes);
+      for (int64_t l = 0; l < F::kChunkBytes; l += 64) kvfleet_cpu::prefetch_line<2>(ahead + l);
+      if constexpr (F::kScales > 0) kvfleet_cpu::prefetch_line<2>(sd + (at + kAhead) * F::kScales);
+      rows[b] = typename F::Rows(qd + at * F::kChunkBytes, sd + at * F::kScales);
+    }
+  }
+  __m512bh row(int b, int p) const { return rows[b].row(p); }
+};
 
 // The n-blocks [nb0, nb1) of one thread for m <= kFusedMaxRows rows, four at a time up to 4 rows (two above:
 // the sums must stay in registers); c: [4][m x 16] float32.
@@ -235,11 +221,11 @@ void nblocks_fused(const uint16_t* x, int64_t m, int64_t k, int64_t kcs, const t
   for (int64_t nb = nb0; nb < nb1;) {
     const int64_t left = nb1 - nb, nbs = left >= 4 && r <= 4 ? 4 : left >= 2 ? 2 : 1;
     if (nbs == 4)
-      fused_dpbf16_any<F, 4, 4>(r, x, k, kcs, qd, sd, nb, c, m * kCols);
+      dot_rows_any<4, 4>(r, x, k, kcs, FusedRows<F, 4>{qd, sd, nb, kcs, {}}, c, m * kCols);
     else if (nbs == 2)
-      fused_dpbf16_any<F, 2>(r, x, k, kcs, qd, sd, nb, c, m * kCols);
+      dot_rows_any<2, kFusedMaxRows>(r, x, k, kcs, FusedRows<F, 2>{qd, sd, nb, kcs, {}}, c, m * kCols);
     else
-      fused_dpbf16_any<F, 1>(r, x, k, kcs, qd, sd, nb, c, m * kCols);
+      dot_rows_any<1, kFusedMaxRows>(r, x, k, kcs, FusedRows<F, 1>{qd, sd, nb, kcs, {}}, c, m * kCols);
     for (int64_t b = 0; b < nbs; ++b) store(nb + b, c + b * m * kCols);
     nb += nbs;
   }
@@ -260,9 +246,9 @@ void nblocks_dpbf16(const uint16_t* x, int64_t m, int64_t k, int64_t kcs, const 
     for (int64_t r0 = 0; r0 < m; r0 += kRowsPerPass) {
       const int r = int(std::min<int64_t>(kRowsPerPass, m - r0));
       if (nbs == 2)
-        rows_dpbf16_any<2>(r, x + r0 * k, k, kcs, wbuf, c + r0 * kCols, m * kCols);
+        dot_rows_any<2, kRowsPerPass>(r, x + r0 * k, k, kcs, BufferedRows{wbuf, kcs}, c + r0 * kCols, m * kCols);
       else
-        rows_dpbf16_any<1>(r, x + r0 * k, k, kcs, wbuf, c + r0 * kCols, m * kCols);
+        dot_rows_any<1, kRowsPerPass>(r, x + r0 * k, k, kcs, BufferedRows{wbuf, kcs}, c + r0 * kCols, m * kCols);
     }
     for (int b = 0; b < nbs; ++b) store(nb + b, c + b * m * kCols);
   }

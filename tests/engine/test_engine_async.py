@@ -106,7 +106,9 @@ def test_explicit_abort_ends_the_stream_with_abort(tiny):
                 if len(outs) == 1:
                     await eng.abort("x")
             assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
-            assert len(outs) <= 3
+            # right away, not after 900 tokens: only the steps the core ran while the abort was on its way (the
+            # tiny model steps in about a millisecond; CI saw 4 deltas) come before the final one
+            assert len(outs) <= 8
         finally:
             await eng.shutdown()
 

@@ -265,7 +265,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "the prompt and output, verified in one step, greedy output unchanged) or "
                         "'{\"method\": \"suffix\", \"num_speculative_tokens\": 8}' (suffix decoding: the most "
                         "frequent continuation in the request's own tokens and recent requests' outputs; "
-                        "suffix_decoding_* fields as vLLM's); optional "
+                        "suffix_decoding_* fields as vLLM's) or '{\"method\": \"draft_model\", \"model\": PATH, "
+                        "\"num_speculative_tokens\": 4}' (a smaller model of the same vocabulary drafts); optional "
                         "\"disable_by_batch_size\" (default 16): no drafts in steps with more running sequences. "
                         "Default: off; see docs/engine.md#speculative-decoding")
     t = parser.add_argument_group("fault injection (for tests and chaos drills only; off by default)")

@@ -37,12 +37,10 @@ from engine.kv.sizing import GIB, plan_fixed, plan_from_profile
 from engine.kv.tier import KVTier
 from engine.lora.manager import lora_manager
 from engine.memory_profile import cuda_baseline, host_memory_bytes, profile_cuda, tensor_bytes
-from engine.model.cpu_layers import use_cpu_kernels
-from engine.model.invariant_linear import deterministic_view
+from engine.model.fast_paths import use_fast_paths
 from engine.model.llama import ModelConfig
 from engine.model.loader import load_hf_config, load_model, resolve_dtype
 from engine.model.registry import resolve_model
-from engine.model.triton_layers import use_triton_layers
 from engine.model_runner import ModelRunner, kv_bytes_per_token
 from engine.onednn_caches import bound_onednn_caches
 from engine.oom_backoff import GIVE_UP_AFTER
@@ -52,6 +50,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec.decoder import SpecDecoder
+from engine.spec.draft_model import load_draft
 from engine.stats import EngineStats
 from engine.stop import StopChecker
 from engine.structured.grammars import GrammarCache
@@ -122,13 +121,7 @@ class LLMEngine:
             if not args.deterministic:
                 raise
             raise ConfigError("--deterministic", f"--deterministic: {e}") from None
-        if args.deterministic:  # on a copy of the modules: another engine may serve the same loaded model
-            self.model = deterministic_view(self.model)
-            use_cpu_kernels(self.model, deterministic=True)
-        elif backend.name == "cpu" and self.dtype in (torch.bfloat16, torch.float32):
-            use_cpu_kernels(self.model)  # the fused kernels serve this model: the layers' glue runs through them too
-        elif backend.name == "triton":
-            use_triton_layers(self.model)  # residual+norm, rotary+KV write, SiLU x up: one Triton kernel each
+        self.model = use_fast_paths(self.model, backend.name, self.dtype, args.deterministic)
         self.lora = lora_manager(self.model, args, backend.name)  # None unless LoRA is on: projections untouched
         self.kv_cache_plan = None  # how the KV cache was sized (engine/kv/sizing.py); None with --num-blocks
         num_blocks = args.num_blocks or self._size_kv_cache(backend, free_at_start)
@@ -157,7 +150,9 @@ class LLMEngine:
         self.sampler = Sampler(seed=args.seed)
         self.spec = None  # engine/spec/: draft tokens verified in one step (--speculative-config)
         if args.speculative_config is not None:
-            self.spec = self.scheduler.proposer = SpecDecoder(args.speculative_config, self.max_model_len)
+            draft = (load_draft(args, self.config, self.dtype, self.device, self.max_model_len, num_blocks)
+                     if args.speculative_config.method == "draft_model" else None)
+            self.spec = self.scheduler.proposer = SpecDecoder(args.speculative_config, self.max_model_len, draft)
         self.grammars = GrammarCache(lambda: self.tokenizer.hf, self.config.vocab_size, self.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self.prompt_tokens_total = 0
@@ -272,6 +267,8 @@ class LLMEngine:
     def _step(self) -> list[RequestDelta]:
         t0 = time.perf_counter()
         self.kv.tick(self.clock())  # cache_control pins whose TTL passed become ordinary cached blocks
+        if self.spec is not None:
+            self.spec.begin_step(self.scheduler.running)  # a draft model drafts for the step here
         out = self.scheduler.schedule()
         try:
             logits, seqs = self.runner.execute(out.scheduled, out.blocks_to_copy)

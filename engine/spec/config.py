@@ -7,12 +7,15 @@
      "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1,
      "suffix_decoding_max_cached_requests": 64}
 
+    {"method": "draft_model", "model": "/models/smollm2-draft", "num_speculative_tokens": 4}
+
 As in vLLM: `num_speculative_tokens` is required; `prompt_lookup_min` / `prompt_lookup_max` (ngram) default to 5
 when both are absent and to each other when one is; the `suffix_decoding_*` fields (suffix, engine/spec/suffix.py)
 take vLLM's defaults except `suffix_decoding_max_cached_requests`: 64 finished requests here (vLLM: 10,000), since
-each proposal scans the cached outputs. `disable_by_batch_size` (vLLM's name) is kvfleet's back-off: a step with
-more running sequences than this proposes nothing (engine/spec/decoder.py). Every error is a ConfigError naming
-`--speculative-config` and the field.
+each proposal scans the cached outputs. `model` (draft_model only, required there) names a smaller checkpoint of
+the same vocabulary, as the engine's own `--model` does (engine/spec/draft_model.py). `disable_by_batch_size`
+(vLLM's name) is kvfleet's back-off: a step with more running sequences than this proposes nothing
+(engine/spec/decoder.py). Every error is a ConfigError naming `--speculative-config` and the field.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 from contract.errors import ConfigError
 
 FLAG = "--speculative-config"
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32
 DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min / _max when neither is given
 DEFAULT_DISABLE_BY_BATCH_SIZE = 16  # not measured yet (issue 45): verifying k drafts costs k rows per sequence
@@ -35,7 +38,7 @@ MAX_TREE_DEPTH = 256
 _SUFFIX = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
            "suffix_decoding_max_cached_requests")
 _FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
-           *_SUFFIX)
+           *_SUFFIX, "model")
 
 
 @dataclass(frozen=True)
@@ -49,9 +52,15 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = DEFAULT_SPEC_FACTOR
     suffix_decoding_min_token_prob: float = DEFAULT_MIN_TOKEN_PROB
     suffix_decoding_max_cached_requests: int = DEFAULT_CACHED_REQUESTS
+    model: str | None = None  # draft_model: the draft checkpoint (a path or a bundled model's name)
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS, "method", f"must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.method == "draft_model":
+            _check(isinstance(self.model, str) and bool(self.model.strip()), "model",
+                   f"is required with method draft_model (the draft checkpoint's path), got {self.model!r}")
+        else:
+            _check(self.model is None, "model", f"applies only to method draft_model, not {self.method}")
         _int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
         _int("prompt_lookup_min", self.prompt_lookup_min, 1)
         _int("prompt_lookup_max", self.prompt_lookup_max, 1)
@@ -81,7 +90,7 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - set(_FIELDS))
         _check(not unknown, None,
                f"unknown field(s) {', '.join(map(repr, unknown))}; kvfleet takes {', '.join(_FIELDS)}")
-        _check("method" in value, "method", "is required (\"ngram\" or \"suffix\")")
+        _check("method" in value, "method", "is required (\"ngram\", \"suffix\" or \"draft_model\")")
         _check("num_speculative_tokens" in value, "num_speculative_tokens", "is required (the drafts per step, k)")
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         if lo is None:  # vLLM's defaults: 5 and 5 when neither is given, else each the other's
@@ -94,10 +103,10 @@ class SpeculativeConfig:
         disable = value.get("disable_by_batch_size")
         suffix = {f: value[f] for f in _SUFFIX if value.get(f) is not None}
         return cls(method, value["num_speculative_tokens"], lo, hi,
-                   DEFAULT_DISABLE_BY_BATCH_SIZE if disable is None else disable, **suffix)
+                   DEFAULT_DISABLE_BY_BATCH_SIZE if disable is None else disable, **suffix, model=value.get("model"))
 
     def to_json(self) -> str:
-        return json.dumps({f: getattr(self, f) for f in _FIELDS})
+        return json.dumps({f: getattr(self, f) for f in _FIELDS if f != "model" or self.model is not None})
 
 
 def _int(name: str, value: object, minimum: int, maximum: int | None = None) -> None:

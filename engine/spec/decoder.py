@@ -21,6 +21,10 @@ over d_1..d_j, so the sampler masks every position with the grammar's state ther
 advances only over the tokens kept (the engine loop). LoRA requests are proposed for like any other: each row of a
 run carries its sequence's adapter (engine/lora/). Not proposed for: a sequence still in its prompt.
 
+Where the drafts come from: prompt lookup (engine/spec/ngram.py) and suffix decoding (engine/spec/suffix.py) are
+worked out in `propose`; a draft model (engine/spec/draft_model.py) runs once per step, before the scheduler, over
+every running sequence that decodes (`begin_step`), and `propose` hands out what it drafted.
+
 Back-off (a simple rule): a step with more running sequences than `disable_by_batch_size` proposes nothing; and a
 sequence whose drafts were all rejected skips its next 1, 2, 4, 8, then 16 decode steps (doubling while
 verifications keep rejecting everything, back to 0 at the first accepted draft).
@@ -28,15 +32,22 @@ verifications keep rejecting everything, back to 0 at the first accepted draft).
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine.sequence import Sequence
 from engine.spec import ngram, suffix
 from engine.spec.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from engine.spec.draft_model import DraftModel
+
+logger = logging.getLogger(__name__)
 
 MAX_SKIP = 16
 
@@ -60,8 +71,11 @@ class _Backoff:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft: DraftModel | None = None):
+        """draft: the draft model's runner for method draft_model (engine/spec/draft_model.py)."""
         self.config = config
+        self.draft = draft
+        self._pending: dict[int, list[int]] = {}  # draft_model: this step's drafts by seq_id (begin_step)
         self.max_model_len = max_model_len
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._backoff: weakref.WeakKeyDictionary[Sequence, _Backoff] = weakref.WeakKeyDictionary()
@@ -71,25 +85,52 @@ class SpecDecoder:
 
     # ---- proposing (the scheduler) -----------------------------------------------------------
 
+    def begin_step(self, running: Seq[Sequence]) -> None:
+        """draft_model: run the draft once for the step, over every running sequence that decodes and would be
+        proposed for (propose then hands out what it drafted). Other methods draft in propose; nothing here."""
+        self._pending = {}
+        if self.draft is None:
+            return
+        wanted = [(seq, k) for seq in running if seq.num_tokens - seq.num_computed_tokens == 1
+                  and (k := self._room(seq, len(running), peek=True)) > 0]
+        if not wanted:
+            return
+        try:
+            self._pending = self.draft.propose(wanted)
+        except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError: this step undrafted
+            logger.warning("the draft model failed a step of %d sequences (%s: %s): no drafts this step",
+                           len(wanted), type(e).__name__, e)
+
     def propose(self, seq: Sequence, num_running: int) -> list[int]:
         """Drafts for a running sequence that decodes this step (its last token is its only uncomputed one)."""
+        k = self._room(seq, num_running, peek=False)
+        if k <= 0:
+            return []
         cfg = self.config
-        if num_running > cfg.disable_by_batch_size:
-            return []
-        if seq.num_output_tokens == 0:
-            return []  # its prompt's last token: the step that forks n > 1 and reports the first token
-        back = self._backoff.get(seq)
-        if back is not None and back.wait > 0:
-            back.wait -= 1
-            return []
-        k = min(cfg.num_speculative_tokens, self.max_model_len - seq.num_tokens)
-        if seq.params.max_tokens is not None:
-            k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
-        if cfg.method == "suffix":
+        if cfg.method == "draft_model":
+            drafts = self._pending.pop(seq.seq_id, [])[:k]
+        elif cfg.method == "suffix":
             drafts = self._suffix(seq.token_ids, k)
         else:
             drafts = ngram.propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         return drafts if seq.matcher is None or not drafts else grammar_prefix(seq.matcher, drafts)
+
+    def _room(self, seq: Sequence, num_running: int, peek: bool) -> int:
+        """How many drafts seq may verify now (0: none this step); a back-off wait counts down unless peek."""
+        cfg = self.config
+        if num_running > cfg.disable_by_batch_size:
+            return 0
+        if seq.num_output_tokens == 0:
+            return 0  # its prompt's last token: the step that forks n > 1 and reports the first token
+        back = self._backoff.get(seq)
+        if back is not None and back.wait > 0:
+            if not peek:
+                back.wait -= 1
+            return 0
+        k = min(cfg.num_speculative_tokens, self.max_model_len - seq.num_tokens)
+        if seq.params.max_tokens is not None:
+            k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
+        return k
 
     def _suffix(self, tokens: list[int], k: int) -> list[int]:
         """The sequence's own prompt and output, or the outputs of the last finished requests: the higher score."""
@@ -104,9 +145,12 @@ class SpecDecoder:
         return own.tokens
 
     def finished(self, seq: Sequence, aborted: bool) -> None:
-        """A sequence ended: with suffix decoding its output joins the shared index (not an aborted one's)."""
+        """A sequence ended: with suffix decoding its output joins the shared index (not an aborted one's); a draft
+        model gives its draft blocks back."""
         if self.cache is not None and not aborted:
             self.cache.add(seq.output_token_ids)
+        if self.draft is not None:
+            self.draft.finished(seq)
 
     # ---- verifying (the engine, after the forward pass) ---------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import random
 
 import pytest
@@ -76,6 +77,9 @@ def test_config_defaults_are_vllms():
     cfg = SpeculativeConfig.parse({"method": "suffix", "num_speculative_tokens": 32})
     assert (cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_spec_factor,
             cfg.suffix_decoding_min_token_prob, cfg.suffix_decoding_max_cached_requests) == (24, 1.0, 0.1, 64)
+    assert SpeculativeConfig.parse(cfg.to_json()) == cfg and "model" not in json.loads(cfg.to_json())
+    cfg = SpeculativeConfig.parse({"method": "draft_model", "model": "/models/draft", "num_speculative_tokens": 3})
+    assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("draft_model", "/models/draft", 3)
     assert SpeculativeConfig.parse(cfg.to_json()) == cfg
 
 
@@ -89,7 +93,10 @@ def test_config_defaults_are_vllms():
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3}',
      "prompt_lookup_min must be <= prompt_lookup_max (3)"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}', "disable_by_batch_size must"),
-    ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "unknown field(s) 'model'"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "model applies only to method draft_model"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}', "unknown field(s) 'draft_model'"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', "model is required with method draft_model"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2, "model": " "}', "model is required with method"),
     ('{"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_tree_depth": 1}',
      "suffix_decoding_max_tree_depth must be an integer in [2, 256]"),
     ('{"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 1.5}',

@@ -282,6 +282,8 @@ class LLMEngine:
         logits, seqs = self._fork(logits, seqs)
         deltas = self._update(self._sample(logits, seqs, out)) if seqs else []
         self.scheduler.observe_step(out, time.perf_counter() - t0)  # the step-time model's sample
+        if self.spec is not None:
+            self.spec.end_step(time.perf_counter() - t0)  # whether a draft model's drafts pay (engine/spec/draft_gate.py)
         return deltas
 
     def _recover_from_oom(self, out: SchedulerOutput, error: str) -> list[RequestDelta]:

@@ -1,4 +1,4 @@
-"""Speculative decoding (`ngram`, `suffix`) against none, served over HTTP (issue 45): one real engine of the bundled model
+"""Speculative decoding (`ngram`, `suffix`, `draft_model`) against none, served over HTTP (issue 45): one real engine of the bundled model
 at its default flags (4,096 KV blocks), started without and then with `--speculative-config`, alternating for `--rounds` rounds.
 
 - copy, c=1: prompts whose answers copy spans of the prompt (code to repeat with one change, a list to reformat,
@@ -11,6 +11,10 @@ Prints per round and pooled: tokens/s without and with, their ratio, identical a
 acceptance (vllm:spec_decode_num_accepted_tokens / num_draft_tokens) and tokens per verifying step.
 
     python -m loadtest.spec_bench --rounds 2 --methods ngram,suffix
+    python -m loadtest.spec_bench --rounds 2 --methods draft_model --draft-model smollm2   # the model drafts for itself
+
+`draft_model` drafts with `--draft-model` (default: the bundled model's first 8 layers, cut into the log directory
+by loadtest/layer_draft.py; no smaller model shares its tokenizer).
 """
 
 from __future__ import annotations
@@ -27,10 +31,12 @@ import time
 import httpx
 
 from kvfleet.workload import words
+from loadtest.layer_draft import write_layer_draft
 from loadtest.router_procs import Proc, start_engine
 
 SPECS = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
-         "suffix": {"method": "suffix", "num_speculative_tokens": 8}}  # suffix_decoding_*: vLLM's defaults
+         "suffix": {"method": "suffix", "num_speculative_tokens": 8},  # suffix_decoding_*: vLLM's defaults
+         "draft_model": {"method": "draft_model", "num_speculative_tokens": 4}}  # "model": --draft-model
 
 CODE = '''def moving_average(values, window):
     if window <= 0:
@@ -106,7 +112,8 @@ async def chat(url: str, n: int, concurrency: int, max_tokens: int) -> float:
 
 
 def run(ns, log_dir: str, method: str | None) -> dict:
-    ns.engine_arg = ["--speculative-config", json.dumps(SPECS[method])] if method else []
+    spec = dict(SPECS[method], **({"model": ns.draft_model} if method == "draft_model" else {})) if method else None
+    ns.engine_arg = ["--speculative-config", json.dumps(spec)] if spec else []
     e: Proc = start_engine(ns, log_dir, method or "plain", 4096)
     try:
         e.wait_ready(300)
@@ -130,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--copy-max-tokens", type=int, default=200)
     ap.add_argument("--chat-requests", type=int, default=64)
     ap.add_argument("--chat-max-tokens", type=int, default=64)
-    ap.add_argument("--methods", default="ngram", help="comma-separated: ngram, suffix (each against none, per round)")
+    ap.add_argument("--methods", default="ngram",
+                    help="comma-separated: ngram, suffix, draft_model (each against none, per round)")
+    ap.add_argument("--draft-model", default=None, metavar="PATH",
+                    help="draft_model's checkpoint (default: the bundled model's first 8 layers)")
     ns = ap.parse_args(argv)
     methods = [m for m in ns.methods.split(",") if m]
     for m in methods:
@@ -138,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--methods: unknown method {m!r} (one of {', '.join(SPECS)})")
     ns.model, ns.engine_module, ns.threads_per_engine, ns.pin_cores = "smollm2", None, None, False
     log_dir = tempfile.mkdtemp(prefix="spec_bench_")
+    if "draft_model" in methods and ns.draft_model is None:
+        ns.draft_model = write_layer_draft("smollm2", 8, f"{log_dir}/draft8")
+    if "draft_model" in methods:
+        print(f"draft model: {ns.draft_model}", flush=True)
     pooled: dict[tuple[str, str], list[float]] = {(m, k): [] for m in methods for k in ("copy", "chat")}
     same_all = True
     for rnd in range(1, ns.rounds + 1):

@@ -23,7 +23,8 @@ run carries its sequence's adapter (engine/lora/). Not proposed for: a sequence 
 
 Where the drafts come from: prompt lookup (engine/spec/ngram.py) and suffix decoding (engine/spec/suffix.py) are
 worked out in `propose`; a draft model (engine/spec/draft_model.py) runs once per step, before the scheduler, over
-every running sequence that decodes (`begin_step`), and `propose` hands out what it drafted.
+every running sequence that decodes (`begin_step`), and `propose` hands out what it drafted; `end_step` tells its
+gate (engine/spec/draft_gate.py) what the step's drafting gained, and the gate stops drafting that does not pay.
 
 Back-off (a simple rule): a step with more running sequences than `disable_by_batch_size` proposes nothing; and a
 sequence whose drafts were all rejected skips its next 1, 2, 4, 8, then 16 decode steps (doubling while
@@ -33,6 +34,7 @@ verifications keep rejecting everything, back to 0 at the first accepted draft).
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -43,6 +45,7 @@ import numpy as np
 from engine.sequence import Sequence
 from engine.spec import ngram, suffix
 from engine.spec.config import SpeculativeConfig
+from engine.spec.draft_gate import DraftGate
 
 if TYPE_CHECKING:
     from engine.spec.draft_model import DraftModel
@@ -76,6 +79,11 @@ class SpecDecoder:
         self.config = config
         self.draft = draft
         self._pending: dict[int, list[int]] = {}  # draft_model: this step's drafts by seq_id (begin_step)
+        self.gate = DraftGate() if draft is not None else None  # whether the draft model's drafts pay (None: always)
+        self._drafted = False  # this step ran the draft model
+        self._draft_wall_s = 0.0
+        self._step_decoding = 0  # this step's decoding sequences and drafts kept (accept), for the gate
+        self._step_accepted = 0
         self.max_model_len = max_model_len
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._backoff: weakref.WeakKeyDictionary[Sequence, _Backoff] = weakref.WeakKeyDictionary()
@@ -89,17 +97,28 @@ class SpecDecoder:
         """draft_model: run the draft once for the step, over every running sequence that decodes and would be
         proposed for (propose then hands out what it drafted). Other methods draft in propose; nothing here."""
         self._pending = {}
+        self._drafted, self._draft_wall_s, self._step_decoding, self._step_accepted = False, 0.0, 0, 0
         if self.draft is None:
             return
         wanted = [(seq, k) for seq in running if seq.num_tokens - seq.num_computed_tokens == 1
                   and (k := self._room(seq, len(running), peek=True)) > 0]
-        if not wanted:
+        if not wanted or (self.gate is not None and not self.gate.allow()):
             return
+        t = time.perf_counter()
         try:
             self._pending = self.draft.propose(wanted)
         except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError: this step undrafted
             logger.warning("the draft model failed a step of %d sequences (%s: %s): no drafts this step",
                            len(wanted), type(e).__name__, e)
+            return
+        self._drafted, self._draft_wall_s = bool(self._pending), time.perf_counter() - t
+
+    def end_step(self, step_s: float) -> None:
+        """The step's whole time (the draft's included): a step that drafted tells the gate what drafting gained."""
+        if self._drafted and self.gate is not None and self.draft is not None:
+            self.gate.observe(self.draft.last_cost_s, step_s - self._draft_wall_s, self._step_decoding,
+                              self._step_accepted)
+        self._drafted = False
 
     def propose(self, seq: Sequence, num_running: int) -> list[int]:
         """Drafts for a running sequence that decodes this step (its last token is its only uncomputed one)."""
@@ -187,6 +206,9 @@ class SpecDecoder:
             out.append((seq, list(sampled[:a + 1]), list(logprobs[i:i + a + 1]), len(d)))
             if d:
                 self._count(seq, len(d), a)
+            if seq.num_output_tokens:
+                self._step_decoding += 1
+                self._step_accepted += a
             i += len(d) + 1
         return out
 

@@ -21,6 +21,7 @@ that still does not fit gets no drafts this step.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
@@ -122,9 +123,11 @@ class DraftModel:
         self.kv = DraftKV(num_blocks, block_size)
         self._seqs: OrderedDict[int, _DraftSeq] = OrderedDict()  # by seq_id, least recently proposed for first
         self.num_forward_passes = 0
+        self.last_cost_s = 0.0  # the last propose's passes, each at a one-token pass's time (engine/spec/draft_gate.py)
 
     def propose(self, wanted: Seq[tuple[Sequence, int]]) -> dict[int, list[int]]:
         """Up to k drafts per (sequence, k), by seq_id: the draft model's greedy continuation of its tokens."""
+        self.last_cost_s = 0.0
         live: list[tuple[_DraftSeq, int]] = []
         ids = {seq.seq_id for seq, k in wanted if k > 0}
         for seq, k in wanted:
@@ -138,8 +141,10 @@ class DraftModel:
         drafts: dict[int, list[int]] = {ds.seq_id: [] for ds, _ in live}
         wants = {ds.seq_id: k for ds, k in live}
         rows = [(ds, ds.num_tokens - ds.num_computed_tokens) for ds, _ in live]  # first pass: each one's unseen tokens
+        times: list[float] = []
         while rows:
             step = [ScheduledSeq(ds, n) for ds, n in rows]  # type: ignore[arg-type]  # a _DraftSeq reads as a Sequence
+            t = time.perf_counter()
             logits, _ = self.runner.execute(step)
             self.num_forward_passes += 1
             following = []
@@ -151,6 +156,10 @@ class DraftModel:
                 if len(out) < wants[ds.seq_id]:
                     following.append((ds, 1))
             rows = following
+            times.append(time.perf_counter() - t)
+        # what these passes cost in steady state: each as a one-token pass (a first pass over many unseen tokens is
+        # the catch-up of steps that did not draft)
+        self.last_cost_s = len(times) * (sum(times[1:]) / (len(times) - 1) if len(times) > 1 else sum(times))
         return drafts
 
     def _sync(self, seq: Sequence) -> _DraftSeq:

@@ -37,11 +37,15 @@ def cut_draft(tmp_path_factory):
 
 
 def engine(model, draft: str | None, k: int = 4, **kw) -> LLM:
+    """With a draft, its gate is off (engine/spec/draft_gate.py): every step drafts, whatever drafting gains here."""
     args = dict(dtype="bfloat16", max_model_len=MAX_LEN, num_blocks=400, num_threads=2, max_num_seqs=8,
                 max_num_batched_tokens=64, deterministic=True)
     args.update(kw)
     spec = None if draft is None else {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
-    return LLM("smollm2", loaded_model=model, speculative_config=spec, **args)
+    llm = LLM("smollm2", loaded_model=model, speculative_config=spec, **args)
+    if draft is not None:
+        llm.engine.spec.gate = None
+    return llm
 
 
 def assert_draft_pool_free(llm: LLM) -> None:
@@ -121,3 +125,19 @@ def test_draft_checkpoints_that_cannot_serve_are_errors_naming_the_field(model, 
     other = make_tiny_llama(str(tmp_path / "tiny"), vocab_size=1000)
     with pytest.raises(ConfigError, match="its vocabulary has 1000 tokens, the model's 49152"):
         engine(model, other)
+
+
+def test_the_gate_stops_drafts_that_do_not_pay_and_keeps_those_that_do(model, cut_draft):
+    """Served as configured (the gate on): a draft that rarely agrees stops drafting within a few steps and then
+    drafts only in probe steps; the output is the same either way."""
+    toks = prompts(engine(model, None))[:3]
+    params = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True) for _ in toks]
+    base = run(engine(model, None), toks, params)
+    llm = LLM("smollm2", loaded_model=model, dtype="bfloat16", max_model_len=MAX_LEN, num_blocks=400, num_threads=2,
+              deterministic=True, speculative_config={"method": "draft_model", "model": cut_draft,
+                                                      "num_speculative_tokens": 4})
+    assert run(llm, toks, params) == base
+    gate = llm.engine.spec.gate
+    assert not gate.open and gate.speedup < 1 and gate.num_closed_steps > 20
+    assert llm.engine.spec.stats.num_drafts < 20  # of ~48 decode steps for each of 3 sequences
+    assert_draft_pool_free(llm)

@@ -45,7 +45,7 @@ import numpy as np
 from engine.sequence import Sequence
 from engine.spec import ngram, suffix
 from engine.spec.config import SpeculativeConfig
-from engine.spec.draft_gate import DraftGate
+from engine.spec.draft_gate import DraftGate, undrafted
 
 if TYPE_CHECKING:
     from engine.spec.draft_model import DraftModel
@@ -113,11 +113,15 @@ class SpecDecoder:
             return
         self._drafted, self._draft_wall_s = bool(self._pending), time.perf_counter() - t
 
-    def end_step(self, step_s: float) -> None:
-        """The step's whole time (the draft's included): a step that drafted tells the gate what drafting gained."""
+    def end_step(self, step_s: float, out, predict) -> None:
+        """The step's whole time (the draft's included), its SchedulerOutput and the step-time model's `predict`:
+        a step that drafted tells the gate what drafting gained (engine/spec/draft_gate.py)."""
         if self._drafted and self.gate is not None and self.draft is not None:
-            self.gate.observe(self.draft.last_cost_s, step_s - self._draft_wall_s, self._step_decoding,
-                              self._step_accepted)
+            rest = step_s - self._draft_wall_s
+            with_drafts = predict(out.shape)
+            without = predict(undrafted(out.shape, (len(it.spec_token_ids) for it in out.scheduled)))
+            base = rest * without / with_drafts if with_drafts and without else None
+            self.gate.observe(self.draft.last_cost_s, rest, self._step_decoding, self._step_accepted, base)
         self._drafted = False
 
     def propose(self, seq: Sequence, num_running: int) -> list[int]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.spec.draft_gate import MAX_PROBE_EVERY, MIN_PROBE_EVERY, DraftGate
+from engine.spec.draft_gate import MAX_PROBE_EVERY, MIN_PROBE_EVERY, DraftGate, undrafted
+from engine.step_time import StepShape
 
 
 def steps_until_allowed(gate: DraftGate) -> int:
@@ -45,3 +46,16 @@ def test_steps_without_decodes_teach_it_nothing():
     gate.observe(draft_s=0.010, step_s=0.010, decoding=0, accepted=0)
     gate.observe(draft_s=0.010, step_s=0.0, decoding=3, accepted=1)
     assert gate.speedup is None and gate.open
+
+
+def test_the_step_without_drafts_is_the_baseline_where_the_step_time_model_knows_it():
+    gate = DraftGate()
+    # 16 decoding, 20 drafts kept: 2.25x the tokens, but the verifying step took 50 ms where 20 ms without drafts
+    gate.observe(draft_s=0.040, step_s=0.050, decoding=16, accepted=20, undrafted_s=0.020)  # 2.25 * 20 / 90
+    assert gate.speedup == pytest.approx(0.5) and not gate.open
+
+
+def test_a_steps_shape_without_its_drafts():
+    # two sequences verified 4 and 2 drafts (5 + 3 rows), one decoded, a 10-token prompt chunk
+    shape = StepShape(prefill_tokens=18, decode_seqs=1, context_tokens=400)
+    assert undrafted(shape, [4, 0, 2]) == StepShape(10, 3, 394)

@@ -141,3 +141,34 @@ def test_the_gate_stops_drafts_that_do_not_pay_and_keeps_those_that_do(model, cu
     assert not gate.open and gate.speedup < 1 and gate.num_closed_steps > 20
     assert llm.engine.spec.stats.num_drafts < 20  # of ~48 decode steps for each of 3 sequences
     assert_draft_pool_free(llm)
+
+
+def test_grammar_requests_keep_their_greedy_tokens_with_a_draft_model(model):
+    """A draft model's drafts for a constrained request are cut where its grammar refuses one, and each verifying
+    row is masked: the same tokens and logprobs as without, answers that match, drafts kept."""
+    from engine.structured.spec import Guide
+
+    base_llm = engine(model, None)
+    tok = base_llm.engine.tokenizer
+    toks = [tok.encode("List fruits, separated by commas: apple, banana, cherry, date, fig, grape. Again:"),
+            tok.encode('Copy this JSON: {"fruit": ["apple", "banana", "cherry"], "count": 3}\nJSON: ')]
+    pattern = r"( ?(apple|banana|cherry|date|fig|grape)[,.]){8}"
+    schema = {"type": "object", "properties": {"fruit": {"type": "array", "items": {"type": "string"}},
+                                               "count": {"type": "integer"}}, "required": ["fruit", "count"]}
+
+    def params():
+        return [SamplingParams(temperature=0, max_tokens=32, logprobs=2, guide=Guide.regex(pattern)),
+                SamplingParams(temperature=0, max_tokens=48, logprobs=2, guide=Guide.json_schema(schema))]
+
+    base = run(base_llm, toks, params())
+    llm = engine(model, "smollm2")
+    assert run(llm, toks, params()) == base
+    import json
+    import re
+
+    (regex_out,), (json_out,) = base
+    assert regex_out[3] == "stop" and re.fullmatch(pattern, regex_out[2])
+    assert json_out[3] == "stop" and set(json.loads(json_out[2])) == {"fruit", "count"}
+    assert llm.engine.spec.stats.num_accepted_tokens > 10
+    assert_nothing_held(llm)
+    assert_draft_pool_free(llm)

@@ -283,7 +283,7 @@ class LLMEngine:
         deltas = self._update(self._sample(logits, seqs, out)) if seqs else []
         self.scheduler.observe_step(out, time.perf_counter() - t0)  # the step-time model's sample
         if self.spec is not None:
-            self.spec.end_step(time.perf_counter() - t0, out, self.scheduler.step_time.predict)  # do drafts pay?
+            self.spec.end_step(time.perf_counter() - t0, out)  # whether a draft model's drafts pay
         return deltas
 
     def _recover_from_oom(self, out: SchedulerOutput, error: str) -> list[RequestDelta]:

@@ -45,7 +45,7 @@ import numpy as np
 from engine.sequence import Sequence
 from engine.spec import ngram, suffix
 from engine.spec.config import SpeculativeConfig
-from engine.spec.draft_gate import DraftGate, undrafted
+from engine.spec.draft_gate import PROBE_SEQS, DraftGate, undrafted
 
 if TYPE_CHECKING:
     from engine.spec.draft_model import DraftModel
@@ -82,8 +82,7 @@ class SpecDecoder:
         self.gate = DraftGate() if draft is not None else None  # whether the draft model's drafts pay (None: always)
         self._drafted = False  # this step ran the draft model
         self._draft_wall_s = 0.0
-        self._step_decoding = 0  # this step's decoding sequences and drafts kept (accept), for the gate
-        self._step_accepted = 0
+        self._step_accepted = 0  # this step's drafts kept (accept), for the gate
         self.max_model_len = max_model_len
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._backoff: weakref.WeakKeyDictionary[Sequence, _Backoff] = weakref.WeakKeyDictionary()
@@ -97,32 +96,39 @@ class SpecDecoder:
         """draft_model: run the draft once for the step, over every running sequence that decodes and would be
         proposed for (propose then hands out what it drafted). Other methods draft in propose; nothing here."""
         self._pending = {}
-        self._drafted, self._draft_wall_s, self._step_decoding, self._step_accepted = False, 0.0, 0, 0
-        if self.draft is None:
+        self._drafted, self._draft_wall_s, self._step_accepted = False, 0.0, 0
+        draft = self.draft
+        if draft is None:
             return
         wanted = [(seq, k) for seq in running if seq.num_tokens - seq.num_computed_tokens == 1
                   and (k := self._room(seq, len(running), peek=True)) > 0]
         if not wanted or (self.gate is not None and not self.gate.allow()):
             return
+        if self.gate is not None and not self.gate.open:  # a probe: the sequences the draft has seen most of
+            wanted = sorted(wanted, key=lambda w: draft.unseen(w[0]))[:PROBE_SEQS]
         t = time.perf_counter()
         try:
-            self._pending = self.draft.propose(wanted)
+            self._pending = draft.propose(wanted)
         except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError: this step undrafted
             logger.warning("the draft model failed a step of %d sequences (%s: %s): no drafts this step",
                            len(wanted), type(e).__name__, e)
             return
         self._drafted, self._draft_wall_s = bool(self._pending), time.perf_counter() - t
 
-    def end_step(self, step_s: float, out, predict) -> None:
-        """The step's whole time (the draft's included), its SchedulerOutput and the step-time model's `predict`:
-        a step that drafted tells the gate what drafting gained (engine/spec/draft_gate.py)."""
-        if self._drafted and self.gate is not None and self.draft is not None:
-            rest = step_s - self._draft_wall_s
-            with_drafts = predict(out.shape)
-            without = predict(undrafted(out.shape, (len(it.spec_token_ids) for it in out.scheduled)))
-            base = rest * without / with_drafts if with_drafts and without else None
-            self.gate.observe(self.draft.last_cost_s, rest, self._step_decoding, self._step_accepted, base)
-        self._drafted = False
+    def end_step(self, step_s: float, out) -> None:
+        """The step's whole time (the draft's included) and its SchedulerOutput: a step of decodes only tells the
+        draft model's gate what drafting gained, or (drafting nothing) what a step without drafts takes."""
+        drafted, self._drafted = self._drafted, False
+        if self.gate is None or self.draft is None:
+            return
+        shape = undrafted(out.shape, (len(it.spec_token_ids) for it in out.scheduled))
+        if shape.prefill_tokens or not shape.decode_seqs:
+            return  # a prompt chunk in the step: its time would hide what drafting cost or gained
+        if drafted:
+            self.gate.observe(self.draft.last_cost_s, step_s - self._draft_wall_s, shape.decode_seqs,
+                              self._step_accepted)
+        else:
+            self.gate.observe_plain(step_s, shape.decode_seqs)
 
     def propose(self, seq: Sequence, num_running: int) -> list[int]:
         """Drafts for a running sequence that decodes this step (its last token is its only uncomputed one)."""
@@ -210,9 +216,7 @@ class SpecDecoder:
             out.append((seq, list(sampled[:a + 1]), list(logprobs[i:i + a + 1]), len(d)))
             if d:
                 self._count(seq, len(d), a)
-            if seq.num_output_tokens:
-                self._step_decoding += 1
-                self._step_accepted += a
+            self._step_accepted += a
             i += len(d) + 1
         return out
 

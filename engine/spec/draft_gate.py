@@ -1,29 +1,40 @@
 """Whether a draft model's drafts pay for themselves on this hardware and traffic (pure: timings are passed in).
 
-Drafting costs k forward passes of the draft model every step, whatever it proposes; verifying costs the target
-little more than a decode step at small batches. Per step that drafted, with B sequences decoding, A drafts kept,
-the draft's passes taking d seconds (their steady-state cost: passes x the time of a one-token pass, so a
-sequence's catch-up after idle steps does not count against drafting) and the rest of the step s seconds:
+Drafting costs k forward passes of the draft model every step, whatever it proposes, and verifying k+1 rows per
+sequence makes the step itself dearer (at 16 sequences a verifying step took ~3x a decode step on a 2-core CPU).
+The gate compares, on steps of decodes only (no prompt chunk: a prompt's time would hide either side):
 
-    speed-up r = ((B + A) / (d + s)) / (B / s0) = (1 + A / B) * s0 / (d + s)
+    speed-up r = ((B + A) / (d + s)) / (B / s0(B))
 
-tokens per second against the same step without drafts, s0: s scaled by the engine's step-time model's ratio
-of the step without its drafts (each drafting sequence one decode row, its k verifying rows gone) to the step as
-it ran (engine/step_time.py, `undrafted`); s itself until that model is fitted. At 16 sequences the k+1 rows
-each verifies make the step 2-3x a decode step, which a draft must win back too. `speedup` follows r (a moving average: 1/4 weight per step while drafting, 1/2 per probe
-while not). Below 1 the gate closes: no drafts, except one probe step after `probe_every` steps, doubling from
-MIN_PROBE_EVERY to MAX_PROBE_EVERY while the probes say no; at 1 or above it opens again. A draft that rarely
-agrees, or one as slow as the model, stops costing after a few steps; one that pays keeps drafting.
+with B sequences decoding, A drafts kept, the draft's passes d seconds (at their steady-state cost: passes x a
+one-token pass, so a sequence's catch-up after steps without drafts does not count against drafting), the rest of
+the step s, and s0(B) the time of a decode step of B sequences without drafts: least squares a + b * B over the
+last CONTROL_SAMPLES such steps (the mean where they all had one B). Those come from the steps that do not draft:
+while the gate is open, one control step in every CONTROL_EVERY drafts nothing; while it is closed, every step
+but the probes. `speedup` follows r (a moving average: 1/4 weight per step while open, 1/2 per probe while
+closed). Below 1 the gate closes: no drafts except one probe step after `probe_every` steps, doubling from
+MIN_PROBE_EVERY to MAX_PROBE_EVERY while the probes say no; at 1 or above it opens again. A probe drafts for at
+most PROBE_SEQS sequences, those the draft has seen most of (engine/spec/decoder.py): after a closed stretch the
+draft must first compute every token it missed, which for a draft as large as the model costs more than the
+probe's steps saved. A draft that rarely
+agrees, or one as slow as the model, costs a probe step now and then instead of every step; one that pays keeps
+drafting in 15 steps of 16.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
+
+import numpy as np
 
 from engine.step_time import StepShape
 
 MIN_PROBE_EVERY = 16
 MAX_PROBE_EVERY = 256
+CONTROL_EVERY = 16
+PROBE_SEQS = 4
+CONTROL_SAMPLES = 64
 WEIGHT_OPEN = 0.25
 WEIGHT_PROBE = 0.5
 
@@ -33,32 +44,56 @@ class DraftGate:
         self.open = True
         self.speedup: float | None = None  # the moving average of r; None before the first step that drafted
         self.probe_every = MIN_PROBE_EVERY
-        self._idle = 0  # steps without drafts since the gate closed or last probed
+        self._idle = 0  # closed: steps without drafts since it closed or last probed; open: since the last control
         self.num_closed_steps = 0  # steps that did not draft because the gate was closed (since start)
+        self._plain: deque[tuple[int, float]] = deque(maxlen=CONTROL_SAMPLES)  # (B, seconds) of undrafted steps
 
     def allow(self) -> bool:
-        """Once per step, before drafting: whether this step drafts (open, or a probe is due)."""
-        if self.open:
-            return True
+        """Once per step that could draft, before drafting: whether it drafts (open and not a control step, or a
+        probe is due)."""
         self._idle += 1
+        if self.open:
+            if self._idle >= CONTROL_EVERY or not self._plain:
+                self._idle = 0
+                return False  # a control step: the decode step without drafts, measured
+            return True
         if self._idle >= self.probe_every:
             self._idle = 0
             return True
         self.num_closed_steps += 1
         return False
 
-    def observe(self, draft_s: float, step_s: float, decoding: int, accepted: int,
-                undrafted_s: float | None = None) -> None:
-        """A step that drafted: its draft cost, the rest of its time, its decoding sequences, the drafts kept, and
-        the time the step would have taken without its drafts (None: step_s)."""
-        if decoding <= 0 or step_s <= 0:
+    def observe_plain(self, step_s: float, decoding: int) -> None:
+        """A step of `decoding` decodes and nothing else that did not draft: the baseline's sample."""
+        if decoding > 0 and step_s > 0:
+            self._plain.append((decoding, step_s))
+
+    def baseline(self, decoding: int) -> float | None:
+        """s0(B): a decode step of B sequences without drafts, from the plain steps seen (None: none yet)."""
+        if not self._plain:
+            return None
+        b = np.array([p[0] for p in self._plain], dtype=float)
+        t = np.array([p[1] for p in self._plain])
+        if b.min() == b.max():
+            return float(t.mean())
+        slope, intercept = np.polyfit(b, t, 1)
+        if slope < 0:  # more sequences never make a step faster: the mean, as if B did not matter
+            return float(t.mean())
+        return float(max(0.0, intercept) + slope * decoding)
+
+    def observe(self, draft_s: float, step_s: float, decoding: int, accepted: int) -> None:
+        """A step of decodes only that drafted: its draft cost, the rest of its time, its decoding sequences and
+        the drafts they kept. Nothing is learnt before a plain step of decodes gave the baseline."""
+        base = self.baseline(decoding)
+        if decoding <= 0 or step_s <= 0 or base is None:
             return
-        base = step_s if undrafted_s is None or undrafted_s <= 0 else undrafted_s
         r = (1 + accepted / decoding) * base / (max(0.0, draft_s) + step_s)
         w = WEIGHT_OPEN if self.open else WEIGHT_PROBE
         self.speedup = r if self.speedup is None else self.speedup + w * (r - self.speedup)
         if self.speedup >= 1.0:
-            self.open, self.probe_every = True, MIN_PROBE_EVERY
+            if not self.open:
+                self.open, self._idle = True, 0
+            self.probe_every = MIN_PROBE_EVERY
         elif self.open:
             self.open, self._idle = False, 0
         else:

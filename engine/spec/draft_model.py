@@ -189,6 +189,11 @@ class DraftModel:
             self.kv.release(victim)
         return True
 
+    def unseen(self, seq: Sequence) -> int:
+        """Tokens of seq the draft would compute before its first draft (its whole prompt if it never drafted)."""
+        ds = self._seqs.get(seq.seq_id)
+        return seq.num_tokens - (min(ds.num_computed_tokens, ds.stable) if ds is not None else 0)
+
     def finished(self, seq: Sequence) -> None:
         ds = self._seqs.pop(seq.seq_id, None)
         if ds is not None:

@@ -1,10 +1,11 @@
-"""The draft model's gate (engine/spec/draft_gate.py): exact speed-ups, closing, probes doubling, reopening."""
+"""The draft model's gate (engine/spec/draft_gate.py): the baseline from plain steps, exact speed-ups, control
+steps, closing, probes doubling, reopening."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.spec.draft_gate import MAX_PROBE_EVERY, MIN_PROBE_EVERY, DraftGate, undrafted
+from engine.spec.draft_gate import CONTROL_EVERY, MAX_PROBE_EVERY, MIN_PROBE_EVERY, DraftGate, undrafted
 from engine.step_time import StepShape
 
 
@@ -15,17 +16,53 @@ def steps_until_allowed(gate: DraftGate) -> int:
     return n
 
 
+def test_the_baseline_is_a_line_through_plain_decode_steps():
+    gate = DraftGate()
+    assert gate.baseline(4) is None
+    gate.observe_plain(0.020, 4)
+    gate.observe_plain(0.024, 4)
+    assert gate.baseline(16) == pytest.approx(0.022)  # one B seen: their mean
+    gate.observe_plain(0.046, 16)
+    gate.observe_plain(0.046, 16)
+    assert gate.baseline(8) == pytest.approx(0.030)  # 0.014 + 0.002 * B
+    gate.observe_plain(0.0, 3)  # nothing learnt from an empty step
+    gate.observe_plain(0.010, 0)
+    assert gate.baseline(8) == pytest.approx(0.030)
+
+
+def test_it_learns_nothing_before_a_baseline_and_measures_one_first():
+    gate = DraftGate()
+    assert not gate.allow()  # no plain step yet: a control step
+    gate.observe(draft_s=0.010, step_s=0.030, decoding=2, accepted=4)
+    assert gate.speedup is None and gate.open
+    gate.observe_plain(0.020, 2)
+    assert gate.allow()
+
+
 def test_the_speedup_is_tokens_per_second_against_the_step_without_drafts():
     gate = DraftGate()
-    assert gate.open and gate.speedup is None and gate.allow()
+    gate.observe_plain(0.020, 16)
+    # 16 decoding kept 20 drafts: 2.25x the tokens, in 40 ms of draft + 50 ms of verifying step against 20 ms
+    gate.observe(draft_s=0.040, step_s=0.050, decoding=16, accepted=20)
+    assert gate.speedup == pytest.approx(0.5) and not gate.open
+    gate = DraftGate()
+    gate.observe_plain(0.030, 2)
     gate.observe(draft_s=0.010, step_s=0.030, decoding=2, accepted=4)  # (1 + 4/2) * 30 / 40
     assert gate.speedup == pytest.approx(2.25) and gate.open
-    gate.observe(draft_s=0.030, step_s=0.010, decoding=4, accepted=0)  # r = 0.25: 2.25 + (0.25 - 2.25) / 4
-    assert gate.speedup == pytest.approx(1.75) and gate.open
+    gate.observe(draft_s=0.030, step_s=0.030, decoding=4, accepted=0)  # r = 0.5: 2.25 + (0.5 - 2.25) / 4
+    assert gate.speedup == pytest.approx(1.8125) and gate.open
+
+
+def test_open_it_drafts_but_for_one_control_step_in_each_run():
+    gate = DraftGate()
+    gate.observe_plain(0.030, 2)
+    allowed = [gate.allow() for _ in range(3 * CONTROL_EVERY)]
+    assert allowed.count(False) == 3 and allowed[CONTROL_EVERY - 1] is False
 
 
 def test_it_closes_below_one_probes_with_doubling_intervals_and_reopens():
     gate = DraftGate()
+    gate.observe_plain(0.010, 1)
     gate.observe(draft_s=0.040, step_s=0.010, decoding=1, accepted=0)  # r = 0.2
     assert not gate.open and gate.speedup == pytest.approx(0.2)
     assert steps_until_allowed(gate) == MIN_PROBE_EVERY
@@ -38,21 +75,7 @@ def test_it_closes_below_one_probes_with_doubling_intervals_and_reopens():
     assert gate.probe_every == MAX_PROBE_EVERY
     gate.observe(draft_s=0.010, step_s=0.010, decoding=1, accepted=4)  # r = 2.5: 0.2 + (2.5 - 0.2) / 2 = 1.35
     assert gate.open and gate.speedup == pytest.approx(1.35) and gate.probe_every == MIN_PROBE_EVERY
-    assert all(gate.allow() for _ in range(5))
-
-
-def test_steps_without_decodes_teach_it_nothing():
-    gate = DraftGate()
-    gate.observe(draft_s=0.010, step_s=0.010, decoding=0, accepted=0)
-    gate.observe(draft_s=0.010, step_s=0.0, decoding=3, accepted=1)
-    assert gate.speedup is None and gate.open
-
-
-def test_the_step_without_drafts_is_the_baseline_where_the_step_time_model_knows_it():
-    gate = DraftGate()
-    # 16 decoding, 20 drafts kept: 2.25x the tokens, but the verifying step took 50 ms where 20 ms without drafts
-    gate.observe(draft_s=0.040, step_s=0.050, decoding=16, accepted=20, undrafted_s=0.020)  # 2.25 * 20 / 90
-    assert gate.speedup == pytest.approx(0.5) and not gate.open
+    assert all(gate.allow() for _ in range(CONTROL_EVERY - 1))
 
 
 def test_a_steps_shape_without_its_drafts():

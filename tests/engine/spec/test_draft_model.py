@@ -172,3 +172,26 @@ def test_grammar_requests_keep_their_greedy_tokens_with_a_draft_model(model):
     assert llm.engine.spec.stats.num_accepted_tokens > 10
     assert_nothing_held(llm)
     assert_draft_pool_free(llm)
+
+
+def test_a_probe_drafts_for_the_few_sequences_the_draft_has_seen_most_of(model):
+    """With the gate closed, a probe step drafts for PROBE_SEQS sequences: those with the fewest tokens the draft
+    would first have to compute."""
+    from engine.spec.config import SpeculativeConfig
+    from engine.spec.decoder import SpecDecoder
+    from engine.spec.draft_gate import PROBE_SEQS
+
+    det = use_fast_paths(model[0], "cpu", torch.bfloat16, deterministic=True)
+    backend = get_attention_backend("cpu", torch.device("cpu"), torch.bfloat16, True)
+    spec = SpecDecoder(SpeculativeConfig("draft_model", 2, model="smollm2"), MAX_LEN,
+                       DraftModel(det, backend, 64, 16, max_model_len=MAX_LEN))
+    seqs = [Sequence(f"r{i}", list(range(200, 220 + 5 * i))) for i in range(7)]  # 20, 25, ... 50 prompt tokens
+    for s in seqs:
+        s.append_token(7)
+        s.num_computed_tokens = s.num_tokens - 1  # decoding
+    spec.gate.observe_plain(0.01, len(seqs))  # a baseline: the open gate drafts
+    spec.begin_step(seqs[4:])
+    assert sorted(spec._pending) == [s.seq_id for s in seqs[4:]]
+    spec.gate.open, spec.gate._idle = False, spec.gate.probe_every - 1  # closed, a probe due
+    spec.begin_step(seqs)
+    assert PROBE_SEQS == 4 and sorted(spec._pending) == [seqs[0].seq_id] + [s.seq_id for s in seqs[4:]]

@@ -124,7 +124,11 @@ class LLMEngine:
         self.model = use_fast_paths(self.model, backend.name, self.dtype, args.deterministic)
         self.lora = lora_manager(self.model, args, backend.name)  # None unless LoRA is on: projections untouched
         self.kv_cache_plan = None  # how the KV cache was sized (engine/kv/sizing.py); None with --num-blocks
-        num_blocks = args.num_blocks or self._size_kv_cache(backend, free_at_start)
+        spec = args.speculative_config  # a draft model is loaded first: its caches share the KV memory
+        draft = (load_draft(args, self.config, self.dtype, self.device, self.max_model_len)
+                 if spec is not None and spec.method == "draft_model" else None)
+        num_blocks = args.num_blocks or self._size_kv_cache(
+            backend, free_at_start, draft.kv_bytes_per_token(self.dtype) if draft is not None else 0)
         # pins take at most --kv-pin-fraction of the blocks and never room the longest request needs: a request
         # that fits max_model_len fits beside any pins (on a cache no larger than that, nothing can be pinned)
         room = num_blocks - -(-self.max_model_len // args.block_size)
@@ -149,10 +153,9 @@ class LLMEngine:
             self.runner.warm_up()  # every Triton kernel compiled (and graphs captured) before the first request
         self.sampler = Sampler(seed=args.seed)
         self.spec = None  # engine/spec/: draft tokens verified in one step (--speculative-config)
-        if args.speculative_config is not None:
-            draft = (load_draft(args, self.config, self.dtype, self.device, self.max_model_len, num_blocks)
-                     if args.speculative_config.method == "draft_model" else None)
-            self.spec = self.scheduler.proposer = SpecDecoder(args.speculative_config, self.max_model_len, draft)
+        if spec is not None:
+            runner = draft.runner(num_blocks, args.block_size, self.device, args.max_num_seqs) if draft else None
+            self.spec = self.scheduler.proposer = SpecDecoder(spec, self.max_model_len, runner)
         self.grammars = GrammarCache(lambda: self.tokenizer.hf, self.config.vocab_size, self.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self.prompt_tokens_total = 0
@@ -168,9 +171,10 @@ class LLMEngine:
             self._tokenizer = load_tokenizer(self.source)
         return self._tokenizer
 
-    def _size_kv_cache(self, backend, free_at_start: int) -> int:
-        """KV blocks from the memory left for them (engine/kv/sizing.py); the arithmetic goes to the log."""
-        per_block = kv_bytes_per_token(self.config, self.dtype) * self.args.block_size
+    def _size_kv_cache(self, backend, free_at_start: int, draft_per_token: int = 0) -> int:
+        """KV blocks from the memory left for them (engine/kv/sizing.py); the arithmetic goes to the log.
+        draft_per_token: a draft model's K/V bytes per token, held beside every block's (engine/spec/draft_model.py)."""
+        per_block = (kv_bytes_per_token(self.config, self.dtype) + draft_per_token) * self.args.block_size
         if self.args.kv_cache_memory is not None or self.device.type != "cuda":
             gib = self.args.kv_cache_memory if self.args.kv_cache_memory is not None else DEFAULT_CPU_KV_GIB
             total = None if self.device.type == "cuda" else host_memory_bytes()

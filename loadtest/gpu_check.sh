@@ -4,7 +4,9 @@
 # Needs no checkpoint and no bundled model: random-weight models of real shapes are built on the device.
 #   1. kernel tests compiled on the GPU (TRITON_INTERPRET=0), in parallel (pytest -n 8 when pytest-xdist is
 #      there), the full matrix plus bf16 at Llama-3-8B / Qwen2.5-7B shapes (head_dim 128, GQA 4 and 7) against
-#      SDPA and float32 references; JUnit XML rewritten after every test, so it exists even after a timeout;
+#      SDPA and float32 references, and the engine on a tiny model with the triton backend (greedy tokens against
+#      the torch backend; speculation with a draft model: its own runner and the k+1 verifying rows per sequence);
+#      JUnit XML rewritten after every test, so it exists even after a timeout;
 #   2. paged decode vs measured copy bandwidth and contiguous SDPA, batch 1/16/64/256 x context 512/2K/8K, at
 #      both shapes (pass mark at context >= 2K, batch >= 16: >= 85% of copy bandwidth, <= 1.10x SDPA's time);
 #   3. the engine on the Llama-3-8B-shaped model (all 32 layers, bf16): offline throughput at batch

@@ -12,8 +12,10 @@ Drafts are the draft's argmax: a point mass, for which the engine's acceptance r
 sample the target's token, keep the draft while they agree) is exact, so the target's output distribution is
 unchanged whatever the draft proposes. A draft model with another vocabulary size is refused at start.
 
-Memory: the pool holds as many tokens as the target's cache, plus k per running sequence (the draft's K/V per
-token is its layers x KV heads x head dim, logged at start). When it runs out, sequences not proposed for in this
+Memory: the pool holds as many tokens as the target's cache, and the engine sizes the two together: each block
+of its KV memory is the model's K/V and the draft's (its layers x KV heads x head dim) for as many tokens, so a
+draft's cache takes its share of `--kv-cache-memory` or of the GPU's free memory, not memory beside it. When it
+runs out, sequences not proposed for in this
 step give their draft blocks back (the longest idle first) and recompute them when next proposed for; a sequence
 that still does not fit gets no drafts this step.
 """
@@ -24,6 +26,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
+from typing import NamedTuple
 
 import torch
 
@@ -33,7 +36,7 @@ from engine.model.fast_paths import use_fast_paths
 from engine.model.llama import LlamaForCausalLM, ModelConfig, UnsupportedModelError
 from engine.model.loader import load_hf_config, load_model
 from engine.model.registry import ModelNotFoundError, resolve_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, kv_bytes_per_token
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from engine.spec.config import FLAG
@@ -86,11 +89,30 @@ class DraftKV:
         return len(self.free)
 
 
-def load_draft(args, target: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int,
-               target_blocks: int) -> DraftModel:
+class DraftWeights(NamedTuple):
+    """A loaded draft model, before its KV pool is sized (the engine sizes its own cache and the draft's together)."""
+
+    model: LlamaForCausalLM
+    backend: object
+    max_model_len: int
+    path: str
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return kv_bytes_per_token(self.model.config, dtype)
+
+    def runner(self, num_blocks: int, block_size: int, device: torch.device, max_num_seqs: int) -> DraftModel:
+        """The draft on a pool of num_blocks blocks: the engine's own count (its caches hold as many tokens)."""
+        cfg = self.model.config
+        logger.info("draft model %s: %d layers, hidden %d, %d KV blocks of %d tokens of its own", self.path,
+                    cfg.num_layers, cfg.hidden_size, num_blocks, block_size)
+        return DraftModel(self.model, self.backend, num_blocks, block_size, device, max_num_seqs, self.max_model_len)
+
+
+def load_draft(args, target: ModelConfig, dtype: torch.dtype, device: torch.device,
+               max_model_len: int) -> DraftWeights:
     """The draft model named by --speculative-config's `model`, in the target's dtype, on the same kind of
-    kernels, with a KV pool of the target's tokens plus k per running sequence. A checkpoint that cannot be
-    read, or whose vocabulary differs from the target's, is a ConfigError naming the field."""
+    kernels. A checkpoint that cannot be read, or whose vocabulary differs from the target's, is a ConfigError
+    naming the field."""
     cfg = args.speculative_config
     where = f"{FLAG}: model {cfg.model!r}"
     try:
@@ -105,12 +127,7 @@ def load_draft(args, target: ModelConfig, dtype: torch.dtype, device: torch.devi
     max_len = min(max_model_len, config.max_position_embeddings)
     model, _ = load_model(source, dtype, device, max_len, hf_config=hf_config)
     backend = get_attention_backend(args.attention_backend, device, dtype, args.deterministic)
-    model = use_fast_paths(model, backend.name, dtype, args.deterministic)
-    bs = args.block_size
-    num_blocks = target_blocks + args.max_num_seqs * -(-cfg.num_speculative_tokens // bs)
-    logger.info("draft model %s: %d layers, hidden %d, %d KV blocks of its own", source.path, config.num_layers,
-                config.hidden_size, num_blocks)
-    return DraftModel(model, backend, num_blocks, bs, device, args.max_num_seqs, max_len)
+    return DraftWeights(use_fast_paths(model, backend.name, dtype, args.deterministic), backend, max_len, source.path)
 
 
 class DraftModel:

@@ -70,3 +70,26 @@ def test_triton_backend_greedy_tokens_equal_torch(tiny_model_dir):
     triton_tokens = greedy_tokens(tiny_model_dir, "triton")
     assert all(len(t) == 12 for t in torch_tokens)
     assert triton_tokens == torch_tokens
+
+
+def test_draft_model_speculation_on_the_triton_backend(tiny_model_dir):
+    """The draft model's own runner and the verifying rows (k+1 query positions per sequence over the paged KV) on
+    the triton backend: the model as its own draft keeps the greedy tokens and has its drafts kept (float32, sharp
+    logits). In gpu_check this runs compiled on the GPU."""
+    def run(spec):
+        llm = LLM(tiny_model_dir, attention_backend="triton", device=DEVICE, dtype="float32", block_size=8,
+                  num_blocks=64, max_num_batched_tokens=24, max_num_seqs=8, num_threads=1, speculative_config=spec)
+        if spec is not None:
+            llm.engine.spec.gate = None  # draft every step, whatever it gains here
+        prompts = [[(7 * i) % (VOCAB - 3) + 3 for i in range(21)], [4, 8, 15, 16, 23, 42], [3]]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        return [list(o.outputs[0].token_ids) for o in outs], llm
+
+    base, _ = run(None)
+    spec, llm = run({"method": "draft_model", "model": tiny_model_dir, "num_speculative_tokens": 3})
+    assert spec == base
+    st = llm.engine.spec.stats
+    assert st.num_drafts >= 6 and st.num_accepted_tokens >= 0.9 * st.num_draft_tokens
+    assert llm.engine.spec.draft.runner.backend.name == "triton"
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks

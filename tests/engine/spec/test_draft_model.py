@@ -195,3 +195,13 @@ def test_a_probe_drafts_for_the_few_sequences_the_draft_has_seen_most_of(model):
     spec.gate.open, spec.gate._idle = False, spec.gate.probe_every - 1  # closed, a probe due
     spec.begin_step(seqs)
     assert PROBE_SEQS == 4 and sorted(spec._pending) == [seqs[0].seq_id] + [s.seq_id for s in seqs[4:]]
+
+
+def test_the_draft_cache_takes_its_share_of_the_kv_memory(model):
+    """--kv-cache-memory holds both caches: with the model as its own draft (the same K/V bytes per token) the
+    engine gets half the blocks, and the draft's pool as many."""
+    kw = dict(dtype="bfloat16", max_model_len=MAX_LEN, num_threads=2, kv_cache_memory=0.05)
+    plain = LLM("smollm2", loaded_model=model, **kw).engine.kv.num_blocks
+    llm = LLM("smollm2", loaded_model=model, speculative_config={"method": "draft_model", "model": "smollm2",
+                                                                 "num_speculative_tokens": 2}, **kw)
+    assert llm.engine.kv.num_blocks == plain // 2 and llm.engine.spec.draft.kv.num_blocks == plain // 2

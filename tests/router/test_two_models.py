@@ -6,6 +6,8 @@ get the same 404 `model_not_found` while the engines see nothing; /v1/models lis
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import openai
 import pytest
@@ -69,8 +71,10 @@ def fleet(module_procs, tmp_path_factory):
     r.wait_ready(timeout=60)
     # the whole log: a replica's KV-event resyncs, logged every 2 s until it is ready, can push the first
     # tokenizer's line out of a short tail (CI: one engine ready ~50 s before the other)
-    wait_for(lambda: all(f"tokenizer of {m} from" in r.tail(1 << 22) for m in ("tiny-llama", "smollm2")),
-             timeout=120, what="both tokenizers fetched")
+    # the line of a fetch that succeeded (`tokenizer of M from URL: vocab ...`): a failed try, retried a second later,
+    # logs "fetching the tokenizer of M from URL failed" (CI once went on after one and got 503 "still fetching")
+    wait_for(lambda: all(re.search(rf"tokenizer of {m} from \S+: vocab", r.tail(1 << 22))
+                         for m in ("tiny-llama", "smollm2")), timeout=120, what="both tokenizers fetched")
     return r, small, tiny
 
 

@@ -205,3 +205,20 @@ def test_the_draft_cache_takes_its_share_of_the_kv_memory(model):
     llm = LLM("smollm2", loaded_model=model, speculative_config={"method": "draft_model", "model": "smollm2",
                                                                  "num_speculative_tokens": 2}, **kw)
     assert llm.engine.kv.num_blocks == plain // 2 and llm.engine.spec.draft.kv.num_blocks == plain // 2
+
+
+def test_aborted_and_finished_requests_give_their_draft_blocks_back(model):
+    llm = engine(model, "smollm2")
+    eng = llm.engine
+    toks = prompts(llm)[:3]
+    for i, t in enumerate(toks):
+        eng.add_request(f"r{i}", t, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    for _ in range(3):  # prompts, then a drafting step for each (every draft kept: 5 tokens a step)
+        eng.step()
+    assert eng.spec.draft.num_tracked == 3 and eng.spec.stats.num_drafts > 0  # all three drafted for
+    eng.abort_request("r1")
+    assert eng.spec.draft.num_tracked == 2
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert_nothing_held(llm)
+    assert_draft_pool_free(llm)

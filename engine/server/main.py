@@ -85,6 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine_args = EngineArgs.from_cli(ns)
         resolve_model(engine_args.model, engine_args.allow_download)  # a wrong path fails here, before the server starts
+        spec = engine_args.speculative_config
+        if spec is not None and spec.model is not None:  # and a draft model's
+            try:
+                resolve_model(spec.model, engine_args.allow_download)
+            except ValueError as e:
+                raise ConfigError("--speculative-config", f"--speculative-config: model {spec.model!r}: {e}") from None
         if ns.max_queued_requests is not None and ns.max_queued_requests < 0:
             raise ConfigError("--max-queued-requests", f"--max-queued-requests must be >= 0, got {ns.max_queued_requests}")
     except ValueError as e:

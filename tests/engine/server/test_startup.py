@@ -24,6 +24,13 @@ def test_missing_model_path_fails_before_serving():
     assert r.returncode == 2 and "/no/such/model" in r.stderr
 
 
+def test_missing_draft_model_path_fails_before_serving():
+    spec = json.dumps({"method": "draft_model", "model": "/no/such/draft", "num_speculative_tokens": 4})
+    r = subprocess.run([sys.executable, "-m", "kvfleet", "engine", "--speculative-config", spec], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--speculative-config: model '/no/such/draft'" in r.stderr
+
+
 def test_model_that_fails_to_load_exits_1(tmp_path):
     bad = tmp_path / "model"
     bad.mkdir()

@@ -15,9 +15,8 @@ unchanged whatever the draft proposes. A draft model with another vocabulary siz
 Memory: the pool holds as many tokens as the target's cache, and the engine sizes the two together: each block
 of its KV memory is the model's K/V and the draft's (its layers x KV heads x head dim) for as many tokens, so a
 draft's cache takes its share of `--kv-cache-memory` or of the GPU's free memory, not memory beside it. When it
-runs out, sequences not proposed for in this
-step give their draft blocks back (the longest idle first) and recompute them when next proposed for; a sequence
-that still does not fit gets no drafts this step.
+runs out, sequences not proposed for in this step give their draft blocks back (the longest idle first) and
+recompute them when next proposed for; a sequence that still does not fit gets no drafts this step.
 """
 
 from __future__ import annotations

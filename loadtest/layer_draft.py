@@ -17,7 +17,7 @@ import re
 
 from safetensors.torch import load_file, save_file
 
-from engine.model.loader import _materialize
+from engine.model.loader import checkpoint_dir
 from engine.model.registry import resolve_model
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -25,7 +25,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 def write_layer_draft(model: str, layers: int, out: str) -> str:
     """Write the draft into `out` (created); returns `out`."""
-    src = _materialize(resolve_model(model))
+    src = checkpoint_dir(resolve_model(model))
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     total = config["num_hidden_layers"]

@@ -60,7 +60,7 @@ def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
 def load_hf_config(source: ModelSource):
     """The checkpoint's config: read from its config.json (engine/model/checkpoint_config.py), or by
     transformers where that module says it must be."""
-    directory = _materialize(source)
+    directory = checkpoint_dir(source)
     try:
         fast = read_config(directory)
         if fast is not None:
@@ -88,7 +88,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | s
         model.rope = RotaryEmbedding(config, max_len, hf_config)
     # bf16 on CPU: oneDNN pre-packed projections, and the exact 4/8-bit groups of the float32 checkpoint kept
     capture = QuantCapture(config) if cpu_prepack and can_prepack(dtype, device) else None
-    model.load_weights(iter_tensors(_materialize(source), device), capture)
+    model.load_weights(iter_tensors(checkpoint_dir(source), device), capture)
     model.eval().requires_grad_(False)
     if capture is not None:
         prepack(model, capture)
@@ -110,7 +110,7 @@ def _on_device(model: torch.nn.Module, device: torch.device | str) -> torch.nn.M
     return model
 
 
-def _materialize(source: ModelSource) -> str:
+def checkpoint_dir(source: ModelSource) -> str:
     """A directory with config.json + safetensors for `source` (the GGUF cache for GGUF files)."""
     if not source.is_gguf:
         return source.directory

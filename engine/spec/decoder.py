@@ -23,8 +23,9 @@ run carries its sequence's adapter (engine/lora/). Not proposed for: a sequence 
 
 Where the drafts come from: prompt lookup (engine/spec/ngram.py) and suffix decoding (engine/spec/suffix.py) are
 worked out in `propose`; a draft model (engine/spec/draft_model.py) runs once per step, before the scheduler, over
-every running sequence that decodes (`begin_step`), and `propose` hands out what it drafted; `end_step` tells its
-gate (engine/spec/draft_gate.py) what the step's drafting gained, and the gate stops drafting that does not pay.
+every running sequence that decodes (`begin_step`), and `propose` hands out what it drafted. Whatever the method,
+`begin_step` asks the gate (engine/spec/draft_gate.py) whether the step drafts, and `end_step` tells it what the
+step's drafting gained: the gate stops drafting that does not pay.
 
 Back-off (a simple rule): a step with more running sequences than `disable_by_batch_size` proposes nothing; and a
 sequence whose drafts were all rejected skips its next 1, 2, 4, 8, then 16 decode steps (doubling while
@@ -74,13 +75,17 @@ class _Backoff:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft: DraftModel | None = None):
-        """draft: the draft model's runner for method draft_model (engine/spec/draft_model.py)."""
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft: DraftModel | None = None,
+                 gated: bool = True):
+        """draft: the draft model's runner for method draft_model (engine/spec/draft_model.py); gated=False: every
+        step drafts, whatever it gains (tests that count drafts)."""
         self.config = config
         self.draft = draft
         self._pending: dict[int, list[int]] = {}  # draft_model: this step's drafts by seq_id (begin_step)
-        self.gate = DraftGate() if draft is not None else None  # whether the draft model's drafts pay (None: always)
-        self._drafted = False  # this step ran the draft model
+        self.gate = DraftGate() if gated else None  # whether drafting pays (None: every step drafts)
+        self._allowed = False  # this step may draft (begin_step: the gate said so)
+        self._probe_left: int | None = None  # ngram/suffix in a probe step: sequences still to draft for
+        self._drafted = False  # this step drafted for a sequence
         self._draft_wall_s = 0.0
         self._step_accepted = 0  # this step's drafts kept (accept), for the gate
         self.max_model_len = max_model_len
@@ -93,18 +98,21 @@ class SpecDecoder:
     # ---- proposing (the scheduler) -----------------------------------------------------------
 
     def begin_step(self, running: Seq[Sequence]) -> None:
-        """draft_model: run the draft once for the step, over every running sequence that decodes and would be
-        proposed for (propose then hands out what it drafted). Other methods draft in propose; nothing here."""
+        """Before the scheduler: whether this step drafts (the gate), and for draft_model the drafts, over every
+        running sequence that decodes and would be proposed for (propose then hands them out). Other methods draft
+        in propose."""
         self._pending = {}
         self._drafted, self._draft_wall_s, self._step_accepted = False, 0.0, 0
-        draft = self.draft
-        if draft is None:
-            return
         wanted = [(seq, k) for seq in running if seq.num_tokens - seq.num_computed_tokens == 1
                   and (k := self._room(seq, len(running), peek=True)) > 0]
-        if not wanted or (self.gate is not None and not self.gate.allow()):
+        gate = self.gate
+        self._allowed = bool(wanted) and (gate is None or gate.allow())
+        probe = self._allowed and gate is not None and not gate.open
+        self._probe_left = PROBE_SEQS if probe and self.draft is None else None
+        draft = self.draft
+        if draft is None or not self._allowed:
             return
-        if self.gate is not None and not self.gate.open:  # a probe: the sequences the draft has seen most of
+        if probe:  # the sequences the draft has seen most of
             wanted = sorted(wanted, key=lambda w: draft.unseen(w[0]))[:PROBE_SEQS]
         t = time.perf_counter()
         try:
@@ -117,15 +125,16 @@ class SpecDecoder:
 
     def end_step(self, step_s: float, out) -> None:
         """The step's whole time (the draft's included) and its SchedulerOutput: a step of decodes only tells the
-        draft model's gate what drafting gained, or (drafting nothing) what a step without drafts takes."""
-        drafted, self._drafted = self._drafted, False
-        if self.gate is None or self.draft is None:
+        gate what drafting gained, or (drafting nothing) what a step without drafts takes."""
+        drafted, self._drafted, self._allowed = self._drafted, False, False
+        if self.gate is None:
             return
         shape = undrafted(out.shape, (len(it.spec_token_ids) for it in out.scheduled))
         if shape.prefill_tokens or not shape.decode_seqs:
             return  # a prompt chunk in the step: its time would hide what drafting cost or gained
         if drafted:
-            self.gate.observe(self.draft.last_cost_s, step_s - self._draft_wall_s, shape.decode_seqs,
+            draft_s = self.draft.last_cost_s if self.draft is not None else 0.0
+            self.gate.observe(draft_s, step_s - self._draft_wall_s, shape.decode_seqs,
                               self._step_accepted)
         else:
             self.gate.observe_plain(step_s, shape.decode_seqs)
@@ -133,7 +142,7 @@ class SpecDecoder:
     def propose(self, seq: Sequence, num_running: int) -> list[int]:
         """Drafts for a running sequence that decodes this step (its last token is its only uncomputed one)."""
         k = self._room(seq, num_running, peek=False)
-        if k <= 0:
+        if k <= 0 or (self.gate is not None and not self._allowed) or self._probe_left == 0:
             return []
         cfg = self.config
         if cfg.method == "draft_model":
@@ -142,7 +151,13 @@ class SpecDecoder:
             drafts = self._suffix(seq.token_ids, k)
         else:
             drafts = ngram.propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-        return drafts if seq.matcher is None or not drafts else grammar_prefix(seq.matcher, drafts)
+        if drafts and seq.matcher is not None:
+            drafts = grammar_prefix(seq.matcher, drafts)
+        if drafts:
+            self._drafted = True
+            if self._probe_left is not None:
+                self._probe_left -= 1
+        return drafts
 
     def _room(self, seq: Sequence, num_running: int, peek: bool) -> int:
         """How many drafts seq may verify now (0: none this step); a back-off wait counts down unless peek."""

@@ -1,24 +1,29 @@
-"""Whether a draft model's drafts pay for themselves on this hardware and traffic (pure: timings are passed in).
+"""Whether drafts pay for themselves on this hardware and traffic, for every method (pure: timings are passed in).
 
-Drafting costs k forward passes of the draft model every step, whatever it proposes, and verifying k+1 rows per
-sequence makes the step itself dearer (at 16 sequences a verifying step took ~3x a decode step on a 2-core CPU).
-The gate compares, on steps of decodes only (no prompt chunk: a prompt's time would hide either side):
+Verifying k+1 rows per sequence makes a step dearer (at 16 sequences a step verifying 4 drafts each took ~3x a
+decode step on a 2-core CPU), and a draft model also costs k forward passes of its own every step, whatever it
+proposes; prompt lookup and suffix decoding cost little to propose (their time is inside the step's), but at a
+batch of ordinary chats their few kept drafts can still cost more rows than they save (7% slower at 16 chats on
+an AMD EPYC). The gate compares, on steps of decodes only (no prompt chunk: a prompt's time would hide either
+side):
 
     speed-up r = ((B + A) / (d + s)) / (B / s0(B))
 
 with B sequences decoding, A drafts kept, the draft's passes d seconds (at their steady-state cost: passes x a
 one-token pass, so a sequence's catch-up after steps without drafts does not count against drafting), the rest of
-the step s, and s0(B) the time of a decode step of B sequences without drafts: least squares a + b * B over the
-last CONTROL_SAMPLES such steps (the mean where they all had one B). Those come from the steps that do not draft:
-while the gate is open, one control step in every CONTROL_EVERY drafts nothing; while it is closed, every step
-but the probes. `speedup` follows r (a moving average: 1/4 weight per step while open, 1/2 per probe while
-closed). Below 1 the gate closes: no drafts except one probe step after `probe_every` steps, doubling from
-MIN_PROBE_EVERY to MAX_PROBE_EVERY while the probes say no; at 1 or above it opens again. A probe drafts for at
-most PROBE_SEQS sequences, those the draft has seen most of (engine/spec/decoder.py): after a closed stretch the
-draft must first compute every token it missed, which for a draft as large as the model costs more than the
-probe's steps saved. A draft that rarely
-agrees, or one as slow as the model, costs a probe step now and then instead of every step; one that pays keeps
-drafting in 15 steps of 16.
+the step s (ngram and suffix: d = 0, their proposing is in s), and s0(B) the time of a decode step of B sequences
+without drafts: least squares a + b * B over the last CONTROL_SAMPLES such steps (the mean where they all had one
+B). Those come from the steps that do not draft: while the gate is open, one control step in every CONTROL_EVERY
+drafts nothing (every CONTROL_EVERY_SURE while the speed-up is at least SURE: a control step gives up what drafting
+gains, ~4% of a 1.9x copy speed-up at one in 16, and the decision far from 1 needs a fresher baseline less); while
+it is closed, every step but the probes. `speedup` follows r (a moving average: 1/4 weight per step while open, 1/2
+per probe while closed). Below 1 the gate closes: no drafts except one probe step after `probe_every` steps,
+doubling from MIN_PROBE_EVERY to MAX_PROBE_EVERY while the probes say no; at 1 or above it opens again. A probe
+drafts for at most PROBE_SEQS sequences (engine/spec/decoder.py): for a draft model those it has seen most of (after
+a closed stretch the draft must first compute every token it missed, which for a draft as large as the model costs
+more than the probe's steps saved); for ngram and suffix the first that find a draft. Drafts that rarely agree, or a
+draft model as slow as the model, cost a probe step now and then instead of every step; drafts that pay keep
+drafting in 15 steps of 16, or 63 of 64 when they pay 1.5x or more.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from engine.step_time import StepShape
 MIN_PROBE_EVERY = 16
 MAX_PROBE_EVERY = 256
 CONTROL_EVERY = 16
+CONTROL_EVERY_SURE = 64
+SURE = 1.5
 PROBE_SEQS = 4
 CONTROL_SAMPLES = 64
 WEIGHT_OPEN = 0.25
@@ -53,7 +60,8 @@ class DraftGate:
         probe is due)."""
         self._idle += 1
         if self.open:
-            if self._idle >= CONTROL_EVERY or not self._plain:
+            every = CONTROL_EVERY_SURE if self.speedup is not None and self.speedup >= SURE else CONTROL_EVERY
+            if self._idle >= every or not self._plain:
                 self._idle = 0
                 return False  # a control step: the decode step without drafts, measured
             return True

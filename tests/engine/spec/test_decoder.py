@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.spec.config import SpeculativeConfig
@@ -18,15 +20,15 @@ def decoding(prompt=(1, 2, 3, 1, 2), output=(3,), **params) -> Sequence:
 
 
 def test_drafts_for_a_decoding_sequence_capped_by_max_tokens_and_max_model_len():
-    spec = SpecDecoder(CFG, max_model_len=64)
+    spec = SpecDecoder(CFG, max_model_len=64, gated=False)
     assert spec.propose(decoding(), 1) == [1, 2, 3]  # "2 3" occurred at 1..2
     assert spec.propose(decoding(max_tokens=3), 1) == [1]  # 1 output so far: 2 more at most, the last one sampled
     assert spec.propose(decoding(max_tokens=2), 1) == []
-    assert SpecDecoder(CFG, max_model_len=8).propose(decoding(), 1) == [1, 2]  # positions 5..7
+    assert SpecDecoder(CFG, max_model_len=8, gated=False).propose(decoding(), 1) == [1, 2]  # positions 5..7
 
 
 def test_no_drafts_for_first_tokens_or_large_batches_and_lora_gets_them():
-    spec = SpecDecoder(CFG, max_model_len=64)
+    spec = SpecDecoder(CFG, max_model_len=64, gated=False)
     seq = decoding()
     assert spec.propose(seq, 4) == [1, 2, 3] and spec.propose(seq, 5) == []  # disable_by_batch_size 4
     lora = decoding()
@@ -67,7 +69,7 @@ def test_grammar_drafts_stop_before_a_refused_token_or_the_grammars_end():
 
 
 def test_a_constrained_sequence_gets_drafts_its_grammar_accepts_and_rows_masked_at_each_position():
-    spec = SpecDecoder(CFG, max_model_len=64)
+    spec = SpecDecoder(CFG, max_model_len=64, gated=False)
     seq = decoding(prompt=(A, B, A, B), output=(A,))
     seq.matcher = matcher('root ::= "a" "bab"*')
     seq.matcher.accept_token(A)
@@ -81,7 +83,7 @@ def test_a_constrained_sequence_gets_drafts_its_grammar_accepts_and_rows_masked_
 
 
 def test_a_sequence_whose_drafts_all_fail_backs_off_doubling():
-    spec = SpecDecoder(CFG, max_model_len=1024)
+    spec = SpecDecoder(CFG, max_model_len=1024, gated=False)
     seq = decoding()
     pattern = []
     for _ in range(20):
@@ -94,7 +96,7 @@ def test_a_sequence_whose_drafts_all_fail_backs_off_doubling():
 
 
 def test_a_kept_draft_resets_the_back_off():
-    spec = SpecDecoder(CFG, max_model_len=1024)
+    spec = SpecDecoder(CFG, max_model_len=1024, gated=False)
     seq = decoding()
     d = spec.propose(seq, 1)
     spec.accept([seq] * 4, [9, 9, 9, 9], [None] * 4, {seq.seq_id: d})  # all rejected
@@ -105,7 +107,7 @@ def test_a_kept_draft_resets_the_back_off():
 
 
 def test_rows_and_the_longest_agreeing_run():
-    spec = SpecDecoder(CFG, max_model_len=64)
+    spec = SpecDecoder(CFG, max_model_len=64, gated=False)
     a, b, c = decoding(), decoding(output=(3, 7)), decoding(output=(3, 8))
     drafts = {a.seq_id: [1, 2, 3], c.seq_id: [5]}
     seqs = [a] * 4 + [b] + [c] * 2
@@ -123,3 +125,41 @@ def test_rows_and_the_longest_agreeing_run():
     assert (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, st.accepted_per_pos) == (2, 4, 2, [1, 1, 0])
     spec.accept([a] * 4, [1, 2, 3, 4], [None] * 4, {a.seq_id: [1, 2, 3]})  # all kept, plus the bonus token
     assert spec.stats.accepted_per_pos == [2, 2, 1] and spec.stats.num_accepted_tokens == 5
+
+
+def test_the_gate_decides_each_step_for_prompt_lookup_too():
+    """ngram and suffix draft only in steps the gate allows (engine/spec/draft_gate.py): a control step first, then
+    drafts; drafts that cost more than they gain close it, and a closed gate's probe drafts for PROBE_SEQS."""
+    from types import SimpleNamespace
+
+    from engine.spec.draft_gate import MIN_PROBE_EVERY, PROBE_SEQS
+    from engine.step_time import StepShape
+
+    spec = SpecDecoder(SpeculativeConfig("ngram", 3, 1, 2), max_model_len=64)
+    seqs = [decoding() for _ in range(PROBE_SEQS + 2)]
+    for s in seqs:
+        s.num_computed_tokens = s.num_tokens - 1
+
+    def step(step_s: float) -> list[list[int]]:
+        spec.begin_step(seqs)
+        drafts = [spec.propose(s, len(seqs)) for s in seqs]
+        rows, sampled = [], []
+        for s, d in zip(seqs, drafts, strict=True):  # the first draft kept, the next one not
+            rows += [s] * (len(d) + 1)
+            sampled += ([d[0]] + [9] * len(d)) if d else [9]
+        spec.accept(rows, sampled, [None] * len(rows), {s.seq_id: d for s, d in zip(seqs, drafts, strict=True)})
+        verify = sum(len(d) + 1 for d in drafts if d)
+        shape = StepShape(verify, sum(not d for d in drafts), 50 * len(seqs))
+        spec.end_step(step_s, SimpleNamespace(shape=shape, scheduled=[SimpleNamespace(spec_token_ids=d)
+                                                                          for d in drafts]))
+        return drafts
+
+    assert step(0.010) == [[]] * len(seqs)  # no baseline yet: a control step, measured
+    assert step(0.040) == [[1, 2, 3]] * len(seqs)  # open: every sequence drafts
+    gate = spec.gate
+    assert not gate.open and gate.speedup == pytest.approx(0.5)  # twice the tokens in 4x the time
+    for _ in range(MIN_PROBE_EVERY - 1):
+        assert step(0.010) == [[]] * len(seqs)
+    probe = step(0.030)
+    assert sum(bool(d) for d in probe) == PROBE_SEQS  # a probe: the first PROBE_SEQS that find a draft
+    assert spec.stats.num_drafts == len(seqs) + PROBE_SEQS

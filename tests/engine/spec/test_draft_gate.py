@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from engine.spec.draft_gate import CONTROL_EVERY, MAX_PROBE_EVERY, MIN_PROBE_EVERY, DraftGate, undrafted
+from engine.spec.draft_gate import (
+    CONTROL_EVERY,
+    CONTROL_EVERY_SURE,
+    MAX_PROBE_EVERY,
+    MIN_PROBE_EVERY,
+    SURE,
+    DraftGate,
+    undrafted,
+)
 from engine.step_time import StepShape
 
 
@@ -82,3 +90,16 @@ def test_a_steps_shape_without_its_drafts():
     # two sequences verified 4 and 2 drafts (5 + 3 rows), one decoded, a 10-token prompt chunk
     shape = StepShape(prefill_tokens=18, decode_seqs=1, context_tokens=400)
     assert undrafted(shape, [4, 0, 2]) == StepShape(10, 3, 394)
+
+
+def test_control_steps_thin_out_while_drafting_pays_well():
+    gate = DraftGate()
+    gate.observe_plain(0.010, 1)
+    gate.observe(draft_s=0.0, step_s=0.011, decoding=1, accepted=1)  # r = 2 * 10 / 11 = 1.82: at least SURE
+    assert gate.speedup >= SURE
+    allowed = [gate.allow() for _ in range(2 * CONTROL_EVERY_SURE)]
+    assert allowed.count(False) == 2 and allowed[CONTROL_EVERY_SURE - 1] is False
+    gate.observe(draft_s=0.0, step_s=0.020, decoding=1, accepted=0)  # r = 0.5: 1.82 + (0.5 - 1.82) / 4 < SURE
+    assert 1 < gate.speedup < SURE
+    allowed = [gate.allow() for _ in range(2 * CONTROL_EVERY)]
+    assert allowed.count(False) == 2 and allowed[CONTROL_EVERY - 1] is False

@@ -33,11 +33,19 @@ def model():
     return load_model(resolve_model("smollm2"), torch.bfloat16, "cpu", MAX_LEN)
 
 
+def ungated(llm: LLM) -> LLM:
+    """Every step drafts, whatever drafting gains on this machine (engine/spec/draft_gate.py): the tests count
+    drafts and compare what verifying steps produce."""
+    if llm.engine.spec is not None:
+        llm.engine.spec.gate = None
+    return llm
+
+
 def engine(model, spec: bool, **kw) -> LLM:
     args = dict(dtype="bfloat16", max_model_len=MAX_LEN, num_blocks=400, num_threads=2, max_num_seqs=8,
                 max_num_batched_tokens=64)
     args.update(kw)
-    return LLM("smollm2", loaded_model=model, speculative_config=SPEC if spec else None, **args)
+    return ungated(LLM("smollm2", loaded_model=model, speculative_config=SPEC if spec else None, **args))
 
 
 def prompts(llm: LLM) -> list[list[int]]:
@@ -98,6 +106,44 @@ def test_greedy_tokens_equal_on_every_prompt(model):
     compare_greedy(model, True, 8, 40)
 
 
+class ScriptedGate:
+    """A gate that drafts in every other step, closed (probing): what a gate flipping mid-stream does to the
+    engine, without waiting for this machine's timings to flip the real one (tests/engine/spec/test_draft_gate.py
+    covers its decisions)."""
+
+    def __init__(self) -> None:
+        self.open, self.steps, self.probes, self.learnt = False, 0, 0, 0
+
+    def allow(self) -> bool:
+        self.steps += 1
+        self.probes += self.steps % 2
+        return bool(self.steps % 2)
+
+    def observe(self, *args) -> None:
+        self.learnt += 1
+
+    def observe_plain(self, *args) -> None:
+        self.learnt += 1
+
+
+def test_steps_the_gate_leaves_undrafted_and_probes_keep_the_tokens(model):
+    """Drafting switched on and off from step to step, each drafting step a probe (at most PROBE_SEQS sequences
+    draft), over 8 prompts with chunked prefill and n=2: --deterministic tokens and logprobs are those without
+    speculation, no block is held after, and the steps of decodes only reach the gate."""
+    from engine.spec.draft_gate import PROBE_SEQS
+
+    base_llm = engine(model, False, deterministic=True)
+    toks = prompts(base_llm)[:8]
+    base = run(base_llm, toks, greedy_params(len(toks), 40))
+    llm = engine(model, True, deterministic=True)
+    gate = llm.engine.spec.gate = ScriptedGate()
+    assert run(llm, toks, greedy_params(len(toks), 40)) == base
+    st = llm.engine.spec.stats
+    assert 0 < st.num_drafts <= PROBE_SEQS * gate.probes and st.num_accepted_tokens > 5
+    assert 0 < gate.learnt < gate.steps
+    assert_nothing_held(llm)
+
+
 @pytest.mark.slow
 def test_greedy_tokens_equal_in_default_mode(model):
     """Default mode picks kernels by step size, so drafts that change how a prompt is chunked move its logits'
@@ -113,8 +159,9 @@ def test_suffix_decoding_keeps_the_greedy_tokens_and_learns_from_finished_reques
     toks = prompts(base_llm)[:4]
     params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2) for _ in toks]
     base = run(base_llm, toks, params)
-    llm = LLM("smollm2", loaded_model=model, speculative_config=suffix, dtype="bfloat16", max_model_len=MAX_LEN,
-              num_blocks=400, num_threads=2, max_num_seqs=8, max_num_batched_tokens=64, deterministic=True)
+    llm = ungated(LLM("smollm2", loaded_model=model, speculative_config=suffix, dtype="bfloat16",
+                      max_model_len=MAX_LEN, num_blocks=400, num_threads=2, max_num_seqs=8, max_num_batched_tokens=64,
+                      deterministic=True))
     assert run(llm, toks, params) == base
     st = llm.engine.spec.stats
     first = st.num_accepted_tokens
@@ -253,9 +300,9 @@ def test_lora_requests_get_drafts_and_keep_their_greedy_tokens(tmp_path):
     paths = write_adapters(str(tmp_path))
 
     def llm(spec: bool) -> LLM:
-        return LLM("smollm2", dtype="float32", max_model_len=MAX_LEN, num_blocks=400, num_threads=2, max_num_seqs=8,
-                   max_num_batched_tokens=2048, enable_lora=True, max_loras=2, max_lora_rank=64,
-                   speculative_config=SPEC if spec else None)
+        return ungated(LLM("smollm2", dtype="float32", max_model_len=MAX_LEN, num_blocks=400, num_threads=2,
+                           max_num_seqs=8, max_num_batched_tokens=2048, enable_lora=True, max_loras=2,
+                           max_lora_rank=64, speculative_config=SPEC if spec else None))
 
     names = [None, "attn-r8", "mlp-r16"]
 

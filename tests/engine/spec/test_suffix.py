@@ -97,7 +97,7 @@ def test_the_shared_index_keeps_the_last_finished_outputs():
 
 def test_a_sequence_takes_drafts_from_finished_requests_when_they_score_higher():
     cfg = SpeculativeConfig("suffix", 4, suffix_decoding_max_spec_factor=4.0, suffix_decoding_max_cached_requests=8)
-    spec = SpecDecoder(cfg, max_model_len=64)
+    spec = SpecDecoder(cfg, max_model_len=64, gated=False)
     done = Sequence("old", [1], SamplingParams())
     for t in (20, 21, 22, 23, 24):
         done.append_token(t)
@@ -109,7 +109,7 @@ def test_a_sequence_takes_drafts_from_finished_requests_when_they_score_higher()
     seq = Sequence("new", [7, 8, 20], SamplingParams())
     seq.append_token(21)
     assert spec.propose(seq, 1) == [22, 23, 24]  # "20 21" went on so in the finished request
-    short = SpecDecoder(cfg, max_model_len=64)
+    short = SpecDecoder(cfg, max_model_len=64, gated=False)
     short.cache.add([20, 21, 22])
     own = Sequence("own", [20, 21, 40, 20], SamplingParams())
     own.append_token(21)

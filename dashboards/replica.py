@@ -97,6 +97,29 @@ TRANSFERS = [
              "{{reason}} {{instance}}"),), min=0),
 ]
 
+SPECULATION = [
+    Panel("Drafts kept", "Of the draft tokens verified, the share kept (engines with --speculative-config), "
+          "overall and by position among a step's drafts (0: the first).",
+          (q(f"sum by (instance) (rate(vllm:spec_decode_num_accepted_tokens_total{INST}[{RATE}])) "
+             f"/ sum by (instance) (rate(vllm:spec_decode_num_draft_tokens_total{INST}[{RATE}]))", "all {{instance}}"),
+           q(f"sum by (instance, position) (rate(vllm:spec_decode_num_accepted_tokens_per_pos_total{INST}[{RATE}])) "
+             f"/ on (instance) group_left sum by (instance) (rate(vllm:spec_decode_num_drafts_total{INST}[{RATE}]))",
+             "position {{position}} {{instance}}")), unit="percentunit", min=0, max=1),
+    Panel("Verifications and tokens per verification", "Sequences verified with drafts per second, and the "
+          "tokens each such verification produced (kept drafts + the token sampled after them).",
+          (q(f"sum by (instance) (rate(vllm:spec_decode_num_drafts_total{INST}[{RATE}]))", "verifications/s {{instance}}"),
+           q(f"(sum by (instance) (rate(vllm:spec_decode_num_accepted_tokens_total{INST}[{RATE}])) "
+             f"+ sum by (instance) (rate(vllm:spec_decode_num_drafts_total{INST}[{RATE}]))) "
+             f"/ sum by (instance) (rate(vllm:spec_decode_num_drafts_total{INST}[{RATE}]))",
+             "tokens per verification {{instance}}")), min=0),
+    Panel("Speculation gate", "1 while drafting pays on this engine's steps (0: off but for probes); the gate's "
+          "estimate of a drafting step's speed over a step without drafts; steps it kept undrafted per second.",
+          (q(f"max by (instance) (kvfleet:spec_decode_gate_open{INST})", "open {{instance}}"),
+           q(f"max by (instance) (kvfleet:spec_decode_gate_speedup{INST})", "speed-up {{instance}}"),
+           q(f"sum by (instance) (rate(kvfleet:spec_decode_gate_closed_steps_total{INST}[{RATE}]))",
+             "closed steps/s {{instance}}")), min=0),
+]
+
 ROUTERS = [
     Panel("Router requests by status", "Requests the routers sent to this replica, by final status.",
           (q(f"sum by (replica, status) (rate(kvfleet_router_requests_total{REPL}[{RATE}]))", "{{status}} {{replica}}"),),
@@ -130,4 +153,4 @@ def replica_dashboard():
                  "One engine replica in detail (choose it with $instance), and the routers' view of it.",
                  [datasource_variable(), label_variable("instance", "Replica", "vllm:num_requests_running")],
                  [("Engine", ENGINE), ("KV transfers between replicas", TRANSFERS),
-                  ("The routers' view of this replica", ROUTERS)])
+                  ("Speculative decoding", SPECULATION), ("The routers' view of this replica", ROUTERS)])

@@ -435,10 +435,12 @@ class LLMEngine:
                 "step_prediction_error_seconds_total": st.abs_error_s_total}
 
     def _spec_stats(self) -> dict:
-        st = self.spec.stats
+        st, gate = self.spec.stats, self.spec.gate
         return {"spec_num_drafts": st.num_drafts, "spec_num_draft_tokens": st.num_draft_tokens,
                 "spec_num_accepted_tokens": st.num_accepted_tokens,
-                "spec_accepted_per_pos": tuple(st.accepted_per_pos)}
+                "spec_accepted_per_pos": tuple(st.accepted_per_pos),
+                **({} if gate is None else {"spec_gate_open": gate.open, "spec_gate_speedup": gate.speedup,
+                                            "spec_gate_closed_steps": gate.num_closed_steps})}
 
     def _tier_stats(self) -> dict:
         off = self.offload

@@ -1,5 +1,6 @@
-"""Speculative decoding (`ngram`, `suffix`, `draft_model`) against none, served over HTTP (issue 45): one real engine of the bundled model
-at its default flags (4,096 KV blocks), started without and then with `--speculative-config`, alternating for `--rounds` rounds.
+"""Speculative decoding (`ngram`, `suffix`, `draft_model`) against none, served over HTTP (issue 45): one real
+engine of the bundled model at its default flags (4,096 KV blocks), started without and with
+`--speculative-config`, for `--rounds` rounds (without first in odd rounds, last in even ones).
 
 - copy, c=1: prompts whose answers copy spans of the prompt (code to repeat with one change, a list to reformat,
   a passage to quote), one at a time, greedy, `--copy-max-tokens` out; output tokens/s over the set, and whether
@@ -124,7 +125,9 @@ def run(ns, log_dir: str, method: str | None) -> dict:
         drafts = metric(m, "vllm:spec_decode_num_drafts_total")
         draft_tokens = metric(m, "vllm:spec_decode_num_draft_tokens_total")
         accepted = metric(m, "vllm:spec_decode_num_accepted_tokens_total")
-        return {"copy_tps": copy_tps, "chat_tps": chat_tps, "texts": texts,
+        gate = (f"gate open {metric(m, 'kvfleet:spec_decode_gate_open'):.0f}, closed steps "
+                f"{metric(m, 'kvfleet:spec_decode_gate_closed_steps_total'):.0f}") if spec else ""
+        return {"copy_tps": copy_tps, "chat_tps": chat_tps, "texts": texts, "gate": gate,
                 "acceptance": accepted / draft_tokens if draft_tokens else None,
                 "tokens_per_verify": (accepted + drafts) / drafts if drafts else None}
     finally:
@@ -155,9 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     pooled: dict[tuple[str, str], list[float]] = {(m, k): [] for m in methods for k in ("copy", "chat")}
     same_all = True
     for rnd in range(1, ns.rounds + 1):
-        plain = run(ns, log_dir, None)
-        for method in methods:
-            spec = run(ns, log_dir, method)
+        # plain first in odd rounds, last in even ones: this machine's drift does not favour one side
+        first = run(ns, log_dir, None) if rnd % 2 else None
+        specs = {method: run(ns, log_dir, method) for method in methods}
+        plain = first or run(ns, log_dir, None)
+        for method, spec in specs.items():
             same = plain["texts"] == spec["texts"]
             same_all &= same
             rc, rt = spec["copy_tps"] / plain["copy_tps"], spec["chat_tps"] / plain["chat_tps"]
@@ -167,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {rnd}, {method}: copy c=1 {plain['copy_tps']:.1f} -> {spec['copy_tps']:.1f} tok/s = x{rc:.2f} "
                   f"(answers identical: {same}); chat c=16 {plain['chat_tps']:.1f} -> {spec['chat_tps']:.1f} tok/s = "
                   f"x{rt:.2f}; drafts kept {acc if acc is None else f'{acc:.2f}'}, tokens per verifying step "
-                  f"{spec['tokens_per_verify'] and round(spec['tokens_per_verify'], 2)}", flush=True)
+                  f"{spec['tokens_per_verify'] and round(spec['tokens_per_verify'], 2)}; after the chats: {spec['gate']}",
+                  flush=True)
     for method in methods:
         gm = {k: math.prod(pooled[method, k]) ** (1 / ns.rounds) for k in ("copy", "chat")}
         print(f"pooled {method} (geometric mean of rounds): copy c=1 x{gm['copy']:.2f} (target >= 1.8), chat c=16 "

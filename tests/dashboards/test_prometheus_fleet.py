@@ -39,7 +39,14 @@ NO_DATA_HERE = {
     "kvfleet_router_retries_total": "only after a retried request",
     "kvfleet_router_pool_degradation_changes_total": "only after a pool changed its degradation level",
     "kvfleet_router_pool_max_tokens_lowered_total": "only when a pool's cap lowered a request (no caps here)",
+    "kvfleet_router_disagg_prefills_total": "only in a disaggregated pool (this fleet is colocated)",
+    "kvfleet_router_migration": "only after a stream moved off a failing replica (none fails here)",
+    "kvfleet_router_queued_requests": "only while a request waits for room at the router (engines have room here)",
+    "kvfleet_router_queue_": "only after a request waited for room at the router",
+    "kvfleet_router_slo_": "only for requests with latency targets (this load sends none)",
+    "kvfleet_router_pool_no_ready_replica_total": "only after a pool had no ready replica",
 }
+SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
 NOT_YET: dict[str, str] = {}  # series that do not exist yet: must parse, data not checked
 RECORDED = Path(__file__).parent / "data" / "recorded_load.json"
 
@@ -155,7 +162,8 @@ def test_real_fleet_every_expression_has_data_and_the_hpa_follows_the_load(tmp_p
     tenants = tmp_path / "tenants.yaml"
     tenants.write_text(tenants_yaml())
     proc, port = start_up(tmp_path, "--replicas", "2", "--prometheus", "--prometheus-interval", "1",
-                          "--tenants", str(tenants), "--", "--max-num-seqs", "4", "--num-blocks", "40")
+                          "--tenants", str(tenants), "--", "--max-num-seqs", "4", "--num-blocks", "40",
+                          "--speculative-config", SPEC)  # so the speculative decoding row has data
     try:
         banner = read_until(proc, "Ctrl-C to stop", 600)
         with PrometheusAPI(prometheus_url(banner)) as api:

@@ -22,9 +22,12 @@ def stats(**kw) -> EngineStats:
 
 
 def test_rendered_with_speculation_only():
-    on = stats(spec_num_drafts=5, spec_num_draft_tokens=12, spec_num_accepted_tokens=7, spec_accepted_per_pos=(4, 2, 1))
+    on = stats(spec_num_drafts=5, spec_num_draft_tokens=12, spec_num_accepted_tokens=7, spec_accepted_per_pos=(4, 2, 1),
+               spec_gate_open=False, spec_gate_speedup=0.8, spec_gate_closed_steps=31)
     text = EngineMetrics("m", lambda: on).render().decode()
-    for line in ('vllm:spec_decode_num_drafts_total{model_name="m"} 5.0',
+    for line in ('kvfleet:spec_decode_gate_open{model_name="m"} 0.0',
+                 'kvfleet:spec_decode_gate_speedup{model_name="m"} 0.8',
+                 'kvfleet:spec_decode_gate_closed_steps_total{model_name="m"} 31.0','vllm:spec_decode_num_drafts_total{model_name="m"} 5.0',
                  'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 12.0',
                  'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0',
                  'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 4.0',
@@ -63,5 +66,9 @@ def test_a_served_engine_counts_drafts(tmp_path):
                     chunks += 1
         assert text == choice["text"] and 0 < chunks < 24
         assert server.metric("vllm:spec_decode_num_drafts_total") > drafts
+        # the gate measured what drafting gained (whether it paid is this machine's timing: tests/engine/spec/)
+        assert server.metric("kvfleet:spec_decode_gate_speedup") > 0
+        assert server.metric("kvfleet:spec_decode_gate_open") in (0, 1)
+        assert server.metric("kvfleet:spec_decode_gate_closed_steps_total") >= 0
     finally:
         server.stop(signal.SIGTERM)

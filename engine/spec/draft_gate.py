@@ -18,7 +18,9 @@ drafts nothing (every CONTROL_EVERY_SURE while the speed-up is at least SURE: a 
 gains, ~4% of a 1.9x copy speed-up at one in 16, and the decision far from 1 needs a fresher baseline less); while
 it is closed, every step but the probes. `speedup` follows r (a moving average: 1/4 weight per step while open, 1/2
 per probe while closed). Below 1 the gate closes: no drafts except one probe step after `probe_every` steps,
-doubling from MIN_PROBE_EVERY to MAX_PROBE_EVERY while the probes say no; at 1 or above it opens again. A probe
+doubling from MIN_PROBE_EVERY to MAX_PROBE_EVERY while the probes say no; at REOPEN or above it opens again (not at
+1: near break-even a lucky probe would reopen it, and the steps that draft until the average falls below 1 again
+lose more than drafting gains there; served chats at c=16 with the gate reopening at 1 ran 4-7% slower). A probe
 drafts for at most PROBE_SEQS sequences (engine/spec/decoder.py): for a draft model those it has seen most of (after
 a closed stretch the draft must first compute every token it missed, which for a draft as large as the model costs
 more than the probe's steps saved); for ngram and suffix the first that find a draft. Drafts that rarely agree, or a
@@ -44,6 +46,7 @@ PROBE_SEQS = 4
 CONTROL_SAMPLES = 64
 WEIGHT_OPEN = 0.25
 WEIGHT_PROBE = 0.5
+REOPEN = 1.1
 
 
 class DraftGate:
@@ -98,12 +101,11 @@ class DraftGate:
         r = (1 + accepted / decoding) * base / (max(0.0, draft_s) + step_s)
         w = WEIGHT_OPEN if self.open else WEIGHT_PROBE
         self.speedup = r if self.speedup is None else self.speedup + w * (r - self.speedup)
-        if self.speedup >= 1.0:
-            if not self.open:
-                self.open, self._idle = True, 0
-            self.probe_every = MIN_PROBE_EVERY
-        elif self.open:
-            self.open, self._idle = False, 0
+        if self.open:
+            if self.speedup < 1.0:
+                self.open, self._idle = False, 0
+        elif self.speedup >= REOPEN:
+            self.open, self._idle, self.probe_every = True, 0, MIN_PROBE_EVERY
         else:
             self.probe_every = min(MAX_PROBE_EVERY, 2 * self.probe_every)
 

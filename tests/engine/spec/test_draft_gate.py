@@ -1,4 +1,4 @@
-"""The draft model's gate (engine/spec/draft_gate.py): the baseline from plain steps, exact speed-ups, control
+"""The speculation gate (engine/spec/draft_gate.py): the baseline from plain steps, exact speed-ups, control
 steps, closing, probes doubling, reopening."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from engine.spec.draft_gate import (
     CONTROL_EVERY_SURE,
     MAX_PROBE_EVERY,
     MIN_PROBE_EVERY,
+    REOPEN,
     SURE,
     DraftGate,
     undrafted,
@@ -103,3 +104,14 @@ def test_control_steps_thin_out_while_drafting_pays_well():
     assert 1 < gate.speedup < SURE
     allowed = [gate.allow() for _ in range(2 * CONTROL_EVERY)]
     assert allowed.count(False) == 2 and allowed[CONTROL_EVERY - 1] is False
+
+
+def test_closed_it_reopens_only_clear_of_break_even():
+    gate = DraftGate()
+    gate.observe_plain(0.010, 1)
+    gate.observe(draft_s=0.0, step_s=0.0110, decoding=1, accepted=0)  # r = 0.91: closed
+    assert not gate.open
+    gate.observe(draft_s=0.0, step_s=0.0083, decoding=1, accepted=0)  # r = 1.20: 0.91 + (1.20 - 0.91) / 2 = 1.06
+    assert not gate.open and 1 < gate.speedup < REOPEN and gate.probe_every == 2 * MIN_PROBE_EVERY
+    gate.observe(draft_s=0.0, step_s=0.0080, decoding=1, accepted=0)  # r = 1.25: 1.06 + (1.25 - 1.06) / 2 = 1.15
+    assert gate.open and gate.speedup >= REOPEN and gate.probe_every == MIN_PROBE_EVERY

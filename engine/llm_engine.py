@@ -272,7 +272,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.kv.tick(self.clock())  # cache_control pins whose TTL passed become ordinary cached blocks
         if self.spec is not None:
-            self.spec.begin_step(self.scheduler.running)  # a draft model drafts for the step here
+            self.spec.begin_step(self.scheduler.running)  # the gate: whether it drafts (a draft model drafts here)
         out = self.scheduler.schedule()
         try:
             logits, seqs = self.runner.execute(out.scheduled, out.blocks_to_copy)
@@ -287,7 +287,7 @@ class LLMEngine:
         deltas = self._update(self._sample(logits, seqs, out)) if seqs else []
         self.scheduler.observe_step(out, time.perf_counter() - t0)  # the step-time model's sample
         if self.spec is not None:
-            self.spec.end_step(time.perf_counter() - t0, out)  # whether a draft model's drafts pay
+            self.spec.end_step(time.perf_counter() - t0, out)  # what drafting gained, for the gate
         return deltas
 
     def _recover_from_oom(self, out: SchedulerOutput, error: str) -> list[RequestDelta]:

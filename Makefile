@@ -34,9 +34,11 @@ prometheus: $(STAMP)
 	  mkdir -p $(PROM_DIR) && dpkg -x $$tmp/prometheus_*.deb $(PROM_DIR) && rm -rf $$tmp && echo "prometheus unpacked into $(PROM_DIR)" \
 	  || echo "warning: no prometheus (Debian's package could not be fetched or unpacked): its tests will fail" >&2; fi
 
-# regenerate dashboards/grafana/*.json from dashboards/*.py (tests check the committed files are current)
+# regenerate dashboards/grafana/*.json from dashboards/*.py, and the chart's copies of them and of the rules
+# (tests check the committed files are current)
 dashboards: $(STAMP)
 	$(BIN)/python -m dashboards.build
+	$(BIN)/python -m deploy.chart_files
 
 run: kernels
 	$(BIN)/kvfleet up

@@ -268,6 +268,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "suffix_decoding_* fields as vLLM's) or '{\"method\": \"draft_model\", \"model\": PATH, "
                         "\"num_speculative_tokens\": 4}' (a smaller model of the same vocabulary drafts); optional "
                         "\"disable_by_batch_size\" (default 16): no drafts in steps with more running sequences. "
+                        "Drafting stops by itself while it measures slower than no drafts (the gate). "
                         "Default: off; see docs/engine.md#speculative-decoding")
     t = parser.add_argument_group("fault injection (for tests and chaos drills only; off by default)")
     t.add_argument("--debug-step-delay-ms", type=int, default=d.debug_step_delay_ms, metavar="MS",

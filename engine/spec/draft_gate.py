@@ -20,12 +20,11 @@ it is closed, every step but the probes. `speedup` follows r (a moving average: 
 per probe while closed). Below 1 the gate closes: no drafts except one probe step after `probe_every` steps,
 doubling from MIN_PROBE_EVERY to MAX_PROBE_EVERY while the probes say no; at REOPEN or above it opens again (not at
 1: near break-even a lucky probe would reopen it, and the steps that draft until the average falls below 1 again
-lose more than drafting gains there). A probe
-drafts for at most PROBE_SEQS sequences (engine/spec/decoder.py): for a draft model those it has seen most of (after
-a closed stretch the draft must first compute every token it missed, which for a draft as large as the model costs
-more than the probe's steps saved); for ngram and suffix the first that find a draft. Drafts that rarely agree, or a
-draft model as slow as the model, cost a probe step now and then instead of every step; drafts that pay keep
-drafting in 15 steps of 16, or 63 of 64 when they pay 1.5x or more.
+lose more than drafting gains there). A probe drafts for at most PROBE_SEQS sequences (engine/spec/decoder.py): for
+a draft model those it has seen most of (after a closed stretch the draft must first compute every token it missed,
+which for a draft as large as the model costs more than the probe's steps saved); for ngram and suffix the first
+that find a draft. Drafts that rarely agree, or a draft model as slow as the model, cost a probe step now and then
+instead of every step; drafts that pay keep drafting in 15 steps of 16, or 63 of 64 when they pay 1.5x or more.
 """
 
 from __future__ import annotations

@@ -22,10 +22,18 @@ def test_a_bound_port_is_not_handed_out(monkeypatch):
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
     monkeypatch.setattr(ports, "_HANDED", {})
+    real = ports.random.randrange
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         held = s.getsockname()[1]
-        draws = iter([held, held, 12345])
-        monkeypatch.setattr(ports.random, "randrange", lambda lo, hi: next(draws))
+        draws: list[int] = []
+
+        def draw(lo: int, hi: int) -> int:  # the held port twice, then real draws (any fixed port may be taken)
+            draws.append(held if len(draws) < 2 else real(lo, hi))
+            return draws[-1]
+
+        monkeypatch.setattr(ports.random, "randrange", draw)
         monkeypatch.setattr(ports, "_ephemeral_start", lambda: max(held + 1, 20000))
-        assert ports.free_port() == 12345
+        got = ports.free_port()
+        assert draws[:2] == [held, held] and len(draws) >= 3  # the held port was drawn and passed over
+        assert got != held and got == draws[-1]

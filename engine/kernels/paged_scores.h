@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 
@@ -31,6 +32,43 @@ inline void prefetch_ahead(const T* base, const int32_t* table, int64_t bi, int6
   for (int64_t ahead = bi == 0 ? 1 : 2; ahead <= 2 && bi + ahead < nblk; ++ahead)
     prefetch_block(base + int64_t(table[bi + ahead]) * bs * row_elems, bs, row_elems, span);
 }
+
+// The K and V blocks of a thread's next run (every head, in table order, up to kBlocks blocks), asked for into
+// L2 a few lines at a time while the current run computes (`feed` from its loops, `drain` at its end), so that a
+// run starts on keys already there instead of one cache miss after another: the hardware prefetchers see neither
+// the jump to another sequence nor its scattered blocks. Asked for all at once, the lines stall the core until
+// they arrive, and the run's arithmetic waits behind them.
+struct RunFeed {
+  static constexpr int kBlocks = 24;
+  const char* k[kBlocks];
+  const char* v[kBlocks];
+  int64_t bytes[kBlocks];
+  int n = 0, at = 0;
+  int64_t line = 0;
+
+  RunFeed() = default;
+  template <typename T>
+  RunFeed(const T* kc, const T* vc, const int32_t* table, int64_t len, int64_t bs, int64_t row_elems) {
+    const int64_t nblk = std::min<int64_t>((len + bs - 1) / bs, kBlocks);
+    for (n = 0; n < nblk; ++n) {
+      const int64_t off = int64_t(table[n]) * bs * row_elems;
+      k[n] = reinterpret_cast<const char*>(kc + off);
+      v[n] = reinterpret_cast<const char*>(vc + off);
+      bytes[n] = std::min(bs, len - n * bs) * row_elems * int64_t(sizeof(T));
+    }
+  }
+  // The next `lines` lines of K and as many of V.
+  void feed(int64_t lines) {
+    for (; lines > 0 && at < n; --lines) {
+      prefetch_line<2>(k[at] + line);
+      prefetch_line<2>(v[at] + line);
+      if ((line += 64) >= bytes[at]) line = 0, ++at;
+    }
+  }
+  void drain() { feed(INT64_MAX); }
+};
+constexpr int64_t kFeedPerKeys = 16;  // lines fed per 16 keys' scores of one kv head
+constexpr int64_t kFeedPerPair = 2;   // per pair of V rows of one kv head
 
 // Calls f(row, t) for the sequence's tokens t = 0 .. len-1 in order, row pointing at token t's entry in a
 // paged cache ([blocks, block_size, row_elems]) plus `offset` elements; blocks come from `table`. Nothing is
@@ -90,7 +128,7 @@ inline __m512 sum_lanes16(const __m512* a) {
 // (VDPBF16PS), the 16 keys' lanes summed by one tree into one register of scores. No conversion of K.
 template <int D, int G>
 void scores_dpbf16(const c10::BFloat16* q, const c10::BFloat16* kc, const int32_t* table, int64_t len, int64_t bs,
-                   int64_t hkv, int64_t h, float scale, float* dst) {
+                   int64_t hkv, int64_t h, float scale, float* dst, RunFeed& next) {
   constexpr int V = D / 32;
   const uint16_t* qh = reinterpret_cast<const uint16_t*>(q) + h * G * D;
   const uint16_t* k = reinterpret_cast<const uint16_t*>(kc);
@@ -101,6 +139,7 @@ void scores_dpbf16(const c10::BFloat16* q, const c10::BFloat16* kc, const int32_
     const int64_t in_block = std::min(bs, len - bi * bs);
     prefetch_ahead(k + h * D, table, bi, nblk, bs, row_elems, D);
     for (int64_t o0 = 0; o0 < in_block; o0 += 16) {
+      next.feed(kFeedPerKeys);
       const int n = int(std::min<int64_t>(16, in_block - o0));
       const int64_t t0 = bi * bs + o0;
       for (int j = 0; j < G; ++j) {

@@ -74,6 +74,18 @@ def test_the_fit_recovers_the_coefficients_of_exact_observations():
     assert m.predict(probe) == pytest.approx(_truth(probe), rel=1e-9)
 
 
+def test_it_refits_every_refit_every_observations_until_the_window_is_full_then_every_eighth_of_it():
+    m = LatencyModel(window=64, min_samples=16, refit_every=4)
+    fits = []
+    m._fit = lambda: (fits.append(len(m.samples)), setattr(m, "_new", 0), setattr(m, "coefficients", (1.0,) * 7))
+    for i in range(64 + 24):
+        m.observe(TTFTFeatures.of(i, 0, 0, 0), 0.1)
+    # the first at min_samples, every 4 while it fills (up to the 60th), then every 64 // 8 = 8 new ones once it is
+    # full: the 68th, 76th and 84th observation
+    assert fits == [16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64, 64, 64]
+    assert m._new == 4
+
+
 def test_a_feature_that_would_come_out_negative_is_fixed_at_zero_and_the_rest_refitted():
     m = LatencyModel(min_samples=16)
     rng = random.Random(3)

@@ -42,7 +42,7 @@ class EngineStats:
     spec_num_draft_tokens: int = 0  # the drafts they verified, and those accepted, since start
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()  # [i]: drafts accepted at position i; () with speculation off
-    spec_gate_open: bool = True  # whether drafting pays now (engine/spec/draft_gate.py): closed, only probes draft
+    spec_gate_open: bool = True  # whether drafting pays at the last step's batch size (engine/spec/draft_gate.py)
     spec_gate_speedup: float | None = None  # its moving estimate of what drafting gains (None: not measured yet)
     spec_gate_closed_steps: int = 0  # steps that did not draft because it was closed, since start
     lora_running: tuple[str, ...] = ()  # adapters of the running requests

@@ -143,14 +143,16 @@ def _spec_decode(s, labels: list[str]):
     for pos, n in enumerate(per_pos):
         c.add_metric([*labels, str(pos)], float(n))
     yield c
-    g = GaugeMetricFamily("kvfleet:spec_decode_gate_open", "1 while drafting pays on this engine's steps, 0 while "
-                          "the gate keeps it off but for probe steps (engine/spec/draft_gate.py).", labels=["model_name"])
+    g = GaugeMetricFamily("kvfleet:spec_decode_gate_open", "1 while drafting pays on steps of the last step's "
+                          "batch-size class, 0 while the gate keeps it off there but for probe steps "
+                          "(engine/spec/draft_gate.py).", labels=["model_name"])
     g.add_metric(labels, 1.0 if getattr(s, "spec_gate_open", True) else 0.0)
     yield g
     speedup = getattr(s, "spec_gate_speedup", None)
     if speedup is not None:
         g = GaugeMetricFamily("kvfleet:spec_decode_gate_speedup", "The gate's moving estimate of a drafting step's "
-                              "tokens per second over a step without drafts (below 1 it closes).",
+                              "tokens per second over a step without drafts, for the last step's batch-size class "
+                              "(below 1 it closes).",
                               labels=["model_name"])
         g.add_metric(labels, float(speedup))
         yield g

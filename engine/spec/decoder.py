@@ -103,10 +103,10 @@ class SpecDecoder:
         in propose."""
         self._pending = {}
         self._drafted, self._draft_wall_s, self._step_accepted = False, 0.0, 0
-        wanted = [(seq, k) for seq in running if seq.num_tokens - seq.num_computed_tokens == 1
-                  and (k := self._room(seq, len(running), peek=True)) > 0]
+        decoding = [seq for seq in running if seq.num_tokens - seq.num_computed_tokens == 1]
+        wanted = [(seq, k) for seq in decoding if (k := self._room(seq, len(running), peek=True)) > 0]
         gate = self.gate
-        self._allowed = bool(wanted) and (gate is None or gate.allow())
+        self._allowed = bool(wanted) and (gate is None or gate.allow(len(decoding)))
         probe = self._allowed and gate is not None and not gate.open
         self._probe_left = PROBE_SEQS if probe and self.draft is None else None
         draft = self.draft

@@ -25,6 +25,13 @@ a draft model those it has seen most of (after a closed stretch the draft must f
 which for a draft as large as the model costs more than the probe's steps saved); for ngram and suffix the first
 that find a draft. Drafts that rarely agree, or a draft model as slow as the model, cost a probe step now and then
 instead of every step; drafts that pay keep drafting in 15 steps of 16, or 63 of 64 when they pay 1.5x or more.
+
+The verdict (open or closed, the speed-up, the probe interval, the steps since) is kept per class of batch sizes,
+1, 2-3, 4-7, 8-15, ... decoding sequences (`batch_class`); the baseline is one line for all. What drafting gains
+turns on B: at one sequence the step is memory-bound and four drafts cost about a sixth of it, at sixteen every
+verifying row costs what a sequence's decode row costs (docs/results.md, thirty-second session). A single verdict
+learnt on a burst of 16 chats stayed closed when one agent's copy request followed alone, and it drafted only
+after the probe interval the chats had doubled, up to 256 steps.
 """
 
 from __future__ import annotations
@@ -48,27 +55,55 @@ WEIGHT_PROBE = 0.5
 REOPEN = 1.1
 
 
-class DraftGate:
+def batch_class(decoding: int) -> int:
+    """The class of a step's batch size: 1 for one decoding sequence, 2 for 2-3, 3 for 4-7, 4 for 8-15, ..."""
+    return max(decoding, 1).bit_length()
+
+
+class Verdict:
+    """Whether drafting pays at one class of batch sizes (see the module docstring)."""
+
+    __slots__ = ("idle", "open", "probe_every", "speedup")
+
     def __init__(self) -> None:
         self.open = True
         self.speedup: float | None = None  # the moving average of r; None before the first step that drafted
         self.probe_every = MIN_PROBE_EVERY
-        self._idle = 0  # closed: steps without drafts since it closed or last probed; open: since the last control
-        self.num_closed_steps = 0  # steps that did not draft because the gate was closed (since start)
+        self.idle = 0  # closed: steps without drafts since it closed or last probed; open: since the last control
+
+
+class DraftGate:
+    def __init__(self) -> None:
+        self.verdicts: dict[int, Verdict] = {}  # by batch_class
+        self.current = self.verdict(1)  # the verdict of the class the last step that could draft was in
+        self.num_closed_steps = 0  # steps that did not draft because their class was closed (since start)
         self._plain: deque[tuple[int, float]] = deque(maxlen=CONTROL_SAMPLES)  # (B, seconds) of undrafted steps
 
-    def allow(self) -> bool:
-        """Once per step that could draft, before drafting: whether it drafts (open and not a control step, or a
-        probe is due)."""
-        self._idle += 1
-        if self.open:
-            every = CONTROL_EVERY_SURE if self.speedup is not None and self.speedup >= SURE else CONTROL_EVERY
-            if self._idle >= every or not self._plain:
-                self._idle = 0
+    @property
+    def open(self) -> bool:
+        """The last step's class drafts (open), or only probes (closed)."""
+        return self.current.open
+
+    @property
+    def speedup(self) -> float | None:
+        return self.current.speedup
+
+    def verdict(self, decoding: int) -> Verdict:
+        return self.verdicts.setdefault(batch_class(decoding), Verdict())
+
+    def allow(self, decoding: int) -> bool:
+        """Once per step that could draft, before drafting, with the sequences it decodes: whether it drafts (its
+        class open and not a control step, or a probe is due)."""
+        v = self.current = self.verdict(decoding)
+        v.idle += 1
+        if v.open:
+            every = CONTROL_EVERY_SURE if v.speedup is not None and v.speedup >= SURE else CONTROL_EVERY
+            if v.idle >= every or not self._plain:
+                v.idle = 0
                 return False  # a control step: the decode step without drafts, measured
             return True
-        if self._idle >= self.probe_every:
-            self._idle = 0
+        if v.idle >= v.probe_every:
+            v.idle = 0
             return True
         self.num_closed_steps += 1
         return False
@@ -93,20 +128,22 @@ class DraftGate:
 
     def observe(self, draft_s: float, step_s: float, decoding: int, accepted: int) -> None:
         """A step of decodes only that drafted: its draft cost, the rest of its time, its decoding sequences and
-        the drafts they kept. Nothing is learnt before a plain step of decodes gave the baseline."""
+        the drafts they kept; it teaches their class's verdict. Nothing is learnt before a plain step of decodes
+        gave the baseline."""
         base = self.baseline(decoding)
         if decoding <= 0 or step_s <= 0 or base is None:
             return
+        v = self.current = self.verdict(decoding)
         r = (1 + accepted / decoding) * base / (max(0.0, draft_s) + step_s)
-        w = WEIGHT_OPEN if self.open else WEIGHT_PROBE
-        self.speedup = r if self.speedup is None else self.speedup + w * (r - self.speedup)
-        if self.open:
-            if self.speedup < 1.0:
-                self.open, self._idle = False, 0
-        elif self.speedup >= REOPEN:
-            self.open, self._idle, self.probe_every = True, 0, MIN_PROBE_EVERY
+        w = WEIGHT_OPEN if v.open else WEIGHT_PROBE
+        v.speedup = r if v.speedup is None else v.speedup + w * (r - v.speedup)
+        if v.open:
+            if v.speedup < 1.0:
+                v.open, v.idle = False, 0
+        elif v.speedup >= REOPEN:
+            v.open, v.idle, v.probe_every = True, 0, MIN_PROBE_EVERY
         else:
-            self.probe_every = min(MAX_PROBE_EVERY, 2 * self.probe_every)
+            v.probe_every = min(MAX_PROBE_EVERY, 2 * v.probe_every)
 
 
 def undrafted(shape: StepShape, drafts: Iterable[int]) -> StepShape:

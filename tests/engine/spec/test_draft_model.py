@@ -192,7 +192,8 @@ def test_a_probe_drafts_for_the_few_sequences_the_draft_has_seen_most_of(model):
     spec.gate.observe_plain(0.01, len(seqs))  # a baseline: the open gate drafts
     spec.begin_step(seqs[4:])
     assert sorted(spec._pending) == [s.seq_id for s in seqs[4:]]
-    spec.gate.open, spec.gate._idle = False, spec.gate.probe_every - 1  # closed, a probe due
+    closed = spec.gate.verdict(len(seqs))
+    closed.open, closed.idle = False, closed.probe_every - 1  # closed, a probe due
     spec.begin_step(seqs)
     assert PROBE_SEQS == 4 and sorted(spec._pending) == [seqs[0].seq_id] + [s.seq_id for s in seqs[4:]]
 

@@ -114,7 +114,7 @@ class ScriptedGate:
     def __init__(self) -> None:
         self.open, self.steps, self.probes, self.learnt = False, 0, 0, 0
 
-    def allow(self) -> bool:
+    def allow(self, decoding: int) -> bool:
         self.steps += 1
         self.probes += self.steps % 2
         return bool(self.steps % 2)

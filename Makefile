@@ -46,7 +46,7 @@ run: kernels
 # two workers, each test file whole on one of them (its module fixtures shared, its tests in order): most tests
 # wait on engine and router processes, so two files at a time take ~11 instead of ~17 minutes on 2 cores.
 # PYTEST_ARGS replaces this (`make test PYTEST_ARGS=` runs serially; `PYTEST_ARGS="-m slow"` the slow tests).
-PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
+PYTEST_ARGS ?= -n 2 --dist loadfile
 test: kernels prometheus
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
@@ -56,7 +56,7 @@ PORTABLE_TESTS := tests/engine/kernels tests/engine/attention tests/engine/model
 	tests/engine/test_deterministic.py
 test-portable: $(STAMP)
 	KVFLEET_CPU_ISA=portable $(BIN)/python -m engine.kernels.cpu_ops
-	KVFLEET_CPU_ISA=portable $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder $(PORTABLE_TESTS)
+	KVFLEET_CPU_ISA=portable $(BIN)/python -m pytest -n 2 --dist loadfile $(PORTABLE_TESTS)
 
 # every Triton variant the engine compiles on CUDA, compiled for sm_90 and sm_100 on this CPU machine with cold
 # caches (Triton ships ptxas and cuobjdump): registers, spills, shared memory, occupancy, tensor-core use

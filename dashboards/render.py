@@ -145,7 +145,9 @@ def render_dashboard(api: PrometheusAPI, path: Path, out: Path, minutes: float, 
         lines, errors = fetch_lines(api, p, start, end, step, rate_interval, values or {})
         fig, ax = plt.subplots(figsize=(8, 3.6))
         draw(ax, p, lines, errors, start, end)
-        fig.tight_layout()
+        # fixed margins (in inches: 0.85 left for tick labels such as "1.23 GiB", 0.45 above for the title):
+        # tight_layout measured every tick label's extent and took a third of the rendering time
+        fig.subplots_adjust(left=0.85 / 8, right=1 - 0.15 / 8, bottom=0.4 / 3.6, top=1 - 0.45 / 3.6)
         file = out / path.stem / f"{i + 1:02d}-{_slug(p['title'])}.png"
         fig.savefig(file, dpi=90)
         plt.close(fig)

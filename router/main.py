@@ -140,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "seen), closed = 503 (default open)")
     g.add_argument("--usage-reconcile-after", type=float, default=3600.0, dest="usage_reconcile_after_s",
                    help="seconds after admission from which a request no router has settled (its router died) goes "
-                   "to the usage ledger with its whole reservation charged (with --redis-url; default 3600)")
+                   "to the usage ledger with what its engine says it used, or its whole reservation where the engine "
+                   "does not know it (with --redis-url; default 3600; looked for every 10 s, or every heartbeat "
+                   "when this is shorter)")
     g.add_argument("--shed-kv-high", type=float, default=sh.kv_high,
                    help="fleet KV usage from which, with --shed-waiting-high waiting requests per replica, the "
                    "expensive requests of the lowest-priority tenants get 503 + Retry-After")

@@ -39,12 +39,11 @@ from router.tenants.file import TenantsFile
 from router.tenants.ledger import RecordMeta, Ticket
 from router.tenants.limiter import Limiter, LimiterUnavailable, OnStoreError
 from router.tenants.pricing import Prices, charge_units, cost_usd, reserve_units, usage_of
-from router.tenants.reconcile import grace_for, reconcile
+from router.tenants.reconcile import grace_for, reconcile, reconcile_every_beats
 from router.tenants.registry import AuthError, Tenant
 from router.tenants.store import BudgetStore, InProcessStore, Rejection, Reservation, StoreError
 
 log = logging.getLogger("kvfleet.router.ratelimit")
-RECONCILE_EVERY_BEATS = 5  # every ~10 s at the default 2 s heartbeat
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,13 +114,13 @@ class RateLimiter:
                 await close()
 
     async def _heartbeats(self) -> None:
-        beats = 0
+        beats, every = 0, reconcile_every_beats(self.cfg.heartbeat_s, self.cfg.usage_reconcile_after_s)
         while True:
             await self.limiter.heartbeat(self.router_id, self.cfg.heartbeat_s * 3)
             if self.limiter.unsent_records:
                 await self.limiter.flush_records()
             beats += 1
-            if beats % RECONCILE_EVERY_BEATS == 0:  # requests whose router died before settling them
+            if beats % every == 0:  # requests whose router died before settling them
                 await self._reconcile()
             self.metrics.store_healthy.set(1 if self.limiter.healthy else 0)
             await asyncio.sleep(self.cfg.heartbeat_s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from router.tenants.registry import TenantRegistry
 log = logging.getLogger("kvfleet.router.reconcile")
 LOOKUP_TIMEOUT_S = 5.0
 MIN_GRACE_S = 60.0  # a due record whose engine runs it still, or cannot be asked, waits at least this long more
+RECONCILE_EVERY_BEATS = 5  # a round every ~10 s at the default 2 s heartbeat
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,12 @@ async def reconcile(limiter: Limiter, registry: TenantRegistry, token: str | Non
     if done < settled + lost:  # another router closed some of them first: count only ours
         settled, lost = min(settled, done), done - min(settled, done)
     return Round(settled, lost, waiting)
+
+
+def reconcile_every_beats(heartbeat_s: float, reconcile_after_s: float) -> int:
+    """Heartbeats between reconcile rounds: RECONCILE_EVERY_BEATS, or fewer when records fall due sooner (a record
+    due 1 s after admission is looked at within a heartbeat of that, not up to 10 s later)."""
+    return max(1, min(RECONCILE_EVERY_BEATS, math.ceil(reconcile_after_s / heartbeat_s)))
 
 
 def grace_for(reconcile_after_s: float) -> float:

@@ -1,4 +1,5 @@
-"""router/tenants/pending.py: a pending record, parsed, and what it becomes given its engine's answer."""
+"""router/tenants/pending.py: a pending record, parsed, and what it becomes given its engine's answer; how often
+router/tenants/reconcile.py looks for due ones."""
 
 from __future__ import annotations
 
@@ -95,3 +96,11 @@ def test_the_cached_tokens_split_by_tier_the_engine_remembers_is_recorded():
     without = json.loads(close_(pending(), {**usage, "cached_tokens_by_tier": {"device": -1}}, Fraction(1), PRICES,
                                 2000.0, 60.0).record)
     assert without["cached_by_tier"] is None  # a malformed split (or none: an older engine) is no split
+
+
+def test_reconcile_rounds_come_every_5_heartbeats_or_sooner_when_records_fall_due_sooner():
+    from router.tenants.reconcile import reconcile_every_beats
+    assert reconcile_every_beats(2.0, 3600.0) == 5  # the default: ~10 s
+    assert reconcile_every_beats(2.0, 6.0) == 3
+    assert reconcile_every_beats(2.0, 1.0) == 1  # due after 1 s: every heartbeat
+    assert reconcile_every_beats(0.5, 3600.0) == 5

@@ -1,4 +1,4 @@
-"""KV that moves (issue 31): real SmolLM2 engines (float32) pulling cached prefixes from each other over HTTP,
+"""KV that moves (issue 31): real SmolLM2 engines (bf16, --deterministic) pulling cached prefixes from each other over HTTP,
 and the router that tells them to.
 
 - Exactness: after a pulled prefix (whole, or a multi-turn conversation's earlier turns) the greedy tokens are
@@ -39,7 +39,7 @@ WORDS = ("lighthouse harbor ferry captain storm lantern compass tide anchor gull
 
 def engine(procs, name: str, *extra: str):
     port = free_port()
-    return procs(["-m", "kvfleet", "engine", "--model", "smollm2", "--dtype", "float32", "--port", str(port),
+    return procs(["-m", "kvfleet", "engine", "--model", "smollm2", "--deterministic", "--port", str(port),
                   "--instance-id", name, "--num-threads", "1", "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs",
                   "8", "--internal-token", TOKEN, "--kv-pull-timeout", "6", "--log-level", "warning", *extra],
                  f"http://127.0.0.1:{port}", name)
@@ -140,7 +140,7 @@ def test_a_pull_header_without_the_internal_token_is_ignored(fleet):
 
 def test_the_source_refuses_another_layout_naming_the_field(fleet):
     a, _, _ = fleet
-    layout = Layout("smollm2", 16, "bfloat16", 30, 3, 64, DEFAULT_HASH_SEED)
+    layout = Layout("smollm2", 16, "float32", 30, 3, 64, DEFAULT_HASH_SEED)
     r = httpx.post(a.url + PATH, content=PullRequest((1,), layout, 1 << 20).to_json(), headers=AUTH)
     assert r.status_code == 409
     err = r.json()["error"]
@@ -181,7 +181,7 @@ class Tamperer:
     def prime(self, prompt_ids: list[int]) -> None:
         """Fetch the source's blocks of this prompt now, so the puller's request is answered at once."""
         hashes = tuple(hash_blocks(prompt_ids[:(len(prompt_ids) - 1) // 16 * 16], 16, None, DEFAULT_HASH_SEED))
-        layout = Layout("smollm2", 16, "float32", 30, 3, 64, DEFAULT_HASH_SEED)
+        layout = Layout("smollm2", 16, "bfloat16", 30, 3, 64, DEFAULT_HASH_SEED)
         r = httpx.post(self.source + PATH, content=PullRequest(hashes, layout, 1 << 31).to_json(), headers=AUTH,
                        timeout=60)
         assert r.status_code == 200
@@ -201,7 +201,7 @@ class Tamperer:
             return web.Response(body=content, content_type="application/octet-stream")
         if self.mode == "layout":
             d = json.loads(body)
-            d["layout"]["dtype"] = "bfloat16"
+            d["layout"]["dtype"] = "float32"
             body = json.dumps(d).encode()
         content = self.primed.get(tuple(int(h, 16) for h in json.loads(body)["hashes"]))
         if content is None or self.mode == "layout":
@@ -300,7 +300,7 @@ def test_a_puller_that_goes_away_mid_stream_leaves_the_source_whole(fleet):
     prompt = "Abandoned pull: " + text(11, 900)
     ids = complete(a.url, prompt, max_tokens=1)["choices"][0]["prompt_token_ids"]
     hashes = hash_blocks(ids, 16, None, DEFAULT_HASH_SEED)
-    layout = Layout("smollm2", 16, "float32", 30, 3, 64, DEFAULT_HASH_SEED)
+    layout = Layout("smollm2", 16, "bfloat16", 30, 3, 64, DEFAULT_HASH_SEED)
     with httpx.stream("POST", a.url + PATH, content=PullRequest(tuple(hashes), layout, 1 << 30).to_json(),
                       headers=AUTH) as r:
         assert r.status_code == 200
@@ -336,8 +336,8 @@ def test_a_burst_on_a_new_prompt_through_the_router_is_computed_about_once(fleet
 
 def test_pull_token_cost_auto_is_measured_from_the_engines_rates(fleet, module_procs):
     """A router with --pull-token-cost auto starts at the prior (0.05); once the engines have prefilled and pulled
-    enough tokens since it started, it routes with their measured ratio (here, float32 on one thread: well under
-    0.5 prefill tokens per pulled token)."""
+    enough tokens since it started, it routes with their measured ratio (here, one thread: well under 0.5 prefill
+    tokens per pulled token)."""
     a, b, _ = fleet
     r = router(module_procs, [a.url, b.url], "--internal-token", TOKEN, "--pull-token-cost", "auto", model="smollm2")
     r.wait_ready(timeout=60)
@@ -391,7 +391,7 @@ def test_a_pull_from_a_busy_source_counts_only_the_copy_as_transfer_time(fleet):
     mb = httpx.get(b.url + "/metrics").text
     whole0, transfer0 = metric(mb, "kvfleet:kv_pull_seconds_sum"), metric(mb, "kvfleet:kv_pull_transfer_seconds_total")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        # a prefill step of about 900 tokens: 1-2 s in float32 on one thread, well inside the 6 s pull timeout
+        # a prefill step of about 900 tokens: 1-2 s on one thread, well inside the 6 s pull timeout
         busy = pool.submit(complete, a.url, "Keeps A busy: " + text(43, 700), max_tokens=1)
         time.sleep(0.3)  # its step is running on A
         pulled = complete(b.url, prompt, pull=a.url)

@@ -39,8 +39,7 @@ class PromptTokenizer:
         self._special: dict[str, int] = {}
         self._split: re.Pattern | None = None
         self.hits = self.misses = 0
-        hf = getattr(tokenizer, "hf", None)
-        added = getattr(hf, "added_tokens_decoder", None) if hf is not None else None
+        added = getattr(tokenizer, "added_tokens", None)
         if not added:
             return
         if any(t.lstrip or t.rstrip or t.single_word for t in added.values()):

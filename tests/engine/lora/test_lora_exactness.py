@@ -11,12 +11,10 @@ does). The default run takes 4 prompts x 16 tokens; the full 16 prompts x 32 tok
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 
 import pytest
-import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -24,6 +22,7 @@ from engine import SamplingParams  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.lora.request import LoRARequest  # noqa: E402
 from engine.model.registry import resolve_model  # noqa: E402
+from tests.engine._references import made_with, reference  # noqa: E402
 from tests.engine.lora._adapters import (  # noqa: E402
     ADAPTERS,
     hf_base,
@@ -107,21 +106,15 @@ def case(request, llm, tmp_path_factory) -> Case:
 
 
 def _cached_refs(request, source, paths, prompts, new_tokens) -> dict:
-    import peft
-    import transformers
-
+    """PEFT's greedy tokens per adapter (tests/engine/_references.py), keyed by the adapters' bytes among the rest."""
     files = sorted((name, hashlib.sha256(open(os.path.join(path, f), "rb").read()).hexdigest())
                    for name, path in paths.items() for f in os.listdir(path))
-    st = os.stat(source.path)
-    key = hashlib.sha256(json.dumps([source.path, st.st_size, st.st_mtime_ns, transformers.__version__,
-                                     peft.__version__, torch.__version__, files, prompts, new_tokens]).encode())
-    key = f"kvfleet/peft_reference/{key.hexdigest()[:20]}"
-    refs = request.config.cache.get(key, None)
-    if refs is None:
+
+    def compute() -> dict:
         model = peft_model_of(hf_base(source), paths)
-        refs = {name or "": peft_greedy(model, name, prompts, new_tokens) for name in [None, *NAMES]}
-        request.config.cache.set(key, refs)
-    return refs
+        return {name or "": peft_greedy(model, name, prompts, new_tokens) for name in [None, *NAMES]}
+    return reference(request, f"peft_{len(prompts)}x{new_tokens}", made_with(source, "transformers", "peft", "torch"),
+                     [files, prompts, new_tokens], compute)
 
 
 def test_adapters_change_the_output(case):
@@ -198,3 +191,23 @@ def test_stats_name_running_and_waiting_adapters(llm, case):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats().lora_running == ()
+
+
+@pytest.mark.slow
+def test_committed_reference_is_computed_again(tmp_path):
+    """The committed PEFT reference of the default run is what PEFT computes here now (where its key is this run's)."""
+    from engine.tokenizer import load_tokenizer
+    from tests.engine._references import committed, key_of
+
+    source = resolve_model("smollm2")
+    tok = load_tokenizer(source)
+    prompts = [tok.encode(PROMPTS[i]) for i in QUICK]
+    paths = write_adapters(str(tmp_path))
+    files = sorted((name, hashlib.sha256(open(os.path.join(path, f), "rb").read()).hexdigest())
+                   for name, path in paths.items() for f in os.listdir(path))
+    kept = committed(f"peft_{len(prompts)}x16")
+    assert kept is not None
+    if kept["key"] != key_of([made_with(source, "transformers", "peft", "torch"), [files, prompts, 16]]):
+        pytest.skip("the committed reference was made with other versions: the default run computes its own")
+    model = peft_model_of(hf_base(source), paths)
+    assert {name or "": peft_greedy(model, name, prompts, 16) for name in [None, *NAMES]} == kept["value"]

@@ -4,14 +4,14 @@
 prompt), 64 new tokens each, through the engine: (a) one by one, (b) all in one batch, (c) with the
 prefix cache serving a shared system prompt, (d) under forced preemption with a tiny KV pool, (e) with
 chunked prefill forced by a small token budget. HF's references (and its logit margins and
-log-softmax) are computed once and kept in pytest's cache. If float32 reductions ever flip a token,
+log-softmax) are computed once and kept in pytest's cache; the default run's are committed
+(tests/engine/_references.py), and a slow test computes them again. If float32 reductions ever flip a token,
 the test requires HF's own top-2 logit margin at that position to be tiny and prints it; every token
 before it must be equal.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -26,6 +26,7 @@ from engine.llm import LLM  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
 from engine.model.registry import resolve_model  # noqa: E402
 from engine.tokenizer import load_tokenizer  # noqa: E402
+from tests.engine._references import made_with, reference  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -116,18 +117,9 @@ def case(request, source) -> Case:
 
 
 def _cached_reference(request, source, prompts: list[list[int]], new_tokens: int) -> list[dict]:
-    """HF greedy tokens, per-step top-2 margins and (first prompts) log-softmax top 5, cached across runs."""
-    import transformers
-
-    st = os.stat(source.path)
-    key = hashlib.sha256(json.dumps([source.path, st.st_size, st.st_mtime_ns, transformers.__version__,
-                                     torch.__version__, new_tokens, prompts]).encode()).hexdigest()[:20]
-    cached = request.config.cache.get(f"kvfleet/hf_reference/{key}", None)
-    if cached is not None:
-        return cached
-    ref = _hf_reference(source, prompts, new_tokens)
-    request.config.cache.set(f"kvfleet/hf_reference/{key}", ref)
-    return ref
+    """HF greedy tokens, per-step top-2 margins and (first prompts) log-softmax top 5 (tests/engine/_references.py)."""
+    return reference(request, f"hf_equality_{len(prompts)}x{new_tokens}", made_with(source, "transformers", "torch"),
+                     [prompts, new_tokens], lambda: _hf_reference(source, prompts, new_tokens))
 
 
 def _hf_reference(source, prompts: list[list[int]], new_tokens: int) -> list[dict]:
@@ -255,3 +247,19 @@ def test_logprobs_match_hf_log_softmax(loaded, case):
 
 def _tied(top) -> bool:
     return any(abs(a[1] - b[1]) < 1e-4 for a, b in zip(top, top[1:], strict=False))
+
+
+@pytest.mark.slow
+def test_committed_reference_is_computed_again(source):
+    """The committed reference of the default run is what transformers computes here now (where its key is this
+    run's: the same model file, transformers and torch)."""
+    from tests.engine._references import committed, key_of
+
+    tok = load_tokenizer(source)
+    prompts = [tok.encode(p) for p in TEXT_PROMPTS] + [tok.apply_chat_template(c) for c in CHATS + SYSTEM_CHATS]
+    prompts = [prompts[i] for i in QUICK]
+    kept = committed(f"hf_equality_{len(prompts)}x24")
+    assert kept is not None
+    if kept["key"] != key_of([made_with(source, "transformers", "torch"), [prompts, 24]]):
+        pytest.skip("the committed reference was made with other versions: the default run computes its own")
+    assert json.loads(json.dumps(_hf_reference(source, prompts, 24))) == kept["value"]  # as JSON keeps it

@@ -56,6 +56,9 @@ def test_router_gets_its_tokenizer_from_an_engine(procs, tmp_path):
     assert httpx.get(engine.url + "/v1/kvfleet/tokenizer").status_code == 401  # routers only
     wait_for(lambda: httpx.get(r.url + "/ready").status_code == 200, timeout=30, what="router ready")
     assert "tokenizer of smollm2 from http://127.0.0.1" in r.tail()
+    # the engine's KV event stream reconnects on its own backoff (up to 2 s) once the engine is ready
+    wait_for(lambda: metric(httpx.get(r.url + "/metrics").text, "kvfleet_router_kv_events_live") == 1, timeout=30,
+             what="the engine's KV events live")
     for _ in range(2):
         assert httpx.post(r.url + "/v1/chat/completions", json=CHAT, timeout=60).status_code == 200
     text = httpx.get(r.url + "/metrics").text

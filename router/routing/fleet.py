@@ -57,6 +57,7 @@ class Fleet:
             cfg.scoring, cfg.block_size, cfg.hash_seed, cfg.approx_max_blocks, cfg.scrape_stale_s,
             breaker_failures=cfg.breaker_failures, breaker_open_s=cfg.breaker_open_s))
         self._tasks: dict[str, list[asyncio.Task]] = {}
+        self._subscribers: dict[str, KVEventSubscriber] = {}  # kvfleet engines' KV event streams, by replica
         self._client: httpx.AsyncClient | None = None
         self.changed = asyncio.Event()  # set whenever readiness, membership or models change (tests, `kvfleet up`)
         self.listeners: list[Callable[[], None]] = []  # called on the same changes (the pools' model catalog)
@@ -156,10 +157,12 @@ class Fleet:
         elif self.policy.needs.kv_events and engine.kind in ("auto", "kvfleet"):
             events = KVEventSubscriber(url, self.index, self.client, cfg.kv_heartbeat_timeout_s, cfg.internal_token,
                                        on_status=on_status, on_resync=on_resync)
+            self._subscribers[url] = events
             tasks.append(asyncio.create_task(events.run()))
         self._tasks[url] = tasks
 
     async def _stop_checks(self, url: str) -> None:
+        self._subscribers.pop(url, None)
         tasks = self._tasks.pop(url, [])
         for t in tasks:
             t.cancel()
@@ -199,6 +202,8 @@ class Fleet:
             changed = self.placement.on_health(st.url, ready, self.clock())
             if changed:
                 log.info("replica %s is %s", st.url, "ready" if ready else "NOT ready")
+                if ready and (sub := self._subscribers.get(st.url)) is not None and sub.status != "live":
+                    sub.wake()  # its KV event stream, refused while it loaded, is there now
             changed = changed or models_changed
             if changed:
                 self._notify()

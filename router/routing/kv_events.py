@@ -11,6 +11,7 @@ the router falls back to its approximate index for it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import httpx
@@ -69,6 +70,18 @@ class KVEventSubscriber:
         self.retry_unavailable_s = retry_unavailable_s
         self.status = "connecting"
         self._warned_auth = False
+        self._wake = asyncio.Event()
+
+    def wake(self) -> None:
+        """Reconnect now instead of at the end of the backoff (the replica just turned ready: its stream, refused
+        while it loaded, is there now)."""
+        self._wake.set()
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep `seconds`, or until `wake()`."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        self._wake.clear()
 
     def _set_status(self, status: str) -> None:
         self.status = status
@@ -80,14 +93,14 @@ class KVEventSubscriber:
             reason = await self._session()
             self.index.drop(self.url)
             if self.status == "unavailable":
-                await asyncio.sleep(self.retry_unavailable_s)
+                await self._pause(self.retry_unavailable_s)
                 continue
             if self.status == "live":
                 backoff = 0.1  # it worked until now: reconnect at once
             self._set_status("connecting")
             self.on_resync(reason)
             log.info("KV events of %s: resync (%s)", self.url, reason)
-            await asyncio.sleep(backoff)
+            await self._pause(backoff)
             backoff = min(backoff * 2, 2.0)
 
     async def _session(self) -> str:

@@ -44,7 +44,7 @@ run: kernels
 	$(BIN)/kvfleet up
 
 # two workers, each test file whole on one of them (its module fixtures shared, its tests in order): most tests
-# wait on engine and router processes, so two files at a time take ~11 instead of ~17 minutes on 2 cores.
+# wait on engine and router processes, so two files at a time take ~12 minutes on 2 cores (720 s in a clean-clone run).
 # PYTEST_ARGS replaces this (`make test PYTEST_ARGS=` runs serially; `PYTEST_ARGS="-m slow"` the slow tests).
 PYTEST_ARGS ?= -n 2 --dist loadfile
 test: kernels prometheus

@@ -105,10 +105,15 @@ def case(request, llm, tmp_path_factory) -> Case:
     return Case("full", paths, prompts, 32, refs, 1000)
 
 
+def _adapter_files(paths: dict[str, str]) -> list[tuple[str, str]]:
+    """(adapter, sha256) of every file of every adapter: the references' key holds the adapters' bytes."""
+    return sorted((name, hashlib.sha256(open(os.path.join(path, f), "rb").read()).hexdigest())
+                  for name, path in paths.items() for f in os.listdir(path))
+
+
 def _cached_refs(request, source, paths, prompts, new_tokens) -> dict:
     """PEFT's greedy tokens per adapter (tests/engine/_references.py), keyed by the adapters' bytes among the rest."""
-    files = sorted((name, hashlib.sha256(open(os.path.join(path, f), "rb").read()).hexdigest())
-                   for name, path in paths.items() for f in os.listdir(path))
+    files = _adapter_files(paths)
 
     def compute() -> dict:
         model = peft_model_of(hf_base(source), paths)
@@ -203,8 +208,7 @@ def test_committed_reference_is_computed_again(tmp_path):
     tok = load_tokenizer(source)
     prompts = [tok.encode(PROMPTS[i]) for i in QUICK]
     paths = write_adapters(str(tmp_path))
-    files = sorted((name, hashlib.sha256(open(os.path.join(path, f), "rb").read()).hexdigest())
-                   for name, path in paths.items() for f in os.listdir(path))
+    files = _adapter_files(paths)
     kept = committed(f"peft_{len(prompts)}x16")
     assert kept is not None
     if kept["key"] != key_of([made_with(source, "transformers", "peft", "torch"), [files, prompts, 16]]):

@@ -104,8 +104,7 @@ QUICK = [0, 5, 9, 14, 15, 17, 18, 21]
 
 @pytest.fixture(scope="module", params=["quick", pytest.param("full", marks=pytest.mark.slow)])
 def case(request, source) -> Case:
-    tok = load_tokenizer(source)
-    prompts = [tok.encode(p) for p in TEXT_PROMPTS] + [tok.apply_chat_template(c) for c in CHATS + SYSTEM_CHATS]
+    prompts = _all_prompts(source)
     first = len(TEXT_PROMPTS) + len(CHATS)
     group = list(range(first, first + len(SYSTEM_CHATS)))
     if request.param == "quick":
@@ -114,6 +113,12 @@ def case(request, source) -> Case:
     else:
         new_tokens = NEW_TOKENS
     return Case(request.param, prompts, new_tokens, group, _cached_reference(request, source, prompts, new_tokens))
+
+
+def _all_prompts(source) -> list[list[int]]:
+    """Every prompt's token ids: the texts, then the chats, then the chats sharing the long system prompt."""
+    tok = load_tokenizer(source)
+    return [tok.encode(p) for p in TEXT_PROMPTS] + [tok.apply_chat_template(c) for c in CHATS + SYSTEM_CHATS]
 
 
 def _cached_reference(request, source, prompts: list[list[int]], new_tokens: int) -> list[dict]:
@@ -255,9 +260,7 @@ def test_committed_reference_is_computed_again(source):
     run's: the same model file, transformers and torch)."""
     from tests.engine._references import committed, key_of
 
-    tok = load_tokenizer(source)
-    prompts = [tok.encode(p) for p in TEXT_PROMPTS] + [tok.apply_chat_template(c) for c in CHATS + SYSTEM_CHATS]
-    prompts = [prompts[i] for i in QUICK]
+    prompts = [_all_prompts(source)[i] for i in QUICK]
     kept = committed(f"hf_equality_{len(prompts)}x24")
     assert kept is not None
     if kept["key"] != key_of([made_with(source, "transformers", "torch"), [prompts, 24]]):
